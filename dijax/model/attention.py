@@ -1,0 +1,259 @@
+"""Attention on the ragged paged step: window ring, compressor, indexer with two-level top-k, sparse attention.
+
+Everything follows v41_spec §4-§5 and the reference's index-list layout (so the blocked online softmax of
+``sparse_attn`` sees the same blocks): per query, the list is [window part | compressed part], where the window
+part has width ``min(chunk, W)`` for a sequence prefilled from position 0 in this step (valid entries first, in
+position order) and width ``W`` otherwise (the ring listed oldest first, unwritten slots first as -1), and the
+compressed part lists the selected compressed positions in ascending order, -1 padded.
+
+Letters: T tokens, S sequence rows, H heads, K head dim, W window, P compressed positions of a sequence,
+I indexer heads, J indexer head dim, N top-k entries, L list length, Q q-lora rank, G output groups,
+O o-lora rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dijax.config import LayerRole, ModelConfig
+from dijax.kernels.sparse_attn import sparse_attn
+from dijax.model import quant
+from dijax.model.numerics import divide
+from dijax.model.layers import linear, matmul_f32, rms_norm, rope, rope_frequencies
+from dijax.model.step import StepBatch
+
+NEG_INF = -jnp.inf
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Per-token facts of a step shared by every layer (computed once per step)."""
+
+    pos_T: jax.Array
+    seq_T: jax.Array
+    valid_T: jax.Array
+    slot_T: jax.Array
+    start_T: jax.Array
+    end_T: jax.Array
+    token_T: jax.Array  # index of the token in T
+    block_table_SB: jax.Array
+    window_idx_TW: jax.Array  # indices into [ring rows (num_slots * W) | this step's new K rows (T)]
+    window_width_T: jax.Array  # width of the window part of the reference index list
+    ring_write_T: jax.Array  # flat ring row to write each token's K into (out of range = skip)
+    num_ring_rows: int
+
+
+def geometry(batch: StepBatch, num_slots: int, window: int) -> Geometry:
+    """Derive the shared per-token quantities of a step from its batch."""
+    pos, seq, valid = batch.positions_T, batch.seq_T, batch.valid_T
+    t = pos.shape[0]
+    slot, start = batch.slot_S[seq], batch.start_S[seq]
+    qlen = batch.qlen_S[seq]
+    end = start + qlen
+    token = jnp.arange(t, dtype=jnp.int32)
+    lane = jnp.arange(window, dtype=jnp.int32)[None, :]
+    from_zero = (start == 0)[:, None]
+    width = jnp.where(start == 0, jnp.minimum(qlen, window), window)
+    # prefill layout: positions max(0, p-W+1)+l, left-aligned; ring layout: p-W+1+l, oldest first
+    wpos = jnp.where(from_zero, jnp.maximum(pos[:, None] - window + 1, 0) + lane, pos[:, None] - window + 1 + lane)
+    wvalid = jnp.where(from_zero, (wpos <= pos[:, None]) & (lane < width[:, None]), wpos >= 0)
+    wvalid = wvalid & valid[:, None]
+    num_ring = num_slots * window
+    new_row = num_ring + token[:, None] - (pos[:, None] - wpos)
+    ring_row = slot[:, None] * window + jnp.mod(wpos, window)
+    window_idx = jnp.where(wvalid, jnp.where(wpos >= start[:, None], new_row, ring_row), -1)
+    writes = valid & (pos >= end - window)
+    ring_write = jnp.where(writes, slot * window + pos % window, num_ring)
+    return Geometry(pos_T=pos, seq_T=seq, valid_T=valid, slot_T=slot, start_T=start, end_T=end, token_T=token,
+                    block_table_SB=batch.block_table_SB, window_idx_TW=window_idx.astype(jnp.int32),
+                    window_width_T=width, ring_write_T=ring_write, num_ring_rows=num_ring)
+
+
+def _sequence_rows(block_table_SB: jax.Array, rows_per_block: int) -> jax.Array:
+    """Flat pool rows of every compressed position of every sequence row: int32 [S, B * rows_per_block]."""
+    s, b = block_table_SB.shape
+    j = jnp.arange(b * rows_per_block, dtype=jnp.int32)
+    return block_table_SB[:, j // rows_per_block] * rows_per_block + (j % rows_per_block)[None, :]
+
+
+def compressor(p: dict, role: LayerRole, x_TD: jax.Array, g: Geometry, cache: dict, eps: float):
+    """Compress the step's tokens into latents (pre-RoPE) for the groups they complete.
+
+    Returns (latent_TK bf16, emit_T bool, group_T int32, new tail (kv, score) or None). A token emits the latent of
+    group ``p // r`` when ``(p + 1) % r == 0``; group members before the step come from the slot's tail state.
+    """
+    r = role.ratio
+    if r == 1:
+        return rms_norm(linear(x_TD, p["wkv"]), p["norm"]["weight"], eps), g.valid_T, g.pos_T, None
+    key = str(role.layer)
+    tail_kv, tail_score = cache["tail_kv"][key], cache["tail_score"][key]
+    xf = x_TD.astype(jnp.float32)
+    kv_TK = matmul_f32(xf, p["wkv"]["weight"])
+    score_TK = matmul_f32(xf, p["wgate"]["weight"])
+    t = x_TD.shape[0]
+    members_kv, members_score = [], []
+    for i in range(r):
+        q = g.pos_T - (r - 1) + i
+        new = jnp.clip(g.token_T - (r - 1 - i), 0, t - 1)
+        from_new = (q >= g.start_T)[:, None]
+        members_kv.append(jnp.where(from_new, kv_TK[new], tail_kv[g.slot_T, jnp.mod(q, r)]))
+        members_score.append(jnp.where(from_new, score_TK[new], tail_score[g.slot_T, jnp.mod(q, r)]))
+    kv_TRK, score_TRK = jnp.stack(members_kv, 1), jnp.stack(members_score, 1)
+    weights = jnp.exp(score_TRK - jnp.max(score_TRK, axis=1, keepdims=True))
+    weights = divide(weights, jnp.sum(weights, axis=1, keepdims=True))
+    pooled = jnp.sum(kv_TRK * weights, axis=1).astype(jnp.bfloat16)
+    latent = rms_norm(pooled, p["norm"]["weight"], eps)
+    emit = g.valid_T & ((g.pos_T + 1) % r == 0)
+    # the trailing partial group of each sequence waits in the slot for the next step
+    keep = g.valid_T & (g.pos_T >= (g.end_T // r) * r)
+    flat = jnp.where(keep, g.slot_T * r + g.pos_T % r, tail_kv.shape[0] * r)
+    new_kv = tail_kv.reshape(-1, tail_kv.shape[-1]).at[flat].set(kv_TK, mode="drop").reshape(tail_kv.shape)
+    new_score = tail_score.reshape(-1, tail_score.shape[-1]).at[flat].set(score_TK, mode="drop")
+    return latent, emit, g.pos_T // r, (new_kv, new_score.reshape(tail_score.shape))
+
+
+def _write_paged(pool_BPK: jax.Array, g: Geometry, group_T: jax.Array, emit_T: jax.Array,
+                 values_TK: jax.Array) -> jax.Array:
+    rows = pool_BPK.shape[1]
+    block = jnp.take_along_axis(g.block_table_SB[g.seq_T], (group_T // rows)[:, None], axis=1)[:, 0]
+    flat = jnp.where(emit_T, block * rows + group_T % rows, pool_BPK.shape[0] * rows)
+    out = pool_BPK.reshape(-1, pool_BPK.shape[-1]).at[flat].set(values_TK.astype(pool_BPK.dtype), mode="drop")
+    return out.reshape(pool_BPK.shape)
+
+
+def select_candidate_blocks(score_TP: jax.Array, visible_T: jax.Array, topk_blocks: int,
+                            block_size: int) -> jax.Array:
+    """Level one of the two-level top-k: keep the best ``topk_blocks`` blocks of ``block_size`` positions.
+
+    score_TP: float32 masked scores (-inf unreachable). The block holding the newest visible position is pinned;
+    picks with a -inf block score are dropped. Returns a bool position mask [T, P].
+    """
+    t, width = score_TP.shape
+    nb = -(-width // block_size)
+    padded = jnp.pad(score_TP, ((0, 0), (0, nb * block_size - width)), constant_values=NEG_INF)
+    block_max = jnp.max(padded.reshape(t, nb, block_size), axis=-1)
+    last = jnp.floor_divide(visible_T - 1, block_size)
+    block_max = jnp.where(jnp.arange(nb)[None, :] == last[:, None], jnp.inf, block_max)
+    values, picks = jax.lax.top_k(block_max, min(topk_blocks, nb))
+    kept = jnp.any((picks[..., None] == jnp.arange(nb)) & (values > NEG_INF)[..., None], axis=1)
+    return jnp.repeat(kept, block_size, axis=1)[:, :width]
+
+
+def index_scores(p: dict, x_TD: jax.Array, qr_TQ: jax.Array, keys_SPJ: jax.Array, g: Geometry,
+                 freqs: np.ndarray, n_heads: int, head_dim: int) -> jax.Array:
+    """Lightning-indexer scores in the reference's bf16 order. -> bf16 [T, P] (unmasked)."""
+    t = x_TD.shape[0]
+    q = linear(qr_TQ, p["wq_b"]).reshape(t, n_heads, head_dim)
+    q = quant.fq4_pow2(rope(q, g.pos_T, freqs), 32)
+    w = linear(x_TD, p["weights_proj"]).astype(jnp.float32) * np.float32(head_dim ** -0.5 * n_heads ** -0.5)
+    w = w.astype(jnp.bfloat16)
+    keys_TPJ = keys_SPJ[g.seq_T]
+    s = jnp.einsum("tij,tpj->tip", q, keys_TPJ, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
+    s = jnp.maximum(s, 0)
+    s = (s.astype(jnp.float32) * w.astype(jnp.float32)[..., None]).astype(jnp.bfloat16)
+    return jnp.sum(s.astype(jnp.float32), axis=1).astype(jnp.bfloat16)
+
+
+def topk_positions(score_TP: jax.Array, visible_T: jax.Array, limit_T: jax.Array, k: int) -> jax.Array:
+    """Top-k compressed positions per query, ascending, -1 padded. score_TP float32 masked (-inf = excluded).
+
+    Like the reference, a pick is valid when its position is visible and its rank is below ``limit_T``
+    (``min(index_topk, end // ratio)``). Ties go to the lower position. -> int32 [T, k].
+    """
+    t, width = score_TP.shape
+    if width < k:
+        score_TP = jnp.pad(score_TP, ((0, 0), (0, k - width)), constant_values=NEG_INF)
+    _, picks = jax.lax.top_k(score_TP, k)
+    valid = (picks < visible_T[:, None]) & (jnp.arange(k)[None, :] < limit_T[:, None])
+    big = jnp.iinfo(jnp.int32).max
+    ordered = jnp.sort(jnp.where(valid, picks, big), axis=-1)
+    return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
+
+
+def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Geometry, cache: dict,
+              shared: dict, inject_TN: jax.Array | None):
+    """One attention sublayer on the ragged step.
+
+    x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
+    returned in the new cache dict); ``shared`` carries what sources publish to later layers in this step:
+    {"topk": {layer: [T, N]}, "candidates": [T, P]}. Returns (y_TD bf16, cache updates dict, shared).
+    """
+    t = x_TD.shape[0]
+    eps = cfg.norm_eps
+    key = str(role.layer)
+    if role.compressed:
+        freqs = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len, cfg.rope_factor,
+                                 cfg.beta_fast, cfg.beta_slow)
+    else:
+        freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 0, cfg.rope_factor, cfg.beta_fast,
+                                 cfg.beta_slow)
+    qr = rms_norm(linear(x_TD, p["wq_a"]), p["q_norm"]["weight"], eps)
+    q = rope(linear(qr, p["wq_b"]).reshape(t, cfg.n_heads, cfg.head_dim), g.pos_T, freqs)
+    kv = rms_norm(linear(x_TD, p["wkv"]), p["kv_norm"]["weight"], eps)
+    kv = quant.fq8(rope(kv, g.pos_T, freqs))
+
+    ring = cache["window"][role.layer]
+    ring_rows = ring.reshape(-1, cfg.head_dim)
+    updates: dict = {"window": (role.layer, ring_rows.at[g.ring_write_T].set(kv, mode="drop").reshape(ring.shape))}
+    sources = (ring_rows, kv)
+    idx = jnp.where(jnp.arange(cfg.window_size)[None, :] < g.window_width_T[:, None], g.window_idx_TW, -1)
+
+    if role.compressed:
+        r = role.ratio
+        if role.kv_source:
+            latent, emit, group, tail = compressor(p["compressor"], role, x_TD, g, cache, eps)
+            if tail is not None:
+                updates["tail"] = (key, tail)
+            if role.owns_index_keys:
+                ip = p["indexer"]
+                k_idx = rms_norm(linear(latent, ip["wk"]), ip["k_norm"]["weight"], eps)
+                k_idx = quant.fq4_pow2(rope(k_idx, group * r, freqs), 32)
+                updates["ik"] = (key, _write_paged(cache["ik"][key], g, group, emit, k_idx))
+            latent = quant.fq4_e4m3(rope(latent, group * r, freqs), 16)
+            updates["ckv"] = (key, _write_paged(cache["ckv"][key], g, group, emit, latent))
+        kv_key = str(role.kv_from)
+        ckv = updates["ckv"][1] if role.kv_source else cache["ckv"][kv_key]
+        rows_per_block = ckv.shape[1]
+        seq_rows_SP = _sequence_rows(g.block_table_SB, rows_per_block)
+        visible = (g.pos_T + 1) // r
+        if role.index_source:
+            if inject_TN is not None:
+                sel = inject_TN.astype(jnp.int32)
+            else:
+                ik_key = str(role.index_keys_from)
+                ik = updates["ik"][1] if role.owns_index_keys else cache["ik"][ik_key]
+                keys_SPJ = ik.reshape(-1, ik.shape[-1])[seq_rows_SP]
+                score = index_scores(p["indexer"], x_TD, qr, keys_SPJ, g, freqs, cfg.index_n_heads,
+                                     cfg.index_head_dim).astype(jnp.float32)
+                score = jnp.where(jnp.arange(score.shape[1])[None, :] < visible[:, None], score, NEG_INF)
+                if role.candidate_source:
+                    shared["candidates"] = select_candidate_blocks(score, visible, cfg.candidate_topk_blocks,
+                                                                   cfg.candidate_block_size)
+                elif role.uses_candidates:
+                    score = jnp.where(shared["candidates"], score, NEG_INF)
+                limit = jnp.minimum(cfg.index_topk, g.end_T // r)
+                sel = topk_positions(score, visible, limit, cfg.index_topk)
+            shared["topk"][role.layer] = sel
+        sel = shared["topk"][role.topk_from]
+        flat = jnp.take_along_axis(seq_rows_SP[g.seq_T], jnp.maximum(sel, 0), axis=1)
+        comp_idx = jnp.where(sel >= 0, g.num_ring_rows + t + flat, -1)
+        sources = sources + (ckv.reshape(-1, cfg.head_dim),)
+        n = comp_idx.shape[1]
+        lane = jnp.arange(cfg.window_size + n)[None, :]
+        width = g.window_width_T[:, None]
+        win_part = jnp.take_along_axis(g.window_idx_TW, jnp.clip(lane, 0, cfg.window_size - 1), axis=1)
+        comp_part = jnp.take_along_axis(comp_idx, jnp.clip(lane - width, 0, n - 1), axis=1)
+        idx = jnp.where(lane < width, win_part, jnp.where(lane - width < n, comp_part, -1))
+
+    o = sparse_attn(q, sources, idx, p["attn_sink"], cfg.head_dim ** -0.5)
+    o = rope(o, g.pos_T, freqs, inverse=True)
+    groups = cfg.o_groups
+    wo_a = p["wo_a"]["weight"].reshape(groups, cfg.o_lora_rank, -1)
+    u = jnp.einsum("tgd,grd->tgr", o.reshape(t, groups, -1), wo_a, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
+    return linear(u.reshape(t, -1), p["wo_b"]), updates, shared

@@ -1,0 +1,65 @@
+"""Manifold-constrained hyper-connections (v41_spec §8): the residual is C parallel streams.
+
+Letters: T tokens, C hc copies, D model dim, M mix width (2 + C) * C.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dijax.model.layers import matmul_f32
+from dijax.model.numerics import divide, mean
+
+
+def _sum_seq(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over a short axis strictly left to right, the order the reference's reductions use (keeps bits equal)."""
+    parts = jnp.moveaxis(x, axis, 0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return jnp.expand_dims(total, axis)
+
+
+def split_sinkhorn(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
+                   eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split raw mixes into pre [T, C], post [T, C] and the Sinkhorn-normalised comb [T, C, C] (float32).
+
+    comb[i, j] = softmax_j(row i) + eps, then a column normalisation, then ``iters - 1`` rounds of
+    (row, column) normalisation, each dividing by (sum + eps); the last operation is always a column one.
+    """
+    c = hc_mult
+    m = mixes_TM.astype(jnp.float32)
+    eps = np.float32(eps)
+    pre = jax.nn.sigmoid(m[..., :c] * scale_3[0] + base_M[:c]) + eps
+    post = 2 * jax.nn.sigmoid(m[..., c:2 * c] * scale_3[1] + base_M[c:2 * c])
+    comb = (m[..., 2 * c:] * scale_3[2] + base_M[2 * c:]).reshape(*m.shape[:-1], c, c)
+    comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
+    comb = divide(comb, _sum_seq(comb, -1)) + eps
+    comb = divide(comb, _sum_seq(comb, -2) + eps)
+    for _ in range(iters - 1):
+        comb = divide(comb, _sum_seq(comb, -1) + eps)
+        comb = divide(comb, _sum_seq(comb, -2) + eps)
+    return pre, post, comb
+
+
+def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
+          hc_eps: float, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection, then Sinkhorn."""
+    flat = x_TCD.reshape(x_TCD.shape[0], -1).astype(jnp.float32)
+    rsqrt = jax.lax.rsqrt(mean(jnp.square(flat)) + np.float32(norm_eps))
+    raw = matmul_f32(flat, fn_MX) * rsqrt
+    return split_sinkhorn(raw, scale_3, base_M, hc_mult, iters, hc_eps)
+
+
+def pre(x_TCD: jax.Array, pre_TC: jax.Array) -> jax.Array:
+    """Collapse the streams: ``sum_k pre[k] * x[k]`` in float32, cast to x's dtype. -> [T, D]."""
+    return _sum_seq(pre_TC[..., None] * x_TCD.astype(jnp.float32), 1)[:, 0].astype(x_TCD.dtype)
+
+
+def post(y_TD: jax.Array, residual_TCD: jax.Array, post_TC: jax.Array, comb_TCC: jax.Array) -> jax.Array:
+    """Expand a sublayer output: stream k = ``post[k] * y + sum_i comb[i, k] * residual[i]``. -> [T, C, D]."""
+    mixed = _sum_seq(comb_TCC[..., None] * residual_TCD.astype(jnp.float32)[:, :, None, :], 1)[:, 0]
+    out = post_TC[..., None] * y_TD.astype(jnp.float32)[:, None, :] + mixed
+    return out.astype(y_TD.dtype)

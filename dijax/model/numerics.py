@@ -1,0 +1,24 @@
+"""Arithmetic that keeps the reference's rounding where XLA would otherwise change it.
+
+XLA's algebraic simplifier rewrites ``x / broadcast(y)`` into ``x * broadcast(1 / y)``, which rounds differently
+from a true division. DeepSeek's reference divides (softmax normalisation, Sinkhorn, fp4 scales, means), and at
+e2m1/e4m3 rounding ties one ulp decides the code, so dijax divides through an optimisation barrier that hides the
+broadcast from the simplifier.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def divide(x: jax.Array, y: jax.Array | float) -> jax.Array:
+    """Correctly rounded ``x / y`` with y broadcast to x's shape (never a reciprocal multiply)."""
+    y = jnp.broadcast_to(jnp.asarray(y, x.dtype), x.shape)
+    return x / jax.lax.optimization_barrier(y)
+
+
+def mean(x: jax.Array, axis: int = -1, keepdims: bool = True) -> jax.Array:
+    """``sum(x) / n`` over ``axis`` with a true division (as torch's mean)."""
+    total = jnp.sum(x, axis=axis, keepdims=keepdims)
+    return divide(total, float(x.shape[axis]))

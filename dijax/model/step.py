@@ -1,0 +1,149 @@
+"""The step contract (DESIGN.md "The step"): what one ragged step reads, and the cache it updates.
+
+A step packs the query tokens of several sequences into one flat token axis T. Each token carries its sequence
+row and absolute position; each sequence row carries its state slot, its block table, how many of its tokens were
+cached before the step (``start``), how many query tokens it has in the step (``qlen``) and where they begin in
+T (``qstart``). A sequence's query tokens are contiguous and in position order. Padding tokens have
+``valid = False``; padding sequence rows have ``qlen = 0``.
+
+Cache (one pytree, donated to the jitted step):
+
+  ==================  ==================================  =============================================
+  key                 shape                               written by
+  ==================  ==================================  =============================================
+  window[l]           [num_slots, W, K] bf16              every layer (ring: position p at p mod W)
+  ckv[l]              [num_blocks, block_size/r, K] bf16  KV-source layers (paged, block table)
+  ik[l]               [num_blocks, block_size/r, J] bf16  KV sources that own index keys (paged)
+  tail_kv/score[l]    [num_slots, r, K] f32               ratio > 1 KV sources (compressor partial group)
+  engram_hist         [num_slots, G - 1] int32            the Engram hash (ring of compressed ids)
+  ==================  ==================================  =============================================
+
+Letters: T tokens, S sequence rows, B blocks per sequence, R logit rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dijax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepBatch:
+    """Device inputs of one step (all int32 unless noted).
+
+    tokens_T, positions_T, seq_T [T]; valid_T, engram_mask_T bool [T];
+    slot_S, start_S, qlen_S, qstart_S [S]; block_table_SB [S, B]; logit_rows_R [R] (indices into T).
+    """
+
+    tokens_T: jax.Array
+    positions_T: jax.Array
+    seq_T: jax.Array
+    valid_T: jax.Array
+    engram_mask_T: jax.Array
+    slot_S: jax.Array
+    start_S: jax.Array
+    qlen_S: jax.Array
+    qstart_S: jax.Array
+    block_table_SB: jax.Array
+    logit_rows_R: jax.Array
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a step (host side): its slot, block table, cached length and new tokens."""
+
+    slot: int
+    block_table: list[int]
+    start: int
+    tokens: list[int]
+    logits: str = "last"  # "last", "all" or "none": which of its tokens get logits
+
+
+def build_step(chunks: list[SeqChunk], num_tokens: int, num_seqs: int, max_blocks: int,
+               num_logit_rows: int | None = None) -> tuple[StepBatch, list[list[int]]]:
+    """Pack chunks into a StepBatch padded to ``num_tokens`` tokens and ``num_seqs`` sequence rows.
+
+    Returns the batch and, per chunk, the indices into ``logits_RV`` of its requested logit rows.
+    """
+    total = sum(len(c.tokens) for c in chunks)
+    if total > num_tokens or len(chunks) > num_seqs:
+        raise ValueError(f"step of {total} tokens / {len(chunks)} sequences exceeds the bucket "
+                         f"({num_tokens} tokens, {num_seqs} sequences)")
+    tokens = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    seq = np.zeros(num_tokens, np.int32)
+    valid = np.zeros(num_tokens, bool)
+    slot = np.zeros(num_seqs, np.int32)
+    start = np.zeros(num_seqs, np.int32)
+    qlen = np.zeros(num_seqs, np.int32)
+    qstart = np.zeros(num_seqs, np.int32)
+    table = np.zeros((num_seqs, max_blocks), np.int32)
+    rows: list[int] = []
+    rows_per_chunk: list[list[int]] = []
+    t = 0
+    for s, c in enumerate(chunks):
+        n = len(c.tokens)
+        if len(c.block_table) > max_blocks:
+            raise ValueError(f"block table of {len(c.block_table)} blocks exceeds max_blocks={max_blocks}")
+        tokens[t:t + n] = c.tokens
+        positions[t:t + n] = np.arange(c.start, c.start + n)
+        seq[t:t + n] = s
+        valid[t:t + n] = True
+        slot[s], start[s], qlen[s], qstart[s] = c.slot, c.start, n, t
+        table[s, :len(c.block_table)] = c.block_table
+        wanted = {"last": [t + n - 1], "all": list(range(t, t + n)), "none": []}[c.logits]
+        rows_per_chunk.append(list(range(len(rows), len(rows) + len(wanted))))
+        rows.extend(wanted)
+        t += n
+    r = num_logit_rows if num_logit_rows is not None else max(len(rows), 1)
+    if len(rows) > r:
+        raise ValueError(f"{len(rows)} logit rows requested, bucket holds {r}")
+    logit_rows = np.zeros(r, np.int32)
+    logit_rows[:len(rows)] = rows
+    batch = StepBatch(tokens_T=tokens, positions_T=positions, seq_T=seq, valid_T=valid,
+                      engram_mask_T=valid.copy(), slot_S=slot, start_S=start, qlen_S=qlen, qstart_S=qstart,
+                      block_table_SB=table, logit_rows_R=logit_rows)
+    return jax.tree.map(jnp.asarray, batch), rows_per_chunk
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Sizes of the paged pool and the slot pool. ``block_size`` tokens per block (a multiple of every ratio)."""
+
+    num_blocks: int
+    num_slots: int
+    block_size: int = 128
+    max_blocks_per_seq: int = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def init_cache(cfg: ModelConfig, spec: CacheSpec) -> dict:
+    """Zeroed cache pytree for ``cfg`` (layout in the module docstring)."""
+    for role in cfg.kv_source_roles:
+        if spec.block_size % role.ratio:
+            raise ValueError(f"block_size={spec.block_size} must be a multiple of every compress ratio "
+                             f"(layer {role.layer} has {role.ratio})")
+    k, j, w = cfg.head_dim, cfg.index_head_dim, cfg.window_size
+    cache: dict = {
+        "window": [jnp.zeros((spec.num_slots, w, k), jnp.bfloat16) for _ in range(cfg.n_layers)],
+        "ckv": {}, "ik": {}, "tail_kv": {}, "tail_score": {},
+    }
+    for role in cfg.kv_source_roles:
+        rows = spec.block_size // role.ratio
+        cache["ckv"][str(role.layer)] = jnp.zeros((spec.num_blocks, rows, k), jnp.bfloat16)
+        if role.owns_index_keys:
+            cache["ik"][str(role.layer)] = jnp.zeros((spec.num_blocks, rows, j), jnp.bfloat16)
+        if role.ratio > 1:
+            cache["tail_kv"][str(role.layer)] = jnp.zeros((spec.num_slots, role.ratio, k), jnp.float32)
+            cache["tail_score"][str(role.layer)] = jnp.zeros((spec.num_slots, role.ratio, k), jnp.float32)
+    if cfg.engram_layer_ids:
+        cache["engram_hist"] = jnp.full((spec.num_slots, cfg.engram_max_ngram_size - 1), -1, jnp.int32)
+    return cache

@@ -1,0 +1,267 @@
+"""Parity checker: run a fixture's cases teacher-forced and evaluate the checks its manifest lists.
+
+A fixture folder (format of ../shared/parity) has a ``fixture.json`` naming its config, tokenizer, weight layouts,
+cases file and checks. Each case ``case_<name>`` holds ``input_ids`` [B, L], ``prefill_logits`` [B, L, V],
+``decode_logits`` [N, B, V], ``tokens`` / ``margins`` [B, N + 1] and, per index-source layer l, the selected
+compressed positions ``topk_layer{l}_prefill`` [B, L, K] / ``topk_layer{l}_step{j}`` [B, K] with their
+``topkbounds_*`` (k-th and (k+1)-th score). Every size is read from the files.
+
+Checks:
+  * ``tier1``: per-row relative logit error r = max|x - ref| / max|ref| (median / p90 / max over every prefill
+    and decode row), greedy tokens equal where the reference margin is large, and (when the manifest says so)
+    index sets identical to the recorded ones;
+  * ``tier1-injected``: the same with every index source's selection overridden by the recorded sets;
+  * ``tier2-selection``: fraction of identical index sets over rows whose recorded bounds show a strict gap,
+    leaving out tied rows and the reference's stale-index-key decode steps (parity README 6.1).
+
+Usage: ``dijax parity FIXTURE_DIR [--layout reference|hf] [--weights PATH] [--chunk N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+import dijax  # noqa: F401  (sets XLA flags before JAX starts)
+import jax.numpy as jnp
+from dijax.checkpoint import SafetensorsFile, load_params
+from dijax.config import ModelConfig
+from dijax.driver import Driver
+from dijax.model.engram import EngramTables
+from dijax.model.step import CacheSpec
+
+
+@dataclass
+class CaseRun:
+    """What the model produced for one case."""
+
+    prefill_logits: np.ndarray  # [B, L, V]
+    decode_logits: np.ndarray  # [N, B, V]
+    prefill_topk: dict[int, np.ndarray]  # layer -> [B, L, K]
+    decode_topk: dict[int, np.ndarray]  # layer -> [N, B, K]
+
+
+class Fixture:
+    """A parity fixture folder: manifest, config, tokenizer, weights and cases."""
+
+    def __init__(self, folder: str, layout: str = "reference", weights: str | None = None):
+        self.folder = folder
+        manifest_path = os.path.join(folder, "fixture.json")
+        if not os.path.exists(manifest_path):
+            raise FileNotFoundError(f"{folder} has no fixture.json")
+        with open(manifest_path) as f:
+            self.manifest = json.load(f)
+        self.cfg = ModelConfig.from_file(self._path(self.manifest.get("config") or self.manifest["inference_config"]))
+        layouts = self.manifest.get("weights", {})
+        if weights is None:
+            if layout not in layouts:
+                raise ValueError(f"--layout {layout!r}: the fixture offers {sorted(layouts)}")
+            weights = self._path(layouts[layout])
+        self.weights = weights
+        self.cases = SafetensorsFile(self._path(self.manifest["cases"]))
+        self.case_names = sorted({n.split(".")[0] for n in self.cases.names()},
+                                 key=lambda n: (len(n), n))
+        self.tokenizer_path = self._path(self.manifest["tokenizer"])
+
+    def _path(self, rel: str) -> str:
+        return os.path.normpath(os.path.join(self.folder, rel))
+
+    def tensor(self, case: str, name: str) -> np.ndarray:
+        return np.asarray(self.cases.get(f"{case}.{name}"))
+
+    def has(self, case: str, name: str) -> bool:
+        return f"{case}.{name}" in self.cases.header
+
+
+def load_model(fixture: Fixture):
+    """Params and Engram device constants for a fixture."""
+    params = load_params(fixture.cfg, fixture.weights)
+    consts: dict = {}
+    if fixture.cfg.engram_layer_ids:
+        from tokenizers import Tokenizer
+
+        tables = EngramTables.build(fixture.cfg, Tokenizer.from_file(fixture.tokenizer_path))
+        consts = dict(tables.device_arrays(), pad_id=jnp.int32(tables.pad_id))
+    return params, consts
+
+
+def run_case(fixture: Fixture, params: dict, consts: dict, case: str, inject: bool,
+             chunk: int | None) -> CaseRun:
+    """Teacher-forced run: prefill ``input_ids`` (in chunks of ``chunk`` tokens if given), then feed the recorded
+    ``tokens[:, j]`` one decode step at a time."""
+    cfg = fixture.cfg
+    ids = fixture.tensor(case, "input_ids")
+    tokens = fixture.tensor(case, "tokens")
+    b, length = ids.shape
+    n = fixture.tensor(case, "decode_logits").shape[0]
+    layers = [r.layer for r in cfg.index_source_roles]
+    total = length + n + 1
+    spec = CacheSpec(num_blocks=b * -(-total // 16), num_slots=b, block_size=16)
+    driver = Driver(cfg, params, consts, spec, max_seq_len=total)
+    seqs = [driver.new_sequence() for _ in range(b)]
+    step_len = length if chunk is None else chunk
+    prefill_logits = np.zeros((b, length, cfg.vocab_size), np.float32)
+    prefill_topk = {l: np.full((b, length, cfg.index_topk), -1, np.int32) for l in layers}
+    for start in range(0, length, step_len):
+        end = min(start + step_len, length)
+        work = [(seqs[i], [int(t) for t in ids[i, start:end]], "all") for i in range(b)]
+        injected = None
+        if inject:
+            injected = {l: fixture.tensor(case, f"topk_layer{l}_prefill")[:, start:end].reshape(-1, cfg.index_topk)
+                        for l in layers}
+        logits, topk = driver.step(work, injected)
+        for i in range(b):
+            prefill_logits[i, start:end] = logits[i]
+            for l in layers:
+                prefill_topk[l][i, start:end] = topk[l][i]
+    decode_logits = np.zeros((n, b, cfg.vocab_size), np.float32)
+    decode_topk = {l: np.full((n, b, cfg.index_topk), -1, np.int32) for l in layers}
+    for j in range(n):
+        work = [(seqs[i], [int(tokens[i, j])], "last") for i in range(b)]
+        injected = None
+        if inject:
+            injected = {l: fixture.tensor(case, f"topk_layer{l}_step{j}") for l in layers}
+        logits, topk = driver.step(work, injected)
+        for i in range(b):
+            decode_logits[j, i] = logits[i][0]
+            for l in layers:
+                decode_topk[l][j, i] = topk[l][i][0]
+    return CaseRun(prefill_logits, decode_logits, prefill_topk, decode_topk)
+
+
+def relative_errors(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Per row: max|got - ref| / max|ref| over the last axis."""
+    return np.abs(got - ref).max(-1) / np.maximum(np.abs(ref).max(-1), 1e-30)
+
+
+def _sets_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise equality of the valid (>= 0) entries of two ascending, -1 padded index lists."""
+    return np.all(np.where(a >= 0, a, -1) == np.where(b >= 0, b, -1), axis=-1)
+
+
+def evaluate(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out) -> bool:
+    """Evaluate one manifest check over all cases, printing figures; returns pass/fail."""
+    name = check["name"]
+    if name.startswith("tier1"):
+        return _evaluate_tier1(fixture, check, runs, out)
+    if name.startswith("tier2"):
+        return _evaluate_tier2(fixture, check, runs, out)
+    print(f"  {name}: unknown check kind, counted as failed", file=out)
+    return False
+
+
+def _evaluate_tier1(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out) -> bool:
+    name, threshold = check["name"], check.get("tokens_equal_where_ref_margin_ge", 0.25)
+    all_r, ok_tokens, sets_ok = [], True, True
+    for case, run in runs.items():
+        r = np.concatenate([relative_errors(run.prefill_logits, fixture.tensor(case, "prefill_logits")).ravel(),
+                            relative_errors(run.decode_logits, fixture.tensor(case, "decode_logits")).ravel()])
+        all_r.append(r)
+        tokens, margins = fixture.tensor(case, "tokens"), fixture.tensor(case, "margins")
+        mine = np.concatenate([run.prefill_logits[:, -1:].argmax(-1),
+                               run.decode_logits.argmax(-1).T], axis=1)[:, :tokens.shape[1]]
+        big = margins >= threshold
+        mismatched = int(np.sum((mine != tokens) & big))
+        ok_tokens &= mismatched == 0
+        differ = np.nonzero(np.any(mine != tokens, axis=0))[0]
+        first = (f"first differing step {differ[0]} (ref margin there {margins[:, differ[0]].min():.4f})"
+                 if len(differ) else "no differing step")
+        line = (f"  {name} {case}: r median {np.median(r):.3g} p90 {np.percentile(r, 90):.3g} max {r.max():.3g}; "
+                f"tokens differing where margin >= {threshold}: {mismatched}; {first}")
+        if check.get("index_sets"):
+            same, count = 0, 0
+            for layer, got in run.prefill_topk.items():
+                eq = _sets_equal(got, fixture.tensor(case, f"topk_layer{layer}_prefill"))
+                same, count = same + int(eq.sum()), count + eq.size
+                for j in range(run.decode_topk[layer].shape[0]):
+                    eq = _sets_equal(run.decode_topk[layer][j], fixture.tensor(case, f"topk_layer{layer}_step{j}"))
+                    same, count = same + int(eq.sum()), count + eq.size
+            sets_ok &= same == count
+            line += f"; identical index sets {same}/{count}"
+        print(line, file=out)
+    r = np.concatenate(all_r)
+    med, p90, mx = float(np.median(r)), float(np.percentile(r, 90)), float(r.max())
+    passed = med <= check["median_r"] and p90 <= check["p90_r"] and mx <= check["max_r"] and ok_tokens and sets_ok
+    print(f"  {name}: all rows ({r.size}): r median {med:.3g} (<= {check['median_r']}), p90 {p90:.3g} "
+          f"(<= {check['p90_r']}), max {mx:.3g} (<= {check['max_r']}); tokens {'ok' if ok_tokens else 'DIFFER'}"
+          f"{'; index sets ' + ('identical' if sets_ok else 'DIFFER') if check.get('index_sets') else ''}"
+          f" -> {'PASS' if passed else 'FAIL'}", file=out)
+    return passed
+
+
+def _evaluate_tier2(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out) -> bool:
+    cfg = fixture.cfg
+    stale_layers = {r.layer for r in cfg.index_source_roles if r.kv_source and r.ratio > 1}
+    same_total = count_total = 0
+    for case, run in runs.items():
+        length = fixture.tensor(case, "input_ids").shape[1]
+        same = count = 0
+        for layer, got in run.prefill_topk.items():
+            bounds = fixture.tensor(case, f"topkbounds_layer{layer}_prefill")
+            strict = np.isnan(bounds[..., 1]) | (bounds[..., 0] > bounds[..., 1])
+            eq = _sets_equal(got, fixture.tensor(case, f"topk_layer{layer}_prefill"))
+            same, count = same + int(eq[strict].sum()), count + int(strict.sum())
+            for j in range(run.decode_topk[layer].shape[0]):
+                if layer in stale_layers and (length + j) % 2 == 0:
+                    continue  # the reference reads a stale index-key cache here (README 6.1)
+                bounds = fixture.tensor(case, f"topkbounds_layer{layer}_step{j}")
+                strict = np.isnan(bounds[..., 1]) | (bounds[..., 0] > bounds[..., 1])
+                eq = _sets_equal(run.decode_topk[layer][j], fixture.tensor(case, f"topk_layer{layer}_step{j}"))
+                same, count = same + int(eq[strict].sum()), count + int(strict.sum())
+        print(f"  {check['name']} {case}: identical index sets on strict-gap rows {same}/{count}", file=out)
+        same_total, count_total = same_total + same, count_total + count
+    frac = same_total / max(count_total, 1)
+    passed = frac >= check["index_set_agreement_min"]
+    print(f"  {check['name']}: agreement {same_total}/{count_total} = {frac:.4f} "
+          f"(>= {check['index_set_agreement_min']}) -> {'PASS' if passed else 'FAIL'}", file=out)
+    return passed
+
+
+def run_fixture(folder: str, layout: str = "reference", weights: str | None = None, chunk: int | None = None,
+                out=sys.stdout) -> tuple[int, int]:
+    """Run every check of a fixture; prints figures and the final ``parity: K/N checks passed`` line."""
+    if chunk is not None and chunk <= 0:
+        raise ValueError(f"--chunk must be a positive number of tokens, got {chunk}")
+    fixture = Fixture(folder, layout, weights)
+    params, consts = load_model(fixture)
+    checks = fixture.manifest["checks"]
+    print(f"parity: {fixture.manifest.get('name', folder)}: {len(fixture.case_names)} cases, "
+          f"weights {fixture.weights}, prefill {'in chunks of ' + str(chunk) if chunk else 'in one step'}", file=out)
+    passed = 0
+    runs_by_inject: dict[bool, dict[str, CaseRun]] = {}
+    for check in checks:
+        inject = bool(check.get("inject_topk", False))
+        if inject not in runs_by_inject:
+            runs_by_inject[inject] = {case: run_case(fixture, params, consts, case, inject, chunk)
+                                      for case in fixture.case_names}
+        passed += evaluate(fixture, check, runs_by_inject[inject], out)
+    print(f"parity: {passed}/{len(checks)} checks passed", file=out)
+    return passed, len(checks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dijax parity", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("fixture", help="fixture folder (with fixture.json)")
+    parser.add_argument("--layout", choices=("reference", "hf"), default="reference",
+                        help="which of the fixture's weight layouts to load (default: reference)")
+    parser.add_argument("--weights", help="load these weights instead of the fixture's (file or directory)")
+    parser.add_argument("--chunk", type=int, help="prefill in chunks of N tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    passed, total = run_fixture(args.fixture, args.layout, args.weights, args.chunk)
+    return 0 if passed == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
