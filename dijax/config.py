@@ -222,7 +222,8 @@ def _hf_to_args(raw: dict[str, Any]) -> dict[str, Any]:
     args: dict[str, Any] = {}
     inverse = {hf: ref for ref, hf in _HF_NAMES.items()}
     for key, value in text.items():
-        args[inverse.get(key, key)] = value
+        if key != "dtype":  # HF's "dtype" is the torch dtype of unquantised tensors, not ModelArgs.dtype
+            args[inverse.get(key, key)] = value
     scaling = text.get("rope_scaling") or {}
     for ref, hf in _ROPE_SCALING.items():
         if hf in scaling:

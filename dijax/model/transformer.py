@@ -8,7 +8,7 @@ Letters: T tokens, C hc copies, D model dim, R logit rows, V vocab, N top-k entr
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -101,8 +101,12 @@ def forward_step(params: dict, cache: dict, batch: StepBatch, consts: dict, cfg:
     return logits, new_cache, shared["topk"]
 
 
+@lru_cache(maxsize=8)
 def make_step_fn(cfg: ModelConfig):
-    """``jit(forward_step)`` with the cache donated: step(params, cache, batch, consts, inject_topk)."""
+    """``jit(forward_step)`` with the cache donated: step(params, cache, batch, consts, inject_topk).
+
+    Cached per config, so every driver or runner of one model shares its compiled executables.
+    """
     def step(params, cache, batch, consts, inject_topk=None):
         return forward_step(params, cache, batch, consts, cfg, inject_topk)
 

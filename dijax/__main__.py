@@ -1,0 +1,5 @@
+import sys
+
+from dijax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,29 @@
+"""The ``dijax`` command: ``dijax parity FIXTURE_DIR [...]`` (later issues add generate, convert, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import dijax  # noqa: F401  (sets XLA flags before JAX starts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dijax", description="DeepSeek-V4.1-Flash inference in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from dijax import parity
+
+    p = sub.add_parser("parity", help="check the model against a fixture of reference logits",
+                       description=parity.__doc__.split("\n")[0])
+    parity.add_arguments(p)
+    p.set_defaults(run=parity.run)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"dijax {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

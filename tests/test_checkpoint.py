@@ -1,0 +1,51 @@
+"""Checkpoint reading: header-based safetensors views, both fixture layouts load to identical parameters."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dijax.checkpoint import SafetensorsFile, checkpoint_files, load_params
+from dijax.config import ModelConfig
+from tests.conftest import parity_path
+
+
+def test_hf_and_reference_layouts_load_identically():
+    cfg = ModelConfig.from_file(parity_path("tiny", "config.json"))
+    ref = load_params(cfg, parity_path("tiny", "reference", "model.safetensors"))
+    hf = load_params(cfg, parity_path("tiny", "hf"))
+    leaves_ref, tree_ref = jax.tree.flatten(ref)
+    leaves_hf, tree_hf = jax.tree.flatten(hf)
+    assert tree_ref == tree_hf
+    for a, b in zip(leaves_ref, leaves_hf):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_dtypes_and_shapes_follow_the_roles():
+    cfg = ModelConfig.from_file(parity_path("tiny", "config.json"))
+    p = load_params(cfg, parity_path("tiny", "reference", "model.safetensors"))
+    assert p["head"]["weight"].dtype == np.float32  # promoted at load, like the reference
+    assert p["layers"][2]["attn"]["compressor"]["wkv"]["weight"].dtype == np.float32  # ratio 2: fp32
+    assert p["layers"][5]["attn"]["compressor"]["wkv"]["weight"].dtype == jax.numpy.bfloat16  # ratio 1: bf16
+    w1 = p["layers"][0]["ffn"]["experts"]["w1"]
+    assert w1["weight"].shape == (cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim // 2)  # packed MXFP4
+    assert w1["scale"].shape == (cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim // 32)
+    assert p["layers"][0]["attn"]["wo_a"]["weight"].dtype == jax.numpy.bfloat16
+
+
+def test_truncated_file_and_missing_shard_are_reported(tmp_path):
+    src = parity_path("tiny", "reference", "model.safetensors")
+    data = open(src, "rb").read()
+    bad = tmp_path / "cut.safetensors"
+    bad.write_bytes(data[: len(data) // 2])
+    st = SafetensorsFile(bad)
+    last = max(st.header, key=lambda n: st.header[n]["data_offsets"][1])
+    with pytest.raises(ValueError, match="truncated"):
+        st.get(last)
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"embed.weight": "model-00001-of-00001.safetensors"}}')
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00001"):
+        checkpoint_files(tmp_path / "shards")
