@@ -55,18 +55,21 @@ def sparse_attn(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax
     acc = jnp.zeros((t, h, k), jnp.float32)
     denom = jnp.zeros((t, h), jnp.float32)
     running_max = jnp.full((t, h), -1e30, jnp.float32)
-    for b in range(idx_TL.shape[1] // BLOCK):
-        idx = idx_TL[:, b * BLOCK:(b + 1) * BLOCK]
+    def block(b, carry):
+        acc, denom, running_max = carry
+        idx = jax.lax.dynamic_slice_in_dim(idx_TL, b * BLOCK, BLOCK, axis=1)
         valid = idx >= 0
         kv = gather_rows(kv_sources, idx)  # [T, 64, K], zero where invalid
         s = jnp.einsum("thk,tlk->thl", q, kv, precision=HIGHEST)
         s = jnp.where(valid[:, None, :], s, -jnp.inf) * scale
-        prev = running_max
-        running_max = jnp.maximum(prev, jnp.max(s, axis=-1))
-        alpha = jnp.exp(prev - running_max)
-        p = jnp.exp(s - running_max[..., None])
+        new_max = jnp.maximum(running_max, jnp.max(s, axis=-1))
+        alpha = jnp.exp(running_max - new_max)
+        p = jnp.exp(s - new_max[..., None])
         denom = denom * alpha + jnp.sum(p, axis=-1)
         p16 = p.astype(jnp.bfloat16).astype(jnp.float32)
         acc = acc * alpha[..., None] + jnp.einsum("thl,tlk->thk", p16, kv, precision=HIGHEST)
+        return acc, denom, new_max
+
+    acc, denom, running_max = jax.lax.fori_loop(0, idx_TL.shape[1] // BLOCK, block, (acc, denom, running_max))
     denom = denom + jnp.exp(sink_H.astype(jnp.float32)[None, :] - running_max)
     return divide(acc, denom[..., None]).astype(jnp.bfloat16)

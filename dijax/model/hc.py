@@ -38,9 +38,13 @@ def split_sinkhorn(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, h
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
     comb = divide(comb, _sum_seq(comb, -1)) + eps
     comb = divide(comb, _sum_seq(comb, -2) + eps)
-    for _ in range(iters - 1):
+
+    def row_then_column(_, comb):
         comb = divide(comb, _sum_seq(comb, -1) + eps)
-        comb = divide(comb, _sum_seq(comb, -2) + eps)
+        return divide(comb, _sum_seq(comb, -2) + eps)
+
+    # a loop, not an unrolled chain: 19 iterations x 2 sublayers x every layer would swamp the compiler
+    comb = jax.lax.fori_loop(0, iters - 1, row_then_column, comb)
     return pre, post, comb
 
 
