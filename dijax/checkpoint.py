@@ -21,7 +21,6 @@ import os
 import struct
 from collections.abc import Iterator
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -121,12 +120,42 @@ def _set(tree: dict, dotted: list[str], value) -> None:
     tree[dotted[-1]] = value
 
 
-def load_params(cfg: ModelConfig, path: str | os.PathLike) -> dict:
-    """Load a reference-layout checkpoint into the dijax parameter pytree (device arrays).
+def resolve_checkpoint(path: str | os.PathLike, cache_dir: str | None = None, progress: bool = True) -> str:
+    """A loadable dijax checkpoint for ``path``.
+
+    A dijax checkpoint (``dijax.json`` marker) or a single reference-layout file is used as it is. A Hugging Face
+    checkpoint directory is converted on first use into ``cache_dir`` (default ``$DIJAX_CACHE`` or
+    ``~/.cache/dijax``), keyed by its path and index, and the converted copy is reused afterwards.
+    """
+    import hashlib
+
+    from dijax.convert import MARKER, convert
+
+    path = os.fspath(path)
+    if os.path.isfile(path) or os.path.exists(os.path.join(path, MARKER)):
+        return path
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return path
+    stamp = f"{os.path.abspath(path)}:{os.path.getmtime(index)}:{os.path.getsize(index)}"
+    root = cache_dir or os.environ.get("DIJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dijax")
+    target = os.path.join(root, hashlib.sha1(stamp.encode()).hexdigest()[:16])
+    if not os.path.exists(os.path.join(target, MARKER)):
+        print(f"dijax: {path} is a Hugging Face checkpoint; converting it once into {target}", flush=True)
+        convert(path, target, progress=progress)
+    return target
+
+
+def load_params(cfg: ModelConfig, path: str | os.PathLike, expert_range: tuple[int, int] | None = None,
+                engram_rows: dict[int, tuple[int, int]] | None = None) -> dict:
+    """Load a reference-layout or dijax checkpoint into the dijax parameter pytree (device arrays).
 
     Applies the reference's load-time promotions: ``head`` and ratio>1 ``compressor.{wkv,wgate}`` to float32.
-    DSpark (``mtp.*``) tensors are not used by the backbone and are skipped.
+    ``expert_range=(start, end)`` keeps only those routed experts and ``engram_rows={layer: (start, end)}`` only
+    those table rows (one device's share under expert parallelism); tensors are memory-mapped, so the rest is
+    never read. DSpark (``mtp.*``) tensors are not used by the backbone and are skipped.
     """
+    first, last = expert_range or (0, cfg.n_routed_experts)
     layers: list[dict] = [{} for _ in range(cfg.n_layers)]
     experts: list[dict[int, dict]] = [{} for _ in range(cfg.n_layers)]
     top: dict = {}
@@ -142,37 +171,32 @@ def load_params(cfg: ModelConfig, path: str | os.PathLike) -> dict:
             raise ValueError(f"tensor {name!r} names layer {layer}, but the config has n_layers={cfg.n_layers}")
         rest = parts[2:]
         if rest[:2] == ["ffn", "experts"]:
-            experts[layer].setdefault(int(rest[2]), {}).setdefault(rest[3], {})[rest[4]] = array
+            if first <= int(rest[2]) < last:
+                experts[layer].setdefault(int(rest[2]), {}).setdefault(rest[3], {})[rest[4]] = array
             continue
         if rest[:2] == ["attn", "compressor"] and rest[2] in ("wkv", "wgate") and cfg.compress_ratios[layer] > 1:
             array = array.astype(np.float32)
+        if rest[:2] == ["engram", "embed"] and engram_rows and layer in engram_rows:
+            array = array[slice(*engram_rows[layer])]
+        if rest[:2] == ["attn", "wo_a"] and rest[2] == "scale":
+            raise ValueError(f"{path} holds an fp8 'attn.wo_a' with its scale (the Hugging Face layout): "
+                             f"pass it through resolve_checkpoint() (or `dijax convert`) first")
         _set(layers[layer], rest, array)
     top["head"]["weight"] = top["head"]["weight"].astype(np.float32)
-    for layer in layers:
-        wo_a = layer.get("attn", {}).get("wo_a", {})
-        if "scale" in wo_a:  # HF layout: dequantise wo_a to bf16 exactly as convert.py does
-            wo_a["weight"] = dequant_fp8_tiles(wo_a["weight"], wo_a.pop("scale"))
     for layer in range(cfg.n_layers):
         found = experts[layer]
-        if sorted(found) != list(range(cfg.n_routed_experts)):
-            raise ValueError(f"layer {layer}: expected routed experts 0..{cfg.n_routed_experts - 1}, "
-                             f"found {len(found)}")
-        stacked = {w: {k: np.stack([found[e][w][k] for e in range(cfg.n_routed_experts)])
-                       for k in found[0][w]} for w in ("w1", "w2", "w3")}
+        if sorted(found) != list(range(first, last)):
+            raise ValueError(f"layer {layer}: expected routed experts {first}..{last - 1}, found {len(found)}")
+        stacked = {w: {k: np.stack([found[e][w][k] for e in range(first, last)])
+                       for k in found[first][w]} for w in ("w1", "w2", "w3")}
         layers[layer].setdefault("ffn", {})["experts"] = stacked
     top["layers"] = layers
     return _to_device(top)
 
 
-def dequant_fp8_tiles(weight: np.ndarray, scale_u8: np.ndarray) -> np.ndarray:
-    """Host-side e4m3 [out, in] times ue8m0 tile scales [out/b, in/b] (b = out / scale rows) -> bf16 (exact)."""
-    block = -(-weight.shape[0] // scale_u8.shape[0])
-    s = np.ldexp(np.float32(1), scale_u8.astype(np.int32) - 127).astype(np.float32)
-    s = np.repeat(np.repeat(s, block, axis=0)[:weight.shape[0]], block, axis=1)[:, :weight.shape[1]]
-    return (weight.astype(np.float32) * s).astype(ml_dtypes.bfloat16)
-
-
 def _to_device(tree):
+    import jax.numpy as jnp
+
     if isinstance(tree, dict):
         return {k: _to_device(v) for k, v in tree.items()}
     if isinstance(tree, list):

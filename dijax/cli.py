@@ -11,12 +11,16 @@ import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dijax", description="DeepSeek-V4.1-Flash inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    from dijax import parity
+    from dijax import convert, parity
 
     p = sub.add_parser("parity", help="check the model against a fixture of reference logits",
                        description=parity.__doc__.split("\n")[0])
     parity.add_arguments(p)
     p.set_defaults(run=parity.run)
+    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint into dijax's format",
+                       description=convert.__doc__.split("\n")[0])
+    convert.add_arguments(c)
+    c.set_defaults(run=convert.run)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -29,7 +29,7 @@ import numpy as np
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 import jax.numpy as jnp
-from dijax.checkpoint import SafetensorsFile, load_params
+from dijax.checkpoint import SafetensorsFile, load_params, resolve_checkpoint
 from dijax.config import ModelConfig
 from dijax.driver import Driver
 from dijax.model.engram import EngramTables
@@ -62,7 +62,7 @@ class Fixture:
             if layout not in layouts:
                 raise ValueError(f"--layout {layout!r}: the fixture offers {sorted(layouts)}")
             weights = self._path(layouts[layout])
-        self.weights = weights
+        self.weights = resolve_checkpoint(weights)
         self.cases = SafetensorsFile(self._path(self.manifest["cases"]))
         self.case_names = sorted({n.split(".")[0] for n in self.cases.names()},
                                  key=lambda n: (len(n), n))

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
+
+# conversions of Hugging Face checkpoints made by tests go to a throw-away cache, not ~/.cache/dijax
+os.environ.setdefault("DIJAX_CACHE", tempfile.mkdtemp(prefix="dijax-cache-"))
 
 PARITY_DIR = os.environ.get(
     "DIJAX_PARITY_DIR",

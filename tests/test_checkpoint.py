@@ -6,15 +6,19 @@ import jax
 import numpy as np
 import pytest
 
-from dijax.checkpoint import SafetensorsFile, checkpoint_files, load_params
+from dijax.checkpoint import SafetensorsFile, checkpoint_files, load_params, resolve_checkpoint
 from dijax.config import ModelConfig
 from tests.conftest import parity_path
 
 
-def test_hf_and_reference_layouts_load_identically():
+def test_hf_and_reference_layouts_load_identically(tmp_path, capsys):
     cfg = ModelConfig.from_file(parity_path("tiny", "config.json"))
     ref = load_params(cfg, parity_path("tiny", "reference", "model.safetensors"))
-    hf = load_params(cfg, parity_path("tiny", "hf"))
+    converted = resolve_checkpoint(parity_path("tiny", "hf"), cache_dir=str(tmp_path), progress=False)
+    assert "converting it once" in capsys.readouterr().out
+    assert resolve_checkpoint(parity_path("tiny", "hf"), cache_dir=str(tmp_path)) == converted  # reused
+    assert "converting" not in capsys.readouterr().out
+    hf = load_params(cfg, converted)
     leaves_ref, tree_ref = jax.tree.flatten(ref)
     leaves_hf, tree_hf = jax.tree.flatten(hf)
     assert tree_ref == tree_hf
@@ -33,6 +37,19 @@ def test_dtypes_and_shapes_follow_the_roles():
     assert w1["weight"].shape == (cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim // 2)  # packed MXFP4
     assert w1["scale"].shape == (cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim // 32)
     assert p["layers"][0]["attn"]["wo_a"]["weight"].dtype == jax.numpy.bfloat16
+
+
+def test_one_devices_share_of_experts_and_engram_rows():
+    cfg = ModelConfig.from_file(parity_path("tiny", "config.json"))
+    path = parity_path("tiny", "reference", "model.safetensors")
+    full = load_params(cfg, path)
+    part = load_params(cfg, path, expert_range=(2, 6), engram_rows={1: (100, 200)})
+    for w in ("w1", "w2", "w3"):
+        for k in ("weight", "scale"):
+            got = np.asarray(part["layers"][3]["ffn"]["experts"][w][k])
+            assert np.array_equal(got, np.asarray(full["layers"][3]["ffn"]["experts"][w][k])[2:6])
+    got = np.asarray(part["layers"][1]["engram"]["embed"]["weight"]).view(np.uint8)
+    assert np.array_equal(got, np.asarray(full["layers"][1]["engram"]["embed"]["weight"]).view(np.uint8)[100:200])
 
 
 def test_truncated_file_and_missing_shard_are_reported(tmp_path):

@@ -1,0 +1,365 @@
+"""Convert a Hugging Face DeepSeek-V4.1 checkpoint into dijax's checkpoint format, one tensor at a time.
+
+dijax's format is plain safetensors in the reference's tensor names (which the HF release already uses), sharded,
+with a ``model.safetensors.index.json``, the config and tokenizer files, and a ``dijax.json`` marker. Safetensors
+because it is memory-mappable (the loader reads one device's experts or Engram rows without touching the rest) and
+holds no code; no Orbax, because every tensor is placed by name and sharded restore needs nothing more.
+
+What changes on the way (the same as DeepSeek's ``convert.py`` for one model-parallel rank):
+  * ``attn.wo_a`` is dequantised to bf16 (it runs as a grouped einsum, not an fp8 GEMM);
+  * MXFP4 experts stay packed (int8 bytes stored as ``U8`` [out, in/2]); ``--expert-dtype fp8`` re-encodes them
+    losslessly as e4m3 with one ue8m0 scale per 32x32 tile (checked exactly, tensor by tensor);
+  * vision tensors, ``ffn.gate.bias_vl`` and the tied ``mtp.*.embed`` / ``mtp.*.head`` copies are dropped;
+  * transformers-style aliases (``model.``, ``self_attn``, ``mlp``, ``weight_scale_inv``,
+    ``e_score_correction_bias``) are renamed. Everything else is copied byte for byte (never up-cast).
+
+Every tensor is validated against the config before anything is written (missing, unexpected, dtype, shape, the
+scale block of its role, truncated shards). Output goes to a temporary directory renamed into place only on success.
+Peak memory is one tensor (plus its converted copy): tensors are read with ``pread``, never mapped as a whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from dijax.checkpoint import SafetensorsFile, _DTYPES
+from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
+from dijax.tensor_spec import TensorSpec, backbone_spec
+
+MARKER = "dijax.json"
+FORMAT = {"format": "dijax-safetensors", "version": 1}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_DROP = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$|\.bias_vl$|^mtp\.\d+\.(embed|head)\.")
+_ALIASES = ((re.compile(r"^model\."), ""), (re.compile(r"\.self_attn\."), ".attn."), (re.compile(r"\.mlp\."), ".ffn."),
+            (re.compile(r"\.weight_scale_inv$"), ".scale"), (re.compile(r"\.e_score_correction_bias$"), ".bias"))
+_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted; the message names the tensor or file and what was expected."""
+
+
+@dataclass
+class Source:
+    """Where one input tensor lives."""
+
+    file: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass
+class Output:
+    """One output tensor: its name, safetensors dtype, shape, byte size and how to produce its bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    produce: Callable[[], bytes]
+
+
+def canonical_name(name: str) -> str:
+    for pattern, replacement in _ALIASES:
+        if not name.startswith("vision."):
+            name = pattern.sub(replacement, name)
+    return name
+
+
+def read_sources(hf_dir: str) -> dict[str, Source]:
+    """Index every tensor of the checkpoint (validating the index json and each shard's header and extent)."""
+    index_path = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as error:
+                raise ConversionError(f"{index_path}: not a safetensors index ({error})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    if not files:
+        raise ConversionError(f"{hf_dir}: no safetensors files")
+    for file in files:
+        if not os.path.exists(os.path.join(hf_dir, file)):
+            raise ConversionError(f"{index_path} names shard {file!r}, which does not exist in {hf_dir}")
+    sources: dict[str, Source] = {}
+    for file in files:
+        path = os.path.join(hf_dir, file)
+        try:
+            st = SafetensorsFile(path)
+        except (ValueError, json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ConversionError(f"shard {file}: unreadable safetensors header ({error})") from None
+        for name, info in st.header.items():
+            begin, end = info["data_offsets"]
+            if st._data_start + end > st._size:
+                raise ConversionError(f"shard {file} is truncated: tensor {name!r} needs bytes up to "
+                                      f"{st._data_start + end}, the file has {st._size}")
+            if weight_map is not None and weight_map.get(name) != file:
+                raise ConversionError(f"tensor {name!r} is in shard {file} but the index maps it to "
+                                      f"{weight_map.get(name)!r}")
+            canonical = canonical_name(name)
+            if canonical in sources:
+                raise ConversionError(f"tensor {canonical!r} appears twice ({sources[canonical].file}, {file})")
+            sources[canonical] = Source(path, name, info["dtype"], tuple(info["shape"]),
+                                        st._data_start + begin, st._data_start + end)
+    if weight_map is not None:
+        missing_files = sorted({canonical_name(n) for n in weight_map} - set(sources))
+        if missing_files:
+            raise ConversionError(f"the index lists tensors no shard holds, e.g. {missing_files[:3]}")
+    return sources
+
+
+def _stored_shape(src: Source) -> tuple[int, ...]:
+    """Shape as bytes are laid out (F4 headers give the logical [out, in]; storage is [out, in/2])."""
+    return src.shape[:-1] + (src.shape[-1] // 2,) if src.dtype == "F4" else src.shape
+
+
+def validate(cfg: ModelConfig, sources: dict[str, Source]) -> None:
+    """Compare the checkpoint with the config: every expected tensor present with its dtype, shape and scale block."""
+    spec = backbone_spec(cfg)
+    kept = {n for n in sources if not _DROP.search(n) and not n.startswith("mtp.")}
+    missing = sorted(set(spec) - kept)
+    unexpected = sorted(kept - set(spec))
+    if missing:
+        raise ConversionError(f"{len(missing)} expected tensor(s) missing, e.g. {missing[:4]} "
+                              f"(for n_layers={cfg.n_layers}, n_routed_experts={cfg.n_routed_experts}, "
+                              f"compress_ratios, kv/index source layers of the config)")
+    if unexpected:
+        raise ConversionError(f"{len(unexpected)} tensor(s) the config does not explain, e.g. {unexpected[:4]} "
+                              f"(n_layers={cfg.n_layers}, n_routed_experts={cfg.n_routed_experts}; a compressor "
+                              f"wgate exists only at ratio > 1, an indexer only at index sources)")
+    for name, expected in spec.items():
+        _check(name, sources[name], expected)
+    for name in sorted(n for n in sources if n.startswith("mtp.") and not _DROP.search(n)):
+        _check_generic(name, sources[name], sources)
+
+
+def _check(name: str, src: Source, expected: TensorSpec) -> None:
+    shape = _stored_shape(src)
+    if src.dtype not in expected.dtypes:
+        raise ConversionError(f"tensor {name!r} ({expected.role}) has dtype {src.dtype}, expected "
+                              f"{' or '.join(expected.dtypes)}")
+    if shape != expected.shape:
+        hint = ""
+        if name.endswith(".scale") and _EXPERT.search(name):
+            hint = (f"; MXFP4 scales cover blocks of {FP4_BLOCK} elements of the logical [out, in] weight "
+                    f"(the packed int8 shape shows in/2: a block of 16 would read MXFP4 as NVFP4)")
+        raise ConversionError(f"tensor {name!r} ({expected.role}) has shape {list(shape)}, expected "
+                              f"{list(expected.shape)}{hint}")
+
+
+def _check_generic(name: str, src: Source, sources: dict[str, Source]) -> None:
+    """DSpark (mtp.*) tensors: fp8 weights need a tile scale of the right block, experts their 1x32 scale."""
+    if not name.endswith(".weight"):
+        return
+    scale = sources.get(name[:-len("weight")] + "scale")
+    shape = _stored_shape(src)
+    if src.dtype == "F8_E4M3" and ".engram.embed." not in name:
+        want = (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
+        if scale is None or scale.shape != want:
+            raise ConversionError(f"tensor {name!r} (fp8 weight) needs a scale of shape {list(want)}, found "
+                                  f"{None if scale is None else list(scale.shape)}")
+    if src.dtype in ("I8", "F4") and _EXPERT.search(name):
+        want = (shape[0], shape[1] * 2 // FP4_BLOCK)
+        if scale is None or scale.shape != want:
+            raise ConversionError(f"tensor {name!r} (MXFP4 expert) needs a scale of shape {list(want)} (blocks of "
+                                  f"{FP4_BLOCK} elements), found {None if scale is None else list(scale.shape)}")
+
+
+def _read(src: Source) -> np.ndarray:
+    """The tensor's bytes as an array of its storage dtype (one pread; no mapping of the file)."""
+    with open(src.file, "rb") as f:
+        raw = os.pread(f.fileno(), src.end - src.begin, src.begin)
+    if len(raw) != src.end - src.begin:
+        raise ConversionError(f"shard {src.file}: could not read tensor {src.name!r} (truncated?)")
+    return np.frombuffer(raw, dtype=_DTYPES[src.dtype]).reshape(_stored_shape(src))
+
+
+def _dequant_wo_a(weight: Source, scale: Source) -> bytes:
+    w = _read(weight).astype(np.float32)
+    s = np.ldexp(np.float32(1), _read(scale).astype(np.int32) - 127).astype(np.float32)
+    block = -(-w.shape[0] // s.shape[0])
+    s = np.repeat(np.repeat(s, block, axis=0)[:w.shape[0]], block, axis=1)[:, :w.shape[1]]
+    return (w * s).astype(ml_dtypes.bfloat16).tobytes()
+
+
+def mxfp4_to_fp8(packed: np.ndarray, scale_u8: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Re-encode MXFP4 [out, in/2] + ue8m0 [out, in/32] as e4m3 [out, in] + ue8m0 tile scales [out/32, in/32].
+
+    Each 32x32 tile takes scale 2^(max row exponent - 6), which keeps 6 * 2^6 = 384 <= 448; the result is checked
+    to decode to exactly the MXFP4 values (a ConversionError names the tensor otherwise).
+    """
+    values = np.stack([E2M1[packed & 0x0F], E2M1[packed >> 4]], axis=-1).reshape(packed.shape[0], -1)
+    exps = np.repeat(scale_u8.astype(np.int32) - 127, FP4_BLOCK, axis=1)
+    out_dim, in_dim = values.shape
+    rows, cols = -(-out_dim // FP8_BLOCK), in_dim // FP8_BLOCK
+    pad = rows * FP8_BLOCK - out_dim
+    tile_max = np.pad(exps, ((0, pad), (0, 0)), constant_values=-127).reshape(rows, FP8_BLOCK, cols, FP8_BLOCK)
+    tile_exp = tile_max.max(axis=(1, 3)) - 6
+    per_elem = np.repeat(np.repeat(tile_exp, FP8_BLOCK, axis=0)[:out_dim], FP8_BLOCK, axis=1)
+    q = np.ldexp(values, exps - per_elem).astype(ml_dtypes.float8_e4m3fn)
+    exact = np.ldexp(q.astype(np.float32), per_elem)
+    if not np.array_equal(exact, np.ldexp(values, exps)):
+        raise ConversionError(f"tensor {name!r}: MXFP4 values of one 32x32 tile span too many exponents to "
+                              f"re-encode losslessly as fp8; convert with --expert-dtype fp4")
+    return q, (tile_exp + 127).astype(np.uint8)
+
+
+def plan(cfg: ModelConfig, sources: dict[str, Source], expert_dtype: str) -> list[Output]:
+    """The output tensors, in a stable order, with producers that read their source only when called."""
+    outputs: list[Output] = []
+    for name in sorted(sources):
+        src = sources[name]
+        if _DROP.search(name):
+            continue
+        if name.endswith(".attn.wo_a.scale"):
+            continue
+        if name.endswith(".attn.wo_a.weight") and src.dtype == "F8_E4M3":
+            scale = sources[name[:-len("weight")] + "scale"]
+            outputs.append(Output(name, "BF16", src.shape, int(np.prod(src.shape)) * 2,
+                                  lambda w=src, s=scale: _dequant_wo_a(w, s)))
+            continue
+        if _EXPERT.search(name) and src.dtype in ("I8", "F4", "U8") and name.endswith(".weight"):
+            scale = sources[name[:-len("weight")] + "scale"]
+            shape = _stored_shape(src)
+            if expert_dtype == "fp8":
+                logical = (shape[0], shape[1] * 2)
+                srows, scols = -(-logical[0] // FP8_BLOCK), logical[1] // FP8_BLOCK
+                cache: dict = {}
+
+                def encode(w=src, s=scale, n=name, c=cache) -> dict:
+                    if "s" not in c:  # weight and tile scale come from one re-encode
+                        c["q"], c["s"] = mxfp4_to_fp8(_read(w), _read(s), n)
+                    return c
+
+                outputs.append(Output(name, "F8_E4M3", logical, logical[0] * logical[1],
+                                      lambda e=encode: e().pop("q").tobytes()))
+                outputs.append(Output(name[:-len("weight")] + "scale", "F8_E8M0", (srows, scols), srows * scols,
+                                      lambda e=encode: e().pop("s").tobytes()))
+            else:
+                outputs.append(Output(name, "U8", shape, src.end - src.begin, lambda w=src: _read(w).tobytes()))
+            continue
+        if _EXPERT.search(name) and name.endswith(".scale") and expert_dtype == "fp8":
+            continue  # replaced by the tile scale written with its weight
+        outputs.append(Output(name, src.dtype, src.shape, src.end - src.begin, lambda w=src: _read(w).tobytes()))
+    return outputs
+
+
+def _write_shard(path: str, outputs: list[Output], bar) -> None:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for out in outputs:
+        header[out.name] = {"dtype": out.dtype, "shape": list(out.shape), "data_offsets": [offset, offset + out.nbytes]}
+        offset += out.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for out in outputs:
+            data = out.produce()
+            if len(data) != out.nbytes:
+                raise ConversionError(f"tensor {out.name!r}: produced {len(data)} bytes, planned {out.nbytes}")
+            f.write(data)
+            bar.update(len(data))
+
+
+def _find(hf_dir: str, name: str) -> str | None:
+    """``name`` beside the shards, or one level up (the layout of the parity fixtures: tiny/config.json, tiny/hf/)."""
+    for folder in (hf_dir, os.path.dirname(os.path.abspath(hf_dir))):
+        if os.path.exists(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return None
+
+
+def convert(hf_dir: str, out_dir: str, expert_dtype: str = "fp4", max_shard_bytes: int = 4 << 30,
+            progress: bool = True) -> str:
+    """Convert ``hf_dir`` into ``out_dir`` (which must not exist). Returns ``out_dir``."""
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ConversionError(f"--expert-dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
+    if os.path.exists(out_dir):
+        raise ConversionError(f"output directory {out_dir} already exists; remove it or choose another")
+    config_path = _find(hf_dir, "config.json")
+    if config_path is None:
+        raise ConversionError(f"no config.json in {hf_dir} or its parent directory")
+    cfg = ModelConfig.from_file(config_path)
+    sources = read_sources(hf_dir)
+    validate(cfg, sources)
+    outputs = plan(cfg, sources, expert_dtype)
+    shards: list[list[Output]] = [[]]
+    size = 0
+    for out in outputs:
+        if shards[-1] and size + out.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(out)
+        size += out.nbytes
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        weight_map = {}
+        total = sum(o.nbytes for o in outputs)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
+            for i, shard in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                _write_shard(os.path.join(tmp, file), shard, bar)
+                weight_map.update({o.name: file for o in shard})
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        for name in ("config.json", *TOKENIZER_FILES):
+            found = _find(hf_dir, name)
+            if found is not None:
+                shutil.copy2(found, os.path.join(tmp, name))
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump({**FORMAT, "expert_dtype": expert_dtype, "source": os.path.abspath(hf_dir)}, f, indent=1)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("hf_dir", help="Hugging Face checkpoint directory (config.json, shards, index json)")
+    parser.add_argument("out_dir", help="output directory (must not exist)")
+    parser.add_argument("--expert-dtype", choices=("fp4", "fp8"), default="fp4",
+                        help="routed experts: keep MXFP4 packed (default) or re-encode losslessly as fp8")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = convert(args.hf_dir, args.out_dir, args.expert_dtype)
+    print(f"converted {args.hf_dir} -> {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dijax convert", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except (ConversionError, ValueError) as error:
+        print(f"dijax convert: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
