@@ -263,7 +263,7 @@ def plan(cfg: ModelConfig, sources: dict[str, Source], expert_dtype: str) -> lis
     return outputs
 
 
-def _write_shard(path: str, outputs: list[Output], bar) -> None:
+def _write_shard(path: str, outputs: list[Output], bar, done: list[int] | None = None, total: int = 0) -> None:
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for out in outputs:
@@ -280,6 +280,9 @@ def _write_shard(path: str, outputs: list[Output], bar) -> None:
                 raise ConversionError(f"tensor {out.name!r}: produced {len(data)} bytes, planned {out.nbytes}")
             f.write(data)
             bar.update(len(data))
+            if done is not None:
+                done[0] += 1
+                bar.set_postfix_str(f"{done[0]}/{total} tensors", refresh=False)
 
 
 def _find(hf_dir: str, name: str) -> str | None:
@@ -316,12 +319,12 @@ def convert(hf_dir: str, out_dir: str, expert_dtype: str = "fp4", max_shard_byte
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
-        weight_map = {}
+        weight_map, done = {}, [0]
         total = sum(o.nbytes for o in outputs)
         with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
             for i, shard in enumerate(shards):
                 file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                _write_shard(os.path.join(tmp, file), shard, bar)
+                _write_shard(os.path.join(tmp, file), shard, bar, done, len(outputs))
                 weight_map.update({o.name: file for o in shard})
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)

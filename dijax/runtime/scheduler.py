@@ -318,7 +318,7 @@ class Scheduler:
                                  f"{chunk.request_id!r}")
             epoch, token = sampled[chunk.request_id]
             seq = self._seqs.get(chunk.request_id)
-            if seq is None or epoch != seq.epoch or seq.request_id in self._aborting:
+            if seq is None or epoch != seq.epoch:
                 continue  # stale: the sequence was preempted, aborted or finished after this step was planned
             seq.num_inflight -= 1
             seq.output_token_ids.append(int(token))
@@ -370,7 +370,7 @@ class Scheduler:
         return seq
 
     def _remove_from_queues(self, seq: Sequence) -> None:
-        if seq.status is SequenceStatus.RUNNING and seq in self.running:
+        if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
