@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from dijax.runtime.pool import check_pool
 from dijax.runtime.sequence import Sequence
 
 
@@ -78,20 +79,5 @@ class BlockManager:
 
         ``seqs`` must be every sequence that may own blocks (the scheduler's live sequences).
         """
-        free = list(self.free_blocks)
-        assert len(set(free)) == len(free), f"a block is in the free queue twice: {sorted(free)}"
-        for block in free:
-            assert self.owner[block] is None, f"block {block} is free but owned by {self.owner[block]!r}"
-        owned = [b for b in range(self.num_blocks) if self.owner[b] is not None]
-        assert len(owned) + len(free) == self.num_blocks, (
-            f"owned ({len(owned)}) + free ({len(free)}) != total ({self.num_blocks})")
-        seen: dict[int, str] = {}
-        for seq in seqs:
-            for block in seq.block_table:
-                assert 0 <= block < self.num_blocks, f"{seq.request_id!r} holds block {block} outside the pool"
-                assert block not in seen, f"block {block} is in the tables of {seen[block]!r} and {seq.request_id!r}"
-                seen[block] = seq.request_id
-                assert self.owner[block] == seq.request_id, (
-                    f"block {block} is in {seq.request_id!r}'s table but owned by {self.owner[block]!r}")
-        leaked = [b for b in owned if b not in seen]
-        assert not leaked, f"blocks {leaked} are owned ({[self.owner[b] for b in leaked]}) but in no table"
+        held = [(seq.request_id, block) for seq in seqs for block in seq.block_table]
+        check_pool("block", self.owner, self.free_blocks, held)

@@ -217,8 +217,9 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or not seq.is_prefill_done:
                 continue
-            # Its in-flight token already reaches max_tokens / max_model_len: wait for it to finish the request.
-            if seq.output_position >= seq.params.max_tokens or seq.reserved_len >= self.max_model_len:
+            # Its in-flight token will finish the request (max_tokens / max_model_len): nothing more to compute.
+            if seq.num_inflight and (seq.output_position >= seq.params.max_tokens
+                                     or seq.reserved_len >= self.max_model_len):
                 continue
             if self._make_room(seq, 1, planned, preempted):
                 planned[seq.request_id] = (seq, 1)

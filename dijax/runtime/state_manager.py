@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from dijax.runtime.pool import check_pool
 from dijax.runtime.sequence import Sequence
 
 
@@ -56,21 +57,5 @@ class StateManager:
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Assert: owned + free == total, no slot has two owners, and the owner map equals the seqs' slots."""
-        free = list(self.free_slots)
-        assert len(set(free)) == len(free), f"a slot is in the free queue twice: {sorted(free)}"
-        for slot in free:
-            assert self.owner[slot] is None, f"slot {slot} is free but owned by {self.owner[slot]!r}"
-        owned = [s for s in range(self.num_slots) if self.owner[s] is not None]
-        assert len(owned) + len(free) == self.num_slots, (
-            f"owned ({len(owned)}) + free ({len(free)}) != total ({self.num_slots})")
-        seen: dict[int, str] = {}
-        for seq in seqs:
-            if seq.slot is None:
-                continue
-            assert 0 <= seq.slot < self.num_slots, f"{seq.request_id!r} holds slot {seq.slot} outside the pool"
-            assert seq.slot not in seen, f"slot {seq.slot} is held by {seen[seq.slot]!r} and {seq.request_id!r}"
-            seen[seq.slot] = seq.request_id
-            assert self.owner[seq.slot] == seq.request_id, (
-                f"slot {seq.slot} is held by {seq.request_id!r} but owned by {self.owner[seq.slot]!r}")
-        leaked = [s for s in owned if s not in seen]
-        assert not leaked, f"slots {leaked} are owned ({[self.owner[s] for s in leaked]}) but held by no sequence"
+        held = [(seq.request_id, seq.slot) for seq in seqs if seq.slot is not None]
+        check_pool("slot", self.owner, self.free_slots, held)
