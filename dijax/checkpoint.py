@@ -150,16 +150,26 @@ def load_params(cfg: ModelConfig, path: str | os.PathLike, expert_range: tuple[i
                 engram_rows: dict[int, tuple[int, int]] | None = None) -> dict:
     """Load a reference-layout or dijax checkpoint into the dijax parameter pytree (device arrays).
 
-    Applies the reference's load-time promotions: ``head`` and ratio>1 ``compressor.{wkv,wgate}`` to float32.
     ``expert_range=(start, end)`` keeps only those routed experts and ``engram_rows={layer: (start, end)}`` only
     those table rows (one device's share under expert parallelism); tensors are memory-mapped, so the rest is
-    never read. DSpark (``mtp.*``) tensors are not used by the backbone and are skipped.
+    never read. See ``params_from_tensors`` for the rest.
+    """
+    items = ((name, array) for name, array, _ in iter_tensors(path))
+    return params_from_tensors(cfg, items, expert_range, engram_rows, source=os.fspath(path))
+
+
+def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] | None = None,
+                        engram_rows: dict[int, tuple[int, int]] | None = None, source: str = "checkpoint") -> dict:
+    """Assemble (checkpoint name, numpy array) pairs into the parameter pytree (device arrays).
+
+    Applies the reference's load-time promotions: ``head`` and ratio>1 ``compressor.{wkv,wgate}`` to float32.
+    DSpark (``mtp.*``) tensors are not used by the backbone and are skipped.
     """
     first, last = expert_range or (0, cfg.n_routed_experts)
     layers: list[dict] = [{} for _ in range(cfg.n_layers)]
     experts: list[dict[int, dict]] = [{} for _ in range(cfg.n_layers)]
     top: dict = {}
-    for name, array, dtype_name in iter_tensors(path):
+    for name, array in items:
         parts = name.split(".")
         if parts[0] == "mtp":
             continue
@@ -179,7 +189,7 @@ def load_params(cfg: ModelConfig, path: str | os.PathLike, expert_range: tuple[i
         if rest[:2] == ["engram", "embed"] and engram_rows and layer in engram_rows:
             array = array[slice(*engram_rows[layer])]
         if rest[:2] == ["attn", "wo_a"] and rest[2] == "scale":
-            raise ValueError(f"{path} holds an fp8 'attn.wo_a' with its scale (the Hugging Face layout): "
+            raise ValueError(f"{source} holds an fp8 'attn.wo_a' with its scale (the Hugging Face layout): "
                              f"pass it through resolve_checkpoint() (or `dijax convert`) first")
         _set(layers[layer], rest, array)
     top["head"]["weight"] = top["head"]["weight"].astype(np.float32)

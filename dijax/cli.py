@@ -11,7 +11,12 @@ import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dijax", description="DeepSeek-V4.1-Flash inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    from dijax import convert, parity
+    from dijax import convert, generate, parity
+
+    g = sub.add_parser("generate", help="generate text offline (default: the embedded tiny model)",
+                       description=generate.__doc__.split("\n")[0])
+    generate.add_arguments(g)
+    g.set_defaults(run=generate.run)
 
     p = sub.add_parser("parity", help="check the model against a fixture of reference logits",
                        description=parity.__doc__.split("\n")[0])
@@ -24,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"dijax {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,108 @@
+"""Random weights in checkpoint-native form (fp8 tiles, MXFP4 experts, fp8 Engram rows) from a fixed seed.
+
+Used by the embedded tiny default of ``dijax generate`` and by tests that need a model without a checkpoint. The
+magnitudes follow the parity fixtures' recipe (parity README §5.1), which keeps the random model's residual stream
+stable: Linear weights N(0, 1/in) with a few gains, an embedding of std 3, a head of std 4/sqrt(dim).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from dijax.checkpoint import params_from_tensors
+from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
+from dijax.tensor_spec import backbone_spec
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+_GAINS = {"attn.wo_b": 0.4, ".w2": 0.2, "engram.wkv": 0.3, "ffn.gate": 3.0}
+
+
+def _pow2_exponent(amax: np.ndarray, max_value: float) -> np.ndarray:
+    return np.ceil(np.log2(np.maximum(amax, 1e-30) / max_value)).astype(np.int32)
+
+
+def _fp8_tiles(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    out_dim, in_dim = w.shape
+    rows, cols = -(-out_dim // FP8_BLOCK), -(-in_dim // FP8_BLOCK)
+    padded = np.zeros((rows * FP8_BLOCK, cols * FP8_BLOCK), np.float32)
+    padded[:out_dim, :in_dim] = w
+    amax = np.abs(padded.reshape(rows, FP8_BLOCK, cols, FP8_BLOCK)).max(axis=(1, 3))
+    exp = _pow2_exponent(amax, 448.0)
+    scale = np.repeat(np.repeat(np.ldexp(np.float32(1), exp), FP8_BLOCK, 0), FP8_BLOCK, 1)[:out_dim, :in_dim]
+    q = np.clip(w / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return q, (exp + 127).astype(np.uint8)
+
+
+def _mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    out_dim, in_dim = w.shape
+    blocks = w.reshape(out_dim, in_dim // FP4_BLOCK, FP4_BLOCK)
+    exp = _pow2_exponent(np.abs(blocks).max(-1), 6.0)
+    v = np.clip(blocks / np.ldexp(np.float32(1), exp)[..., None], -6, 6).reshape(out_dim, in_dim)
+    code = np.abs(np.abs(v)[..., None] - _E2M1).argmin(-1).astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 3)
+    return (code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def random_tensors(cfg: ModelConfig, seed: int = 0):
+    """Yield (reference name, numpy array) for every backbone tensor of ``cfg``."""
+    rng = np.random.default_rng(seed)
+    spec = backbone_spec(cfg)
+    for name in sorted(spec):
+        s = spec[name]
+        if name.endswith(".scale"):
+            continue  # produced with its weight
+        gain = next((g for key, g in _GAINS.items() if key in name), 1.0)
+        if s.dtypes[0] in ("I8", "F4", "U8") or (s.dtypes[0] == "F8_E4M3" and ".experts." in name):
+            logical = (s.shape[0], s.shape[1] * 2) if s.dtypes[0] != "F8_E4M3" else s.shape
+            packed, scale = _mxfp4(rng.normal(0, gain / np.sqrt(logical[1]), logical).astype(np.float32))
+            yield name, packed
+            yield name[:-len("weight")] + "scale", scale
+        elif name.endswith("engram.embed.weight"):
+            rows = rng.normal(0, 1, s.shape).astype(np.float32)
+            blocks = rows.reshape(s.shape[0], -1, FP8_BLOCK)
+            exp = _pow2_exponent(np.abs(blocks).max(-1), 448.0)
+            q = (blocks / np.ldexp(np.float32(1), exp)[..., None]).reshape(s.shape).astype(ml_dtypes.float8_e4m3fn)
+            yield name, q
+            yield name[:-len("weight")] + "scale", (exp + 127).astype(np.uint8)
+        elif s.dtypes[0] == "F8_E4M3":
+            w = rng.normal(0, gain / np.sqrt(s.shape[1]), s.shape).astype(np.float32)
+            if name.endswith("attn.wo_a.weight"):  # held dequantised, as the converter writes it
+                q, scale = _fp8_tiles(w)
+                rows = np.repeat(np.repeat(np.ldexp(np.float32(1), scale.astype(np.int32) - 127), FP8_BLOCK, 0),
+                                 FP8_BLOCK, 1)[:s.shape[0], :s.shape[1]]
+                yield name, (q.astype(np.float32) * rows).astype(ml_dtypes.bfloat16)
+                continue
+            q, scale = _fp8_tiles(w)
+            yield name, q
+            yield name[:-len("weight")] + "scale", scale
+        else:
+            yield name, _dense(name, s.shape, rng, cfg, gain).astype(
+                np.float32 if s.dtypes[0] == "F32" else ml_dtypes.bfloat16)
+
+
+def _dense(name: str, shape: tuple[int, ...], rng: np.random.Generator, cfg: ModelConfig, gain: float) -> np.ndarray:
+    if "norm" in name or name.endswith(("q_weight", "k_weight")):
+        return 1 + rng.normal(0, 0.1, shape)
+    if name == "embed.weight":
+        return rng.normal(0, 3.0, shape)
+    if name == "head.weight":
+        return rng.normal(0, 4.0 / np.sqrt(cfg.dim), shape)
+    if name.endswith("attn_sink"):
+        return rng.normal(0, 1, shape)
+    if name.endswith("gate.bias"):
+        return rng.normal(0, 0.3, shape)
+    if name.endswith("_fn"):
+        return rng.normal(0, 1 / np.sqrt(shape[1]), shape)
+    if name.endswith("_base"):
+        base = rng.normal(0, 0.5, shape)
+        c = cfg.hc_mult
+        base[2 * c:] += 2 * np.eye(c).ravel()  # a comb close to the identity
+        return base
+    if name.endswith("_scale"):
+        return rng.uniform(0.2, 1.0, shape)
+    return rng.normal(0, gain / np.sqrt(shape[-1]), shape)
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """The parameter pytree of ``cfg`` with random weights from ``seed`` (deterministic)."""
+    return params_from_tensors(cfg, random_tensors(cfg, seed), source=f"random weights (seed {seed})")

@@ -1,0 +1,27 @@
+"""`dijax generate` on the embedded tiny default: prints generations, rejects bad input with a clear message."""
+
+from __future__ import annotations
+
+from dijax.cli import main
+
+
+def test_generate_on_the_embedded_default(capsys, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Copyright"}\nplain line prompt\n')
+    assert main(["generate", "--max-tokens", "5", "--prompts-file", str(prompts), "--temperature", "0.8",
+                 "--top-k", "20", "--seed", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "random weights" in captured.err
+    assert captured.out.count("output: ") == 2 and "prompt: 'Copyright'" in captured.out
+    assert main(["generate", "--max-tokens", "5", "--prompts-file", str(prompts), "--temperature", "0.8",
+                 "--top-k", "20", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == captured.out  # same seed, same text
+
+
+def test_generate_rejects_bad_sampling_parameters(capsys):
+    assert main(["generate", "--top-p", "1.5", "x"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert main(["generate", "--max-tokens", "0", "x"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    assert main(["generate", "--temperature", "-1", "x"]) == 2
+    assert "temperature" in capsys.readouterr().err
