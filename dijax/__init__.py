@@ -12,3 +12,16 @@ if _FLAG not in _os.environ.get("XLA_FLAGS", ""):
     _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """Public API, imported lazily so that ``import dijax`` stays cheap and sets XLA flags first."""
+    if name == "LLM":
+        from dijax.runtime.llm import LLM
+
+        return LLM
+    if name in ("SamplingParams", "RequestOutput"):
+        from dijax import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'dijax' has no attribute {name!r}")

@@ -1,9 +1,8 @@
 """``dijax generate``: offline generation from prompts, on a checkpoint or on the embedded tiny default.
 
 With no ``--model`` it runs the tiny configuration and tokenizer shipped inside the package with random weights
-from a fixed seed: fast on a CPU, and the text it prints is meaningless (it says so). This first version drives the
-model through ``dijax.driver.Driver`` (prefill, then one decode step for all prompts at a time) and samples with
-``dijax.runtime.sampler``; the engine issue replaces the loop with the scheduler and the asynchronous runner.
+from a fixed seed: fast on a CPU, and the text it prints is meaningless (it says so). It runs the
+engine (``dijax.runtime.llm.LLM``: scheduler, zero-overhead asynchronous runner, sampling on device).
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import argparse
 import json
 import os
 import sys
-
-import numpy as np
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.runtime.sampling_params import SamplingParams
@@ -67,58 +64,6 @@ def load(model: str | None, seed: int = 0):
     return cfg, params, consts, tokenizer
 
 
-def generate(cfg, params, consts, tokenizer, prompts: list[str], sp: SamplingParams, chunk: int | None = None):
-    """Generate for every prompt (all in one batch); returns the generated token ids per prompt."""
-    import jax.numpy as jnp
-
-    from dijax.driver import Driver
-    from dijax.model.step import CacheSpec
-    from dijax.runtime.sampler import sample
-
-    ids = [[cfg.bos_token_id] + tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
-    longest = max(len(i) for i in ids) + sp.max_tokens
-    if longest > cfg.max_seq_len:
-        raise ValueError(f"prompt + max_tokens = {longest} tokens exceeds the model limit {cfg.max_seq_len}")
-    spec = CacheSpec(num_blocks=len(ids) * -(-longest // 16), num_slots=len(ids), block_size=16)
-    driver = Driver(cfg, params, consts, spec, max_seq_len=longest)
-    seqs = [driver.new_sequence() for _ in ids]
-    pending = [list(i) for i in ids]
-    last = [None] * len(ids)
-    while any(pending):
-        work = []
-        for i, rest in enumerate(pending):
-            if rest:
-                n = len(rest) if chunk is None else min(chunk, len(rest))
-                work.append((i, rest[:n]))
-                pending[i] = rest[n:]
-        logits, _ = driver.step([(seqs[i], toks, "last") for i, toks in work])
-        for (i, _), lg in zip(work, logits):
-            last[i] = lg[-1]
-    base_seed = sp.seed or 0
-    outputs: list[list[int]] = [[] for _ in ids]
-    active = list(range(len(ids)))
-    stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {cfg.eos_token_id})
-    for position in range(sp.max_tokens):
-        rows = np.stack([last[i] for i in active])
-        n = len(active)
-        seeds = np.array([(base_seed + i) & 0xFFFFFFFF for i in active], np.uint32)  # request i's own seed
-        tokens = np.asarray(sample(jnp.asarray(rows), jnp.full(n, sp.temperature, jnp.float32),
-                                   jnp.full(n, sp.top_k, jnp.int32), jnp.full(n, sp.top_p, jnp.float32),
-                                   jnp.asarray(seeds), jnp.full(n, position, jnp.int32)))
-        still = []
-        for i, tok in zip(active, tokens.tolist()):
-            outputs[i].append(tok)
-            if tok not in stops and position + 1 < sp.max_tokens:
-                still.append(i)
-        active = still
-        if not active:
-            break
-        logits, _ = driver.step([(seqs[i], [outputs[i][-1]], "last") for i in active])
-        for i, lg in zip(active, logits):
-            last[i] = lg[-1]
-    return outputs
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", help="prompts (default: three short examples)")
     parser.add_argument("--prompts-file", help="file with one prompt per line, or JSONL records with 'prompt'")
@@ -128,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chunk", type=int, help="prefill in chunks of N tokens")
+    parser.add_argument("--chunk", type=int, help="token budget of a step (long prompts prefill in chunks of N)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         print("dijax generate: no --model given; running the embedded tiny model with random weights "
               "(seed 0): the text is meaningless, the pipeline is real.", file=sys.stderr)
-    cfg, params, consts, tokenizer = load(args.model)
-    outputs = generate(cfg, params, consts, tokenizer, prompts, sp, args.chunk)
-    for prompt, out in zip(prompts, outputs):
-        text = tokenizer.decode(out, skip_special_tokens=True)
-        print(f"prompt: {prompt!r}\noutput: {text!r}\n")
+    from dijax.runtime.llm import LLM
+
+    llm = LLM(args.model, max_num_seqs=min(len(prompts), 16),
+              max_num_batched_tokens=args.chunk or 256, zos=True)
+    for out in llm.generate(prompts, sp):
+        print(f"prompt: {out.prompt!r}\noutput: {out.text!r}\nfinish: {out.finish_reason}\n")
     return 0

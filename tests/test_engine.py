@@ -1,0 +1,84 @@
+"""The engine on the embedded tiny model: ZOS on/off, preemption, batch composition, cancellation, compilation
+count, bad input. Tokens must not depend on how requests were batched, scheduled, preempted or overlapped."""
+
+from __future__ import annotations
+
+import pytest
+
+from dijax.runtime.llm import LLM
+from dijax.runtime.sampling_params import SamplingParams
+
+PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
+
+
+def _params(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_k=40, top_p=0.95, max_tokens=10, seed=100 + i, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, zos=False)
+    return [o.token_ids for o in llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)]
+
+
+def test_zos_matches_synchronous_scheduling(reference):
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, zos=True)
+    outs = llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
+
+
+def test_preemption_recomputes_the_same_tokens(reference):
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=4, block_size=16, max_model_len=48, zos=True)
+    outs = llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)
+    assert llm.engine.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_one_row_and_reversed_order_give_the_same_tokens(reference):
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64)
+    alone = [llm.generate([PROMPTS[i]], _params(i), use_tqdm=False)[0].token_ids for i in range(3)]
+    reverse = llm.generate(PROMPTS[::-1], [_params(i) for i in (2, 1, 0)], use_tqdm=False)
+    assert alone == reference and [o.token_ids for o in reverse][::-1] == reference
+
+
+def test_cancelling_one_request_leaves_the_others_unchanged(reference):
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, _params(i))
+    results = {}
+    for _ in range(3):
+        results.update({o.request_id: o for o in engine.step()})
+    aborted = engine.abort("r1")
+    if aborted is not None:
+        results["r1"] = aborted
+    while engine.has_unfinished():
+        results.update({o.request_id: o for o in engine.step()})
+    assert results["r1"].finish_reason == "abort"
+    assert results["r0"].token_ids == reference[0] and results["r2"].token_ids == reference[2]
+    assert engine.scheduler.block_manager.num_free == engine.scheduler.block_manager.num_blocks
+
+
+def test_no_new_compilations_after_warm_up():
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=32)
+    work = [_params(i) for i in range(3)]
+    llm.engine.runner.warmup()
+    warm = llm.engine.runner.compiles
+    llm.generate(PROMPTS[::-1], work, use_tqdm=False)
+    llm.generate(PROMPTS, work, use_tqdm=False)
+    assert llm.engine.runner.compiles == warm
+
+
+def test_bad_requests_are_rejected_before_anything_is_queued(reference):
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    good = [_params(i) for i in range(3)]
+    cases = [([""] * 1, ValueError, "empty"), ([[1, 2, 9999]], ValueError, r"\[0, 512\)"),
+             ([list(range(1, 80))], ValueError, "max_model_len=64"), ([3.5], TypeError, "prompt must be")]
+    for bad, error, match in cases:
+        with pytest.raises(error, match=match):
+            llm.generate(PROMPTS + bad, good + [good[0]], use_tqdm=False)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate(PROMPTS, good[:2] + [{"temperature": 1.0}], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    assert [o.token_ids for o in llm.generate(PROMPTS, good, use_tqdm=False)] == reference
