@@ -222,6 +222,72 @@ def _evaluate_tier2(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out
     return passed
 
 
+def run_engine(folder: str, layout: str = "reference", weights: str | None = None, zos: bool = True,
+               max_num_batched_tokens: int = 256, block_size: int = 16, num_blocks: int | None = None,
+               out=sys.stdout) -> bool:
+    """Every prompt of every case through one engine at once (greedy), compared with the reference per request up
+    to the first step where the reference's own top-2 margin is below the manifest's token tolerance."""
+    from dijax.runtime.llm_engine import LLMEngine
+    from dijax.runtime.sampling_params import SamplingParams
+
+    fixture = Fixture(folder, layout, weights)
+    check = next((c for c in fixture.manifest["checks"] if c["name"].startswith("tier1")
+                  and not c.get("inject_topk")), None)
+    if check is None:
+        raise ValueError(f"{folder}: --engine needs a tier1 check without index injection (e.g. tiny-nodrop)")
+    params, consts = load_model(fixture)
+    from tokenizers import Tokenizer
+
+    requests = {}
+    for case in fixture.case_names:
+        ids, tokens = fixture.tensor(case, "input_ids"), fixture.tensor(case, "tokens")
+        for b in range(ids.shape[0]):
+            requests[f"{case}/{b}"] = (case, b, [int(t) for t in ids[b]], tokens.shape[1])
+    max_len = max(len(p) + n for _, _, p, n in requests.values()) + 1
+    engine = LLMEngine(loaded=(fixture.cfg, params, consts, Tokenizer.from_file(fixture.tokenizer_path)),
+                       max_num_seqs=len(requests), max_num_batched_tokens=max_num_batched_tokens,
+                       block_size=block_size, num_blocks=num_blocks, max_model_len=max_len, zos=zos,
+                       debug_logits=True)
+    for rid, (_, _, prompt, n) in requests.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o for o in engine.step()})
+    tol = check.get("tokens_equal_where_ref_margin_ge", 0.25)
+    all_r, ok_tokens, compared = [], True, 0
+    for case in fixture.case_names:
+        case_r, case_steps, mismatches = [], 0, 0
+        for rid, (c, b, prompt, n) in requests.items():
+            if c != case:
+                continue
+            ref_tokens, margins = fixture.tensor(case, "tokens")[b], fixture.tensor(case, "margins")[b]
+            prefill, decode = fixture.tensor(case, "prefill_logits"), fixture.tensor(case, "decode_logits")
+            for j in range(n):
+                if margins[j] < tol:
+                    break  # past a reference near-tie both sides compare noise
+                ref = prefill[b, -1] if j == 0 else decode[j - 1, b]
+                case_r.append(float(relative_errors(engine.step_logits[rid][j], ref)))
+                mismatches += int(outputs[rid].token_ids[j] != ref_tokens[j])
+                case_steps += 1
+                if outputs[rid].token_ids[j] != ref_tokens[j]:
+                    break
+        r = np.asarray(case_r)
+        all_r.append(r)
+        ok_tokens &= mismatches == 0
+        compared += case_steps
+        print(f"  engine {case}: {case_steps} steps compared; r median {np.median(r):.3g} p90 "
+              f"{np.percentile(r, 90):.3g} max {r.max():.3g}; token mismatches {mismatches}", file=out)
+    r = np.concatenate(all_r)
+    med, p90, mx = float(np.median(r)), float(np.percentile(r, 90)), float(r.max())
+    passed = ok_tokens and med <= check["median_r"] and p90 <= check["p90_r"] and mx <= check["max_r"]
+    print(f"  engine: {compared} steps, r median {med:.3g} (<= {check['median_r']}), p90 {p90:.3g} "
+          f"(<= {check['p90_r']}), max {mx:.3g} (<= {check['max_r']}); tokens {'ok' if ok_tokens else 'DIFFER'}; "
+          f"zos {'on' if zos else 'off'}; preemptions {engine.num_preemptions} -> {'PASS' if passed else 'FAIL'}",
+          file=out)
+    print(f"parity: {int(passed)}/1 checks passed", file=out)
+    return passed
+
+
 def run_fixture(folder: str, layout: str = "reference", weights: str | None = None, chunk: int | None = None,
                 out=sys.stdout) -> tuple[int, int]:
     """Run every check of a fixture; prints figures and the final ``parity: K/N checks passed`` line."""
@@ -256,9 +322,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which of the fixture's weight layouts to load (default: reference)")
     parser.add_argument("--weights", help="load these weights instead of the fixture's (file or directory)")
     parser.add_argument("--chunk", type=int, help="prefill in chunks of N tokens")
+    parser.add_argument("--engine", action="store_true",
+                        help="run every prompt through the full engine (scheduler, runner, greedy sampler) at once")
+    parser.add_argument("--zos", choices=("on", "off"), default="on", help="engine: zero-overhead scheduling")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="engine: query tokens per step")
+    parser.add_argument("--block-size", type=int, default=16, help="engine: tokens per KV block")
+    parser.add_argument("--num-blocks", type=int, help="engine: KV blocks in the pool (small values force preemption)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine:
+        return 0 if run_engine(args.fixture, args.layout, args.weights, args.zos == "on",
+                               args.max_num_batched_tokens, args.block_size, args.num_blocks) else 1
     passed, total = run_fixture(args.fixture, args.layout, args.weights, args.chunk)
     return 0 if passed == total else 1
 

@@ -107,3 +107,16 @@ def test_checker_chunked_and_cli_exit_codes(tmp_path):
     assert main(["parity", folder, "--layout", "hf"]) == 0
     assert main(["parity", folder, "--chunk", "0"]) == 2  # a clear error, not a crash
     assert main(["parity", str(tmp_path / "missing")]) == 2
+
+
+def test_engine_parity_with_forced_preemption(tmp_path):
+    from dijax.parity import run_engine
+
+    loose = {"name": "tier1", "inject_topk": False, "median_r": 0.02, "p90_r": 0.05, "max_r": 0.2,
+             "tokens_equal_where_ref_margin_ge": 0.25}
+    folder = _one_case_fixture(tmp_path, "tiny-nodrop", "case_L5", [loose])
+    out = io.StringIO()
+    assert run_engine(folder, zos=True, max_num_batched_tokens=16, block_size=16, num_blocks=3, out=out)
+    text = out.getvalue()
+    preemptions = int(text.split("preemptions ")[1].split()[0])
+    assert preemptions > 0 and "token mismatches 0" in text and text.strip().endswith("parity: 1/1 checks passed")

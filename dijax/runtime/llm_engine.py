@@ -23,17 +23,21 @@ class LLMEngine:
 
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None,
-                 zos: bool = True, weights_seed: int = 0):
+                 zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False):
         from dijax.generate import load
 
-        self.cfg, params, consts, self.tokenizer = load(model, weights_seed)
+        # ``loaded``: an already loaded (config, params, Engram constants, tokenizer), e.g. a parity fixture
+        self.cfg, params, consts, self.tokenizer = loaded or load(model, weights_seed)
         max_model_len = max_model_len or self.cfg.max_seq_len
         if num_blocks is None:
             num_blocks = max_num_seqs * -(-max_model_len // block_size)
         self.scheduler = Scheduler(BlockManager(num_blocks, block_size), StateManager(max_num_seqs), max_num_seqs,
                                    max_num_batched_tokens, max_model_len, eos_token_id=self.cfg.eos_token_id)
         self.runner = ModelRunner(self.cfg, params, consts, num_blocks, max_num_seqs, block_size, max_model_len,
-                                  max_num_seqs, max_num_batched_tokens)
+                                  max_num_seqs, max_num_batched_tokens, debug_logits)
+        # debug: request id -> {output position: logits row that sampled it} (the last computation wins, so a
+        # preempted-and-recomputed position keeps the recomputed row)
+        self.step_logits: dict[str, dict[int, object]] = {}
         self.zos = zos
         self._unprocessed: deque[tuple[SchedulerOutput, StepHandle | None]] = deque()
         self._prompts: dict[str, str | list[int]] = {}
@@ -92,7 +96,13 @@ class LLMEngine:
         keep = 1 if self.zos and handle is not None else 0  # ZOS: leave the newest step in flight
         while len(self._unprocessed) > keep:
             done, done_handle = self._unprocessed.popleft()
-            finished += self.scheduler.process(done, done_handle.wait() if done_handle else {})
+            sampled = done_handle.wait() if done_handle else {}
+            if done_handle is not None and done_handle.logits:
+                for chunk in done.chunks:
+                    if chunk.sample:
+                        rows = self.step_logits.setdefault(chunk.request_id, {})
+                        rows[chunk.output_position] = done_handle.logits[chunk.request_id]
+            finished += self.scheduler.process(done, sampled)
         return [self._output(seq) for seq in finished]
 
     def _output(self, seq: Sequence) -> RequestOutput:

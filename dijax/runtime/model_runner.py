@@ -30,14 +30,20 @@ from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
 class StepHandle:
     """A launched step: its plan and its device outputs (sampled tokens [R_max], not yet read)."""
 
-    def __init__(self, output: SchedulerOutput, tokens_R: jax.Array):
+    def __init__(self, output: SchedulerOutput, tokens_R: jax.Array, logits_RV: jax.Array | None = None):
         self.output = output
         self.tokens_R = tokens_R
+        self.logits_RV = logits_RV
+        self.logits: dict[str, np.ndarray] = {}
 
     def wait(self) -> dict[str, tuple[int, int]]:
-        """Block until the step is done; {request_id: (epoch, token)} for every sampling chunk."""
+        """Block until the step is done; {request_id: (epoch, token)} for every sampling chunk. With debug logits
+        on, ``self.logits`` then holds each sampling chunk's float32 logits row."""
         tokens = np.asarray(self.tokens_R)  # the one host <- device read of the engine
         rows = [c for c in self.output.chunks if c.sample]
+        if self.logits_RV is not None:
+            logits = np.asarray(self.logits_RV)
+            self.logits = {c.request_id: logits[i] for i, c in enumerate(rows)}
         return {c.request_id: (c.epoch, int(tokens[i])) for i, c in enumerate(rows)}
 
 
@@ -45,15 +51,16 @@ _COMPILES: dict[ModelConfig, int] = {}
 
 
 @lru_cache(maxsize=8)
-def _compiled_step(cfg: ModelConfig, max_rows: int):
-    """One jitted step function per (config, sampled-row capacity), shared by every runner of that model."""
+def _compiled_step(cfg: ModelConfig, max_rows: int, with_logits: bool):
+    """One jitted step function per (config, sampled-row capacity, debug logits), shared by every runner."""
 
     def step(params, cache, batch, consts, prev_tokens_R, remap_T, sampling):
         _COMPILES[cfg] = _COMPILES.get(cfg, 0) + 1  # Python side effect: runs once per trace (= per bucket)
         tokens_T = jnp.where(batch.tokens_T == FROM_DEVICE, prev_tokens_R[remap_T], batch.tokens_T)
         logits, cache, _ = forward_step(params, cache, dataclasses.replace(batch, tokens_T=tokens_T), consts, cfg)
         tokens = sample(logits, *sampling)
-        return jnp.zeros(max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens), cache
+        tokens = jnp.zeros(max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens)
+        return (tokens, logits if with_logits else None), cache
 
     return jax.jit(step, donate_argnums=(1,))
 
@@ -63,13 +70,14 @@ class ModelRunner:
     managers."""
 
     def __init__(self, cfg: ModelConfig, params: dict, consts: dict, num_blocks: int, num_slots: int,
-                 block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int):
+                 block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 debug_logits: bool = False):
         self.cfg, self.params, self.consts = cfg, params, consts
         self.cache = init_cache(cfg, CacheSpec(num_blocks=num_blocks, num_slots=num_slots, block_size=block_size))
         self.max_blocks = -(-max_model_len // block_size)
         self.max_rows = bucket(max_num_seqs, 1)
         self.max_tokens = bucket(max_num_batched_tokens)
-        self._step = _compiled_step(cfg, self.max_rows)
+        self._step = _compiled_step(cfg, self.max_rows, debug_logits)
 
     @property
     def compiles(self) -> int:
@@ -116,6 +124,6 @@ class ModelRunner:
         prev_tokens = previous.tokens_R if previous is not None else jnp.zeros(self.max_rows, jnp.int32)
         remap_dev = jnp.asarray(remap)
         with jax.transfer_guard_device_to_host("disallow"):
-            tokens, self.cache = self._step(self.params, self.cache, batch, self.consts, prev_tokens, remap_dev,
-                                            sampling)
-        return StepHandle(output, tokens)
+            (tokens, logits), self.cache = self._step(self.params, self.cache, batch, self.consts, prev_tokens,
+                                                      remap_dev, sampling)
+        return StepHandle(output, tokens, logits)
