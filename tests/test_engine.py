@@ -82,3 +82,14 @@ def test_bad_requests_are_rejected_before_anything_is_queued(reference):
         llm.generate(PROMPTS, good[:2] + [{"temperature": 1.0}], use_tqdm=False)
     assert not llm.engine.has_unfinished()
     assert [o.token_ids for o in llm.generate(PROMPTS, good, use_tqdm=False)] == reference
+
+
+def test_stop_strings_end_the_request_and_are_cut_from_the_text():
+    llm = LLM(max_num_seqs=2, max_num_batched_tokens=32)
+    free = llm.generate(["The license"], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    stop = free.text[len(free.text) // 2:][:4]  # a piece of what greedy decoding will produce
+    out = llm.generate(["The license"], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert free.text.startswith(out.text) and len(out.token_ids) < len(free.token_ids)
+    assert free.token_ids[:len(out.token_ids)] == out.token_ids

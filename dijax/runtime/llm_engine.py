@@ -103,10 +103,28 @@ class LLMEngine:
                         rows = self.step_logits.setdefault(chunk.request_id, {})
                         rows[chunk.output_position] = done_handle.logits[chunk.request_id]
             finished += self.scheduler.process(done, sampled)
+            finished += self._match_stop_strings(done)
         return [self._output(seq) for seq in finished]
+
+    def _match_stop_strings(self, done: SchedulerOutput) -> list[Sequence]:
+        """Finish (reason 'stop') every sequence of ``done`` whose detokenized output now contains a stop string."""
+        finished = []
+        for chunk in done.chunks:
+            seq = self.scheduler.get(chunk.request_id)
+            if not chunk.sample or seq is None or seq.is_finished or not seq.params.stop:
+                continue
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            if any(stop in text for stop in seq.params.stop):
+                aborted = self.scheduler.abort(seq.request_id, reason="stop")
+                if aborted is not None:
+                    finished.append(aborted)
+        return finished
 
     def _output(self, seq: Sequence) -> RequestOutput:
         prompt = self._prompts.pop(seq.request_id)
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        cuts = [text.find(stop) for stop in seq.params.stop if stop in text]
+        if cuts:
+            text = text[:min(cuts)]  # stop strings are not part of the returned text
         return RequestOutput(request_id=seq.request_id, prompt=prompt, text=text,
                              token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason)
