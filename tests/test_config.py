@@ -10,8 +10,8 @@ import pytest
 
 from dijax.config import LayerRole, ModelConfig
 
-PARITY_DIR = os.environ.get("DIJAX_PARITY_DIR",
-                            os.path.join(os.path.dirname(__file__), "..", "..", "shared", "parity"))
+from tests.conftest import PARITY_DIR
+
 TINY = os.path.join(PARITY_DIR, "tiny")
 NODROP = os.path.join(PARITY_DIR, "tiny-nodrop")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(TINY, "config.json")),

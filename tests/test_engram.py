@@ -17,8 +17,8 @@ from hypothesis import given, settings, strategies as st
 from dijax.config import ModelConfig
 from dijax.model import engram
 
-PARITY_DIR = os.environ.get("DIJAX_PARITY_DIR",
-                            os.path.join(os.path.dirname(__file__), "..", "..", "shared", "parity"))
+from tests.conftest import PARITY_DIR
+
 TINY = os.path.join(PARITY_DIR, "tiny")
 pytestmark = pytest.mark.skipif(
     not os.path.exists(os.path.join(TINY, "config.json")) or not os.path.exists(os.path.join(TINY, "tokenizer.json")),
