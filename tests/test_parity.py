@@ -63,15 +63,16 @@ def test_tiny_tier1_with_injected_index_sets():
             assert _sets_equal(got, fixture.tensor(case, f"topk_layer{layer}_prefill")).all()
 
 
-def _one_case_fixture(tmp_path, source: str, case: str, checks: list[dict]) -> str:
-    """A fixture folder in the shared format holding one case, with its own manifest (absolute paths)."""
+def _one_case_fixture(tmp_path, source: str, case: str | tuple[str, ...], checks: list[dict]) -> str:
+    """A fixture folder in the shared format holding one case (or a few), with its own manifest (absolute paths)."""
+    cases_kept = (case,) if isinstance(case, str) else case
     src = parity_path(source)
     with open(os.path.join(src, "fixture.json")) as f:
         manifest = json.load(f)
     from dijax.checkpoint import SafetensorsFile
 
     cases = SafetensorsFile(os.path.join(src, manifest["cases"]))
-    tensors = {n: np.array(cases.get(n)) for n in cases.names() if n.startswith(case + ".")}
+    tensors = {n: np.array(cases.get(n)) for n in cases.names() if n.split(".")[0] in cases_kept}
     save_file(tensors, str(tmp_path / "cases.safetensors"))
     for key in ("config", "inference_config", "tokenizer"):
         manifest[key] = os.path.normpath(os.path.join(src, manifest[key]))
@@ -109,14 +110,40 @@ def test_checker_chunked_and_cli_exit_codes(tmp_path):
     assert main(["parity", str(tmp_path / "missing")]) == 2
 
 
+ENGINE_LOOSE = {"name": "tier1", "inject_topk": False, "median_r": NOISE_FLOOR_MEDIAN, "p90_r": 0.02, "max_r": 0.1,
+                "tokens_equal_where_ref_margin_ge": 0.25}
+
+
+def _engine_figures(text: str) -> tuple[int, int]:
+    """(preemptions, token mismatches) from run_engine's summary, after checking it passed."""
+    assert text.strip().endswith("parity: 1/1 checks passed"), text
+    summary = [line for line in text.splitlines() if line.strip().startswith("engine:")][0]
+    mismatches = sum(int(line.split("token mismatches ")[1]) for line in text.splitlines()
+                     if "token mismatches" in line)
+    return int(summary.split("preemptions ")[1].split()[0]), mismatches
+
+
 def test_engine_parity_with_forced_preemption(tmp_path):
     from dijax.parity import run_engine
 
-    loose = {"name": "tier1", "inject_topk": False, "median_r": 0.02, "p90_r": 0.05, "max_r": 0.2,
-             "tokens_equal_where_ref_margin_ge": 0.25}
-    folder = _one_case_fixture(tmp_path, "tiny-nodrop", "case_L5", [loose])
+    folder = _one_case_fixture(tmp_path, "tiny-nodrop", "case_L5", [ENGINE_LOOSE])
     out = io.StringIO()
     assert run_engine(folder, zos=True, max_num_batched_tokens=16, block_size=16, num_blocks=3, out=out)
+    preemptions, mismatches = _engine_figures(out.getvalue())
+    assert preemptions > 0 and mismatches == 0
+
+
+@pytest.mark.parametrize("zos, max_num_batched_tokens", [(False, 256), (True, 7), (False, 16)])
+def test_engine_parity_zos_and_chunk_sizes(tmp_path, zos, max_num_batched_tokens):
+    """Six prompts (lengths 5 and 23) in one engine: ZOS off and on, prefill whole or in chunks of 7 / 16 tokens
+    next to running decodes; every compared step within tolerance, every token equal, no preemption needed."""
+    from dijax.parity import run_engine
+
+    folder = _one_case_fixture(tmp_path, "tiny-nodrop", ("case_L5", "case_L23"), [ENGINE_LOOSE])
+    out = io.StringIO()
+    assert run_engine(folder, zos=zos, max_num_batched_tokens=max_num_batched_tokens, out=out)
     text = out.getvalue()
-    preemptions = int(text.split("preemptions ")[1].split()[0])
-    assert preemptions > 0 and "token mismatches 0" in text and text.strip().endswith("parity: 1/1 checks passed")
+    preemptions, mismatches = _engine_figures(text)
+    assert preemptions == 0 and mismatches == 0
+    assert f"zos {'on' if zos else 'off'}" in text
+    assert "engine case_L5" in text and "engine case_L23" in text
