@@ -162,12 +162,16 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
                         engram_rows: dict[int, tuple[int, int]] | None = None, source: str = "checkpoint") -> dict:
     """Assemble (checkpoint name, numpy array) pairs into the parameter pytree (device arrays).
 
+    Routed experts come one per name (``layers.L.ffn.experts.E.w1.weight``) or already stacked over the range
+    (``layers.L.ffn.experts.w1.weight`` [E, ...], as ``random_codes`` draws them).
+
     Applies the reference's load-time promotions: ``head`` and ratio>1 ``compressor.{wkv,wgate}`` to float32.
     DSpark (``mtp.*``) tensors are not used by the backbone and are skipped.
     """
     first, last = expert_range or (0, cfg.n_routed_experts)
     layers: list[dict] = [{} for _ in range(cfg.n_layers)]
     experts: list[dict[int, dict]] = [{} for _ in range(cfg.n_layers)]
+    stacked_experts: list[dict] = [{} for _ in range(cfg.n_layers)]
     top: dict = {}
     for name, array in items:
         parts = name.split(".")
@@ -181,7 +185,9 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
             raise ValueError(f"tensor {name!r} names layer {layer}, but the config has n_layers={cfg.n_layers}")
         rest = parts[2:]
         if rest[:2] == ["ffn", "experts"]:
-            if first <= int(rest[2]) < last:
+            if rest[2] in ("w1", "w2", "w3"):  # already stacked over this range's experts: [E, ...]
+                _set(stacked_experts[layer], rest[2:], array)
+            elif first <= int(rest[2]) < last:
                 experts[layer].setdefault(int(rest[2]), {}).setdefault(rest[3], {})[rest[4]] = array
             continue
         if rest[:2] == ["attn", "compressor"] and rest[2] in ("wkv", "wgate") and cfg.compress_ratios[layer] > 1:
@@ -195,6 +201,13 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
     top["head"]["weight"] = top["head"]["weight"].astype(np.float32)
     for layer in range(cfg.n_layers):
         found = experts[layer]
+        if stacked_experts[layer] and not found:
+            for w, tensors in stacked_experts[layer].items():
+                if tensors["weight"].shape[0] != last - first:
+                    raise ValueError(f"layer {layer}: stacked 'ffn.experts.{w}.weight' holds "
+                                     f"{tensors['weight'].shape[0]} experts, expected {last - first}")
+            layers[layer].setdefault("ffn", {})["experts"] = stacked_experts[layer]
+            continue
         if sorted(found) != list(range(first, last)):
             raise ValueError(f"layer {layer}: expected routed experts {first}..{last - 1}, found {len(found)}")
         stacked = {w: {k: np.stack([found[e][w][k] for e in range(first, last)])

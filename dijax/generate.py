@@ -39,7 +39,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def load(model: str | None, seed: int = 0):
     """(config, params, Engram constants, tokenizer) for a checkpoint path, or the embedded tiny default."""
-    import jax.numpy as jnp
     from tokenizers import Tokenizer
 
     from dijax.checkpoint import load_params, resolve_checkpoint
@@ -60,7 +59,7 @@ def load(model: str | None, seed: int = 0):
     consts: dict = {}
     if cfg.engram_layer_ids:
         tables = EngramTables.build(cfg, tokenizer)
-        consts = dict(tables.device_arrays(), pad_id=jnp.int32(tables.pad_id))
+        consts = tables.step_consts()
     return cfg, params, consts, tokenizer
 
 

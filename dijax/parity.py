@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-import jax.numpy as jnp
 from dijax.checkpoint import SafetensorsFile, load_params, resolve_checkpoint
 from dijax.config import ModelConfig
 from dijax.driver import Driver
@@ -86,7 +85,7 @@ def load_model(fixture: Fixture):
         from tokenizers import Tokenizer
 
         tables = EngramTables.build(fixture.cfg, Tokenizer.from_file(fixture.tokenizer_path))
-        consts = dict(tables.device_arrays(), pad_id=jnp.int32(tables.pad_id))
+        consts = tables.step_consts()
     return params, consts
 
 

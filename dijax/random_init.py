@@ -7,6 +7,8 @@ stable: Linear weights N(0, 1/in) with a few gains, an embedding of std 3, a hea
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -96,8 +98,9 @@ def _dense(name: str, shape: tuple[int, ...], rng: np.random.Generator, cfg: Mod
     if name.endswith("_base"):
         base = rng.normal(0, 0.5, shape)
         c = cfg.hc_mult
-        base[2 * c:] += 2 * np.eye(c).ravel()  # a comb close to the identity
-        return base
+        comb = np.zeros(shape, np.float32)
+        comb[2 * c:] = 2 * np.eye(c).ravel()  # a comb close to the identity
+        return base + comb
     if name.endswith("_scale"):
         return rng.uniform(0.2, 1.0, shape)
     return rng.normal(0, gain / np.sqrt(shape[-1]), shape)
@@ -106,3 +109,76 @@ def _dense(name: str, shape: tuple[int, ...], rng: np.random.Generator, cfg: Mod
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
     """The parameter pytree of ``cfg`` with random weights from ``seed`` (deterministic)."""
     return params_from_tensors(cfg, random_tensors(cfg, seed), source=f"random weights (seed {seed})")
+
+
+class _DeviceDraws:
+    """The slice of numpy's Generator API that ``_dense`` uses, drawn on the default device by ``jax.random``."""
+
+    def __init__(self, seed: int):
+        self._key, self._count = jax.random.key(seed), 0
+
+    def _next(self) -> jax.Array:
+        self._count += 1
+        return jax.random.fold_in(self._key, self._count)
+
+    def normal(self, loc: float, scale: float, size: tuple[int, ...]) -> jax.Array:
+        return loc + scale * jax.random.normal(self._next(), size, jnp.float32)
+
+    def uniform(self, low: float, high: float, size: tuple[int, ...]) -> jax.Array:
+        return jax.random.uniform(self._next(), size, jnp.float32, low, high)
+
+    def bytes(self, size: tuple[int, ...]) -> jax.Array:
+        return jax.random.bits(self._next(), size, jnp.uint8)
+
+
+def _unit_exponent(fan_in: int) -> int:
+    """ue8m0 byte of the power of two closest below 1/sqrt(fan_in): scales codes of magnitude ~1 to N(0, 1/in)."""
+    return 127 - int(np.ceil(np.log2(np.sqrt(fan_in))))
+
+
+def random_codes(cfg: ModelConfig, seed: int = 0):
+    """Yield (reference name, device array) for every backbone tensor, drawn on the device in seconds.
+
+    For benchmarks at the real model's dimensions, where quantising random floats on the host (``random_tensors``)
+    would take minutes: fp8 and MXFP4 tensors are uniformly random codes (fp8 limited to exponent fields 0..7, so
+    magnitudes stay below 2 and no NaN code appears) under one power-of-two scale per tensor that brings them to
+    about N(0, 1/fan_in); dense tensors follow the same recipe as ``random_tensors``. Same shapes and dtypes; the
+    routed experts come stacked per layer (``layers.L.ffn.experts.w1.weight`` [E, ...]), drawn in one piece so that
+    the device memory holds no per-expert fragments.
+    """
+    draws = _DeviceDraws(seed)
+    spec = backbone_spec(cfg)
+    for name in sorted(spec):
+        if name.endswith(".scale"):
+            continue
+        s = spec[name]
+        shape, scale_shape = s.shape, spec.get(name[:-len("weight")] + "scale", s).shape
+        parts = name.split(".")
+        if parts[2:4] == ["ffn", "experts"]:  # drawn stacked over the experts, once, under the stacked name
+            if parts[4] != "0":
+                continue
+            name = ".".join(parts[:4] + parts[5:])
+            shape, scale_shape = (cfg.n_routed_experts, *shape), (cfg.n_routed_experts, *scale_shape)
+        scale_name = name[:-len("weight")] + "scale"
+        packed = s.dtypes[0] in ("I8", "F4", "U8")
+        if packed or s.dtypes[0] == "F8_E4M3" and not name.endswith("attn.wo_a.weight"):
+            codes = draws.bytes(shape)
+            fan_in = shape[-1] * (2 if packed else 1)
+            if packed:
+                exponent = _unit_exponent(fan_in) - 1  # e2m1 codes reach 6
+            else:
+                codes = jax.lax.bitcast_convert_type(codes & 0xBF, jnp.float8_e4m3fn)
+                exponent = 127 if name.endswith("engram.embed.weight") else _unit_exponent(fan_in)
+            yield name, codes
+            yield scale_name, jnp.full(scale_shape, exponent, jnp.uint8)
+        elif name.endswith("attn.wo_a.weight"):  # held dequantised, as the converter writes it
+            yield name, draws.normal(0.0, 1 / np.sqrt(shape[1]), shape).astype(jnp.bfloat16)
+        else:
+            gain = next((g for key, g in _GAINS.items() if key in name), 1.0)
+            yield name, _dense(name, shape, draws, cfg, gain).astype(
+                jnp.float32 if s.dtypes[0] == "F32" else jnp.bfloat16)
+
+
+def random_codes_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """The parameter pytree of ``cfg`` from ``random_codes`` (benchmarks; deterministic per seed and device)."""
+    return params_from_tensors(cfg, random_codes(cfg, seed), source=f"random codes (seed {seed})")

@@ -108,7 +108,11 @@ class EngramTables:
 
     @classmethod
     def build(cls, cfg: ModelConfig, tokenizer) -> "EngramTables":
-        token_map, size = build_compressed_token_map(tokenizer)
+        return cls.from_token_map(cfg, *build_compressed_token_map(tokenizer))
+
+    @classmethod
+    def from_token_map(cls, cfg: ModelConfig, token_map: np.ndarray, size: int) -> "EngramTables":
+        """Tables for a given token -> compressed-id map [V] with ``size`` compressed ids (validated)."""
         if size != cfg.engram_compressed_vocab_size:
             raise ValueError(f"config field 'engram_compressed_vocab_size' is {cfg.engram_compressed_vocab_size} "
                              f"but the tokenizer normalises to {size} compressed ids")
@@ -130,6 +134,10 @@ class EngramTables:
             "primes": jnp.asarray(self.primes.astype(np.uint32)),  # [E, J]
             "offsets": jnp.asarray(self.offsets.astype(np.int32)),  # [E, J]
         }
+
+    def step_consts(self) -> dict[str, jax.Array]:
+        """The ``consts`` argument of ``forward_step``: ``device_arrays()`` plus the compressed pad id."""
+        return dict(self.device_arrays(), pad_id=jnp.int32(self.pad_id))
 
 
 def ngram_window(ids_TG: jax.Array, positions_T: jax.Array, pad_id: int | jax.Array) -> jax.Array:

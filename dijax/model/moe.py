@@ -46,44 +46,82 @@ def shared_expert(p: dict, x_TD: jax.Array, limit: float) -> jax.Array:
     return linear(h.astype(jnp.bfloat16), p["w2"])
 
 
+def _dequant_experts(w: jax.Array, scale: jax.Array) -> jax.Array:
+    """Stacked routed-expert weights -> bf16 [N, out, in] (N experts, or N assignments when gathered).
+
+    w: MXFP4 ``uint8`` [N, out, in/2] with ue8m0 [N, out, in/32], or fp8 [N, out, in] with ue8m0 tiles.
+    """
+    if w.dtype == jnp.uint8:
+        return quant.dequant_fp4_weight(w, scale)
+    return jax.vmap(quant.dequant_fp8_weight)(w, scale)
+
+
 def _expert_weights(experts: dict, name: str) -> jax.Array:
     """Stacked routed-expert weight dequantised to bf16: [E, out, in]."""
-    w = experts[name]["weight"]
-    if w.dtype == jnp.uint8:
-        return quant.dequant_fp4_weight(w, experts[name]["scale"])
-    return jax.vmap(quant.dequant_fp8_weight)(w, experts[name]["scale"])
+    return _dequant_experts(experts[name]["weight"], experts[name]["scale"])
+
+
+def _assigned_expert_weights(experts: dict, name: str, expert_A: jax.Array) -> jax.Array:
+    """Only the assigned experts' weights, gathered packed and then dequantised: bf16 [A, out, in]."""
+    return _dequant_experts(experts[name]["weight"][expert_A], experts[name]["scale"][expert_A])
+
+
+def routed_path(n_assignments: int, n_experts: int) -> str:
+    """The static choice of ``routed_experts``: 'gathered' when A < E, else 'ragged'."""
+    return "gathered" if n_assignments < n_experts else "ragged"
 
 
 def routed_experts(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array,
-                   limit: float) -> jax.Array:
+                   limit: float, path: str | None = None) -> jax.Array:
     """Sum over each token's experts of ``w_e * expert_e(x)``, in expert-id order, in fp32. -> float32 [T, D].
 
-    experts: stacked {'w1','w2','w3': {'weight': [E, ...], 'scale': [E, ...]}}. Assignments are sorted by expert
-    and run as grouped GEMMs (``ragged_dot``) on the dequantised weights.
+    experts: stacked {'w1','w2','w3': {'weight': [E, ...], 'scale': [E, ...]}}; x_TD bf16; weights_TX float32;
+    experts_TX int32, ascending per token. Two paths, chosen statically from the shapes (``path`` forces one):
+      * 'gathered' (A < E, e.g. decode steps): the A assigned experts' packed weights and scales are gathered and
+        only those are dequantised, then each assignment is a batched matrix-vector product. Memory traffic is A
+        expert matrices instead of E (a decode step of one token touches X of the model's 384 experts);
+      * 'ragged' (A >= E, e.g. prefill): all E experts are dequantised once, assignments are sorted by expert and
+        run as grouped GEMMs (``ragged_dot``); here every expert is likely used and the weights are shared.
+    Both paths round every GEMM output to bf16 alike and sum the X experts of a token in expert-id order.
     """
     t, d = x_TD.shape
-    x_act = quant.fq8(x_TD)
+    n_per_token = experts_TX.shape[1]
     n_experts = experts["w1"]["weight"].shape[0]
-    flat_expert = experts_TX.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    token_of = (jnp.arange(flat_expert.shape[0]) // experts_TX.shape[1])[order]
-    group_sizes = jnp.bincount(flat_expert, length=n_experts).astype(jnp.int32)
-    xs = x_act[token_of]
+    expert_A = experts_TX.reshape(-1)
+    path = path or routed_path(expert_A.shape[0], n_experts)
+    token_A = jnp.arange(expert_A.shape[0]) // n_per_token
+    weights_A = weights_TX.reshape(-1)
+    if path == "gathered":  # assignment a = t * X + i is (token t, slot i): no reordering
+        order_A = None
 
-    def grouped(lhs_AI: jax.Array, w_EOI: jax.Array) -> jax.Array:
-        return jax.lax.ragged_dot(lhs_AI, jnp.swapaxes(w_EOI, 1, 2), group_sizes,
-                                  precision=jax.lax.Precision.HIGHEST,
-                                  preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        def matmul(lhs_AI: jax.Array, name: str) -> jax.Array:
+            w_AOI = _assigned_expert_weights(experts, name, expert_A)
+            return jnp.einsum("ai,aoi->ao", lhs_AI, w_AOI, precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    elif path == "ragged":  # assignments sorted by expert, one group per expert
+        order_A = jnp.argsort(expert_A, stable=True)
+        token_A, weights_A = token_A[order_A], weights_A[order_A]
+        group_sizes_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
 
-    g = grouped(xs, _expert_weights(experts, "w1")).astype(jnp.float32)
-    u = grouped(xs, _expert_weights(experts, "w3")).astype(jnp.float32)
-    h = _swiglu(g, u, limit) * weights_TX.reshape(-1)[order][:, None]
-    y = grouped(quant.fq8(h.astype(jnp.bfloat16)), _expert_weights(experts, "w2"))
-    per_token = jnp.zeros_like(y).at[order].set(y).reshape(t, experts_TX.shape[1], d)
-    total = jnp.zeros((t, d), jnp.float32)
-    for i in range(experts_TX.shape[1]):
-        total = total + per_token[:, i].astype(jnp.float32)
-    return total
+        def matmul(lhs_AI: jax.Array, name: str) -> jax.Array:
+            w_EIO = jnp.swapaxes(_expert_weights(experts, name), 1, 2)
+            return jax.lax.ragged_dot(lhs_AI, w_EIO, group_sizes_E, precision=jax.lax.Precision.HIGHEST,
+                                      preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    else:
+        raise ValueError(f"unknown routed-experts path {path!r} (expected 'gathered' or 'ragged')")
+
+    x_AD = quant.fq8(x_TD)[token_A]
+    g_AF = matmul(x_AD, "w1").astype(jnp.float32)
+    u_AF = matmul(x_AD, "w3").astype(jnp.float32)
+    h_AF = _swiglu(g_AF, u_AF, limit) * weights_A[:, None]
+    y_AD = matmul(quant.fq8(h_AF.astype(jnp.bfloat16)), "w2")
+    if order_A is not None:
+        y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)
+    y_TXD = y_AD.reshape(t, n_per_token, d)
+    total_TD = jnp.zeros((t, d), jnp.float32)
+    for i in range(n_per_token):
+        total_TD = total_TD + y_TXD[:, i].astype(jnp.float32)
+    return total_TD
 
 
 def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig) -> jax.Array:

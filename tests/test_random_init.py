@@ -1,0 +1,37 @@
+"""Random weights: the host recipe (``random_params``) and the device-drawn codes for benchmarks (``random_codes``)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dijax.config import ModelConfig
+from dijax.generate import ASSETS, load
+from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
+from dijax.model.transformer import make_step_fn
+from dijax.random_init import random_codes_params, random_params
+
+
+def test_random_codes_match_the_recipe_layout_and_give_finite_logits():
+    cfg = ModelConfig.from_file(os.path.join(ASSETS, "config.json"))
+    codes, recipe = random_codes_params(cfg, seed=3), random_params(cfg, seed=3)
+    assert jax.tree.structure(codes) == jax.tree.structure(recipe)
+    for a, b in zip(jax.tree.leaves(codes), jax.tree.leaves(recipe)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    for x in jax.tree.leaves(codes):  # no NaN code anywhere (fp8 codes keep the exponent field below 8)
+        assert bool(jnp.isfinite(x.astype(jnp.float32)).all())
+    w = np.asarray(codes["layers"][0]["attn"]["wq_a"]["weight"].astype(jnp.float32))
+    assert np.abs(w).max() < 2 and w.std() > 0.1  # random codes, not zeros
+    assert not np.array_equal(np.asarray(random_codes_params(cfg, seed=4)["embed"]["weight"]),
+                              np.asarray(codes["embed"]["weight"]))
+
+    _, _, consts, _ = load(None)
+    spec = CacheSpec(num_blocks=4, num_slots=2, block_size=16)
+    batch, _ = build_step([SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=list(range(5, 25))),
+                           SeqChunk(slot=1, block_table=[2], start=0, tokens=[7, 8, 9])], 32, 2, 2)
+    logits, _, _ = make_step_fn(cfg)(codes, init_cache(cfg, spec), batch, consts)
+    assert logits.shape == (2, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+    assert float(jnp.std(logits)) > 0

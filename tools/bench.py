@@ -1,0 +1,299 @@
+"""Benchmarks of the ragged step and of the engine (DESIGN.md "Performance method").
+
+    python tools/bench.py                                   # embedded tiny model: step + engine (CPU or GPU)
+    python tools/bench.py --model flash-slice --decode-batch 1,16,64 --context 4096 --prefill 2048
+
+Step rows: the jitted ``forward_step`` alone (no scheduler), a decode step of B sequences at context C or one
+prefill of P tokens, median wall time over ``--iters`` runs after ``--warmup`` runs (each run ends in
+``jax.block_until_ready``), on a cache filled with random values. Beside it, the step's floor: the larger of bytes /
+bandwidth and FLOPs / matrix rate, counted from the parameter shapes and the cache rows the step must read
+(``step_cost``), and the fraction of that floor reached. Engine rows: ``LLM.generate`` end to end (scheduler,
+runner, sampler) with ZOS on and off, output tokens per second.
+
+Models: ``tiny`` (the embedded default, random weights) and ``flash-slice``: DeepSeek-V4.1-Flash's real dimensions
+(dim 5120, 64 heads of 512, 384 experts of 2304, vocab 129280, indexer 32x128 top-512, candidates 2048x8, window
+128) on 7 layers that cover every layer role, random fp8/MXFP4 codes drawn on the device, a synthetic Engram token
+map and Engram tables cut to ~2.4M rows (the lookup reads 24 rows per token whatever the table size).
+
+Ceilings default to those measured on an H200 of this workplace (device README KINDS.md: 4.3 TB/s copy, 790
+TFLOP/s bf16 matrix product); pass ``--bandwidth`` / ``--flops`` for other hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dijax  # noqa: E402  (sets XLA flags before JAX starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dijax.config import ModelConfig  # noqa: E402
+from dijax.generate import ASSETS  # noqa: E402
+
+FLASH_SLICE = {  # v41_spec §1 values; layer roles 0-6 mirror layers 0, 1, 2, 3, 20, 24, 25 of the release
+    "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_hidden_layers": 7,
+    "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024,
+    "o_groups": 8, "max_position_embeddings": 1048576, "sliding_window": 128,
+    "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                     "original_max_position_embeddings": 65536},
+    "n_routed_experts": 384, "num_experts_per_tok": 6,
+    "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 0], "kv_source_layer_ids": [2, 4], "index_source_layer_ids": [2, 4, 5],
+    "candidate_source_layer_id": 4, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
+    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
+    "engram_layer_ids": [1, 2], "engram_max_ngram_size": 4, "engram_vocab_size": 100000, "engram_n_heads": 8,
+    "engram_head_dim": 256, "engram_compressed_vocab_size": 99092,
+    "num_nextn_predict_layers": 1, "dspark_target_layer_ids": [4, 5, 6],
+}
+
+
+def flash_slice_config(n_experts: int) -> ModelConfig:
+    """The flash-slice preset (module docstring) with ``n_experts`` routed experts."""
+    from dijax.model.engram import engram_primes
+
+    with open(os.path.join(ASSETS, "config.json")) as f:
+        raw = json.load(f)
+    raw["text_config"].update(FLASH_SLICE, n_routed_experts=n_experts)
+    raw["text_config"]["engram_num_embeddings"] = [1, 1]  # placeholder until the primes are known
+    primes = engram_primes(ModelConfig.from_dict(raw)).reshape(2, -1)
+    raw["text_config"]["engram_num_embeddings"] = [int(p.sum()) for p in primes]
+    return ModelConfig.from_dict(raw)
+
+
+def load_model(name: str, n_experts: int):
+    """(config, params, step consts) of a benchmark model."""
+    from dijax.model.engram import EngramTables
+    from dijax.random_init import random_codes_params
+
+    if name == "tiny":
+        from dijax.generate import load
+
+        cfg, params, consts, _ = load(None)
+        return cfg, params, consts
+    if name != "flash-slice":
+        raise ValueError(f"--model must be 'tiny' or 'flash-slice', got {name!r}")
+    cfg = flash_slice_config(n_experts)
+    size = cfg.engram_compressed_vocab_size
+    token_map = (np.arange(cfg.vocab_size) % size).astype(np.int32)  # synthetic normalisation: timing only
+    consts = EngramTables.from_token_map(cfg, token_map, size).step_consts()
+    return cfg, random_codes_params(cfg, seed=0), consts
+
+
+@dataclass
+class Cost:
+    """What one step must move and compute at least."""
+
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+
+    def floor_s(self, bandwidth: float, flops_rate: float) -> tuple[float, str]:
+        memory, compute = (self.weight_bytes + self.kv_bytes) / bandwidth, self.flops / flops_rate
+        return (memory, "memory") if memory >= compute else (compute, "compute")
+
+
+def _nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def _elements(tree) -> int:
+    """Weight elements of every matrix in ``tree`` (packed fp4 bytes count twice; scales and vectors not)."""
+    total = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if x.ndim >= 2 and "scale" not in jax.tree_util.keystr(path):
+            total += x.size * (2 if x.dtype == jnp.uint8 else 1)
+    return total
+
+
+def step_cost(cfg: ModelConfig, params: dict, num_tokens: int, contexts: list[int]) -> Cost:
+    """Floor of one step of ``num_tokens`` query tokens over sequences that end at ``contexts``.
+
+    Weights: every non-expert parameter once, the expected number of distinct routed experts under uniform routing
+    (E (1 - (1 - X/E)^T) per layer), embedding and Engram rows of the step's tokens, the head. KV reads per
+    sequence and layer: its window ring, ``index_topk`` compressed rows for ratio > 0 layers, and the index keys an
+    index source scores (all of them, or the candidate blocks above the candidate source). FLOPs: 2 per weight
+    element per token on the active weights, plus QK and PV over window + top-k rows and the indexer's scores.
+    """
+    e, x, t = cfg.n_routed_experts, cfg.n_activated_experts, num_tokens
+    distinct = e * (1 - (1 - x / e) ** t)
+    weight_bytes = flops = 0.0
+    for lp in params["layers"]:
+        experts = lp["ffn"]["experts"]
+        rest = {k: v for k, v in lp.items() if k not in ("ffn", "engram")}
+        rest["ffn"] = {k: v for k, v in lp["ffn"].items() if k != "experts"}
+        if "engram" in lp:
+            rest["engram"] = {k: v for k, v in lp["engram"].items() if k != "embed"}
+            weight_bytes += t * _nbytes(lp["engram"]["embed"]) / lp["engram"]["embed"]["weight"].shape[0] * (
+                cfg.engram_n_heads * (cfg.engram_max_ngram_size - 1))
+        weight_bytes += _nbytes(rest) + distinct * _nbytes(experts) / e
+        flops += 2 * t * (_elements(rest) + x * _elements(experts) / e)
+    head = params["head"]["weight"]
+    weight_bytes += _nbytes(head) + t * _nbytes(params["embed"]) / params["embed"]["weight"].shape[0]
+    flops += 2 * t * head.size
+    kv_bytes = 0.0
+    query_tokens = t / max(len(contexts), 1)
+    for ctx in contexts:
+        for role in cfg.roles:
+            rows = min(ctx, cfg.window_size)
+            if role.compressed:
+                rows += min(cfg.index_topk, ctx // role.ratio)
+            kv_bytes += rows * cfg.head_dim * 2
+            flops += 2 * 2 * query_tokens * cfg.n_heads * rows * cfg.head_dim
+            if role.index_source:
+                keys = ctx // role.ratio
+                if role.uses_candidates:
+                    keys = min(keys, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+                kv_bytes += keys * cfg.index_head_dim * 2
+                flops += 2 * query_tokens * cfg.index_n_heads * keys * cfg.index_head_dim
+    return Cost(weight_bytes, kv_bytes, flops)
+
+
+def _random_cache(cfg: ModelConfig, spec, seed: int) -> dict:
+    """A cache with random contents (timings on zeros can flatter), Engram history left as "no history"."""
+    from dijax.model.step import init_cache
+
+    cache = init_cache(cfg, spec)
+    leaves, tree = jax.tree.flatten(cache)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+              else x for k, x in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, leaves)
+
+
+def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
+              warmup: int, iters: int) -> tuple[float, float]:
+    """(compile + first run seconds, median seconds) of one step: sequence i has ``lengths[i] = (cached, new)``."""
+    from dijax.driver import bucket
+    from dijax.model.step import CacheSpec, SeqChunk, build_step
+    from dijax.model.transformer import make_step_fn
+
+    rng = np.random.default_rng(0)
+    max_blocks = -(-max(c + n for c, n in lengths) // block_size)
+    spec = CacheSpec(num_blocks=max_blocks * len(lengths), num_slots=len(lengths), block_size=block_size)
+    chunks = [SeqChunk(slot=i, block_table=list(range(i * max_blocks, (i + 1) * max_blocks)), start=c,
+                       tokens=rng.integers(3, cfg.vocab_size, n).tolist()) for i, (c, n) in enumerate(lengths)]
+    total = sum(n for _, n in lengths)
+    batch, _ = build_step(chunks, bucket(total), bucket(len(lengths), 1), max_blocks, bucket(len(lengths), 1))
+    cache = _random_cache(cfg, spec, seed=1)
+    step = make_step_fn(cfg)
+    start = time.perf_counter()
+    logits, cache, _ = step(params, cache, batch, consts)
+    jax.block_until_ready(logits)
+    first = time.perf_counter() - start
+    if not bool(jnp.isfinite(logits).all()):
+        raise RuntimeError("the benchmark step produced non-finite logits")
+    for _ in range(warmup):
+        logits, cache, _ = step(params, cache, batch, consts)
+    jax.block_until_ready((logits, cache))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        logits, cache, _ = step(params, cache, batch, consts)
+        jax.block_until_ready((logits, cache))
+        times.append(time.perf_counter() - start)
+    return first, float(np.median(times))
+
+
+def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int) -> tuple[float, int]:
+    """(seconds, output tokens) of ``LLM.generate`` on the embedded tiny model, after a warm-up of every bucket."""
+    from dijax.runtime.llm import LLM
+    from dijax.runtime.sampling_params import SamplingParams
+
+    llm = LLM(max_num_seqs=num_prompts, max_num_batched_tokens=max(64, prompt_len), zos=zos)
+    llm.engine.runner.warmup()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, llm.engine.cfg.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=i)
+              for i in range(num_prompts)]
+    llm.generate(prompts, params, use_tqdm=False)  # warm (host paths, transfers)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outputs)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="tiny | flash-slice")
+    parser.add_argument("--experts", type=int, default=384, help="flash-slice: routed experts per layer")
+    parser.add_argument("--decode-batch", type=_ints, default=[1, 8], help="comma list of decode batch sizes")
+    parser.add_argument("--context", type=_ints, default=[256], help="comma list of cached tokens per sequence")
+    parser.add_argument("--prefill", type=_ints, default=[128], help="comma list of prefill lengths (one sequence)")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--engine", choices=("on", "off"), default="on",
+                        help="also time LLM.generate on the tiny model with ZOS on and off")
+    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s ceiling (H200 copy: 4.3e12)")
+    parser.add_argument("--flops", type=float, default=7.9e14, help="FLOP/s ceiling (H200 bf16 GEMM: 7.9e14)")
+    parser.add_argument("--moe-path", choices=("auto", "ragged", "gathered"), default="auto",
+                        help="routed-experts path: auto (gathered when T*X < E) or forced, for A/B comparisons")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+
+    if args.moe_path != "auto":  # A/B seam: every step traced from here on takes the forced path
+        from dijax.model import moe
+
+        moe.routed_path = lambda n_assignments, n_experts: args.moe_path
+    device = jax.devices()[0]
+    header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
+              f" | {platform.machine()} | model {args.model} | moe path {args.moe_path}"
+              f" | warm-up {args.warmup}, median of {args.iters}"
+              f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s")
+    print(header, flush=True)
+    start = time.perf_counter()
+    cfg, params, consts = load_model(args.model, args.experts)
+    jax.block_until_ready(params)
+    print(f"model ready in {time.perf_counter() - start:.1f} s: {_nbytes(params) / 1e9:.2f} GB of parameters, "
+          f"{cfg.n_layers} layers, {cfg.n_routed_experts} experts", flush=True)
+    rows = []
+    cases = [(f"decode B={b} ctx={c}", [(c, 1)] * b) for b in args.decode_batch for c in args.context]
+    cases += [(f"prefill P={p}", [(0, p)]) for p in args.prefill]
+    for label, lengths in cases:
+        first, median = time_step(cfg, params, consts, lengths, args.block_size, args.warmup, args.iters)
+        tokens = sum(n for _, n in lengths)
+        cost = step_cost(cfg, params, tokens, [c + n for c, n in lengths])
+        floor, bound = cost.floor_s(args.bandwidth, args.flops)
+        rows.append({"case": label, "tokens": tokens, "first_s": first, "median_ms": median * 1e3,
+                     "tokens_per_s": tokens / median, "floor_ms": floor * 1e3, "bound": bound,
+                     "of_floor": floor / median, "bytes_GB": (cost.weight_bytes + cost.kv_bytes) / 1e9,
+                     "GFLOP": cost.flops / 1e9})
+        print(f"  {label}: {median * 1e3:.2f} ms (first run {first:.1f} s)", flush=True)
+    if args.engine == "on":
+        for zos in (True, False):
+            seconds, tokens = time_engine(zos, num_prompts=8, prompt_len=32, max_tokens=64)
+            rows.append({"case": f"engine tiny 8x(32+64) zos {'on' if zos else 'off'}", "tokens": tokens,
+                         "median_ms": seconds * 1e3, "tokens_per_s": tokens / seconds})
+            print(f"  engine zos {'on' if zos else 'off'}: {tokens / seconds:.0f} output tok/s", flush=True)
+    print()
+    print(header)
+    print("| case | ms (median) | tokens/s | floor ms (bound) | of floor | GB moved | GFLOP |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "floor_ms" in r:
+            print(f"| {r['case']} | {r['median_ms']:.3f} | {r['tokens_per_s']:.0f} | {r['floor_ms']:.3f} "
+                  f"({r['bound']}) | {r['of_floor']:.1%} | {r['bytes_GB']:.3f} | {r['GFLOP']:.1f} |")
+        else:
+            print(f"| {r['case']} | {r['median_ms']:.0f} (whole run) | {r['tokens_per_s']:.0f} | | | | |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
