@@ -35,7 +35,7 @@ from dijax.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepBatch:
-    """Device inputs of one step (all int32 unless noted).
+    """Inputs of one step (all int32 unless noted; host numpy arrays until the jitted step takes them).
 
     tokens_T, positions_T, seq_T [T]; valid_T, engram_mask_T bool [T];
     slot_S, start_S, qlen_S, qstart_S [S]; block_table_SB [S, B]; logit_rows_R [R] (indices into T).
@@ -69,7 +69,9 @@ def build_step(chunks: list[SeqChunk], num_tokens: int, num_seqs: int, max_block
                num_logit_rows: int | None = None) -> tuple[StepBatch, list[list[int]]]:
     """Pack chunks into a StepBatch padded to ``num_tokens`` tokens and ``num_seqs`` sequence rows.
 
-    Returns the batch and, per chunk, the indices into ``logits_RV`` of its requested logit rows.
+    Returns the batch (numpy arrays: the jitted step moves them to the device as part of its call, which costs far
+    less host time than one eager transfer per field) and, per chunk, the indices into ``logits_RV`` of its
+    requested logit rows.
     """
     total = sum(len(c.tokens) for c in chunks)
     if total > num_tokens or len(chunks) > num_seqs:
@@ -109,7 +111,7 @@ def build_step(chunks: list[SeqChunk], num_tokens: int, num_seqs: int, max_block
     batch = StepBatch(tokens_T=tokens, positions_T=positions, seq_T=seq, valid_T=valid,
                       engram_mask_T=valid.copy(), slot_S=slot, start_S=start, qlen_S=qlen, qstart_S=qstart,
                       block_table_SB=table, logit_rows_R=logit_rows)
-    return jax.tree.map(jnp.asarray, batch), rows_per_chunk
+    return batch, rows_per_chunk
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ class ModelRunner:
         self.max_rows = bucket(max_num_seqs, 1)
         self.max_tokens = bucket(max_num_batched_tokens)
         self._step = _compiled_step(cfg, self.max_rows, debug_logits)
+        self._no_previous = jnp.zeros(self.max_rows, jnp.int32)  # prev_tokens_R of a step with no predecessor
 
     @property
     def compiles(self) -> int:
@@ -116,14 +117,14 @@ class ModelRunner:
             t += c.num_tokens
         rows = [c for c in output.chunks if c.sample]
         pad = num_seqs - len(rows)
-        sampling = (jnp.asarray([c.params.temperature for c in rows] + [0.0] * pad, jnp.float32),
-                    jnp.asarray([c.params.top_k for c in rows] + [0] * pad, jnp.int32),
-                    jnp.asarray([c.params.top_p for c in rows] + [1.0] * pad, jnp.float32),
-                    jnp.asarray([c.seed & 0xFFFFFFFF for c in rows] + [0] * pad, jnp.uint32),
-                    jnp.asarray([c.output_position for c in rows] + [0] * pad, jnp.int32))
-        prev_tokens = previous.tokens_R if previous is not None else jnp.zeros(self.max_rows, jnp.int32)
-        remap_dev = jnp.asarray(remap)
+        # host arrays throughout: the jitted call transfers them together with the batch
+        sampling = (np.array([c.params.temperature for c in rows] + [0.0] * pad, np.float32),
+                    np.array([c.params.top_k for c in rows] + [0] * pad, np.int32),
+                    np.array([c.params.top_p for c in rows] + [1.0] * pad, np.float32),
+                    np.array([c.seed & 0xFFFFFFFF for c in rows] + [0] * pad, np.uint32),
+                    np.array([c.output_position for c in rows] + [0] * pad, np.int32))
+        prev_tokens = previous.tokens_R if previous is not None else self._no_previous
         with jax.transfer_guard_device_to_host("disallow"):
             (tokens, logits), self.cache = self._step(self.params, self.cache, batch, self.consts, prev_tokens,
-                                                      remap_dev, sampling)
+                                                      remap, sampling)
         return StepHandle(output, tokens, logits)
