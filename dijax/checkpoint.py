@@ -201,7 +201,10 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
     top["head"]["weight"] = top["head"]["weight"].astype(np.float32)
     for layer in range(cfg.n_layers):
         found = experts[layer]
-        if stacked_experts[layer] and not found:
+        if stacked_experts[layer]:
+            if found or sorted(stacked_experts[layer]) != ["w1", "w2", "w3"]:
+                raise ValueError(f"layer {layer}: routed experts must be either all per expert or stacked w1, w2 "
+                                 f"and w3; found stacked {sorted(stacked_experts[layer])} and {len(found)} per expert")
             for w, tensors in stacked_experts[layer].items():
                 if tensors["weight"].shape[0] != last - first:
                     raise ValueError(f"layer {layer}: stacked 'ffn.experts.{w}.weight' holds "

@@ -20,6 +20,11 @@ _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 _GAINS = {"attn.wo_b": 0.4, ".w2": 0.2, "engram.wkv": 0.3, "ffn.gate": 3.0}
 
 
+def _gain(name: str) -> float:
+    """Extra factor on a tensor's N(0, 1/fan_in) scale (the fixtures' recipe), 1 for most tensors."""
+    return next((g for key, g in _GAINS.items() if key in name), 1.0)
+
+
 def _pow2_exponent(amax: np.ndarray, max_value: float) -> np.ndarray:
     return np.ceil(np.log2(np.maximum(amax, 1e-30) / max_value)).astype(np.int32)
 
@@ -53,7 +58,7 @@ def random_tensors(cfg: ModelConfig, seed: int = 0):
         s = spec[name]
         if name.endswith(".scale"):
             continue  # produced with its weight
-        gain = next((g for key, g in _GAINS.items() if key in name), 1.0)
+        gain = _gain(name)
         if s.dtypes[0] in ("I8", "F4", "U8") or (s.dtypes[0] == "F8_E4M3" and ".experts." in name):
             logical = (s.shape[0], s.shape[1] * 2) if s.dtypes[0] != "F8_E4M3" else s.shape
             packed, scale = _mxfp4(rng.normal(0, gain / np.sqrt(logical[1]), logical).astype(np.float32))
@@ -174,8 +179,7 @@ def random_codes(cfg: ModelConfig, seed: int = 0):
         elif name.endswith("attn.wo_a.weight"):  # held dequantised, as the converter writes it
             yield name, draws.normal(0.0, 1 / np.sqrt(shape[1]), shape).astype(jnp.bfloat16)
         else:
-            gain = next((g for key, g in _GAINS.items() if key in name), 1.0)
-            yield name, _dense(name, shape, draws, cfg, gain).astype(
+            yield name, _dense(name, shape, draws, cfg, _gain(name)).astype(
                 jnp.float32 if s.dtypes[0] == "F32" else jnp.bfloat16)
 
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from dijax.checkpoint import SafetensorsFile, checkpoint_files, load_params, resolve_checkpoint
+from dijax.checkpoint import SafetensorsFile, checkpoint_files, load_params, params_from_tensors, resolve_checkpoint
 from dijax.config import ModelConfig
 from tests.conftest import parity_path
 
@@ -50,6 +50,36 @@ def test_one_devices_share_of_experts_and_engram_rows():
             assert np.array_equal(got, np.asarray(full["layers"][3]["ffn"]["experts"][w][k])[2:6])
     got = np.asarray(part["layers"][1]["engram"]["embed"]["weight"]).view(np.uint8)
     assert np.array_equal(got, np.asarray(full["layers"][1]["engram"]["embed"]["weight"]).view(np.uint8)[100:200])
+
+
+def test_stacked_experts_load_like_per_expert_tensors():
+    cfg = ModelConfig.from_file(parity_path("tiny", "config.json"))
+    file = SafetensorsFile(parity_path("tiny", "reference", "model.safetensors"))
+    tensors = {n: np.array(file.get(n)) for n in file.names()}
+    per_expert = params_from_tensors(cfg, tensors.items())
+
+    def stacked(drop: str | None = None, keep_expert0: bool = False):
+        for name, array in tensors.items():
+            parts = name.split(".")
+            if parts[2:4] != ["ffn", "experts"]:
+                yield name, array
+            elif keep_expert0 and parts[4] == "0":
+                yield name, array
+        for layer in range(cfg.n_layers):
+            for w in ("w1", "w2", "w3"):
+                for k in ("weight", "scale"):
+                    if w != drop:
+                        yield f"layers.{layer}.ffn.experts.{w}.{k}", np.stack(
+                            [tensors[f"layers.{layer}.ffn.experts.{e}.{w}.{k}"] for e in range(cfg.n_routed_experts)])
+
+    got = params_from_tensors(cfg, stacked())
+    assert jax.tree.structure(got) == jax.tree.structure(per_expert)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(per_expert)):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    with pytest.raises(ValueError, match="either all per expert or stacked"):
+        params_from_tensors(cfg, stacked(drop="w2"))
+    with pytest.raises(ValueError, match="either all per expert or stacked"):
+        params_from_tensors(cfg, stacked(keep_expert0=True))
 
 
 def test_truncated_file_and_missing_shard_are_reported(tmp_path):

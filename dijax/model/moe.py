@@ -46,24 +46,18 @@ def shared_expert(p: dict, x_TD: jax.Array, limit: float) -> jax.Array:
     return linear(h.astype(jnp.bfloat16), p["w2"])
 
 
-def _dequant_experts(w: jax.Array, scale: jax.Array) -> jax.Array:
-    """Stacked routed-expert weights -> bf16 [N, out, in] (N experts, or N assignments when gathered).
+def _expert_weights(experts: dict, name: str, expert_A: jax.Array | None = None) -> jax.Array:
+    """Routed-expert weight ``name`` dequantised to bf16: all experts [E, out, in], or, given ``expert_A``, only
+    those experts' (gathered while still packed, then dequantised) [A, out, in].
 
-    w: MXFP4 ``uint8`` [N, out, in/2] with ue8m0 [N, out, in/32], or fp8 [N, out, in] with ue8m0 tiles.
+    Storage: MXFP4 ``uint8`` [E, out, in/2] with ue8m0 [E, out, in/32], or fp8 [E, out, in] with ue8m0 tiles.
     """
+    w, scale = experts[name]["weight"], experts[name]["scale"]
+    if expert_A is not None:
+        w, scale = w[expert_A], scale[expert_A]
     if w.dtype == jnp.uint8:
         return quant.dequant_fp4_weight(w, scale)
     return jax.vmap(quant.dequant_fp8_weight)(w, scale)
-
-
-def _expert_weights(experts: dict, name: str) -> jax.Array:
-    """Stacked routed-expert weight dequantised to bf16: [E, out, in]."""
-    return _dequant_experts(experts[name]["weight"], experts[name]["scale"])
-
-
-def _assigned_expert_weights(experts: dict, name: str, expert_A: jax.Array) -> jax.Array:
-    """Only the assigned experts' weights, gathered packed and then dequantised: bf16 [A, out, in]."""
-    return _dequant_experts(experts[name]["weight"][expert_A], experts[name]["scale"][expert_A])
 
 
 def routed_path(n_assignments: int, n_experts: int) -> str:
@@ -99,7 +93,7 @@ def routed_experts(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, expert
         order_A = None
 
         def matmul(lhs_AI: jax.Array, name: str) -> jax.Array:
-            w_AOI = _assigned_expert_weights(experts, name, expert_A)
+            w_AOI = _expert_weights(experts, name, expert_A)
             return jnp.einsum("ai,aoi->ao", lhs_AI, w_AOI, precision=jax.lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     elif path == "ragged":  # assignments sorted by expert, one group per expert
