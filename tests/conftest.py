@@ -27,7 +27,7 @@ def parity_path(*parts: str) -> str:
 @pytest.fixture(scope="session")
 def tiny_nodrop():
     """(Fixture, params, consts) of the tiny-nodrop parity fixture."""
-    from dijax.parity import Fixture, load_model
+    from dijax.cli.parity import Fixture, load_model
 
     fixture = Fixture(parity_path("tiny-nodrop"))
     params, consts = load_model(fixture)

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from dijax.checkpoint import SafetensorsFile, checkpoint_files, load_params, params_from_tensors, resolve_checkpoint
+from dijax.io.checkpoint import load_params, params_from_tensors, resolve_checkpoint
+from dijax.io.safetensors import SafetensorsFile, checkpoint_files
 from dijax.config import ModelConfig
 from tests.conftest import parity_path
 

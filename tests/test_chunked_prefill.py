@@ -7,7 +7,7 @@ import pytest
 
 from dijax.driver import Driver
 from dijax.model.step import CacheSpec
-from dijax.parity import relative_errors
+from dijax.cli.parity import relative_errors
 
 
 def _prefill_logits(fixture, params, consts, prompts, chunk):

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from dijax.checkpoint import SafetensorsFile
+from dijax.io.safetensors import SafetensorsFile
 from dijax.config import ModelConfig
-from dijax.convert import ConversionError, Output, _write_shard, convert
-from dijax.tensor_spec import backbone_spec
+from dijax.io.convert import ConversionError, Output, _write_shard, convert
+from dijax.io.tensor_spec import backbone_spec
 from tests.conftest import parity_path
 
 
@@ -176,7 +176,7 @@ def test_cli_convert_then_parity_on_the_result(tmp_path):
 
 _RSS_CHILD = """
 import sys
-from dijax.convert import convert
+from dijax.io.convert import convert
 if sys.argv[1] == "convert":
     convert(sys.argv[2], sys.argv[3], progress=False)
 # VmHWM: peak resident set of this process image (ru_maxrss would carry the parent's peak across exec)

@@ -17,7 +17,7 @@ import pytest
 import dijax
 from dijax.config import ModelConfig
 from dijax.model import moe, quant
-from dijax.random_init import random_params
+from dijax.io.random_init import random_params
 
 TINY_CONFIG = os.path.join(os.path.dirname(dijax.__file__), "assets", "tiny", "config.json")
 TOKEN_COUNTS = (1, 4, 5, 9)  # with E = 8 and X = 2: T <= 4 is gathered (A <= E), T >= 5 ragged

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from dijax.parity import _sets_equal, relative_errors, run_case, run_fixture
+from dijax.cli.parity import _sets_equal, relative_errors, run_case, run_fixture
 from tests.conftest import parity_path
 
 NOISE_FLOOR_MEDIAN = 1e-2
@@ -50,7 +50,7 @@ def test_tiny_nodrop_tier1(tiny_nodrop):
 
 @pytest.mark.slow
 def test_tiny_tier1_with_injected_index_sets():
-    from dijax.parity import Fixture, load_model
+    from dijax.cli.parity import Fixture, load_model
 
     fixture = Fixture(parity_path("tiny"))
     params, consts = load_model(fixture)
@@ -69,7 +69,7 @@ def _one_case_fixture(tmp_path, source: str, case: str | tuple[str, ...], checks
     src = parity_path(source)
     with open(os.path.join(src, "fixture.json")) as f:
         manifest = json.load(f)
-    from dijax.checkpoint import SafetensorsFile
+    from dijax.io.safetensors import SafetensorsFile
 
     cases = SafetensorsFile(os.path.join(src, manifest["cases"]))
     tensors = {n: np.array(cases.get(n)) for n in cases.names() if n.split(".")[0] in cases_kept}
@@ -124,7 +124,7 @@ def _engine_figures(text: str) -> tuple[int, int]:
 
 
 def test_engine_parity_with_forced_preemption(tmp_path):
-    from dijax.parity import run_engine
+    from dijax.cli.parity import run_engine
 
     folder = _one_case_fixture(tmp_path, "tiny-nodrop", "case_L5", [ENGINE_LOOSE])
     out = io.StringIO()
@@ -137,7 +137,7 @@ def test_engine_parity_with_forced_preemption(tmp_path):
 def test_engine_parity_zos_and_chunk_sizes(tmp_path, zos, max_num_batched_tokens):
     """Six prompts (lengths 5 and 23) in one engine: ZOS off and on, prefill whole or in chunks of 7 / 16 tokens
     next to running decodes; every compared step within tolerance, every token equal, no preemption needed."""
-    from dijax.parity import run_engine
+    from dijax.cli.parity import run_engine
 
     folder = _one_case_fixture(tmp_path, "tiny-nodrop", ("case_L5", "case_L23"), [ENGINE_LOOSE])
     out = io.StringIO()

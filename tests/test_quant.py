@@ -1,4 +1,4 @@
-"""Unit tests for dijax.model.quant: fp8 / fp4 fake quantisation and block-scaled weight decoding.
+"""Unit tests for dijax.kernels.quant: fp8 / fp4 fake quantisation and block-scaled weight decoding.
 
 Expectations are either worked out by hand (the comments give the arithmetic) or produced by an independent numpy
 implementation written here from the spec formulas (frexp for the power-of-two scale, a grid search with an explicit
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dijax.model import quant
+from dijax.kernels import quant
 
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn

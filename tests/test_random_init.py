@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dijax.config import ModelConfig
-from dijax.generate import ASSETS, load
+from dijax.io.loader import ASSETS, load
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import make_step_fn
-from dijax.random_init import random_codes_params, random_params
+from dijax.io.random_init import random_codes_params, random_params
 
 
 def test_random_codes_match_the_recipe_layout_and_give_finite_logits():

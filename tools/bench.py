@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dijax.config import ModelConfig  # noqa: E402
-from dijax.generate import ASSETS  # noqa: E402
+from dijax.io.loader import ASSETS  # noqa: E402
 
 FLASH_SLICE = {  # v41_spec §1 values; layer roles 0-6 mirror layers 0, 1, 2, 3, 20, 24, 25 of the release
     "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_hidden_layers": 7,
@@ -75,10 +75,10 @@ def flash_slice_config(n_experts: int) -> ModelConfig:
 def load_model(name: str, n_experts: int):
     """(config, params, step consts) of a benchmark model."""
     from dijax.model.engram import EngramTables
-    from dijax.random_init import random_codes_params
+    from dijax.io.random_init import random_codes_params
 
     if name == "tiny":
-        from dijax.generate import load
+        from dijax.io.loader import load
 
         cfg, params, consts, _ = load(None)
         return cfg, params, consts

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dijax.model.numerics import divide
+from dijax.kernels.numerics import divide
 
 BLOCK = 64
 HIGHEST = jax.lax.Precision.HIGHEST

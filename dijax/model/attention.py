@@ -21,8 +21,8 @@ import numpy as np
 
 from dijax.config import LayerRole, ModelConfig
 from dijax.kernels.sparse_attn import sparse_attn
-from dijax.model import quant
-from dijax.model.numerics import divide
+from dijax.kernels import quant
+from dijax.kernels.numerics import divide
 from dijax.model.layers import linear, matmul_f32, rms_norm, rope, rope_frequencies
 from dijax.model.step import StepBatch
 

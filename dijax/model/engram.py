@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dijax.config import ModelConfig
-from dijax.model import quant
+from dijax.kernels import quant
 from dijax.model.layers import linear
-from dijax.model.numerics import mean
+from dijax.kernels.numerics import mean
 
 DEAD = -1  # compressed id of a token that takes no part in any n-gram (image spans)
 

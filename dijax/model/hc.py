@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dijax.model.layers import matmul_f32
-from dijax.model.numerics import divide, mean
+from dijax.kernels.numerics import divide, mean
 
 
 def _sum_seq(x: jax.Array, axis: int) -> jax.Array:

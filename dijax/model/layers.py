@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dijax.model import numerics, quant
+from dijax.kernels import numerics, quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dijax.config import ModelConfig
-from dijax.model import quant
+from dijax.kernels import quant
 from dijax.model.layers import linear, matmul_f32
-from dijax.model.numerics import divide
+from dijax.kernels.numerics import divide
 
 
 def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:

@@ -58,7 +58,7 @@ def forward_step(params: dict, cache: dict, batch: StepBatch, consts: dict, cfg:
                  inject_topk: dict[int, jax.Array] | None = None) -> tuple[jax.Array, dict, dict[int, jax.Array]]:
     """Run one ragged step.
 
-    params: checkpoint pytree (see dijax.checkpoint); cache: see dijax.model.step; consts: Engram device arrays
+    params: checkpoint pytree (see dijax.io.checkpoint); cache: see dijax.model.step; consts: Engram device arrays
     (``EngramTables.device_arrays()`` plus ``pad_id``), may be empty without Engram; inject_topk: optional
     {index-source layer: int32 [T, N] compressed positions} overriding that layer's selection (a test seam).
 

@@ -24,7 +24,7 @@ class LLMEngine:
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None,
                  zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False):
-        from dijax.generate import load
+        from dijax.io.loader import load
 
         # ``loaded``: an already loaded (config, params, Engram constants, tokenizer), e.g. a parity fixture
         self.cfg, params, consts, self.tokenizer = loaded or load(model, weights_seed)

@@ -15,9 +15,6 @@ import sys
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.runtime.sampling_params import SamplingParams
 
-ASSETS = os.path.join(os.path.dirname(__file__), "assets", "tiny")
-
-
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompts)
     if args.prompts_file:
@@ -35,32 +32,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if not prompts:
         prompts = ["The license", "Permission is hereby granted", "You may obtain a copy"]
     return prompts
-
-
-def load(model: str | None, seed: int = 0):
-    """(config, params, Engram constants, tokenizer) for a checkpoint path, or the embedded tiny default."""
-    from tokenizers import Tokenizer
-
-    from dijax.checkpoint import load_params, resolve_checkpoint
-    from dijax.config import ModelConfig
-    from dijax.model.engram import EngramTables
-    from dijax.random_init import random_params
-
-    if model is None:
-        cfg = ModelConfig.from_file(os.path.join(ASSETS, "config.json"))
-        tokenizer = Tokenizer.from_file(os.path.join(ASSETS, "tokenizer.json"))
-        params = random_params(cfg, seed)
-    else:
-        path = resolve_checkpoint(model)
-        folder = path if os.path.isdir(path) else os.path.dirname(path)
-        cfg = ModelConfig.from_file(folder)
-        tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-        params = load_params(cfg, path)
-    consts: dict = {}
-    if cfg.engram_layer_ids:
-        tables = EngramTables.build(cfg, tokenizer)
-        consts = tables.step_consts()
-    return cfg, params, consts, tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,12 +20,10 @@ Peak memory is one tensor (plus its converted copy): tensors are read with ``pre
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,9 +32,10 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from dijax.checkpoint import SafetensorsFile, _DTYPES
+from dijax.io.safetensors import DTYPES, SafetensorsFile
 from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
-from dijax.tensor_spec import TensorSpec, backbone_spec
+from dijax.io.tensor_spec import TensorSpec, backbone_spec
+from dijax.kernels.quant import FP4_TABLE
 
 MARKER = "dijax.json"
 FORMAT = {"format": "dijax-safetensors", "version": 1}
@@ -45,7 +44,6 @@ _DROP = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$|\.bias_vl$|
 _ALIASES = ((re.compile(r"^model\."), ""), (re.compile(r"\.self_attn\."), ".attn."), (re.compile(r"\.mlp\."), ".ffn."),
             (re.compile(r"\.weight_scale_inv$"), ".scale"), (re.compile(r"\.e_score_correction_bias$"), ".bias"))
 _EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
 class ConversionError(ValueError):
@@ -190,7 +188,7 @@ def _read(src: Source) -> np.ndarray:
         raw = os.pread(f.fileno(), src.end - src.begin, src.begin)
     if len(raw) != src.end - src.begin:
         raise ConversionError(f"shard {src.file}: could not read tensor {src.name!r} (truncated?)")
-    return np.frombuffer(raw, dtype=_DTYPES[src.dtype]).reshape(_stored_shape(src))
+    return np.frombuffer(raw, dtype=DTYPES[src.dtype]).reshape(_stored_shape(src))
 
 
 def _dequant_wo_a(weight: Source, scale: Source) -> bytes:
@@ -207,7 +205,7 @@ def mxfp4_to_fp8(packed: np.ndarray, scale_u8: np.ndarray, name: str) -> tuple[n
     Each 32x32 tile takes scale 2^(max row exponent - 6), which keeps 6 * 2^6 = 384 <= 448; the result is checked
     to decode to exactly the MXFP4 values (a ConversionError names the tensor otherwise).
     """
-    values = np.stack([E2M1[packed & 0x0F], E2M1[packed >> 4]], axis=-1).reshape(packed.shape[0], -1)
+    values = np.stack([FP4_TABLE[packed & 0x0F], FP4_TABLE[packed >> 4]], axis=-1).reshape(packed.shape[0], -1)
     exps = np.repeat(scale_u8.astype(np.int32) - 127, FP4_BLOCK, axis=1)
     out_dim, in_dim = values.shape
     rows, cols = -(-out_dim // FP8_BLOCK), in_dim // FP8_BLOCK
@@ -339,30 +337,3 @@ def convert(hf_dir: str, out_dir: str, expert_dtype: str = "fp4", max_shard_byte
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("hf_dir", help="Hugging Face checkpoint directory (config.json, shards, index json)")
-    parser.add_argument("out_dir", help="output directory (must not exist)")
-    parser.add_argument("--expert-dtype", choices=("fp4", "fp8"), default="fp4",
-                        help="routed experts: keep MXFP4 packed (default) or re-encode losslessly as fp8")
-
-
-def run(args: argparse.Namespace) -> int:
-    out = convert(args.hf_dir, args.out_dir, args.expert_dtype)
-    print(f"converted {args.hf_dir} -> {out}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dijax convert", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except (ConversionError, ValueError) as error:
-        print(f"dijax convert: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

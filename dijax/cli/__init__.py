@@ -1,4 +1,4 @@
-"""The ``dijax`` command: ``dijax parity FIXTURE_DIR [...]`` (later issues add generate, convert, bench)."""
+"""The ``dijax`` command: ``dijax generate | parity | convert`` (one module per subcommand in this package)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,12 @@ import argparse
 import sys
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
+from dijax.cli import convert, generate, parity
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dijax", description="DeepSeek-V4.1-Flash inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    from dijax import convert, generate, parity
-
     g = sub.add_parser("generate", help="generate text offline (default: the embedded tiny model)",
                        description=generate.__doc__.split("\n")[0])
     generate.add_arguments(g)

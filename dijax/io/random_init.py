@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dijax.checkpoint import params_from_tensors
 from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
-from dijax.tensor_spec import backbone_spec
+from dijax.io.checkpoint import params_from_tensors
+from dijax.io.tensor_spec import backbone_spec
+from dijax.kernels.quant import E2M1_GRID
 
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 _GAINS = {"attn.wo_b": 0.4, ".w2": 0.2, "engram.wkv": 0.3, "ffn.gate": 3.0}
 
 
@@ -46,7 +46,7 @@ def _mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks = w.reshape(out_dim, in_dim // FP4_BLOCK, FP4_BLOCK)
     exp = _pow2_exponent(np.abs(blocks).max(-1), 6.0)
     v = np.clip(blocks / np.ldexp(np.float32(1), exp)[..., None], -6, 6).reshape(out_dim, in_dim)
-    code = np.abs(np.abs(v)[..., None] - _E2M1).argmin(-1).astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 3)
+    code = np.abs(np.abs(v)[..., None] - E2M1_GRID).argmin(-1).astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 3)
     return (code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)
 
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.checkpoint import SafetensorsFile, load_params, resolve_checkpoint
+from dijax.io.checkpoint import load_params, resolve_checkpoint
+from dijax.io.safetensors import SafetensorsFile
 from dijax.config import ModelConfig
 from dijax.driver import Driver
 from dijax.model.engram import EngramTables

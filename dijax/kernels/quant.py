@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dijax.model.numerics import divide
+from dijax.kernels.numerics import divide
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0

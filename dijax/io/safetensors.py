@@ -1,0 +1,108 @@
+"""Safetensors files read directly (memory-mapped, header-based).
+
+safetensors' numpy loader cannot read ``F8_E8M0`` (and ``F4``), so the format is read directly: an 8-byte
+little-endian header length, a JSON header (dtype, shape, byte offsets per tensor), then raw bytes. Every tensor is
+a zero-copy numpy view of a memory map:
+
+  * ``F8_E4M3`` -> ml_dtypes.float8_e4m3fn, ``BF16`` -> ml_dtypes.bfloat16, ``F32`` -> float32;
+  * ``F8_E8M0`` scales -> uint8 (the raw exponent byte; dijax.kernels.quant.ue8m0_to_f32 decodes it);
+  * ``F4`` (logical shape [out, in]) and ``I8`` expert weights -> uint8 [out, in / 2], two e2m1 codes per byte.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E8M0": np.dtype(np.uint8),
+    "I8": np.dtype(np.uint8),
+    "U8": np.dtype(np.uint8),
+    "F4": np.dtype(np.uint8),
+    "I32": np.dtype(np.int32),
+    "I64": np.dtype(np.int64),
+    "BOOL": np.dtype(np.bool_),
+}
+
+
+class SafetensorsFile:
+    """A memory-mapped safetensors file: ``header`` (name -> {dtype, shape, data_offsets}) and ``get(name)``."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        with open(self.path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"{self.path}: truncated safetensors file (no header length)")
+            (n,) = struct.unpack("<Q", raw)
+            size = os.fstat(f.fileno()).st_size
+            if n > size - 8:
+                raise ValueError(f"{self.path}: header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
+        self.metadata = header.pop("__metadata__", {})
+        self.header: dict[str, dict] = header
+        self._data_start = 8 + n
+        self._size = size
+
+    def names(self) -> list[str]:
+        return list(self.header)
+
+    def get(self, name: str) -> np.ndarray:
+        """Zero-copy view of tensor ``name`` (see the module docstring for dtype mapping)."""
+        info = self.header[name]
+        dtype_name = info["dtype"]
+        if dtype_name not in DTYPES:
+            raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype_name}")
+        dtype = DTYPES[dtype_name]
+        shape = list(info["shape"])
+        if dtype_name == "F4":
+            shape[-1] //= 2  # logical [.., in] stored as [.., in / 2] bytes
+        begin, end = info["data_offsets"]
+        count = int(np.prod(shape)) if shape else 1
+        if end - begin != count * dtype.itemsize:
+            raise ValueError(f"{self.path}: tensor {name!r} has {end - begin} bytes, expected "
+                             f"{count * dtype.itemsize} for {dtype_name} {info['shape']}")
+        if self._data_start + end > self._size:
+            raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated shard?)")
+        array = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + begin)
+        return array.reshape(shape)
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The safetensors files of a checkpoint: a file, a directory with an index json, or a directory of shards."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return [path]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.exists(os.path.join(path, name)):
+                raise FileNotFoundError(f"{index} names shard {name!r}, which does not exist")
+        return [os.path.join(path, name) for name in files]
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    return files
+
+
+def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray, str]]:
+    """Yield (name, memory-mapped array, safetensors dtype) for every tensor of a checkpoint."""
+    for file in checkpoint_files(path):
+        st = SafetensorsFile(file)
+        for name in st.names():
+            yield name, st.get(name), st.header[name]["dtype"]
