@@ -1,25 +1,41 @@
 """Sparse single-KV-head attention with an attention sink, over per-query index lists (v41_spec §4 step 5, §16).
 
-This is the pure-jnp reference; a Pallas kernel with the same signature belongs beside it.
+Two implementations behind ``sparse_attn(..., impl=...)``: the pure-jnp reference ``sparse_attn_reference`` and the
+Pallas kernel ``sparse_attn_pallas`` (Triton lowering, which gathers rows by an index vector; interpret mode on CPU).
 
 Semantics of the reference kernel (parity README §6.5): the index list is walked in blocks of 64 with an online
 softmax whose running max starts at -1e30; probabilities are taken relative to the *running* max, summed in fp32
 for the denominator and cast to bf16 before the PV product; the sink ``exp(sink_h - max)`` joins the denominator
 unscaled; index -1 contributes nothing and a row with no valid index returns 0.
 
-Letters: T query tokens, H heads, K head dim, L list length, N rows of a KV source.
+The kernel (flash-decoding): one program per (token, head group, split of the index list). It walks its split in
+the same blocks of 64, gathers each block's latent rows once for all heads of its group (the masked load reads only
+the source a row lives in), and keeps the reference's fp32 online softmax with the bf16 P cast relative to the
+split's running max. The splits' partial sums are merged in fp32 outside the kernel, where the sink joins the
+denominator. With one split this is the reference's computation block for block; with several, each split's P is
+rounded relative to its own running max instead of the global one (the same bf16 rounding, at other points), and
+the QK and PV products accumulate in another order than the reference's fp32 einsums.
+
+Letters: T query tokens, H heads, K head dim, L list length, N rows of a KV source, S splits of the list.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels.numerics import divide
 
 BLOCK = 64
 HIGHEST = jax.lax.Precision.HIGHEST
+IMPLS = ("reference", "pallas")
+MAX_SOURCES = 3
 
 
 def gather_rows(sources: tuple[jax.Array, ...], idx: jax.Array) -> jax.Array:
@@ -38,9 +54,9 @@ def gather_rows(sources: tuple[jax.Array, ...], idx: jax.Array) -> jax.Array:
     return out
 
 
-def sparse_attn(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
-                softmax_scale: float) -> jax.Array:
-    """Attention of each query over the rows its index list names (K = V, one KV head).
+def sparse_attn_reference(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array,
+                          sink_H: jax.Array, softmax_scale: float) -> jax.Array:
+    """Attention of each query over the rows its index list names (K = V, one KV head): the jnp reference.
 
     q_THK: bf16 queries; kv_sources: bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32 indices
     (-1 = none); sink_H: float32 sink logits. Returns bf16 [T, H, K].
@@ -73,3 +89,129 @@ def sparse_attn(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax
     acc, denom, running_max = jax.lax.fori_loop(0, idx_TL.shape[1] // BLOCK, block, (acc, denom, running_max))
     denom = denom + jnp.exp(sink_H.astype(jnp.float32)[None, :] - running_max)
     return divide(acc, denom[..., None]).astype(jnp.bfloat16)
+
+
+@dataclass(frozen=True)
+class SparseAttnConfig:
+    """Tiling of ``sparse_attn_pallas``.
+
+    block_h: heads per program (a power of two dividing H; every head group re-gathers the rows, from L2);
+    num_splits: programs per (token, head group) along the index list, None = enough for ``target_programs``;
+    target_programs: programs to aim for when choosing num_splits (about two per multiprocessor on an H200);
+    num_warps / num_stages: Triton launch parameters.
+    """
+
+    block_h: int = 64
+    num_splits: int | None = None
+    target_programs: int = 264
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def _split_kernel(idx_ref, q_ref, *refs, sizes: tuple[int, ...], split_len: int, list_len: int, scale: float):
+    """One (token, head group, split): partial online-softmax sums over the split's blocks of 64 indices."""
+    src_refs = refs[:len(sizes)]
+    acc_ref, max_ref, den_ref = refs[len(sizes):]
+    t, split = pl.program_id(0), pl.program_id(2)
+    q_hK = q_ref[...]
+    block_h, k = q_hK.shape
+    start = t * list_len + split * split_len
+
+    def block(b, carry):
+        acc_hK, den_h, max_h = carry
+        idx_L = idx_ref[pl.ds(start + b * BLOCK, BLOCK)]
+        kv_LK = jnp.zeros((BLOCK, k), q_hK.dtype)
+        col_K = jnp.arange(k, dtype=jnp.int32)[None, :]
+        base = 0
+        for src_ref, n in zip(src_refs, sizes):
+            local = idx_L - base
+            hit = (local >= 0) & (local < n)
+            # a masked lane issues no memory access: each row is read from the one source it lives in
+            row_L1 = jnp.clip(local, 0, n - 1)[:, None]
+            rows = pltriton.load(src_ref.at[row_L1, col_K], mask=hit[:, None], other=0)
+            kv_LK = jnp.where(hit[:, None], rows.astype(kv_LK.dtype), kv_LK)
+            base += n
+        s_hL = jax.lax.dot_general(q_hK, kv_LK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s_hL = jnp.where((idx_L >= 0)[None, :], s_hL, -jnp.inf) * scale
+        new_max = jnp.maximum(max_h, jnp.max(s_hL, axis=1))
+        alpha = jnp.exp(max_h - new_max)
+        p_hL = jnp.exp(s_hL - new_max[:, None])
+        den_h = den_h * alpha + jnp.sum(p_hL, axis=1)
+        pv_hK = jax.lax.dot_general(p_hL.astype(jnp.bfloat16), kv_LK.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+        return acc_hK * alpha[:, None] + pv_hK, den_h, new_max
+
+    init = (jnp.zeros((block_h, k), jnp.float32), jnp.zeros((block_h,), jnp.float32),
+            jnp.full((block_h,), -1e30, jnp.float32))
+    acc_hK, den_h, max_h = jax.lax.fori_loop(0, split_len // BLOCK, block, init)
+    acc_ref[...] = acc_hK
+    max_ref[...] = max_h
+    den_ref[...] = den_h
+
+
+def _num_splits(config: SparseAttnConfig, programs: int, blocks: int) -> int:
+    if config.num_splits is not None:
+        return max(1, min(config.num_splits, blocks))
+    return max(1, min(blocks, -(-config.target_programs // programs)))
+
+
+def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
+                       softmax_scale: float, *, config: SparseAttnConfig | None = None,
+                       interpret: bool | None = None) -> jax.Array:
+    """The Pallas (Triton) kernel with ``sparse_attn_reference``'s signature and semantics.
+
+    q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
+    [T, L] (-1 = none); sink_H: float32 [H]. config: tiling (default ``SparseAttnConfig()``); interpret: run the
+    kernel in the Pallas interpreter (default: when the backend is not a GPU). Returns bf16 [T, H, K].
+    """
+    config = config or SparseAttnConfig()
+    if not 1 <= len(kv_sources) <= MAX_SOURCES:
+        raise ValueError(f"sparse_attn_pallas: kv_sources must hold 1 to {MAX_SOURCES} arrays, got {len(kv_sources)}")
+    t, h, k = q_THK.shape
+    block_h = min(config.block_h, h)
+    if h % block_h:
+        raise ValueError(f"sparse_attn_pallas: config.block_h ({config.block_h}) must divide the {h} heads")
+    groups = h // block_h
+    blocks = max(1, -(-idx_TL.shape[1] // BLOCK))
+    splits = _num_splits(config, t * groups, blocks)
+    split_len = -(-blocks // splits) * BLOCK
+    list_len = splits * split_len
+    idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    kernel = functools.partial(_split_kernel, sizes=tuple(src.shape[0] for src in kv_sources), split_len=split_len,
+                               list_len=list_len, scale=float(np.float32(softmax_scale)))
+    acc_TShK, max_TSh, den_TSh = pl.pallas_call(
+        kernel,
+        grid=(t, groups, splits),
+        in_specs=[pl.no_block_spec, pl.BlockSpec((None, block_h, k), lambda i, g, s: (i, g, 0))]
+        + [pl.no_block_spec] * len(kv_sources),
+        out_specs=[pl.BlockSpec((None, None, block_h, k), lambda i, g, s: (i, s, g, 0)),
+                   pl.BlockSpec((None, None, block_h), lambda i, g, s: (i, s, g)),
+                   pl.BlockSpec((None, None, block_h), lambda i, g, s: (i, s, g))],
+        out_shape=[jax.ShapeDtypeStruct((t, splits, h, k), jnp.float32),
+                   jax.ShapeDtypeStruct((t, splits, h), jnp.float32),
+                   jax.ShapeDtypeStruct((t, splits, h), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="sparse_attn",
+    )(idx_TL.reshape(-1), q_THK, *kv_sources)
+    running_max = jnp.max(max_TSh, axis=1)
+    weight_TSh = jnp.exp(max_TSh - running_max[:, None, :])
+    acc = jnp.sum(acc_TShK * weight_TSh[..., None], axis=1)
+    denom = jnp.sum(den_TSh * weight_TSh, axis=1) + jnp.exp(sink_H.astype(jnp.float32)[None, :] - running_max)
+    return divide(acc, denom[..., None]).astype(jnp.bfloat16)
+
+
+def sparse_attn(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
+                softmax_scale: float, *, impl: str = "reference") -> jax.Array:
+    """Sparse attention with the sink by the chosen implementation: "reference" (jnp) or "pallas" (kernel).
+
+    Shapes and dtypes as ``sparse_attn_reference``: q_THK bf16 [T, H, K], kv_sources bf16 [N_i, K], idx_TL int32
+    [T, L] (-1 = none), sink_H float32 [H]. Returns bf16 [T, H, K].
+    """
+    if impl == "reference":
+        return sparse_attn_reference(q_THK, kv_sources, idx_TL, sink_H, softmax_scale)
+    if impl == "pallas":
+        return sparse_attn_pallas(q_THK, kv_sources, idx_TL, sink_H, softmax_scale)
+    raise ValueError(f"sparse_attn: impl must be one of {IMPLS}, got {impl!r}")

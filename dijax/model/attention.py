@@ -22,6 +22,7 @@ import numpy as np
 from dijax.config import LayerRole, ModelConfig
 from dijax.kernels.sparse_attn import sparse_attn
 from dijax.kernels import quant
+from dijax.kernels.topk import topk
 from dijax.kernels.numerics import divide
 from dijax.model.layers import linear, matmul_f32, rms_norm, rope, rope_frequencies
 from dijax.model.step import StepBatch
@@ -126,11 +127,12 @@ def _write_paged(pool_BPK: jax.Array, g: Geometry, group_T: jax.Array, emit_T: j
 
 
 def select_candidate_blocks(score_TP: jax.Array, visible_T: jax.Array, topk_blocks: int,
-                            block_size: int) -> jax.Array:
+                            block_size: int, *, impl: str = "reference") -> jax.Array:
     """Level one of the two-level top-k: keep the best ``topk_blocks`` blocks of ``block_size`` positions.
 
     score_TP: float32 masked scores (-inf unreachable). The block holding the newest visible position is pinned;
-    picks with a -inf block score are dropped. Returns a bool position mask [T, P].
+    picks with a -inf block score are dropped. ``impl`` picks the top-k implementation (``kernels.topk``; all give
+    the same picks). Returns a bool position mask [T, P].
     """
     t, width = score_TP.shape
     nb = -(-width // block_size)
@@ -138,7 +140,7 @@ def select_candidate_blocks(score_TP: jax.Array, visible_T: jax.Array, topk_bloc
     block_max = jnp.max(padded.reshape(t, nb, block_size), axis=-1)
     last = jnp.floor_divide(visible_T - 1, block_size)
     block_max = jnp.where(jnp.arange(nb)[None, :] == last[:, None], jnp.inf, block_max)
-    values, picks = jax.lax.top_k(block_max, min(topk_blocks, nb))
+    values, picks = topk(block_max, min(topk_blocks, nb), impl=impl)
     kept = jnp.any((picks[..., None] == jnp.arange(nb)) & (values > NEG_INF)[..., None], axis=1)
     return jnp.repeat(kept, block_size, axis=1)[:, :width]
 
@@ -159,16 +161,18 @@ def index_scores(p: dict, x_TD: jax.Array, qr_TQ: jax.Array, keys_SPJ: jax.Array
     return jnp.sum(s.astype(jnp.float32), axis=1).astype(jnp.bfloat16)
 
 
-def topk_positions(score_TP: jax.Array, visible_T: jax.Array, limit_T: jax.Array, k: int) -> jax.Array:
+def topk_positions(score_TP: jax.Array, visible_T: jax.Array, limit_T: jax.Array, k: int, *,
+                   impl: str = "reference") -> jax.Array:
     """Top-k compressed positions per query, ascending, -1 padded. score_TP float32 masked (-inf = excluded).
 
     Like the reference, a pick is valid when its position is visible and its rank is below ``limit_T``
-    (``min(index_topk, end // ratio)``). Ties go to the lower position. -> int32 [T, k].
+    (``min(index_topk, end // ratio)``); rank is the place in ``topk``'s value-descending order, where ties go to
+    the lower position. ``impl`` picks the top-k implementation (all give the same picks). -> int32 [T, k].
     """
     t, width = score_TP.shape
     if width < k:
         score_TP = jnp.pad(score_TP, ((0, 0), (0, k - width)), constant_values=NEG_INF)
-    _, picks = jax.lax.top_k(score_TP, k)
+    _, picks = topk(score_TP, k, impl=impl)
     valid = (picks < visible_T[:, None]) & (jnp.arange(k)[None, :] < limit_T[:, None])
     big = jnp.iinfo(jnp.int32).max
     ordered = jnp.sort(jnp.where(valid, picks, big), axis=-1)
@@ -176,12 +180,16 @@ def topk_positions(score_TP: jax.Array, visible_T: jax.Array, limit_T: jax.Array
 
 
 def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Geometry, cache: dict,
-              shared: dict, inject_TN: jax.Array | None):
+              shared: dict, inject_TN: jax.Array | None, *, topk_impl: str = "reference",
+              sparse_attn_impl: str = "reference"):
     """One attention sublayer on the ragged step.
 
     x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
     returned in the new cache dict); ``shared`` carries what sources publish to later layers in this step:
-    {"topk": {layer: [T, N]}, "candidates": [T, P]}. Returns (y_TD bf16, cache updates dict, shared).
+    {"topk": {layer: [T, N]}, "candidates": [T, P]}. ``topk_impl`` ("reference" | "select") and
+    ``sparse_attn_impl`` ("reference" | "pallas") pick the kernel implementations (static): the top-k picks are
+    identical, the attention output agrees to bf16 rounding (``kernels.sparse_attn``).
+    Returns (y_TD bf16, cache updates dict, shared).
     """
     t = x_TD.shape[0]
     eps = cfg.norm_eps
@@ -233,11 +241,11 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
                 score = jnp.where(jnp.arange(score.shape[1])[None, :] < visible[:, None], score, NEG_INF)
                 if role.candidate_source:
                     shared["candidates"] = select_candidate_blocks(score, visible, cfg.candidate_topk_blocks,
-                                                                   cfg.candidate_block_size)
+                                                                   cfg.candidate_block_size, impl=topk_impl)
                 elif role.uses_candidates:
                     score = jnp.where(shared["candidates"], score, NEG_INF)
                 limit = jnp.minimum(cfg.index_topk, g.end_T // r)
-                sel = topk_positions(score, visible, limit, cfg.index_topk)
+                sel = topk_positions(score, visible, limit, cfg.index_topk, impl=topk_impl)
             shared["topk"][role.layer] = sel
         sel = shared["topk"][role.topk_from]
         flat = jnp.take_along_axis(seq_rows_SP[g.seq_T], jnp.maximum(sel, 0), axis=1)
@@ -250,7 +258,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
         comp_part = jnp.take_along_axis(comp_idx, jnp.clip(lane - width, 0, n - 1), axis=1)
         idx = jnp.where(lane < width, win_part, jnp.where(lane - width < n, comp_part, -1))
 
-    o = sparse_attn(q, sources, idx, p["attn_sink"], cfg.head_dim ** -0.5)
+    o = sparse_attn(q, sources, idx, p["attn_sink"], cfg.head_dim ** -0.5, impl=sparse_attn_impl)
     o = rope(o, g.pos_T, freqs, inverse=True)
     groups = cfg.o_groups
     wo_a = p["wo_a"]["weight"].reshape(groups, cfg.o_lora_rank, -1)
