@@ -16,7 +16,9 @@ import pytest
 
 import dijax
 from dijax.config import ModelConfig
-from dijax.model import moe, quant
+from dijax.kernels import quant
+from dijax.kernels import routed_experts as rx
+from dijax.model import moe
 from dijax.io.random_init import random_params
 
 TINY_CONFIG = os.path.join(os.path.dirname(dijax.__file__), "assets", "tiny", "config.json")
@@ -38,7 +40,7 @@ def _inputs(cfg: ModelConfig, ffn: dict, t: int, seed: int, scale: float = 6.0):
     return x_TD, weights_TX, experts_TX
 
 
-_routed_jit = jax.jit(moe.routed_experts, static_argnames=("limit", "path"))
+_routed_jit = jax.jit(rx.routed_experts_reference, static_argnames=("limit", "path"))
 
 
 def _routed(experts: dict, x_TD, weights_TX, experts_TX, limit: float, path: str | None) -> np.ndarray:
@@ -177,7 +179,7 @@ def test_the_path_is_chosen_from_the_shapes(tiny, t):
     full_text = [f"tensor<{n_experts}x{a}x{b}xbf16>" for a, b in
                  ((cfg.moe_inter_dim, cfg.dim), (cfg.dim, cfg.moe_inter_dim))]
     if n_assign <= n_experts:
-        assert moe.routed_path(n_assign, n_experts) == "gathered"
+        assert rx.routed_path(n_assign, n_experts) == "gathered"
         assert "ragged_dot_general" not in prims
         if n_assign < n_experts:  # (at A == E the gathered stack has the full stack's shape)
             assert not full_dequantised, full_dequantised
@@ -185,7 +187,7 @@ def test_the_path_is_chosen_from_the_shapes(tiny, t):
         # only the A assigned experts are dequantised
         assert any(a.shape == (n_assign, cfg.moe_inter_dim, cfg.dim) and a.dtype == jnp.bfloat16 for a in avals)
     else:
-        assert moe.routed_path(n_assign, n_experts) == "ragged"
+        assert rx.routed_path(n_assign, n_experts) == "ragged"
         assert "ragged_dot_general" in prims
         assert any(a.dtype == jnp.bfloat16 for a in full_dequantised)
 
@@ -195,4 +197,4 @@ def test_unknown_path_is_refused(tiny):
     ffn = params["layers"][0]["ffn"]
     x_TD, weights_TX, experts_TX = _inputs(cfg, ffn, 2, seed=0)
     with pytest.raises(ValueError, match="unknown routed-experts path"):
-        moe.routed_experts(ffn["experts"], x_TD, weights_TX, experts_TX, cfg.swiglu_limit, path="dense")
+        rx.routed_experts(ffn["experts"], x_TD, weights_TX, experts_TX, cfg.swiglu_limit, path="dense")

@@ -1,0 +1,469 @@
+"""Routed SwiGLU experts (v41_spec §9) behind one seam: a pure-jnp reference and Pallas kernels, one signature.
+
+``routed_experts(..., impl=)`` picks the implementation; the choice is static (part of the jit key):
+  * 'reference': dequantise the experts to bf16 in XLA, then batched mat-vecs or ``ragged_dot`` (the semantics);
+  * 'pallas': MXFP4 experts are read packed and decoded in registers by Triton-lowered ``pl.pallas_call`` kernels
+    (interpret mode when the backend is not a GPU). Only the assigned experts' bytes are read.
+
+Semantics shared by both: activations are fake-quantised to fp8 (``quant.fq8``, 1 x 32 blocks) and stay bf16
+values, so every product of an activation and a dequantised weight is exact in fp32; GEMMs accumulate in fp32 and
+each GEMM output is rounded to bf16; ``h = silu(min(g, l)) * clip(u, +-l)`` times the routing weight, rounded to
+bf16 and fq8'd, feeds w2; the X expert outputs of a token are summed in fp32 in expert-id order. The Pallas kernels
+sum in another order, so they agree with the reference up to fp32 summation order (a bf16 ulp at rounding ties).
+
+Padding: an assignment whose expert id is negative (-1) contributes exactly zero and reads no expert weights; its
+routing weight is ignored. Padded tokens should be routed to -1 (a weight of 0 also gives a zero contribution, but
+still reads that expert).
+
+Why Triton-lowered ``pl.pallas_call`` and not Mosaic GPU: the kernels need a per-row gather of activations (tokens
+of a tile come from anywhere in the batch) and a per-program expert index read from memory, which the Triton
+lowering supports and Mosaic GPU does not on Hopper; MXFP4 has no Hopper tensor-core format either way, so the
+codes are expanded to bf16 in registers before the tensor-core dot.
+
+Letters: T tokens, D model dim, E experts, X experts per token, F expert width, A = T * X assignments, R rows of
+the expert-sorted, tile-padded assignment layout, I tiles of that layout, W uint32 words of a packed weight row
+(8 e2m1 codes each), B 32-wide scale blocks of a weight row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dijax.kernels import quant
+
+IMPLS = ("reference", "pallas")
+PATHS = ("gathered", "ragged")
+CODES_PER_WORD = 8
+WORDS_PER_SCALE = 4  # 32 codes share one ue8m0 exponent
+# A decoded code is e2m1 * 2^-14 (the float16 bit trick below); the scale multiplier puts the 2^14 back.
+_F16_BIAS_FIX = 14
+
+
+def swiglu(gate_f32: jax.Array, up_f32: jax.Array, limit: float) -> jax.Array:
+    """``silu(min(g, l)) * clip(u, -l, l)`` (no clamp when ``limit`` <= 0). float32, any shape -> float32."""
+    if limit > 0:
+        up_f32 = jnp.clip(up_f32, -limit, limit)
+        gate_f32 = jnp.minimum(gate_f32, limit)
+    return jax.nn.silu(gate_f32) * up_f32
+
+
+def expert_weights(experts: dict, name: str, expert_A: jax.Array | None = None) -> jax.Array:
+    """Routed-expert weight ``name`` dequantised to bf16: all experts [E, out, in], or, given ``expert_A``, only
+    those experts' (gathered while still packed, then dequantised) [A, out, in].
+
+    Storage: MXFP4 ``uint8`` [E, out, in/2] with ue8m0 [E, out, in/32], or fp8 [E, out, in] with ue8m0 tiles.
+    """
+    w, scale = experts[name]["weight"], experts[name]["scale"]
+    if expert_A is not None:
+        w, scale = w[expert_A], scale[expert_A]
+    if w.dtype == jnp.uint8:
+        return quant.dequant_fp4_weight(w, scale)
+    return jax.vmap(quant.dequant_fp8_weight)(w, scale)
+
+
+def routed_path(n_assignments: int, n_experts: int) -> str:
+    """The reference's static path: 'gathered' when A <= E, else 'ragged'.
+
+    Measured on an H200 at the real sizes (E = 384, 2304 x 5120 MXFP4 experts, docs/benchmarks.md): gathered takes
+    0.44 / 2.5 / 9.2 ms a layer at A = 6 / 96 / 384, ragged 18.6 / 19.4 / 30.0 ms (it dequantises every expert).
+    """
+    return "gathered" if n_assignments <= n_experts else "ragged"
+
+
+def _check_path(path: str) -> None:
+    if path not in PATHS:
+        raise ValueError(f"unknown routed-experts path {path!r} (expected 'gathered' or 'ragged')")
+
+
+def _sum_slots(y_AD: jax.Array, valid_A: jax.Array, t: int, n_per_token: int) -> jax.Array:
+    """Zero padding assignments, then sum each token's X bf16 outputs in fp32 in slot (expert-id) order."""
+    y_AD = jnp.where(valid_A[:, None], y_AD, jnp.zeros((), y_AD.dtype))
+    y_TXD = y_AD.reshape(t, n_per_token, y_AD.shape[-1])
+    total_TD = jnp.zeros((t, y_AD.shape[-1]), jnp.float32)
+    for i in range(n_per_token):
+        total_TD = total_TD + y_TXD[:, i].astype(jnp.float32)
+    return total_TD
+
+
+def routed_experts_reference(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array,
+                             limit: float, path: str | None = None) -> jax.Array:
+    """Sum over each token's experts of ``w_e * expert_e(x)``, in expert-id order, in fp32. -> float32 [T, D].
+
+    experts: stacked {'w1','w2','w3': {'weight': [E, ...], 'scale': [E, ...]}}; x_TD bf16; weights_TX float32;
+    experts_TX int32, ascending per token (-1 = padding, module docstring). Two paths, chosen statically from the
+    shapes by ``routed_path`` (``path`` forces one):
+      * 'gathered' (A <= E, e.g. decode steps): the A assigned experts' packed weights and scales are gathered and
+        only those are dequantised, then each assignment is a batched matrix-vector product. Memory traffic is A
+        expert matrices instead of E (a decode step of one token touches X of the model's 384 experts);
+      * 'ragged' (A > E, e.g. prefill): all E experts are dequantised once, assignments are sorted by expert and
+        run as grouped GEMMs (``ragged_dot``); here every expert is likely used and the weights are shared.
+    Both paths round every GEMM output to bf16 alike and sum the X experts of a token in expert-id order.
+    """
+    t, _ = x_TD.shape
+    n_per_token = experts_TX.shape[1]
+    n_experts = experts["w1"]["weight"].shape[0]
+    valid_A = experts_TX.reshape(-1) >= 0
+    expert_A = jnp.maximum(experts_TX.reshape(-1), 0)  # padding computes expert 0 at weight 0, zeroed at the end
+    path = path or routed_path(expert_A.shape[0], n_experts)
+    _check_path(path)
+    token_A = jnp.arange(expert_A.shape[0]) // n_per_token
+    weights_A = jnp.where(valid_A, weights_TX.reshape(-1), np.float32(0))
+    if path == "gathered":  # assignment a = t * X + i is (token t, slot i): no reordering
+        order_A = None
+
+        def matmul(lhs_AI: jax.Array, name: str) -> jax.Array:
+            w_AOI = expert_weights(experts, name, expert_A)
+            return jnp.einsum("ai,aoi->ao", lhs_AI, w_AOI, precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    else:  # assignments sorted by expert, one group per expert
+        order_A = jnp.argsort(expert_A, stable=True)
+        token_A, weights_A = token_A[order_A], weights_A[order_A]
+        group_sizes_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
+
+        def matmul(lhs_AI: jax.Array, name: str) -> jax.Array:
+            w_EIO = jnp.swapaxes(expert_weights(experts, name), 1, 2)
+            return jax.lax.ragged_dot(lhs_AI, w_EIO, group_sizes_E, precision=jax.lax.Precision.HIGHEST,
+                                      preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    x_AD = quant.fq8(x_TD)[token_A]
+    g_AF = matmul(x_AD, "w1").astype(jnp.float32)
+    u_AF = matmul(x_AD, "w3").astype(jnp.float32)
+    h_AF = swiglu(g_AF, u_AF, limit) * weights_A[:, None]
+    y_AD = matmul(quant.fq8(h_AF.astype(jnp.bfloat16)), "w2")
+    if order_A is not None:
+        y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)
+    return _sum_slots(y_AD, valid_A, t, n_per_token)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pallas kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tiles and Triton launch parameters of the routed-experts kernels. Every size is a power of two; a size that
+    does not divide its dimension is halved until it does.
+
+    matvec_*: the few-tokens kernels (one assignment per program, fp32 FMAs: memory bound);
+    gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
+    gathered_max: the Pallas implementation takes the mat-vec path while A <= this.
+    """
+    matvec_rows: int = 32
+    matvec_words: int = 64
+    matvec_warps: int = 4
+    matvec_stages: int = 3
+    gemm_rows_min: int = 16
+    gemm_rows_max: int = 64
+    gemm_cols: int = 128
+    gemm_words: int = 16
+    gemm_warps: int = 4
+    gemm_stages: int = 3
+    gathered_max: int = 6
+
+
+CONFIG = KernelConfig()
+
+
+def _block(dim: int, preferred: int, name: str, minimum: int = 1) -> int:
+    """The largest power of two <= ``preferred`` that divides ``dim``; ValueError below ``minimum``."""
+    block = preferred
+    while block > 1 and dim % block:
+        block //= 2
+    if block < minimum:
+        raise ValueError(f"{name}={dim} has no power-of-two tile >= {minimum} dividing it")
+    return block
+
+
+def pack_words(packed_u8: jax.Array) -> jax.Array:
+    """MXFP4 bytes uint8 [..., in/2] -> uint32 words [..., in/8]: nibble j of word w is code 8 w + j.
+
+    (Little-endian bytes, low nibble first. Words keep every pointer offset of a 384-expert stack inside int32.)
+    """
+    n = packed_u8.shape[-1]
+    if n % 4:
+        raise ValueError(f"packed expert rows of {n} bytes are not a multiple of 4 (in must be a multiple of 8)")
+    return jax.lax.bitcast_convert_type(packed_u8.reshape(*packed_u8.shape[:-1], n // 4, 4), jnp.uint32)
+
+
+def phase_major(x_TD: jax.Array) -> jax.Array:
+    """Columns reordered so that column ``j * D/8 + w`` holds element ``8 w + j`` (code j of word w). [T, D]."""
+    t, d = x_TD.shape
+    return x_TD.reshape(t, d // CODES_PER_WORD, CODES_PER_WORD).swapaxes(1, 2).reshape(t, d)
+
+
+def decode_codes(words_u32: jax.Array, j: int) -> jax.Array:
+    """Nibble ``j`` of each word as float32 ``e2m1 * 2^-14``, with integer bit operations only.
+
+    The 3 magnitude bits (2 exponent, 1 mantissa) land on float16's exponent/mantissa boundary (bits 11..9) and the
+    sign on bit 15: e2m1 and float16 then differ only by their exponent bias (1 vs 15), and e2m1's subnormal
+    (0.5) is float16's subnormal too, so the float16 is exact for all 16 codes and the factor is 2^-14 for all.
+    """
+    code = ((words_u32 >> (4 * j)) & 0xF).astype(jnp.int32)
+    bits = ((code & 0x7) << 9) | ((code & 0x8) << 12)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
+    """ue8m0 exponent bytes s -> float32 ``2^(s - 127 + 14)`` built from the bits (undoes ``decode_codes``' 2^-14).
+
+    Exact for s in [1, 240]: real MXFP4 scales sit near 2^-8, far inside.
+    """
+    return jax.lax.bitcast_convert_type((scale_u8.astype(jnp.int32) + _F16_BIAS_FIX) << 23, jnp.float32)
+
+
+def _compiler_params(warps: int, stages: int):
+    return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def _matvec_partial(w_ref, s_ref, e, r0: int | jax.Array, w0, rows: int, words: int,
+                    x_J: list[jax.Array]) -> jax.Array:
+    """One K step of a decode mat-vec: rows [r0, r0+rows) of expert e's words [w0, w0+words) dotted with the 8
+    phase slices x_J (float32 [words] each). Scales are applied per 32-code block to the block sums. -> f32 [rows]."""
+    w_RW = w_ref[e, pl.ds(r0, rows), pl.ds(w0, words)]
+    p_RW = decode_codes(w_RW, 0) * x_J[0][None, :]
+    for j in range(1, CODES_PER_WORD):
+        p_RW = p_RW + decode_codes(w_RW, j) * x_J[j][None, :]
+    block_RB = p_RW.reshape(rows, words // WORDS_PER_SCALE, WORDS_PER_SCALE).sum(axis=-1)
+    scale_RB = scale_multiplier(s_ref[e, pl.ds(r0, rows), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
+    return (block_RB * scale_RB).sum(axis=-1)
+
+
+def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
+                           n_per_token: int, limit: float, rows: int, words: int, n_words: int):
+    """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding."""
+    a, r0 = pl.program_id(0), pl.program_id(1) * rows
+    e = expert_ref[a]
+
+    @pl.when(e >= 0)
+    def _():
+        t = a // n_per_token
+
+        def step(k, acc):
+            w0 = k * words
+            x_J = [x_ref[t, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
+            return (acc[0] + _matvec_partial(w1_ref, s1_ref, e, r0, w0, rows, words, x_J),
+                    acc[1] + _matvec_partial(w3_ref, s3_ref, e, r0, w0, rows, words, x_J))
+
+        zeros = jnp.zeros((rows,), jnp.float32)
+        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
+        g, u = g.astype(jnp.bfloat16).astype(jnp.float32), u.astype(jnp.bfloat16).astype(jnp.float32)
+        h_ref[a, pl.ds(r0, rows)] = (swiglu(g, u, limit) * weight_ref[a]).astype(jnp.bfloat16)
+
+    @pl.when(e < 0)
+    def _():
+        h_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
+
+
+def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int):
+    """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding."""
+    a, r0 = pl.program_id(0), pl.program_id(1) * rows
+    e = expert_ref[a]
+
+    @pl.when(e >= 0)
+    def _():
+        def step(k, acc):
+            w0 = k * words
+            h_J = [h_ref[a, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
+            return acc + _matvec_partial(w2_ref, s2_ref, e, r0, w0, rows, words, h_J)
+
+        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows,), jnp.float32))
+        y_ref[a, pl.ds(r0, rows)] = y.astype(jnp.bfloat16)
+
+    @pl.when(e < 0)
+    def _():
+        y_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
+
+
+def _dequant_tile(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> list[jax.Array]:
+    """Expert e's rows [n0, n0+cols), words [w0, w0+words) as 8 bf16 phase tiles [cols, words] (exact values)."""
+    w_NW = w_ref[e, pl.ds(n0, cols), pl.ds(w0, words)]
+    scale_NB = scale_multiplier(s_ref[e, pl.ds(n0, cols), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
+    scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
+    scale_NW = scale_NW.reshape(cols, words)
+    return [(decode_codes(w_NW, j) * scale_NW).astype(jnp.bfloat16) for j in range(CODES_PER_WORD)]
+
+
+def _dot_nt(lhs_MK: jax.Array, rhs_NK: jax.Array) -> jax.Array:
+    return jax.lax.dot_general(lhs_MK, rhs_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
+                         limit: float, rows: int, cols: int, words: int, n_words: int):
+    """Program (i, n): tile i's rows (one expert's assignments, gathered from x by token) times w1 / w3 columns
+    [n*cols, (n+1)*cols), SwiGLU, routing weight -> h rows of tile i. Tiles past the last expert do nothing."""
+    i, n0 = pl.program_id(0), pl.program_id(1) * cols
+    e = tile_expert_ref[i]
+
+    @pl.when(e >= 0)
+    def _():
+        token_M = token_ref[pl.ds(i * rows, rows)]
+
+        def step(k, acc):
+            w0 = k * words
+            x_J = [x_ref[token_M, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
+            g, u = acc
+            for j, w_NW in enumerate(_dequant_tile(w1_ref, s1_ref, e, n0, w0, cols, words)):
+                g = g + _dot_nt(x_J[j], w_NW)
+            for j, w_NW in enumerate(_dequant_tile(w3_ref, s3_ref, e, n0, w0, cols, words)):
+                u = u + _dot_nt(x_J[j], w_NW)
+            return g, u
+
+        zeros = jnp.zeros((rows, cols), jnp.float32)
+        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
+        g, u = g.astype(jnp.bfloat16).astype(jnp.float32), u.astype(jnp.bfloat16).astype(jnp.float32)
+        weight_M = weight_ref[pl.ds(i * rows, rows)]
+        h_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = (swiglu(g, u, limit) * weight_M[:, None]).astype(jnp.bfloat16)
+
+
+def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, cols: int, words: int,
+                      n_words: int):
+    """Program (i, n): y rows of tile i, columns [n*cols, (n+1)*cols) = h rows times w2, rounded to bf16."""
+    i, n0 = pl.program_id(0), pl.program_id(1) * cols
+    e = tile_expert_ref[i]
+
+    @pl.when(e >= 0)
+    def _():
+        def step(k, acc):
+            w0 = k * words
+            for j, w_NW in enumerate(_dequant_tile(w2_ref, s2_ref, e, n0, w0, cols, words)):
+                acc = acc + _dot_nt(h_ref[pl.ds(i * rows, rows), pl.ds(j * n_words + w0, words)], w_NW)
+            return acc
+
+        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows, cols), jnp.float32))
+        y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
+
+
+def gemm_rows(n_assignments: int, n_experts: int, config: KernelConfig = CONFIG) -> int:
+    """Rows per grouped-GEMM tile: the average group size A / E as a power of two, within the config's bounds."""
+    mean = max(1, -(-n_assignments // n_experts))
+    return int(min(config.gemm_rows_max, max(config.gemm_rows_min, pl.next_power_of_2(mean))))
+
+
+def tile_layout(expert_A: jax.Array, n_experts: int, n_per_token: int, rows: int):
+    """Assignments sorted by expert into tiles of ``rows`` rows, each tile one expert's (zero-padded) rows.
+
+    Returns (tile_expert_I int32 [I] (-1 for tiles past the last expert), token_R int32 [R] (0 on padding rows),
+    slot_R int32 [R] (assignment index, -1 on padding rows), pos_A int32 [A] (each assignment's row)).
+    I = ceil(A / rows) + min(E, A) bounds the tiles of any routing statically; R = I * rows.
+    """
+    n_assign = expert_A.shape[0]
+    valid_A = expert_A >= 0
+    key_A = jnp.where(valid_A, expert_A, n_experts)  # padding sorts last, into a group no tile runs
+    order_A = jnp.argsort(key_A, stable=True).astype(jnp.int32)
+    sizes_E = jnp.bincount(key_A, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    tiles_E = (sizes_E + rows - 1) // rows
+    tile_end_E = jnp.cumsum(tiles_E)
+    tile_start_E = tile_end_E - tiles_E
+    row_start_E = jnp.cumsum(sizes_E) - sizes_E
+    n_tiles = -(-n_assign // rows) + min(n_experts, n_assign)
+    tile_expert_I = jnp.searchsorted(tile_end_E, jnp.arange(n_tiles), side="right").astype(jnp.int32)
+    tile_expert_I = jnp.where(tile_expert_I < n_experts, tile_expert_I, -1)
+    sorted_key = key_A[order_A]
+    e = jnp.minimum(sorted_key, n_experts - 1)
+    row_sorted = tile_start_E[e] * rows + jnp.arange(n_assign, dtype=jnp.int32) - row_start_E[e]
+    row_sorted = jnp.where(sorted_key < n_experts, row_sorted, n_tiles * rows)  # padding: dropped below
+    slot_R = jnp.full((n_tiles * rows,), -1, jnp.int32).at[row_sorted].set(order_A, mode="drop")
+    token_R = jnp.maximum(slot_R, 0) // n_per_token
+    pos_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(jnp.minimum(row_sorted, n_tiles * rows - 1))
+    return tile_expert_I, token_R, slot_R, pos_A
+
+
+def pallas_path(n_assignments: int, config: KernelConfig = CONFIG) -> str:
+    """The Pallas implementation's static path: 'gathered' (mat-vec kernels) while A <= config.gathered_max, else
+    'ragged' (grouped GEMM over expert-sorted tiles)."""
+    return "gathered" if n_assignments <= config.gathered_max else "ragged"
+
+
+def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array,
+                          limit: float, path: str | None = None) -> jax.Array:
+    """``routed_experts_reference`` with MXFP4 experts read packed and decoded in registers. -> float32 [T, D].
+
+    Same arguments and semantics (module docstring). Paths, chosen statically by ``pallas_path`` (``path`` forces):
+      * 'gathered': one program per (assignment, row block) reads that assignment's expert rows (uint32 words of
+        8 codes and their ue8m0 bytes), decodes them with integer bit operations and accumulates fp32 FMAs; w1 and
+        w3 share the activation loads and are fused with the SwiGLU, its clamps and the routing weight; then w2;
+      * 'ragged': assignments are sorted by expert into tiles of ``gemm_rows`` rows; one program per (tile,
+        column block) gathers its tokens' activations, dequantises the expert's weight tile to bf16 in registers
+        and runs tensor-core dots (bf16 x bf16, fp32 accumulation); w1 / w3 fused with the SwiGLU, then w2.
+    fp8-stored experts ([E, out, in] float8_e4m3fn) take the reference path.
+    """
+    if experts["w1"]["weight"].dtype != jnp.uint8:
+        return routed_experts_reference(experts, x_TD, weights_TX, experts_TX, limit, path)
+    t, d = x_TD.shape
+    n_per_token = experts_TX.shape[1]
+    n_experts, f, _ = experts["w1"]["weight"].shape
+    expert_A = experts_TX.reshape(-1).astype(jnp.int32)
+    n_assign = expert_A.shape[0]
+    path = path or pallas_path(n_assign)
+    _check_path(path)
+    for name, size in (("dim", d), ("moe_inter_dim", f)):
+        if size % 32:
+            raise ValueError(f"{name}={size} must be a multiple of 32 (the MXFP4 scale block)")
+    w1, w3, w2 = (pack_words(experts[n]["weight"]) for n in ("w1", "w3", "w2"))
+    s1, s3, s2 = (experts[n]["scale"] for n in ("w1", "w3", "w2"))
+    x_act_TD = phase_major(quant.fq8(x_TD))
+    weights_A = weights_TX.reshape(-1).astype(jnp.float32)
+    cfg = CONFIG
+    call = functools.partial(pl.pallas_call, interpret=_interpret())
+    if path == "gathered":
+        rows_f, rows_d = _block(f, cfg.matvec_rows, "moe_inter_dim"), _block(d, cfg.matvec_rows, "dim")
+        words_d = _block(d // 8, cfg.matvec_words, "dim/8", WORDS_PER_SCALE)
+        words_f = _block(f // 8, cfg.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
+        params = _compiler_params(cfg.matvec_warps, cfg.matvec_stages)
+        h_AF = call(
+            functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
+                              words=words_d, n_words=d // 8),
+            out_shape=jax.ShapeDtypeStruct((n_assign, f), jnp.bfloat16), grid=(n_assign, f // rows_f),
+            compiler_params=params, name="routed_gate_up_matvec",
+        )(expert_A, weights_A, x_act_TD, w1, s1, w3, s3)
+        y_AD = call(
+            functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8),
+            out_shape=jax.ShapeDtypeStruct((n_assign, d), jnp.bfloat16), grid=(n_assign, d // rows_d),
+            compiler_params=params, name="routed_down_matvec",
+        )(expert_A, phase_major(quant.fq8(h_AF)), w2, s2)
+        return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
+
+    rows = gemm_rows(n_assign, n_experts, cfg)
+    tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, rows)
+    weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
+    n_rows, n_tiles = token_R.shape[0], tile_expert_I.shape[0]
+    cols_f, cols_d = _block(f, cfg.gemm_cols, "moe_inter_dim", 16), _block(d, cfg.gemm_cols, "dim", 16)
+    words_d = _block(d // 8, cfg.gemm_words, "dim/8", 16)
+    words_f = _block(f // 8, cfg.gemm_words, "moe_inter_dim/8", 16)
+    params = _compiler_params(cfg.gemm_warps, cfg.gemm_stages)
+    h_RF = call(
+        functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d, n_words=d // 8),
+        out_shape=jax.ShapeDtypeStruct((n_rows, f), jnp.bfloat16), grid=(n_tiles, f // cols_f),
+        compiler_params=params, name="routed_gate_up_gemm",
+    )(tile_expert_I, token_R, weight_R, x_act_TD, w1, s1, w3, s3)
+    y_RD = call(
+        functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8),
+        out_shape=jax.ShapeDtypeStruct((n_rows, d), jnp.bfloat16), grid=(n_tiles, d // cols_d),
+        compiler_params=params, name="routed_down_gemm",
+    )(tile_expert_I, phase_major(quant.fq8(h_RF)), w2, s2)
+    return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
+
+
+_IMPLEMENTATIONS = {"reference": routed_experts_reference, "pallas": routed_experts_pallas}
+
+
+def routed_experts(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array, limit: float,
+                   *, impl: str = "reference", path: str | None = None) -> jax.Array:
+    """The routed-experts seam: ``impl`` in IMPLS picks the implementation (static). -> float32 [T, D].
+
+    Arguments as ``routed_experts_reference``; ``path`` forces that implementation's path ('gathered'/'ragged').
+    """
+    if impl not in _IMPLEMENTATIONS:
+        raise ValueError(f"routed-experts impl must be one of {IMPLS}, got {impl!r}")
+    return _IMPLEMENTATIONS[impl](experts, x_TD, weights_TX, experts_TX, limit, path)
