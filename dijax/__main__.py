@@ -1,5 +1,5 @@
 import sys
 
-from dijax.cli import main
+from dijax.cli.main import main
 
 sys.exit(main())

@@ -1,4 +1,5 @@
-"""Shared fixtures: the parity folder (``DIJAX_PARITY_DIR``, default ``../shared/parity``) and a loaded tiny model."""
+"""Shared fixtures: the parity folder (``DIJAX_PARITY_DIR``, default the copy in tests/fixtures/parity, which
+tests/test_parity.py keeps byte-identical to ../shared/parity when that exists) and a loaded tiny model."""
 
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 # conversions of Hugging Face checkpoints made by tests go to a throw-away cache, not ~/.cache/dijax
 os.environ.setdefault("DIJAX_CACHE", tempfile.mkdtemp(prefix="dijax-cache-"))
 
-PARITY_DIR = os.environ.get(
-    "DIJAX_PARITY_DIR",
-    os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "parity")))
+FIXTURE_COPY = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
+SHARED_PARITY = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "parity"))
+PARITY_DIR = os.environ.get("DIJAX_PARITY_DIR", FIXTURE_COPY)
 
 
 def parity_path(*parts: str) -> str:
+    """A path inside the parity folder; a missing one fails the test (a skip would hide it)."""
     path = os.path.join(PARITY_DIR, *parts)
     if not os.path.exists(path):
-        pytest.skip(f"parity fixtures not found at {path} (set DIJAX_PARITY_DIR)")
+        pytest.fail(f"parity fixture file not found: {path} (DIJAX_PARITY_DIR={PARITY_DIR})")
     return path
 
 

@@ -14,8 +14,6 @@ from tests.conftest import PARITY_DIR
 
 TINY = os.path.join(PARITY_DIR, "tiny")
 NODROP = os.path.join(PARITY_DIR, "tiny-nodrop")
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(TINY, "config.json")),
-                                reason=f"tiny parity fixture not found under {PARITY_DIR} (set DIJAX_PARITY_DIR)")
 
 COMPARED = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_mtp_layers", "n_heads", "n_routed_experts",
             "n_activated_experts", "n_shared_experts", "q_lora_rank", "head_dim", "rope_head_dim", "o_groups",
@@ -82,7 +80,6 @@ def test_sequence_fields_are_tuples(hf):
     hash(hf)  # frozen and hashable
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(NODROP, "config.json")), reason="tiny-nodrop fixture absent")
 def test_nodrop_differs_only_in_candidate_sizes(hf):
     nodrop = ModelConfig.from_file(os.path.join(NODROP, "config.json"))
     assert nodrop.index_topk == 256 and nodrop.candidate_topk_blocks == 64

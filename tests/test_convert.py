@@ -161,16 +161,14 @@ def test_existing_output_and_bad_expert_dtype(tmp_path):
 
 
 def test_cli_convert_then_parity_on_the_result(tmp_path):
-    from dijax.cli import main
-    from tests.test_parity import _one_case_fixture
+    from dijax.cli.main import main
+    from tests.test_parity import _one_case_fixture, manifest_check
 
     out = tmp_path / "converted"
     assert main(["convert", parity_path("tiny", "hf"), str(out)]) == 0
     assert main(["convert", parity_path("tiny", "hf"), str(out)]) == 2  # exists: a clear error, exit 2
-    loose = {"name": "tier1", "inject_topk": True, "median_r": 0.02, "p90_r": 0.05, "max_r": 0.2,
-             "tokens_equal_where_ref_margin_ge": 0.25}
     (tmp_path / "fx").mkdir()
-    folder = _one_case_fixture(tmp_path / "fx", "tiny", "case_L5", [loose])
+    folder = _one_case_fixture(tmp_path / "fx", "tiny", "case_L5", [manifest_check("tiny", "tier1-injected")])
     assert main(["parity", folder, "--weights", str(out)]) == 0
 
 

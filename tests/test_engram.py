@@ -20,9 +20,6 @@ from dijax.model import engram
 from tests.conftest import PARITY_DIR
 
 TINY = os.path.join(PARITY_DIR, "tiny")
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(os.path.join(TINY, "config.json")) or not os.path.exists(os.path.join(TINY, "tokenizer.json")),
-    reason=f"tiny parity fixture not found under {PARITY_DIR} (set DIJAX_PARITY_DIR)")
 
 INT64_MAX = np.iinfo(np.int64).max
 

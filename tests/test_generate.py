@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dijax.cli import main
+from dijax.cli.main import main
 
 
 def test_generate_on_the_embedded_default(capsys, tmp_path):

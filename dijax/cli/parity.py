@@ -8,11 +8,17 @@ compressed positions ``topk_layer{l}_prefill`` [B, L, K] / ``topk_layer{l}_step{
 
 Checks:
   * ``tier1``: per-row relative logit error r = max|x - ref| / max|ref| (median / p90 / max over every prefill
-    and decode row), greedy tokens equal where the reference margin is large, and (when the manifest says so)
-    index sets identical to the recorded ones;
+    and decode row), the prefix check (every batch row's prefill positions < ``prefix_positions`` within
+    ``prefix_max_r``: before the first rounding flip a correct port matches to fp32 noise, while one deliberate
+    bug moves those rows by >= 7e-3), greedy tokens equal where the reference margin is large, and (when the
+    manifest says so) index sets identical to the recorded ones;
   * ``tier1-injected``: the same with every index source's selection overridden by the recorded sets;
   * ``tier2-selection``: fraction of identical index sets over rows whose recorded bounds show a strict gap,
     leaving out tied rows and the reference's stale-index-key decode steps (parity README 6.1).
+
+Manifests are read strictly: every numeric or boolean key of a check must be one the checker evaluates
+(``EVALUATED_KEYS``), and a missing bound or an unknown key fails that check with a message naming the key; text
+keys (``note``, ``bounds``, ``rows``, ``exclude``, ``r_definition``, ...) are documentation.
 
 Usage: ``dijax parity FIXTURE_DIR [--layout reference|hf] [--weights PATH] [--chunk N]``.
 """
@@ -35,6 +41,16 @@ from dijax.driver import Driver
 from dijax.model.engram import EngramTables
 from dijax.model.step import CacheSpec
 
+# Keys each check kind evaluates (numbers and booleans; anything else numeric in a check is an error). Text-valued
+# ``index_sets`` switches the tier-1 index-set comparison on.
+EVALUATED_KEYS = {
+    "tier1": {"inject_topk", "median_r", "p90_r", "max_r", "prefix_positions", "prefix_max_r",
+              "tokens_equal_where_ref_margin_ge"},
+    "tier2": {"inject_topk", "index_set_agreement_min"},
+}
+REQUIRED_KEYS = {"tier1": ("median_r", "p90_r", "max_r", "prefix_positions", "prefix_max_r"),
+                 "tier2": ("index_set_agreement_min",)}
+FLIP_R = 1e-4  # the first prefill position whose r exceeds this is printed as "first flip" (a diagnostic)
 
 @dataclass
 class CaseRun:
@@ -54,10 +70,24 @@ class Fixture:
         manifest_path = os.path.join(folder, "fixture.json")
         if not os.path.exists(manifest_path):
             raise FileNotFoundError(f"{folder} has no fixture.json")
-        with open(manifest_path) as f:
-            self.manifest = json.load(f)
-        self.cfg = ModelConfig.from_file(self._path(self.manifest.get("config") or self.manifest["inference_config"]))
-        layouts = self.manifest.get("weights", {})
+        try:
+            with open(manifest_path) as f:
+                self.manifest = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{manifest_path}: not valid JSON ({error})") from None
+        if not isinstance(self.manifest, dict):
+            raise ValueError(f"{manifest_path}: expected a JSON object, got {type(self.manifest).__name__}")
+        for key in ("cases", "tokenizer", "weights", "checks"):
+            if key not in self.manifest:
+                raise ValueError(f"{manifest_path}: missing '{key}' (a fixture names its config, tokenizer, "
+                                 f"weights, cases and checks; see ../shared/parity/README.md)")
+        if not isinstance(self.manifest["checks"], list) or not self.manifest["checks"]:
+            raise ValueError(f"{manifest_path}: 'checks' must be a non-empty list of checks")
+        config = self.manifest.get("config") or self.manifest.get("inference_config")
+        if config is None:
+            raise ValueError(f"{manifest_path}: missing 'config' (or 'inference_config')")
+        self.cfg = ModelConfig.from_file(self._path(config))
+        layouts = self.manifest["weights"]
         if weights is None:
             if layout not in layouts:
                 raise ValueError(f"--layout {layout!r}: the fixture offers {sorted(layouts)}")
@@ -144,24 +174,64 @@ def _sets_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.all(np.where(a >= 0, a, -1) == np.where(b >= 0, b, -1), axis=-1)
 
 
+def check_kind(check: dict) -> str | None:
+    """'tier1' or 'tier2' from a check's name (``tier1-injected`` is a tier-1 check), None if unknown."""
+    name = str(check.get("name", ""))
+    return next((kind for kind in EVALUATED_KEYS if name.startswith(kind)), None)
+
+
+def manifest_problems(check: dict) -> list[str]:
+    """What makes a check unevaluable: an unknown kind, a missing bound, or a numeric / boolean key the checker does
+    not evaluate (it would otherwise be silently ignored). Empty if the check is well-formed."""
+    kind = check_kind(check)
+    if kind is None:
+        return [f"unknown check kind (known: {', '.join(EVALUATED_KEYS)})"]
+    problems = [f"missing key '{key}'" for key in REQUIRED_KEYS[kind] if key not in check]
+    for key, value in check.items():
+        if isinstance(value, (bool, int, float)) and key not in EVALUATED_KEYS[kind]:
+            problems.append(f"key '{key}' is not one the {kind} checker evaluates "
+                            f"(evaluated: {', '.join(sorted(EVALUATED_KEYS[kind]))})")
+    return problems
+
+
 def evaluate(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out) -> bool:
     """Evaluate one manifest check over all cases, printing figures; returns pass/fail."""
-    name = check["name"]
-    if name.startswith("tier1"):
+    name = check.get("name", "?")
+    problems = manifest_problems(check)
+    if problems:
+        print(f"  {name}: {'; '.join(problems)} -> FAIL", file=out)
+        return False
+    if check_kind(check) == "tier1":
         return _evaluate_tier1(fixture, check, runs, out)
-    if name.startswith("tier2"):
-        return _evaluate_tier2(fixture, check, runs, out)
-    print(f"  {name}: unknown check kind, counted as failed", file=out)
-    return False
+    return _evaluate_tier2(fixture, check, runs, out)
+
+
+def prefix_figures(r_BL: np.ndarray, prefix_positions: int) -> tuple[float, tuple[int, int] | None]:
+    """(worst r over every batch row's prefill positions < prefix_positions, (position, row) of the earliest prefill
+    position whose r exceeds FLIP_R, or None). r_BL: per-row relative errors of the prefill logits [B, L]."""
+    worst = float(r_BL[:, :prefix_positions].max())
+    over = np.argwhere(r_BL > FLIP_R)
+    first = None if over.size == 0 else min((int(p), int(b)) for b, p in over)
+    return worst, first
+
+
+def _prefix_line(worst: float, first: tuple[int, int] | None, check: dict) -> str:
+    flip = f"position {first[0]} (row {first[1]})" if first else "none"
+    verdict = "ok" if worst <= check["prefix_max_r"] else "FAIL"
+    return (f"prefix (positions < {check['prefix_positions']}) worst r {worst:.3g} (<= {check['prefix_max_r']}) "
+            f"{verdict}; first r > {FLIP_R:g} at {flip}")
 
 
 def _evaluate_tier1(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out) -> bool:
     name, threshold = check["name"], check.get("tokens_equal_where_ref_margin_ge", 0.25)
-    all_r, ok_tokens, sets_ok = [], True, True
+    all_r, ok_tokens, sets_ok, prefix_ok = [], True, True, True
     for case, run in runs.items():
-        r = np.concatenate([relative_errors(run.prefill_logits, fixture.tensor(case, "prefill_logits")).ravel(),
+        prefill_r = relative_errors(run.prefill_logits, fixture.tensor(case, "prefill_logits"))
+        r = np.concatenate([prefill_r.ravel(),
                             relative_errors(run.decode_logits, fixture.tensor(case, "decode_logits")).ravel()])
         all_r.append(r)
+        worst, first = prefix_figures(prefill_r, check["prefix_positions"])
+        prefix_ok &= worst <= check["prefix_max_r"]
         tokens, margins = fixture.tensor(case, "tokens"), fixture.tensor(case, "margins")
         mine = np.concatenate([run.prefill_logits[:, -1:].argmax(-1),
                                run.decode_logits.argmax(-1).T], axis=1)[:, :tokens.shape[1]]
@@ -169,10 +239,11 @@ def _evaluate_tier1(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out
         mismatched = int(np.sum((mine != tokens) & big))
         ok_tokens &= mismatched == 0
         differ = np.nonzero(np.any(mine != tokens, axis=0))[0]
-        first = (f"first differing step {differ[0]} (ref margin there {margins[:, differ[0]].min():.4f})"
-                 if len(differ) else "no differing step")
+        first_token = (f"first differing step {differ[0]} (ref margin there {margins[:, differ[0]].min():.4f})"
+                       if len(differ) else "no differing step")
         line = (f"  {name} {case}: r median {np.median(r):.3g} p90 {np.percentile(r, 90):.3g} max {r.max():.3g}; "
-                f"tokens differing where margin >= {threshold}: {mismatched}; {first}")
+                f"{_prefix_line(worst, first, check)}; tokens differing where margin >= {threshold}: {mismatched}; "
+                f"{first_token}")
         if check.get("index_sets"):
             same, count = 0, 0
             for layer, got in run.prefill_topk.items():
@@ -186,9 +257,11 @@ def _evaluate_tier1(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out
         print(line, file=out)
     r = np.concatenate(all_r)
     med, p90, mx = float(np.median(r)), float(np.percentile(r, 90)), float(r.max())
-    passed = med <= check["median_r"] and p90 <= check["p90_r"] and mx <= check["max_r"] and ok_tokens and sets_ok
+    passed = (med <= check["median_r"] and p90 <= check["p90_r"] and mx <= check["max_r"] and ok_tokens and sets_ok
+              and prefix_ok)
     print(f"  {name}: all rows ({r.size}): r median {med:.3g} (<= {check['median_r']}), p90 {p90:.3g} "
-          f"(<= {check['p90_r']}), max {mx:.3g} (<= {check['max_r']}); tokens {'ok' if ok_tokens else 'DIFFER'}"
+          f"(<= {check['p90_r']}), max {mx:.3g} (<= {check['max_r']}); prefix {'ok' if prefix_ok else 'FAIL'}; "
+          f"tokens {'ok' if ok_tokens else 'DIFFER'}"
           f"{'; index sets ' + ('identical' if sets_ok else 'DIFFER') if check.get('index_sets') else ''}"
           f" -> {'PASS' if passed else 'FAIL'}", file=out)
     return passed
@@ -226,42 +299,56 @@ def run_engine(folder: str, layout: str = "reference", weights: str | None = Non
                max_num_batched_tokens: int = 256, block_size: int = 16, num_blocks: int | None = None,
                out=sys.stdout) -> bool:
     """Every prompt of every case through one engine at once (greedy), compared with the reference per request up
-    to the first step where the reference's own top-2 margin is below the manifest's token tolerance."""
+    to the first step where the reference's own top-2 margin is below the manifest's token tolerance.
+
+    The prefix check rides along as ordinary requests: for every prompt and position p < ``prefix_positions``, a
+    one-token request on the prompt's first p + 1 tokens, whose logits are the reference's prefill row p.
+    """
     from dijax.runtime.llm_engine import LLMEngine
     from dijax.runtime.sampling_params import SamplingParams
 
     fixture = Fixture(folder, layout, weights)
-    check = next((c for c in fixture.manifest["checks"] if c["name"].startswith("tier1")
+    check = next((c for c in fixture.manifest["checks"] if check_kind(c) == "tier1"
                   and not c.get("inject_topk")), None)
     if check is None:
         raise ValueError(f"{folder}: --engine needs a tier1 check without index injection (e.g. tiny-nodrop)")
+    problems = manifest_problems(check)
+    if problems:
+        print(f"  {check['name']}: {'; '.join(problems)} -> FAIL", file=out)
+        print("parity: 0/1 checks passed", file=out)
+        return False
     params, consts = load_model(fixture)
     from tokenizers import Tokenizer
 
-    requests = {}
+    requests, prefix_requests = {}, {}
     for case in fixture.case_names:
         ids, tokens = fixture.tensor(case, "input_ids"), fixture.tensor(case, "tokens")
         for b in range(ids.shape[0]):
             requests[f"{case}/{b}"] = (case, b, [int(t) for t in ids[b]], tokens.shape[1])
+            for p in range(min(check["prefix_positions"], ids.shape[1])):
+                prefix_requests[f"{case}/{b}/prefix{p}"] = (case, b, p, [int(t) for t in ids[b, :p + 1]])
     max_len = max(len(p) + n for _, _, p, n in requests.values()) + 1
     engine = LLMEngine(loaded=(fixture.cfg, params, consts, Tokenizer.from_file(fixture.tokenizer_path)),
-                       max_num_seqs=len(requests), max_num_batched_tokens=max_num_batched_tokens,
-                       block_size=block_size, num_blocks=num_blocks, max_model_len=max_len, zos=zos,
-                       debug_logits=True)
+                       max_num_seqs=len(requests) + len(prefix_requests),
+                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
+                       max_model_len=max_len, zos=zos, debug_logits=True)
     for rid, (_, _, prompt, n) in requests.items():
         engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    for rid, (_, _, _, prompt) in prefix_requests.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     outputs = {}
     while engine.has_unfinished():
         outputs.update({o.request_id: o for o in engine.step()})
     tol = check.get("tokens_equal_where_ref_margin_ge", 0.25)
-    all_r, ok_tokens, compared = [], True, 0
+    all_r, ok_tokens, compared, prefix_ok = [], True, 0, True
     for case in fixture.case_names:
         case_r, case_steps, mismatches = [], 0, 0
+        prefill = fixture.tensor(case, "prefill_logits")
         for rid, (c, b, prompt, n) in requests.items():
             if c != case:
                 continue
             ref_tokens, margins = fixture.tensor(case, "tokens")[b], fixture.tensor(case, "margins")[b]
-            prefill, decode = fixture.tensor(case, "prefill_logits"), fixture.tensor(case, "decode_logits")
+            decode = fixture.tensor(case, "decode_logits")
             for j in range(n):
                 if margins[j] < tol:
                     break  # past a reference near-tie both sides compare noise
@@ -271,19 +358,27 @@ def run_engine(folder: str, layout: str = "reference", weights: str | None = Non
                 case_steps += 1
                 if outputs[rid].token_ids[j] != ref_tokens[j]:
                     break
+        prefix_r_BP = np.zeros((prefill.shape[0], min(check["prefix_positions"], prefill.shape[1])), np.float32)
+        for rid, (c, b, p, _) in prefix_requests.items():
+            if c == case:
+                prefix_r_BP[b, p] = relative_errors(engine.step_logits[rid][0], prefill[b, p])
+        worst, first = prefix_figures(prefix_r_BP, check["prefix_positions"])
+        prefix_ok &= worst <= check["prefix_max_r"]
         r = np.asarray(case_r)
         all_r.append(r)
         ok_tokens &= mismatches == 0
         compared += case_steps
         print(f"  engine {case}: {case_steps} steps compared; r median {np.median(r):.3g} p90 "
-              f"{np.percentile(r, 90):.3g} max {r.max():.3g}; token mismatches {mismatches}", file=out)
+              f"{np.percentile(r, 90):.3g} max {r.max():.3g}; {_prefix_line(worst, first, check)}; "
+              f"token mismatches {mismatches}", file=out)
     r = np.concatenate(all_r)
     med, p90, mx = float(np.median(r)), float(np.percentile(r, 90)), float(r.max())
-    passed = ok_tokens and med <= check["median_r"] and p90 <= check["p90_r"] and mx <= check["max_r"]
+    passed = (ok_tokens and prefix_ok and med <= check["median_r"] and p90 <= check["p90_r"]
+              and mx <= check["max_r"])
     print(f"  engine: {compared} steps, r median {med:.3g} (<= {check['median_r']}), p90 {p90:.3g} "
-          f"(<= {check['p90_r']}), max {mx:.3g} (<= {check['max_r']}); tokens {'ok' if ok_tokens else 'DIFFER'}; "
-          f"zos {'on' if zos else 'off'}; preemptions {engine.num_preemptions} -> {'PASS' if passed else 'FAIL'}",
-          file=out)
+          f"(<= {check['p90_r']}), max {mx:.3g} (<= {check['max_r']}); prefix {'ok' if prefix_ok else 'FAIL'}; "
+          f"tokens {'ok' if ok_tokens else 'DIFFER'}; zos {'on' if zos else 'off'}; "
+          f"preemptions {engine.num_preemptions} -> {'PASS' if passed else 'FAIL'}", file=out)
     print(f"parity: {int(passed)}/1 checks passed", file=out)
     return passed
 
@@ -331,6 +426,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine and args.chunk is not None:
+        raise ValueError("--chunk prefills the teacher-forced run in chunks; with --engine the step's token budget "
+                         "decides chunking: use --max-num-batched-tokens N")
     if args.engine:
         return 0 if run_engine(args.fixture, args.layout, args.weights, args.zos == "on",
                                args.max_num_batched_tokens, args.block_size, args.num_blocks) else 1
