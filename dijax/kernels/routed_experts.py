@@ -153,7 +153,8 @@ class KernelConfig:
 
     matvec_*: the few-tokens kernels (one assignment per program, fp32 FMAs: memory bound);
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
-    gathered_max: the Pallas implementation takes the mat-vec path while A <= this.
+    gathered_max: the Pallas implementation takes the mat-vec path while A <= this;
+    poison: kernel outputs start NaN-filled instead of uninitialised (tests: an element no program writes shows).
     """
     matvec_rows: int = 32
     matvec_words: int = 64
@@ -166,6 +167,7 @@ class KernelConfig:
     gemm_warps: int = 4
     gemm_stages: int = 3
     gathered_max: int = 6
+    poison: bool = False
 
 
 CONFIG = KernelConfig()
@@ -285,13 +287,24 @@ def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, 
         y_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
 
 
-def _dequant_tile(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> list[jax.Array]:
-    """Expert e's rows [n0, n0+cols), words [w0, w0+words) as 8 bf16 phase tiles [cols, words] (exact values)."""
+def _interleave(p_J: list[jax.Array]) -> jax.Array:
+    """8 phase tiles [N, W] (code j of word w) -> one tile [N, 8 W] in natural order (column 8 w + j).
+
+    Each join interleaves two tiles column by column; joining phases by their low bit last restores 8 w + j.
+    """
+    def join(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.stack([a, b], axis=-1).reshape(a.shape[0], 2 * a.shape[1])
+
+    return join(join(join(p_J[0], p_J[4]), join(p_J[2], p_J[6])), join(join(p_J[1], p_J[5]), join(p_J[3], p_J[7])))
+
+
+def _dequant_tile(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> jax.Array:
+    """Expert e's rows [n0, n0+cols), codes [8 w0, 8 (w0+words)) as a bf16 tile [cols, 8 words] (exact values)."""
     w_NW = w_ref[e, pl.ds(n0, cols), pl.ds(w0, words)]
     scale_NB = scale_multiplier(s_ref[e, pl.ds(n0, cols), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
     scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
     scale_NW = scale_NW.reshape(cols, words)
-    return [(decode_codes(w_NW, j) * scale_NW).astype(jnp.bfloat16) for j in range(CODES_PER_WORD)]
+    return _interleave([(decode_codes(w_NW, j) * scale_NW).astype(jnp.bfloat16) for j in range(CODES_PER_WORD)])
 
 
 def _dot_nt(lhs_MK: jax.Array, rhs_NK: jax.Array) -> jax.Array:
@@ -311,13 +324,9 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
 
         def step(k, acc):
             w0 = k * words
-            x_J = [x_ref[token_M, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
-            g, u = acc
-            for j, w_NW in enumerate(_dequant_tile(w1_ref, s1_ref, e, n0, w0, cols, words)):
-                g = g + _dot_nt(x_J[j], w_NW)
-            for j, w_NW in enumerate(_dequant_tile(w3_ref, s3_ref, e, n0, w0, cols, words)):
-                u = u + _dot_nt(x_J[j], w_NW)
-            return g, u
+            x_MK = x_ref[token_M, pl.ds(w0 * CODES_PER_WORD, words * CODES_PER_WORD)]
+            return (acc[0] + _dot_nt(x_MK, _dequant_tile(w1_ref, s1_ref, e, n0, w0, cols, words)),
+                    acc[1] + _dot_nt(x_MK, _dequant_tile(w3_ref, s3_ref, e, n0, w0, cols, words)))
 
         zeros = jnp.zeros((rows, cols), jnp.float32)
         g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
@@ -336,9 +345,8 @@ def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: in
     def _():
         def step(k, acc):
             w0 = k * words
-            for j, w_NW in enumerate(_dequant_tile(w2_ref, s2_ref, e, n0, w0, cols, words)):
-                acc = acc + _dot_nt(h_ref[pl.ds(i * rows, rows), pl.ds(j * n_words + w0, words)], w_NW)
-            return acc
+            h_MK = h_ref[pl.ds(i * rows, rows), pl.ds(w0 * CODES_PER_WORD, words * CODES_PER_WORD)]
+            return acc + _dot_nt(h_MK, _dequant_tile(w2_ref, s2_ref, e, n0, w0, cols, words))
 
         y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows, cols), jnp.float32))
         y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
@@ -412,26 +420,21 @@ def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array,
             raise ValueError(f"{name}={size} must be a multiple of 32 (the MXFP4 scale block)")
     w1, w3, w2 = (pack_words(experts[n]["weight"]) for n in ("w1", "w3", "w2"))
     s1, s3, s2 = (experts[n]["scale"] for n in ("w1", "w3", "w2"))
-    x_act_TD = phase_major(quant.fq8(x_TD))
+    x_act_TD = quant.fq8(x_TD)
     weights_A = weights_TX.reshape(-1).astype(jnp.float32)
     cfg = CONFIG
-    call = functools.partial(pl.pallas_call, interpret=_interpret())
     if path == "gathered":
         rows_f, rows_d = _block(f, cfg.matvec_rows, "moe_inter_dim"), _block(d, cfg.matvec_rows, "dim")
         words_d = _block(d // 8, cfg.matvec_words, "dim/8", WORDS_PER_SCALE)
         words_f = _block(f // 8, cfg.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
         params = _compiler_params(cfg.matvec_warps, cfg.matvec_stages)
-        h_AF = call(
-            functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
-                              words=words_d, n_words=d // 8),
-            out_shape=jax.ShapeDtypeStruct((n_assign, f), jnp.bfloat16), grid=(n_assign, f // rows_f),
-            compiler_params=params, name="routed_gate_up_matvec",
-        )(expert_A, weights_A, x_act_TD, w1, s1, w3, s3)
-        y_AD = call(
-            functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8),
-            out_shape=jax.ShapeDtypeStruct((n_assign, d), jnp.bfloat16), grid=(n_assign, d // rows_d),
-            compiler_params=params, name="routed_down_matvec",
-        )(expert_A, phase_major(quant.fq8(h_AF)), w2, s2)
+        h_AF = _call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
+                                       words=words_d, n_words=d // 8),
+                     (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
+                     expert_A, weights_A, phase_major(x_act_TD), w1, s1, w3, s3)
+        y_AD = _call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8),
+                     (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
+                     expert_A, phase_major(quant.fq8(h_AF)), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
     rows = gemm_rows(n_assign, n_experts, cfg)
@@ -439,20 +442,33 @@ def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array,
     weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
     n_rows, n_tiles = token_R.shape[0], tile_expert_I.shape[0]
     cols_f, cols_d = _block(f, cfg.gemm_cols, "moe_inter_dim", 16), _block(d, cfg.gemm_cols, "dim", 16)
-    words_d = _block(d // 8, cfg.gemm_words, "dim/8", 16)
-    words_f = _block(f // 8, cfg.gemm_words, "moe_inter_dim/8", 16)
+    words_d = _block(d // 8, cfg.gemm_words, "dim/8", 2)
+    words_f = _block(f // 8, cfg.gemm_words, "moe_inter_dim/8", 2)
     params = _compiler_params(cfg.gemm_warps, cfg.gemm_stages)
-    h_RF = call(
-        functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d, n_words=d // 8),
-        out_shape=jax.ShapeDtypeStruct((n_rows, f), jnp.bfloat16), grid=(n_tiles, f // cols_f),
-        compiler_params=params, name="routed_gate_up_gemm",
-    )(tile_expert_I, token_R, weight_R, x_act_TD, w1, s1, w3, s3)
-    y_RD = call(
-        functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8),
-        out_shape=jax.ShapeDtypeStruct((n_rows, d), jnp.bfloat16), grid=(n_tiles, d // cols_d),
-        compiler_params=params, name="routed_down_gemm",
-    )(tile_expert_I, phase_major(quant.fq8(h_RF)), w2, s2)
+    h_RF = _call(functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
+                                   n_words=d // 8),
+                 (n_rows, f), (n_tiles, f // cols_f), params, "routed_gate_up_gemm",
+                 tile_expert_I, token_R, weight_R, x_act_TD, w1, s1, w3, s3)
+    y_RD = _call(functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8),
+                 (n_rows, d), (n_tiles, d // cols_d), params, "routed_down_gemm",
+                 tile_expert_I, quant.fq8(h_RF), w2, s2)
     return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
+
+
+def _call(kernel, out_shape: tuple[int, int], grid: tuple[int, int], params, name: str, *args) -> jax.Array:
+    """One bf16-output ``pallas_call`` (interpret mode off the GPU); with ``CONFIG.poison`` the output starts as a
+    NaN-filled buffer aliased into the kernel, so elements that no program writes stay NaN."""
+    out = jax.ShapeDtypeStruct(out_shape, jnp.bfloat16)
+    if not CONFIG.poison:
+        return pl.pallas_call(kernel, out_shape=out, grid=grid, compiler_params=params, name=name,
+                              interpret=_interpret())(*args)
+
+    def poisoned(*refs):
+        kernel(*refs[:-2], refs[-1])  # refs[-2] is the aliased poison input, the same buffer as the output
+
+    return pl.pallas_call(poisoned, out_shape=out, grid=grid, compiler_params=params, name=name,
+                          input_output_aliases={len(args): 0}, interpret=_interpret(),
+                          )(*args, jnp.full(out_shape, np.nan, jnp.bfloat16))
 
 
 _IMPLEMENTATIONS = {"reference": routed_experts_reference, "pallas": routed_experts_pallas}
