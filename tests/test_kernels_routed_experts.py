@@ -1,0 +1,191 @@
+"""Routed-experts kernel seam: the Pallas MXFP4 kernels (interpret mode on CPU) against the jnp reference.
+
+Covers the in-register e2m1 / ue8m0 decode for every byte and scale exponent, both kernel paths (mat-vec and the
+grouped GEMM over expert-sorted tiles) on ragged group sizes with empty experts and groups spanning several tiles,
+the SwiGLU clamp firing, padding assignments (expert -1), the tile layout's invariants and the dispatcher.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dijax
+from dijax.config import ModelConfig
+from dijax.io.random_init import random_params
+from dijax.kernels import quant
+from dijax.kernels import routed_experts as rx
+from dijax.model import moe
+
+LIMIT = 10.0
+
+
+def make_experts(rng: np.random.Generator, n_experts: int, d: int, f: int, exponents: tuple[int, int]) -> dict:
+    """Random MXFP4 stacked experts: every byte value, ue8m0 exponents uniform in [lo, hi]."""
+    def one(out_dim: int, in_dim: int) -> dict:
+        return {"weight": jnp.asarray(rng.integers(0, 256, (n_experts, out_dim, in_dim // 2), dtype=np.uint8)),
+                "scale": jnp.asarray(rng.integers(exponents[0], exponents[1] + 1, (n_experts, out_dim, in_dim // 32),
+                                                  dtype=np.uint8))}
+    return {"w1": one(f, d), "w3": one(f, d), "w2": one(d, f)}
+
+
+def make_routing(rng: np.random.Generator, t: int, n_experts: int, n_per_token: int, pool: int | None = None,
+                 pad_tokens: tuple[int, ...] = (), pad_slots: tuple[int, ...] = ()):
+    """(weights_TX float32, experts_TX int32 ascending). Experts drawn from the first ``pool`` ids only (so the
+    others stay empty and the pool's groups grow); ``pad_tokens`` get -1 in every slot, ``pad_slots`` (token, slot)
+    pairs -1 in the last slot of those tokens, with a NaN weight there (a padding weight is ignored)."""
+    pool = pool or n_experts
+    experts_TX = np.sort(np.stack([rng.choice(pool, n_per_token, replace=False) for _ in range(t)]), axis=1)
+    weights_TX = rng.uniform(0.05, 1.0, (t, n_per_token)).astype(np.float32)
+    for token in pad_tokens:
+        experts_TX[token] = -1
+    for token in pad_slots:
+        experts_TX[token, -1] = -1
+        weights_TX[token, -1] = np.nan
+    return jnp.asarray(weights_TX), jnp.asarray(experts_TX.astype(np.int32))
+
+
+def make_x(rng: np.random.Generator, t: int, d: int, scale: float) -> jax.Array:
+    return jnp.asarray(rng.normal(0.0, scale, (t, d)).astype(np.float32)).astype(jnp.bfloat16)
+
+
+def gate_values(experts: dict, x_TD: jax.Array, experts_TX: jax.Array) -> np.ndarray:
+    """The w1 outputs of every valid assignment (reference dequantisation, float64 sums). [A', F]."""
+    x = np.asarray(quant.fq8(x_TD), np.float64)
+    out = []
+    for t, e in zip(*np.nonzero(np.asarray(experts_TX) >= 0)):
+        w = np.asarray(rx.expert_weights(experts, "w1", jnp.asarray([int(experts_TX[t, e])])), np.float64)[0]
+        out.append(w @ x[t])
+    return np.stack(out)
+
+
+def assert_close(got: np.ndarray, expected: np.ndarray, min_equal: float = 0.99) -> None:
+    """The kernels sum in another order than the reference: allow a few bf16 ulps of the output's magnitude."""
+    assert got.shape == expected.shape and got.dtype == np.float32
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=4 * 2.0 ** -8 * np.abs(expected).max())
+    assert np.mean(got == expected) >= min_equal
+
+
+def test_decode_matches_dequant_for_every_byte_and_exponent():
+    exponents = np.arange(2, 241, dtype=np.uint8)  # the range scale_multiplier documents as exact
+    packed = np.tile(np.arange(256, dtype=np.uint8), (exponents.size, 1))  # [S, 256 bytes] = 512 codes a row
+    scale = np.repeat(exponents[:, None], 512 // 32, axis=1)
+    expected = np.asarray(quant.dequant_fp4_weight(jnp.asarray(packed), jnp.asarray(scale)), np.float32)
+    words = rx.pack_words(jnp.asarray(packed))
+    scale_W = jnp.repeat(rx.scale_multiplier(jnp.asarray(scale)), rx.WORDS_PER_SCALE, axis=1)
+    phases = [np.asarray((rx.decode_codes(words, j) * scale_W).astype(jnp.bfloat16), np.float32) for j in range(8)]
+    got = np.stack(phases, axis=-1).reshape(expected.shape)  # code j of word w is element 8 w + j
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))  # bit for bit, signed zeros too
+    assert np.isfinite(got).all() and (got != 0).any()
+
+
+def test_interleave_restores_natural_order():
+    p_J = [jnp.asarray(np.arange(4)[None, :] * 8 + j, jnp.float32) for j in range(8)]
+    np.testing.assert_array_equal(np.asarray(rx._interleave(p_J)), np.arange(32)[None, :])
+
+
+CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
+    "one-token": (1, 8, 2, 256, 128, None, (), (), (118, 124)),
+    "padding": (4, 8, 2, 256, 128, None, (1,), (3,), (118, 124)),
+    "ragged-empty-experts": (24, 16, 3, 256, 128, 5, (7,), (2,), (116, 126)),
+    "wide-exponents": (6, 8, 2, 256, 128, None, (), (), (100, 150)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+    t, e, x, d, f, pool, pad_tokens, pad_slots, exponents = CASES[request.param]
+    rng = np.random.default_rng(sorted(CASES).index(request.param))
+    experts = make_experts(rng, e, d, f, exponents)
+    weights_TX, experts_TX = make_routing(rng, t, e, x, pool, pad_tokens, pad_slots)
+    x_TD = make_x(rng, t, d, 3.0)
+    expected = np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT))
+    return request.param, experts, x_TD, weights_TX, experts_TX, expected
+
+
+@pytest.mark.parametrize("path", rx.PATHS)
+def test_pallas_matches_reference(case, path):
+    name, experts, x_TD, weights_TX, experts_TX, expected = case
+    got = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas", path=path))
+    assert_close(got, expected)
+    pad_rows = np.all(np.asarray(experts_TX) < 0, axis=1)
+    assert np.all(got[pad_rows] == 0) and np.all(expected[pad_rows] == 0)
+    if name == "one-token":
+        assert (gate_values(experts, x_TD, experts_TX) > LIMIT).any()  # the clamp fires
+
+
+def test_a_padding_slot_adds_exactly_nothing():
+    rng = np.random.default_rng(11)
+    experts = make_experts(rng, 8, 256, 128, (118, 124))
+    x_TD = make_x(rng, 3, 256, 3.0)
+    weights_TX, experts_TX = make_routing(rng, 3, 8, 2, pad_slots=(0, 1, 2))  # one real expert per token
+    single_w, single_e = weights_TX[:, :1], experts_TX[:, :1]
+    for impl in rx.IMPLS:
+        for path in rx.PATHS:
+            padded = rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl=impl, path=path)
+            single = rx.routed_experts(experts, x_TD, single_w, single_e, LIMIT, impl=impl, path=path)
+            np.testing.assert_array_equal(np.asarray(padded), np.asarray(single), err_msg=f"{impl} {path}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("rows", (16, 64))
+def test_tile_layout_invariants(seed, rows):
+    rng = np.random.default_rng(seed)
+    n_experts, n_per_token, t = 12, 3, int(rng.integers(1, 120))
+    pool = int(rng.integers(1, n_experts)) + 1 if seed % 2 else n_experts  # empty experts and big groups
+    pool = max(pool, n_per_token)
+    _, experts_TX = make_routing(rng, t, n_experts, n_per_token, pool, pad_tokens=tuple(range(0, t, 7)))
+    expert_A = np.asarray(experts_TX).reshape(-1)
+    tile_expert_I, token_R, slot_R, pos_A = map(np.asarray, rx.tile_layout(jnp.asarray(expert_A), n_experts,
+                                                                           n_per_token, rows))
+    a = expert_A.size
+    assert tile_expert_I.size == -(-a // rows) + min(n_experts, a) and slot_R.size == tile_expert_I.size * rows
+    valid = np.nonzero(expert_A >= 0)[0]
+    assert np.array_equal(slot_R[pos_A[valid]], valid)  # each assignment sits in its own row
+    assert np.array_equal(tile_expert_I[pos_A[valid] // rows], expert_A[valid])  # in a tile of its expert
+    assert np.array_equal(token_R[pos_A[valid]], valid // n_per_token)
+    assert np.sum(slot_R >= 0) == valid.size and np.all(token_R[slot_R < 0] == 0)
+    sizes = np.bincount(expert_A[valid], minlength=n_experts)
+    assert np.sum(tile_expert_I >= 0) == np.sum(-(-sizes // rows))  # no tile is launched for an empty expert
+    launched = tile_expert_I[tile_expert_I >= 0]
+    assert np.all(np.diff(launched) >= 0) and np.all(tile_expert_I[len(launched):] == -1)
+
+
+def test_fp8_experts_take_the_reference_path():
+    rng = np.random.default_rng(5)
+
+    def fp8(out_dim: int, in_dim: int) -> dict:
+        w = rng.normal(0, 1, (4, out_dim, in_dim)).astype(ml_dtypes.float8_e4m3fn)
+        return {"weight": jnp.asarray(w), "scale": jnp.asarray(rng.integers(120, 124, (4, out_dim // 32, in_dim // 32),
+                                                                             dtype=np.uint8))}
+
+    experts = {"w1": fp8(64, 128), "w3": fp8(64, 128), "w2": fp8(128, 64)}
+    weights_TX, experts_TX = make_routing(rng, 3, 4, 2)
+    x_TD = make_x(rng, 3, 128, 1.0)
+    ref = rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT)
+    got = rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+def test_unknown_impl_is_refused():
+    rng = np.random.default_rng(0)
+    experts = make_experts(rng, 4, 64, 64, (120, 122))
+    weights_TX, experts_TX = make_routing(rng, 1, 4, 2)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        rx.routed_experts(experts, make_x(rng, 1, 64, 1.0), weights_TX, experts_TX, LIMIT, impl="cuda")
+
+
+@pytest.mark.parametrize("t", (3, 5))  # tiny: E = 8, X = 2; A = 6 takes the mat-vec path, A = 10 the GEMM
+def test_moe_with_pallas_matches_reference(t):
+    cfg = ModelConfig.from_file(os.path.join(os.path.dirname(dijax.__file__), "assets", "tiny", "config.json"))
+    ffn = random_params(cfg, seed=4)["layers"][1]["ffn"]
+    x_TD = make_x(np.random.default_rng(t), t, cfg.dim, 4.0)
+    ref = np.asarray(moe.moe(ffn, x_TD, cfg), np.float32)
+    got = np.asarray(moe.moe(ffn, x_TD, cfg, impl="pallas"), np.float32)
+    assert_close(got, ref, min_equal=0.97)
