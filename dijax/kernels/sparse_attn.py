@@ -128,7 +128,8 @@ def _split_kernel(idx_ref, q_ref, *refs, sizes: tuple[int, ...], split_len: int,
             hit = (local >= 0) & (local < n)
             # a masked lane issues no memory access: each row is read from the one source it lives in
             row_L1 = jnp.clip(local, 0, n - 1)[:, None]
-            rows = pltriton.load(src_ref.at[row_L1, col_K], mask=hit[:, None], other=0)
+            mask_LK = jnp.broadcast_to(hit[:, None], (BLOCK, k))
+            rows = pltriton.load(src_ref.at[row_L1, col_K], mask=mask_LK, other=0)
             kv_LK = jnp.where(hit[:, None], rows.astype(kv_LK.dtype), kv_LK)
             base += n
         s_hL = jax.lax.dot_general(q_hK, kv_LK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

@@ -1,0 +1,89 @@
+"""Top-k select and the Pallas sparse-attention kernel on the GPU, at V4.1-Flash sizes, against their references.
+
+Run on a GPU machine: ``python -m pytest -q tests/gpu/test_attention_gpu.py``. Output buffers are poisoned first:
+a NaN array of the outputs' size is freed just before each kernel call, so the allocator hands the kernel memory
+full of NaN and any element the kernel fails to write shows up in the comparison.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dijax  # noqa: F401  (sets XLA flags before JAX starts)
+from dijax.kernels.sparse_attn import SparseAttnConfig, sparse_attn_pallas, sparse_attn_reference
+from dijax.kernels.topk import topk_reference, topk_select
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
+                                reason="GPU kernels: needs a CUDA backend (jax.default_backend() == 'gpu')")
+
+HEADS, DIM, WINDOW, TOPK = 64, 512, 128, 512
+
+
+def poison(nbytes: int) -> None:
+    """Leave ``nbytes`` of freed device memory holding NaN for the next allocation to reuse."""
+    filler = jnp.full((nbytes // 4 + 1,), jnp.nan, jnp.float32)
+    filler.block_until_ready()
+    filler.delete()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_topk_select_matches_lax_top_k(rows):
+    rng = np.random.default_rng(rows)
+    width = 262_144
+    # bf16 scores with many ties, a -inf tail beyond each row's visible length
+    score = np.asarray(jnp.asarray(rng.standard_normal((rows, width)), jnp.bfloat16).astype(jnp.float32))
+    visible = rng.integers(100, width, rows)
+    visible[0] = 300  # fewer real values than k in the first row
+    score = np.where(np.arange(width)[None, :] < visible[:, None], score, -np.inf).astype(np.float32)
+    x = jnp.asarray(score)
+    want_v, want_i = jax.jit(topk_reference, static_argnums=1)(x, TOPK)
+    poison(rows * TOPK * 8)
+    got_v, got_i = jax.jit(topk_select, static_argnums=1)(x, TOPK)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v).view(np.uint32), np.asarray(want_v).view(np.uint32))
+
+
+def test_topk_special_values_order():
+    # NaN, signed zeros and infinities: the select keeps the float total order; lax.top_k on this backend must too
+    rng = np.random.default_rng(0)
+    x = rng.choice(np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1.0], np.float32), (8, 4096))
+    want_v, want_i = topk_reference(jnp.asarray(x), 64)
+    got_v, got_i = jax.jit(topk_select, static_argnums=1)(jnp.asarray(x), 64)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+
+
+def decode_problem(batch: int, seed: int, pool_rows_per_seq: int = 1024):
+    """A decode step: per token [127 ring rows | its new row | 512 compressed rows], some -1, one empty row."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((batch, HEADS, DIM)), jnp.bfloat16)
+    ring = jnp.asarray(rng.standard_normal((batch * WINDOW, DIM)), jnp.bfloat16)
+    new = jnp.asarray(rng.standard_normal((batch, DIM)), jnp.bfloat16)
+    pool = jnp.asarray(rng.standard_normal((batch * pool_rows_per_seq, DIM)), jnp.bfloat16)
+    seq = np.arange(batch)[:, None]
+    ring_idx = seq * WINDOW + (rng.integers(0, WINDOW) + np.arange(WINDOW - 1)[None, :]) % WINDOW
+    new_idx = batch * WINDOW + seq
+    comp = np.sort(rng.choice(pool_rows_per_seq, (batch, TOPK)), axis=1) + seq * pool_rows_per_seq
+    comp_idx = batch * WINDOW + batch + comp
+    idx = np.concatenate([ring_idx, new_idx, comp_idx], axis=1).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.05] = -1
+    idx[0, :] = -1
+    sink = jnp.asarray(rng.standard_normal(HEADS), jnp.float32)
+    return q, (ring, new, pool), jnp.asarray(idx), sink
+
+
+@pytest.mark.parametrize("batch,config", [(1, SparseAttnConfig()), (64, SparseAttnConfig()),
+                                          (5, SparseAttnConfig(block_h=32, num_splits=1))])
+def test_sparse_attn_pallas_matches_reference(batch, config):
+    q, sources, idx, sink = decode_problem(batch, seed=batch)
+    scale = DIM ** -0.5
+    want = np.asarray(jax.jit(sparse_attn_reference, static_argnums=4)(q, sources, idx, sink, scale), np.float32)
+    kernel = jax.jit(lambda *a: sparse_attn_pallas(*a, scale, config=config))
+    poison(batch * HEADS * DIM * 4 * 16)
+    got = np.asarray(kernel(q, sources, idx, sink), np.float32)
+    assert np.isfinite(got).all()
+    assert (got[0] == 0).all()
+    np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
+    assert np.abs(got - want).mean() < 2e-3 * np.abs(want).mean()

@@ -1,0 +1,159 @@
+"""Kernel micro-benchmarks, kernels on and off in one process (DESIGN.md "Performance method").
+
+    PYTHONPATH=. python3 tools/bench_kernels.py                  # every kernel's rows
+    PYTHONPATH=. python3 tools/bench_kernels.py --only topk,sparse_attn --sweep
+
+Each row times one jitted call: the best over ``--repeats`` of the mean of ``--iters`` back-to-back calls (so host
+dispatch overlaps the device), after a warm-up call. Beside it, the row's floor (bytes the kernel must move over the
+copy bandwidth, 4.3 TB/s measured on this workplace's H200: device KINDS.md) and the share of it reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dijax  # noqa: E402,F401  (sets XLA flags before JAX starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+BANDWIDTH = 4.3e12
+
+
+def time_call(fn, *args, iters: int = 20, repeats: int = 5) -> float:
+    """Seconds per call of ``fn(*args)``: the best over ``repeats`` of the mean of ``iters`` back-to-back calls."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def _row(kernel: str, shape: str, impl: str, seconds: float, floor_bytes: float, base: float | None) -> dict:
+    floor = floor_bytes / BANDWIDTH
+    return {"kernel": kernel, "shape": shape, "impl": impl, "us": seconds * 1e6, "floor_us": floor * 1e6,
+            "floor_pct": 100 * floor / seconds, "speedup": (base / seconds) if base else 1.0}
+
+
+def topk_rows(rows_list=(1, 4, 64), width: int = 262_144, k: int = 512, sweep: bool = False, **timing) -> list[dict]:
+    """Exact top-k of bf16-valued float32 score rows: ``lax.top_k`` against the threshold select.
+
+    Floor: one read of the scores (4 bytes a value). ``sweep`` adds select variants (radix digits, chunk length).
+    """
+    from dijax.kernels import topk as topk_mod
+
+    variants = [("select", {})]
+    if sweep:
+        variants += [("select radix8", {"RADIX_BITS": 8}), ("select chunk64", {"CHUNK": 64}),
+                     ("select no-prefilter", {"PREFILTER_FACTOR": 1 << 30})]
+    out = []
+    for rows in rows_list:
+        score = jax.random.normal(jax.random.key(rows), (rows, width), jnp.bfloat16).astype(jnp.float32)
+        shape = f"{rows} x {width}, k={k}"
+        base = time_call(jax.jit(lambda s: topk_mod.topk_reference(s, k)), score, **timing)
+        out.append(_row("topk", shape, "lax.top_k", base, rows * width * 4, None))
+        for name, consts in variants:
+            saved = {c: getattr(topk_mod, c) for c in consts}
+            for c, v in consts.items():
+                setattr(topk_mod, c, v)
+            try:
+                fn = jax.jit(lambda s: topk_mod.topk_select(s, k))
+                want, got = topk_mod.topk_reference(score, k)[1], fn(score)[1]
+                exact = bool(jnp.array_equal(want, got))
+                seconds = time_call(fn, score, **timing)
+                out.append(_row("topk", shape, name + ("" if exact else " MISMATCH"), seconds, rows * width * 4, base))
+            finally:
+                for c, v in saved.items():
+                    setattr(topk_mod, c, v)
+    return out
+
+
+def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, heads: int = 64, dim: int = 512,
+                     pool_rows_per_seq: int = 4096, sweep: bool = False, **timing) -> list[dict]:
+    """Decode sparse attention with the sink: the jnp reference against the Pallas kernel.
+
+    Each token lists ``window`` rows (ring and its new row) and ``topk`` compressed rows of its own sequence, from
+    three sources. Floor: the gathered bf16 rows (T x (window + topk) x dim x 2 bytes). ``sweep`` adds tilings.
+    """
+    from dijax.kernels import sparse_attn as sa
+
+    configs = [("pallas", sa.SparseAttnConfig())]
+    if sweep:
+        configs += [("pallas warps4", sa.SparseAttnConfig(num_warps=4)),
+                    ("pallas h32", sa.SparseAttnConfig(block_h=32, num_warps=4)),
+                    ("pallas 1split", sa.SparseAttnConfig(num_splits=1)),
+                    ("pallas stages3", sa.SparseAttnConfig(num_stages=3))]
+    scale = dim ** -0.5
+    out = []
+    for batch in batches:
+        keys = jax.random.split(jax.random.key(batch), 6)
+        q = jax.random.normal(keys[0], (batch, heads, dim), jnp.bfloat16)
+        ring = jax.random.normal(keys[1], (batch * window, dim), jnp.bfloat16)
+        new = jax.random.normal(keys[2], (batch, dim), jnp.bfloat16)
+        pool = jax.random.normal(keys[3], (batch * pool_rows_per_seq, dim), jnp.bfloat16)
+        seq = jnp.arange(batch, dtype=jnp.int32)[:, None]
+        ring_idx = seq * window + jnp.arange(window - 1, dtype=jnp.int32)[None, :]
+        comp = jnp.sort(jax.random.randint(keys[4], (batch, topk), 0, pool_rows_per_seq), axis=1)
+        idx = jnp.concatenate([ring_idx, batch * window + seq, batch * window + batch + seq * pool_rows_per_seq
+                               + comp], axis=1).astype(jnp.int32)
+        sink = jax.random.normal(keys[5], (heads,), jnp.float32)
+        sources = (ring, new, pool)
+        floor_bytes = batch * (window + topk) * dim * 2
+        shape = f"B={batch}, {window + topk} rows x {dim}, {heads} heads"
+        ref_fn = jax.jit(lambda q, s, i, k: sa.sparse_attn_reference(q, s, i, k, scale))
+        want = ref_fn(q, sources, idx, sink)
+        base = time_call(ref_fn, q, sources, idx, sink, **timing)
+        out.append(_row("sparse_attn", shape, "reference (XLA)", base, floor_bytes, None))
+        for name, config in configs:
+            try:
+                fn = jax.jit(lambda q, s, i, k, c=config: sa.sparse_attn_pallas(q, s, i, k, scale, config=c))
+                err = float(jnp.max(jnp.abs(fn(q, sources, idx, sink).astype(jnp.float32) - want.astype(jnp.float32))))
+                seconds = time_call(fn, q, sources, idx, sink, **timing)
+                out.append(_row("sparse_attn", shape, f"{name} (max err {err:.1e})", seconds, floor_bytes, base))
+            except Exception as exc:  # one failing tiling must not hide the others' rows
+                print(f"sparse_attn {name} at B={batch} failed: {type(exc).__name__}: {str(exc)[:400]}")
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    """Markdown table of benchmark rows."""
+    print("| kernel | shape | impl | us | floor us | % of floor | x reference |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+              f"{r['floor_pct']:.1f} | {r['speedup']:.2f} |")
+
+
+BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {sorted(BENCHES)}")
+    ap.add_argument("--sweep", action="store_true", help="add tiling / algorithm variants")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    names = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(names) - set(BENCHES))
+    if unknown:
+        raise ValueError(f"--only: unknown benchmarks {unknown}; choose from {sorted(BENCHES)}")
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    rows = []
+    for name in names:
+        rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
