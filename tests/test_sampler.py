@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -10,11 +11,13 @@ from dijax.runtime.sampler import sample
 
 def _sample(logits, temperature=1.0, top_k=0, top_p=1.0, seeds=None, positions=None):
     r = logits.shape[0]
-    seeds = np.arange(r, dtype=np.uint32) if seeds is None else np.asarray(seeds, np.uint32)
+    seeds = np.arange(r, dtype=np.uint64) if seeds is None else np.asarray(seeds, np.uint64)
     positions = np.zeros(r, np.int32) if positions is None else np.asarray(positions, np.int32)
-    return np.asarray(sample(jnp.asarray(logits, jnp.float32), jnp.full(r, temperature, jnp.float32),
-                             jnp.full(r, top_k, jnp.int32), jnp.full(r, top_p, jnp.float32), jnp.asarray(seeds),
-                             jnp.asarray(positions)))
+    temperature = np.broadcast_to(np.asarray(temperature, np.float32), (r,))
+    return np.asarray(sample(jnp.asarray(logits, jnp.float32), jnp.asarray(temperature),
+                             jnp.full(r, top_k, jnp.int32), jnp.full(r, top_p, jnp.float32),
+                             jnp.asarray((seeds >> np.uint64(32)).astype(np.uint32)),
+                             jnp.asarray((seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)), jnp.asarray(positions)))
 
 
 def test_greedy_takes_the_lowest_index_among_ties():
@@ -49,3 +52,56 @@ def test_top_k_and_top_p_restrict_the_support():
     nucleus = order[:np.searchsorted(np.cumsum(probs[order]), 0.5) + 1]
     drawn = {_sample(logits, top_p=0.5, positions=[p])[0] for p in range(200)}
     assert drawn <= set(nucleus.tolist()) and len(drawn) > 1
+
+
+def _three_sort_reference(logits_V, temperature, top_k, top_p, seed, position):
+    """The sampler as first written (a sort for top-k, one for the top-p mass, one for its threshold)."""
+    greedy = jnp.argmax(logits_V).astype(jnp.int32)
+    scaled = logits_V / jnp.maximum(temperature, 1e-5)
+    kth = jnp.sort(scaled)[::-1][jnp.clip(top_k - 1, 0, logits_V.shape[0] - 1)]
+    scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
+    probs = jax.nn.softmax(jnp.sort(scaled)[::-1])
+    keep = (jnp.cumsum(probs) - probs) < top_p
+    scaled = jnp.where(scaled < jnp.min(jnp.where(keep, jnp.sort(scaled)[::-1], jnp.inf)), -jnp.inf, scaled)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32), position)
+    sampled = jnp.argmax(scaled + jax.random.gumbel(key, scaled.shape, jnp.float32)).astype(jnp.int32)
+    return int(jnp.where(temperature == 0, greedy, sampled))
+
+
+def test_one_shared_sort_samples_what_three_sorts_did():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0, 2, (12, 40)).astype(np.float32)
+    logits[3, :5] = logits[3, 5]  # ties at the top-k boundary
+    temperature = np.array([0.7, 1.0, 0.0, 1.3] * 3, np.float32)
+    for top_k, top_p in ((0, 1.0), (3, 1.0), (0, 0.6), (5, 0.8), (1, 0.3), (40, 0.95), (99, 1.0)):
+        seeds, positions = rng.integers(0, 2**63, 12, dtype=np.uint64), rng.integers(0, 50, 12)
+        got = _sample(logits, temperature, top_k, top_p, seeds, positions)
+        want = [_three_sort_reference(jnp.asarray(logits[i]), temperature[i], top_k, np.float32(top_p),
+                                      int(seeds[i]), int(positions[i])) for i in range(12)]
+        assert got.tolist() == want, (top_k, top_p)
+
+
+def test_an_all_greedy_step_takes_the_argmax_like_a_mixed_one():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 1, (8, 64)).astype(np.float32)
+    logits[0, [4, 9]] = logits[0].max() + 1  # a tie: the lowest index wins in both branches
+    greedy = _sample(logits, temperature=0.0, top_k=7, top_p=0.5)
+    mixed = _sample(logits, temperature=np.array([0.0] * 7 + [1.0], np.float32), top_k=7, top_p=0.5)
+    assert greedy.tolist() == logits.argmax(-1).tolist() and greedy[0] == 4
+    assert mixed[:7].tolist() == greedy[:7].tolist()
+
+
+def test_all_64_bits_of_the_seed_key_the_noise():
+    flat = np.zeros((64, 1000), np.float32)
+    positions = np.arange(64)
+    low = _sample(flat, seeds=np.full(64, 1, np.uint64), positions=positions)
+    high = _sample(flat, seeds=np.full(64, 1 + 2**32, np.uint64), positions=positions)
+    top = _sample(flat, seeds=np.full(64, 1 + 2**62, np.uint64), positions=positions)
+    assert (low != high).sum() > 50 and (low != top).sum() > 50 and (high != top).sum() > 50
+    again = _sample(flat, seeds=np.full(64, 1 + 2**32, np.uint64), positions=positions)
+    assert np.array_equal(high, again)
+
+
+def test_a_top_p_below_float32_resolution_keeps_the_most_likely_token():
+    logits = np.array([[0.0, 2.0, 1.0, -1.0]], np.float32)
+    assert all(_sample(logits, top_p=1e-50, positions=[p])[0] == 1 for p in range(20))

@@ -3,10 +3,16 @@
 With zero-overhead scheduling (default) step N is scheduled and launched before step N-1's results are processed,
 so the host plans while the device computes; without it each step is processed right after its launch. Both
 produce the same tokens.
+
+The engine owns every request's lifetime: a request added with ``add_request`` leaves it exactly once, as a
+``RequestOutput`` returned by ``step()`` (finished, stopped, aborted, or failed with reason "error"). ``abort`` of an
+id that is not live is a no-op that returns False. A step that fails to launch or run finishes the requests it
+computed for with reason "error" and frees their blocks and slots; the engine stays usable.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 
 from dijax.runtime.block_manager import BlockManager
@@ -18,16 +24,49 @@ from dijax.runtime.sequence import Sequence
 from dijax.runtime.state_manager import StateManager
 
 
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value}")
+    return int(value)
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 class LLMEngine:
-    """Engine over a loaded model. ``model``: a checkpoint path, or None for the embedded tiny default."""
+    """Engine over a loaded model. ``model``: a checkpoint path, or None for the embedded tiny default.
+
+    max_num_seqs            requests running at once (state slots), >= 1.
+    max_num_batched_tokens  query tokens per step, >= max_num_seqs.
+    block_size              tokens per KV block, >= 1.
+    num_blocks              KV blocks in the pool (default: enough for max_num_seqs requests of max_model_len).
+    max_model_len           longest request (prompt + output), 1 .. the config's max_seq_len (default: that).
+    zos                     zero-overhead scheduling (plan step N while step N-1 runs).
+    """
 
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None,
                  zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False):
         from dijax.io.loader import load
 
+        # checked before the model is loaded: a bad size fails at once, naming itself
+        max_num_seqs = _check_size("max_num_seqs", max_num_seqs)
+        max_num_batched_tokens = _check_size("max_num_batched_tokens", max_num_batched_tokens)
+        block_size = _check_size("block_size", block_size)
+        if num_blocks is not None:
+            num_blocks = _check_size("num_blocks", num_blocks)
+        if max_model_len is not None:
+            max_model_len = _check_size("max_model_len", max_model_len)
+        if not isinstance(zos, bool):
+            raise TypeError(f"zos must be a bool, got {type(zos).__name__} {zos!r}")
         # ``loaded``: an already loaded (config, params, Engram constants, tokenizer), e.g. a parity fixture
         self.cfg, params, consts, self.tokenizer = loaded or load(model, weights_seed)
+        if max_model_len is not None and max_model_len > self.cfg.max_seq_len:
+            raise ValueError(f"max_model_len must be <= the model's max_seq_len ({self.cfg.max_seq_len}), "
+                             f"got {max_model_len}")
         max_model_len = max_model_len or self.cfg.max_seq_len
         if num_blocks is None:
             num_blocks = max_num_seqs * -(-max_model_len // block_size)
@@ -40,28 +79,43 @@ class LLMEngine:
         self.step_logits: dict[str, dict[int, object]] = {}
         self.zos = zos
         self._unprocessed: deque[tuple[SchedulerOutput, StepHandle | None]] = deque()
-        self._prompts: dict[str, str | list[int]] = {}
+        self._prompts: dict[str, str | list[int]] = {}  # every request not yet returned by step()
+        self._released: list[Sequence] = []  # finished outside step() (abort, failures): returned by the next step
         self.num_preemptions = 0
 
     def validate(self, prompts: list, params: list) -> None:
         """Check every request (prompt type, token ids, lengths, params) without queueing anything."""
-        for prompt, sp in zip(prompts, params):
-            self._token_ids(prompt, sp)
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            try:
+                self._token_ids(prompt, sp)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"request {i}: {error}") from None
 
     def _token_ids(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__} {params!r}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:
+                # a lone surrogate: bytes that were not UTF-8 (e.g. a command-line argument in another encoding)
+                raise ValueError(f"prompt is not valid UTF-8 text (undecodable byte at character {error.start}: "
+                                 f"{prompt[error.start:error.end]!r})") from None
             ids = [self.cfg.bos_token_id] + self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            for i, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise TypeError(f"a token-id prompt must hold only ints, got {type(t).__name__} {t!r} "
+                                    f"at index {i}")
+            ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size}), got {bad[:5]}")
         else:
-            raise TypeError(f"prompt must be a string or a list of int token ids, got {type(prompt).__name__}")
+            raise TypeError(f"prompt must be a string or a list of int token ids, got {type(prompt).__name__} "
+                            f"{prompt!r:.60}")
         if not ids:
             raise ValueError("prompt must not be empty")
         limit = self.scheduler.max_model_len
@@ -71,32 +125,56 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request. Bad input raises before anything is queued."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         ids = self._token_ids(prompt, params)
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.add(Sequence(request_id, ids, params))
         self._prompts[request_id] = prompt
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request; its output (finish reason 'abort') comes back now or from a later ``step()``."""
+    def is_live(self, request_id: str) -> bool:
+        """Whether the request is queued or running and not already finishing."""
+        return self.scheduler.get(request_id) is not None and not self.scheduler.is_aborting(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a live request; its output (finish reason 'abort') comes back from a later ``step()``.
+
+        Returns True when this call aborted it, False (and does nothing) when the id is unknown, already finished
+        or already finishing.
+        """
+        if not self.is_live(request_id):
+            return False
         seq = self.scheduler.abort(request_id)
-        return None if seq is None else self._output(seq)
+        if seq is not None:
+            self._released.append(seq)
+        return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._unprocessed)
+        """Whether some request has not been returned by ``step()`` yet."""
+        return self.scheduler.has_unfinished() or bool(self._unprocessed) or bool(self._released)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, process what is due; return the requests that finished."""
         output = self.scheduler.schedule()
         self.num_preemptions += len(output.preempted)
         previous = next((h for _, h in reversed(self._unprocessed) if h is not None), None)
-        handle = None if output.is_empty else self.runner.execute(output, previous)
-        self._unprocessed.append((output, handle))
-        finished: list[Sequence] = []
+        finished, self._released = self._released, []
+        handle = None
+        try:
+            handle = None if output.is_empty else self.runner.execute(output, previous)
+        except Exception as error:  # noqa: BLE001  (whatever broke the launch, the step's requests end with it)
+            finished += self.scheduler.fail(output, _describe(error))
+        else:
+            self._unprocessed.append((output, handle))
         keep = 1 if self.zos and handle is not None else 0  # ZOS: leave the newest step in flight
         while len(self._unprocessed) > keep:
             done, done_handle = self._unprocessed.popleft()
-            sampled = done_handle.wait() if done_handle else {}
+            try:
+                sampled = done_handle.wait() if done_handle else {}
+            except Exception as error:  # noqa: BLE001  (the step failed while running)
+                finished += self.scheduler.fail(done, _describe(error))
+                continue
             if done_handle is not None and done_handle.logits:
                 for chunk in done.chunks:
                     if chunk.sample:
@@ -127,4 +205,5 @@ class LLMEngine:
         if cuts:
             text = text[:min(cuts)]  # stop strings are not part of the returned text
         return RequestOutput(request_id=seq.request_id, prompt=prompt, text=text,
-                             token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason)
+                             token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
+                             error=seq.error)

@@ -23,7 +23,7 @@ from dijax.config import ModelConfig
 from dijax.driver import bucket
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
-from dijax.runtime.sampler import sample
+from dijax.runtime.sampler import sample, sampling_inputs
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
 
 
@@ -92,9 +92,7 @@ class ModelRunner:
             num_seqs = 1
             while num_seqs <= min(self.max_rows, num_tokens):
                 batch, _ = build_step([], num_tokens, num_seqs, self.max_blocks, num_seqs)
-                zeros = jnp.zeros(num_seqs, jnp.int32)
-                sampling = (zeros.astype(jnp.float32), zeros, jnp.ones(num_seqs, jnp.float32),
-                            zeros.astype(jnp.uint32), zeros)
+                sampling = sampling_inputs([], num_seqs)
                 _, self.cache = self._step(self.params, self.cache, batch, self.consts,
                                            jnp.zeros(self.max_rows, jnp.int32), jnp.zeros(num_tokens, jnp.int32),
                                            sampling)
@@ -115,14 +113,8 @@ class ModelRunner:
             if c.token_ids[0] == FROM_DEVICE:
                 remap[t] = prev_rows[c.request_id]
             t += c.num_tokens
-        rows = [c for c in output.chunks if c.sample]
-        pad = num_seqs - len(rows)
         # host arrays throughout: the jitted call transfers them together with the batch
-        sampling = (np.array([c.params.temperature for c in rows] + [0.0] * pad, np.float32),
-                    np.array([c.params.top_k for c in rows] + [0] * pad, np.int32),
-                    np.array([c.params.top_p for c in rows] + [1.0] * pad, np.float32),
-                    np.array([c.seed & 0xFFFFFFFF for c in rows] + [0] * pad, np.uint32),
-                    np.array([c.output_position for c in rows] + [0] * pad, np.int32))
+        sampling = sampling_inputs([c for c in output.chunks if c.sample], num_seqs)
         prev_tokens = previous.tokens_R if previous is not None else self._no_previous
         with jax.transfer_guard_device_to_host("disallow"):
             (tokens, logits), self.cache = self._step(self.params, self.cache, batch, self.consts, prev_tokens,

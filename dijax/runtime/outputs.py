@@ -13,7 +13,9 @@ class RequestOutput:
     prompt         the prompt as the caller gave it: a string, or a list of token ids.
     text           the detokenized output (stop strings already cut by the engine).
     token_ids      the output token ids (not including the prompt).
-    finish_reason  "stop" (eos, a stop token id or a stop string), "length" (max_tokens or max_model_len) or "abort".
+    finish_reason  "stop" (eos, a stop token id or a stop string), "length" (max_tokens or max_model_len), "abort"
+                   (``LLM.abort``) or "error" (a step containing it failed to launch or run).
+    error          with finish reason "error": the failure, as ``"ExceptionType: message"``; otherwise None.
     """
 
     request_id: str
@@ -21,3 +23,4 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+    error: str | None = None

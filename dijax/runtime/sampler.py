@@ -1,29 +1,39 @@
 """Sampling on device: greedy, temperature, top-k, top-p, with noise keyed only by (request seed, output position).
 
-The noise of a row is ``gumbel(fold_in(key(seed), position))``: it does not depend on the batch row, the batch
-size or any global RNG history, so a recomputed (preempted) request draws the same tokens (DESIGN.md promise 3).
+The noise of a row is ``gumbel(fold_in(fold_in(key(seed_lo), seed_hi), position))`` with the full 64-bit seed split
+into two uint32 halves: it does not depend on the batch row, the batch size or any global RNG history, so a
+recomputed (preempted) request draws the same tokens (DESIGN.md promise 3), and seeds differing in any bit draw
+different noise. A step whose rows are all greedy only takes argmaxes (no sort, no noise).
 
 Letters: R rows to sample, V vocab.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def _one(logits_V, temperature, top_k, top_p, seed, position):
+def _one(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position):
     greedy = jnp.argmax(logits_V).astype(jnp.int32)  # lowest index wins ties
     scaled = logits_V.astype(jnp.float32) / jnp.maximum(temperature, 1e-5)
-    ordered = jnp.sort(scaled)[::-1]
-    kth = ordered[jnp.clip(top_k - 1, 0, logits_V.shape[0] - 1)]
-    scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
-    probs_sorted = jax.nn.softmax(jnp.sort(scaled)[::-1])
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    keep_sorted = (jnp.cumsum(probs_sorted) - probs_sorted) < top_p
-    threshold = jnp.min(jnp.where(keep_sorted, jnp.sort(scaled)[::-1], jnp.inf))
+    # one descending sort serves both filters: masking the values below the k-th of a sorted row leaves it sorted
+    ordered_V = jnp.sort(scaled)[::-1]
+    kth = ordered_V[jnp.clip(top_k - 1, 0, logits_V.shape[0] - 1)]
+    cut_k = top_k > 0
+    scaled = jnp.where(cut_k & (scaled < kth), -jnp.inf, scaled)
+    ordered_V = jnp.where(cut_k & (ordered_V < kth), -jnp.inf, ordered_V)
+    probs_V = jax.nn.softmax(ordered_V)
+    # keep the smallest prefix whose mass reaches top_p; the first token always stays (a top_p that rounds to 0
+    # in float32 still samples the most likely token)
+    first_V = jnp.arange(ordered_V.shape[0]) == 0
+    keep_V = ((jnp.cumsum(probs_V) - probs_V) < top_p) | first_V
+    threshold = jnp.min(jnp.where(keep_V, ordered_V, jnp.inf))
     scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
-    key = jax.random.fold_in(jax.random.key(seed), position)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_lo), seed_hi), position)
     noisy = scaled + jax.random.gumbel(key, scaled.shape, jnp.float32)
     sampled = jnp.argmax(noisy).astype(jnp.int32)
     return jnp.where(temperature == 0, greedy, sampled)
@@ -31,7 +41,29 @@ def _one(logits_V, temperature, top_k, top_p, seed, position):
 
 @jax.jit
 def sample(logits_RV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
-           seed_R: jax.Array, position_R: jax.Array) -> jax.Array:
+           seed_hi_R: jax.Array, seed_lo_R: jax.Array, position_R: jax.Array) -> jax.Array:
     """One token per row. temperature float32 (0 = greedy), top_k int32 (0 = off), top_p float32 in (0, 1],
-    seed uint32, position int32 (index of the token in the request's output). -> int32 [R]."""
-    return jax.vmap(_one)(logits_RV, temperature_R, top_k_R, top_p_R, seed_R, position_R)
+    seed_hi / seed_lo uint32 (the high and low halves of the 64-bit seed), position int32 (index of the token in
+    the request's output). -> int32 [R]. The arrays are what ``sampling_inputs`` builds."""
+
+    def all_greedy(logits_RV):
+        return jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
+
+    def mixed(logits_RV):
+        return jax.vmap(_one)(logits_RV, temperature_R, top_k_R, top_p_R, seed_hi_R, seed_lo_R, position_R)
+
+    # a runtime branch (not a recompile): only the taken side runs
+    return jax.lax.cond(jnp.all(temperature_R == 0), all_greedy, mixed, logits_RV)
+
+
+def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
+    """Host arrays of ``sample``'s per-row arguments (after the logits) for the sampling ``chunks``, padded with
+    greedy rows to ``num_rows``. Each chunk has ``params`` (a SamplingParams), ``seed`` (int in [0, 2**63)) and
+    ``output_position`` (int), like a ``ScheduledChunk``. SamplingParams' limits guarantee every value fits."""
+    pad = num_rows - len(chunks)
+    return (np.array([c.params.temperature for c in chunks] + [0.0] * pad, np.float32),
+            np.array([c.params.top_k for c in chunks] + [0] * pad, np.int32),
+            np.array([c.params.top_p for c in chunks] + [1.0] * pad, np.float32),
+            np.array([c.seed >> 32 for c in chunks] + [0] * pad, np.uint32),
+            np.array([c.seed & 0xFFFFFFFF for c in chunks] + [0] * pad, np.uint32),
+            np.array([c.output_position for c in chunks] + [0] * pad, np.int32))

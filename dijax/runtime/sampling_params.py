@@ -6,8 +6,11 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-# Seeds go into a counter-based PRNG (jax.random.key / a SplitMix64 hash) on device as int64.
+# Seeds reach the device as two uint32 halves, both folded into the sampling key (see dijax.runtime.sampler).
 _SEED_LIMIT = 2**63
+# The step carries top_k as int32 and the temperature as float32: larger values cannot be represented there.
+_TOP_K_LIMIT = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check_int(name: str, value: object) -> int:
@@ -41,8 +44,9 @@ def _check_list(name: str, value: object, item_type: type, item_name: str) -> tu
 class SamplingParams:
     """Per-request sampling and stopping settings, validated on construction.
 
-    temperature     float >= 0 (finite); 0 means greedy (argmax, lowest index wins a tie).
-    top_k           int >= 0; 0 turns it off.
+    temperature     float >= 0, finite in float32 (<= 3.4e38); 0 means greedy (argmax, lowest index wins a tie).
+    top_k           int in [0, 2**31 - 1] (the step holds it as int32); 0 turns it off, and a value at or beyond
+                    the vocabulary size keeps every token.
     top_p           float in (0, 1]; 1 turns it off.
     max_tokens      int >= 1: the most output tokens to generate.
     stop_token_ids  token ids that finish the request with reason "stop" (the token is kept in the output).
@@ -69,14 +73,15 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
         temperature = _check_float("temperature", self.temperature)
-        if not (0.0 <= temperature < math.inf):
-            raise ValueError(f"SamplingParams.temperature must be a finite float >= 0 (0 = greedy), "
-                             f"got {temperature}")
+        if not (0.0 <= temperature <= _FLOAT32_MAX):
+            raise ValueError(f"SamplingParams.temperature must be a float in [0, {_FLOAT32_MAX:.4g}] (0 = greedy; "
+                             f"the step holds it as float32), got {temperature}")
         put("temperature", temperature)
 
         top_k = _check_int("top_k", self.top_k)
-        if top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {top_k}")
+        if not 0 <= top_k <= _TOP_K_LIMIT:
+            raise ValueError(f"SamplingParams.top_k must be in [0, 2**31 - 1] (0 = off; the step holds it as "
+                             f"int32), got {top_k}")
         put("top_k", top_k)
 
         top_p = _check_float("top_p", self.top_p)

@@ -190,6 +190,32 @@ class Scheduler:
             return None
         return self._finish(seq, reason)
 
+    def fail(self, output: SchedulerOutput, error: str) -> list[Sequence]:
+        """Forget an unprocessed step whose launch or run failed: it will never be processed.
+
+        Every request the step computed for (its chunk's epoch is still the sequence's) finishes with reason
+        "error" and ``error`` as its ``Sequence.error``; as with ``abort``, one that another unprocessed step still
+        contains is released when that step is processed. Requests whose chunk was already stale are unaffected.
+        Returns the sequences released now.
+        """
+        index = next((i for i, out in enumerate(self._pending) if out is output), None)
+        if index is None:
+            raise ValueError(f"Scheduler.fail: step {output.step} is not an unprocessed step")
+        del self._pending[index]
+        finished: list[Sequence] = []
+        for chunk in output.chunks:
+            seq = self._seqs.get(chunk.request_id)
+            if seq is not None and seq.epoch == chunk.epoch:
+                seq.error = error
+                released = self.abort(chunk.request_id, reason="error")
+                if released is not None:
+                    finished.append(released)
+        return finished + self._release_aborted()
+
+    def is_aborting(self, request_id: str) -> bool:
+        """Whether the request was aborted (or failed) and waits for an in-flight step before its release."""
+        return request_id in self._aborting
+
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting, running or being aborted."""
         return bool(self._seqs)
@@ -327,6 +353,11 @@ class Scheduler:
             if reason is not None:
                 self._remove_from_queues(seq)
                 finished.append(self._finish(seq, reason))
+        return finished + self._release_aborted()
+
+    def _release_aborted(self) -> list[Sequence]:
+        """Finish every aborting sequence that no unprocessed step contains any more."""
+        finished = []
         for request_id, seq in list(self._aborting.items()):
             if not self._in_flight(request_id):
                 del self._aborting[request_id]

@@ -8,7 +8,8 @@ import random
 
 from dijax.runtime.sampling_params import SamplingParams
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+"""Why a request finished; "error": a step containing it could not be launched or run (see LLMEngine.step)."""
 
 
 class SequenceStatus(enum.Enum):
@@ -67,6 +68,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.slot: int | None = None
         self.finish_reason: str | None = None
+        self.error: str | None = None  # with finish reason "error": what failed
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
