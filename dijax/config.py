@@ -209,7 +209,13 @@ class ModelConfig:
             else:
                 raise FileNotFoundError(f"no config.json or inference_config.json in {path}")
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            try:
+                raw = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ValueError(f"{path}: not a valid JSON config ({error})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a config must be a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw)
 
 
 _REQUIRED = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts", "n_activated_experts",

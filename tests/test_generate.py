@@ -7,7 +7,7 @@ from dijax.cli.main import main
 
 def test_generate_on_the_embedded_default(capsys, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Copyright"}\nplain line prompt\n')
+    prompts.write_text('{"prompt": "Copyright"}\n\n{"prompt": "{not a record, a prompt"}\n')
     assert main(["generate", "--max-tokens", "5", "--prompts-file", str(prompts), "--temperature", "0.8",
                  "--top-k", "20", "--seed", "3"]) == 0
     captured = capsys.readouterr()

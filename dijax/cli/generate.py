@@ -9,34 +9,60 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.runtime.sampling_params import SamplingParams
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompts)
-    if args.prompts_file:
-        with open(args.prompts_file) as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                if line.lstrip().startswith("{"):
-                    record = json.loads(line)
-                    if "prompt" not in record:
-                        raise ValueError(f"{args.prompts_file}: JSONL records need a 'prompt' field, got {record}")
-                    line = record["prompt"]
-                prompts.append(line)
+DEMO_PROMPTS = ["The license", "Permission is hereby granted", "You may obtain a copy"]
+
+
+def _jsonl_prompt(path: str, number: int, line: str) -> str | list[int]:
+    """The prompt of one JSONL record: a non-empty string, or a list of int token ids."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(record, dict) or "prompt" not in record:
+        raise ValueError(f"{path}:{number}: each JSONL record must be an object with a 'prompt' field, "
+                         f"got {line.strip()[:60]!r}")
+    prompt = record["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{path}:{number}: 'prompt' must be a non-empty string or a list of int token ids, got "
+                         f"{type(prompt).__name__} {prompt!r:.40}")
+    return prompt
+
+
+def read_prompts_file(path: str) -> list[str | list[int]]:
+    """Prompts from a UTF-8 file. ``*.jsonl``: one JSON object per non-empty line, its 'prompt' a string or a
+    list of int token ids. Any other file: one prompt per non-empty line, taken as written."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
+    jsonl = path.endswith(".jsonl")
+    prompts = [_jsonl_prompt(path, i + 1, line) if jsonl else line
+               for i, line in enumerate(lines) if line.strip()]
     if not prompts:
-        prompts = ["The license", "Permission is hereby granted", "You may obtain a copy"]
+        raise ValueError(f"{path}: the file holds no prompts")
     return prompts
+
+
+def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    """The positional prompts, then those of --prompts-file; the demo prompts when neither gives any."""
+    prompts = list(args.prompts)
+    if args.prompts_file is not None:
+        prompts += read_prompts_file(args.prompts_file)
+    return prompts or DEMO_PROMPTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", help="prompts (default: three short examples)")
-    parser.add_argument("--prompts-file", help="file with one prompt per line, or JSONL records with 'prompt'")
+    parser.add_argument("--prompts-file", help="UTF-8 file with one prompt per line; a *.jsonl file holds one JSON "
+                                               "object per line whose 'prompt' is a string or a list of token ids")
     parser.add_argument("--model", help="dijax or Hugging Face checkpoint (default: the embedded tiny model)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -57,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
               "(seed 0): the text is meaningless, the pipeline is real.", file=sys.stderr)
     from dijax.runtime.llm import LLM
 
-    llm = LLM(args.model, max_num_seqs=min(len(prompts), 16),
-              max_num_batched_tokens=args.chunk or 256, zos=True)
+    budget = args.chunk or 256
+    llm = LLM(args.model, max_num_seqs=min(len(prompts), 16, budget), max_num_batched_tokens=budget, zos=True)
     for out in llm.generate(prompts, sp):
-        print(f"prompt: {out.prompt!r}\noutput: {out.text!r}\nfinish: {out.finish_reason}\n")
+        error = f" ({out.error})" if out.error else ""
+        print(f"prompt: {out.prompt!r}\noutput: {out.text!r}\nfinish: {out.finish_reason}{error}\n")
     return 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.cli import convert, generate, parity
+from dijax.cli import USER_ERRORS, convert, describe_error, generate, parity
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        print(f"dijax {args.command}: error: {error}", file=sys.stderr)
+    except USER_ERRORS as error:
+        print(f"dijax {args.command}: error: {describe_error(error)}", file=sys.stderr)
         return 2
 
 

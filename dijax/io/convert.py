@@ -20,11 +20,14 @@ Peak memory is one tensor (plus its converted copy): tensors are read with ``pre
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +37,7 @@ from tqdm import tqdm
 
 from dijax.io.safetensors import DTYPES, SafetensorsFile
 from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
-from dijax.io.tensor_spec import TensorSpec, backbone_spec
+from dijax.io.tensor_spec import CheckpointError, backbone_spec, check_tensors, stored_shape
 from dijax.kernels.quant import FP4_TABLE
 
 MARKER = "dijax.json"
@@ -46,7 +49,7 @@ _ALIASES = ((re.compile(r"^model\."), ""), (re.compile(r"\.self_attn\."), ".attn
 _EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
 
 
-class ConversionError(ValueError):
+class ConversionError(CheckpointError):
     """A checkpoint that cannot be converted; the message names the tensor or file and what was expected."""
 
 
@@ -126,42 +129,18 @@ def read_sources(hf_dir: str) -> dict[str, Source]:
 
 
 def _stored_shape(src: Source) -> tuple[int, ...]:
-    """Shape as bytes are laid out (F4 headers give the logical [out, in]; storage is [out, in/2])."""
-    return src.shape[:-1] + (src.shape[-1] // 2,) if src.dtype == "F4" else src.shape
+    return stored_shape(src.dtype, src.shape)
 
 
 def validate(cfg: ModelConfig, sources: dict[str, Source]) -> None:
     """Compare the checkpoint with the config: every expected tensor present with its dtype, shape and scale block."""
-    spec = backbone_spec(cfg)
-    kept = {n for n in sources if not _DROP.search(n) and not n.startswith("mtp.")}
-    missing = sorted(set(spec) - kept)
-    unexpected = sorted(kept - set(spec))
-    if missing:
-        raise ConversionError(f"{len(missing)} expected tensor(s) missing, e.g. {missing[:4]} "
-                              f"(for n_layers={cfg.n_layers}, n_routed_experts={cfg.n_routed_experts}, "
-                              f"compress_ratios, kv/index source layers of the config)")
-    if unexpected:
-        raise ConversionError(f"{len(unexpected)} tensor(s) the config does not explain, e.g. {unexpected[:4]} "
-                              f"(n_layers={cfg.n_layers}, n_routed_experts={cfg.n_routed_experts}; a compressor "
-                              f"wgate exists only at ratio > 1, an indexer only at index sources)")
-    for name, expected in spec.items():
-        _check(name, sources[name], expected)
+    kept = {n: (src.dtype, src.shape) for n, src in sources.items() if not _DROP.search(n) and not n.startswith("mtp.")}
+    try:
+        check_tensors(cfg, kept, backbone_spec(cfg, "hf"))
+    except CheckpointError as error:
+        raise ConversionError(str(error)) from None
     for name in sorted(n for n in sources if n.startswith("mtp.") and not _DROP.search(n)):
         _check_generic(name, sources[name], sources)
-
-
-def _check(name: str, src: Source, expected: TensorSpec) -> None:
-    shape = _stored_shape(src)
-    if src.dtype not in expected.dtypes:
-        raise ConversionError(f"tensor {name!r} ({expected.role}) has dtype {src.dtype}, expected "
-                              f"{' or '.join(expected.dtypes)}")
-    if shape != expected.shape:
-        hint = ""
-        if name.endswith(".scale") and _EXPERT.search(name):
-            hint = (f"; MXFP4 scales cover blocks of {FP4_BLOCK} elements of the logical [out, in] weight "
-                    f"(the packed int8 shape shows in/2: a block of 16 would read MXFP4 as NVFP4)")
-        raise ConversionError(f"tensor {name!r} ({expected.role}) has shape {list(shape)}, expected "
-                              f"{list(expected.shape)}{hint}")
 
 
 def _check_generic(name: str, src: Source, sources: dict[str, Source]) -> None:
@@ -291,13 +270,97 @@ def _find(hf_dir: str, name: str) -> str | None:
     return None
 
 
+def source_fingerprint(hf_dir: str, expert_dtype: str = "fp4") -> str:
+    """A key (hex) of what converting ``hf_dir`` reads, cheap to compute: the converter's format and expert dtype,
+    the index json, every shard's name, size and safetensors header, and the config and tokenizer files.
+
+    A changed, truncated, added or removed shard changes it. Tensor bytes are not hashed, so an edit that keeps
+    every size and header is not noticed. Unreadable inputs are keyed as such (converting them then fails).
+    """
+    digest = hashlib.sha256(json.dumps({**FORMAT, "expert_dtype": expert_dtype}, sort_keys=True).encode())
+    try:
+        shards = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    except OSError as error:
+        shards = []
+        digest.update(f"unlistable:{error.errno}".encode())
+    for name in shards:
+        digest.update(f"\0shard:{name}".encode())
+        try:
+            with open(os.path.join(hf_dir, name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                raw = f.read(8)
+                length = int.from_bytes(raw, "little") if len(raw) == 8 else 0
+                digest.update(f"{size}:".encode() + raw + f.read(min(length, size, 1 << 28)))
+        except OSError as error:
+            digest.update(f"unreadable:{error.errno}".encode())
+    for name in ("model.safetensors.index.json", "config.json", *TOKENIZER_FILES):
+        found = _find(hf_dir, name)
+        digest.update(f"\0file:{name}:".encode())
+        if found is not None:
+            with open(found, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _terminate_by_exception() -> Callable[[], None]:
+    """Turn SIGTERM into SystemExit while converting (so the temporary output is removed, as on Ctrl-C); returns
+    the function that restores the previous handler. Only the main thread can, and only a default handler is
+    replaced."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _make_temp_dir(out_dir: str) -> str:
+    """A hidden temporary directory beside ``out_dir``, with the permissions a plain mkdir would give (mkdtemp
+    makes it 0700, which the renamed output would keep)."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    except OSError as error:
+        raise ConversionError(f"cannot create the output directory {out_dir}: {error.strerror}") from None
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def _write_checkpoint(folder: str, hf_dir: str, shards: list[list[Output]], outputs: list[Output],
+                      progress: bool) -> None:
+    """Write the shards, the index json and copies of the config and tokenizer files into ``folder``."""
+    weight_map, done = {}, [0]
+    total = sum(o.nbytes for o in outputs)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _write_shard(os.path.join(folder, file), shard, bar, done, len(outputs))
+            weight_map.update({o.name: file for o in shard})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    for name in ("config.json", *TOKENIZER_FILES):
+        found = _find(hf_dir, name)
+        if found is not None:
+            shutil.copyfile(found, os.path.join(folder, name))  # contents only: new files get the umask's mode
+
+
 def convert(hf_dir: str, out_dir: str, expert_dtype: str = "fp4", max_shard_bytes: int = 4 << 30,
             progress: bool = True) -> str:
-    """Convert ``hf_dir`` into ``out_dir`` (which must not exist). Returns ``out_dir``."""
+    """Convert ``hf_dir`` into ``out_dir`` (which must not exist). Returns ``out_dir``.
+
+    ``dijax.json`` records the ``source_fingerprint`` of ``hf_dir``. SIGTERM and Ctrl-C leave nothing behind."""
     if expert_dtype not in ("fp4", "fp8"):
         raise ConversionError(f"--expert-dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
     if os.path.exists(out_dir):
         raise ConversionError(f"output directory {out_dir} already exists; remove it or choose another")
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir} is not a directory (expected a Hugging Face checkpoint folder)")
     config_path = _find(hf_dir, "config.json")
     if config_path is None:
         raise ConversionError(f"no config.json in {hf_dir} or its parent directory")
@@ -313,27 +376,19 @@ def convert(hf_dir: str, out_dir: str, expert_dtype: str = "fp4", max_shard_byte
             size = 0
         shards[-1].append(out)
         size += out.nbytes
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    fingerprint = source_fingerprint(hf_dir, expert_dtype)
+    restore_sigterm = _terminate_by_exception()
     try:
-        weight_map, done = {}, [0]
-        total = sum(o.nbytes for o in outputs)
-        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
-            for i, shard in enumerate(shards):
-                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                _write_shard(os.path.join(tmp, file), shard, bar, done, len(outputs))
-                weight_map.update({o.name: file for o in shard})
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-        for name in ("config.json", *TOKENIZER_FILES):
-            found = _find(hf_dir, name)
-            if found is not None:
-                shutil.copy2(found, os.path.join(tmp, name))
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({**FORMAT, "expert_dtype": expert_dtype, "source": os.path.abspath(hf_dir)}, f, indent=1)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tmp = _make_temp_dir(out_dir)
+        try:
+            _write_checkpoint(tmp, hf_dir, shards, outputs, progress)
+            with open(os.path.join(tmp, MARKER), "w") as f:
+                json.dump({**FORMAT, "expert_dtype": expert_dtype, "source": os.path.abspath(hf_dir),
+                           "source_fingerprint": fingerprint}, f, indent=1)
+            os.rename(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        restore_sigterm()
     return out_dir

@@ -9,22 +9,38 @@ from tokenizers import Tokenizer
 from dijax.config import ModelConfig
 from dijax.io.checkpoint import load_params, resolve_checkpoint
 from dijax.io.random_init import random_params
+from dijax.io.tensor_spec import check_checkpoint
 from dijax.model.engram import EngramTables
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
 
 
-def load(model: str | None, seed: int = 0):
-    """(config, params, Engram constants, tokenizer) for a checkpoint path, or the embedded tiny default."""
+def load(model: str | os.PathLike | None, seed: int = 0):
+    """(config, params, Engram constants, tokenizer) for a checkpoint path, or the embedded tiny default.
+
+    A checkpoint is checked against its config from its headers before any tensor is read
+    (``tensor_spec.check_checkpoint``); a missing path, config or tokenizer is a FileNotFoundError naming it.
+    """
     if model is None:
         cfg = ModelConfig.from_file(os.path.join(ASSETS, "config.json"))
         tokenizer = Tokenizer.from_file(os.path.join(ASSETS, "tokenizer.json"))
         params = random_params(cfg, seed)
     else:
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a checkpoint path or None, got {type(model).__name__} {model!r}")
+        if not os.path.exists(model):
+            raise FileNotFoundError(f"model path {os.fspath(model)} does not exist")
         path = resolve_checkpoint(model)
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         cfg = ModelConfig.from_file(folder)
-        tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        tokenizer_path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(tokenizer_path):
+            raise FileNotFoundError(f"{folder} has no tokenizer.json (it belongs beside the config)")
+        try:
+            tokenizer = Tokenizer.from_file(tokenizer_path)
+        except Exception as error:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
+            raise ValueError(f"{tokenizer_path}: unreadable tokenizer ({error})") from None
+        check_checkpoint(cfg, path)
         params = load_params(cfg, path)
     consts: dict = {}
     if cfg.engram_layer_ids:

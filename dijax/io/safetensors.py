@@ -49,12 +49,34 @@ class SafetensorsFile:
             size = os.fstat(f.fileno()).st_size
             if n > size - 8:
                 raise ValueError(f"{self.path}: header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ValueError(f"{self.path}: unreadable safetensors header ({error})") from None
+            if not isinstance(header, dict):
+                raise ValueError(f"{self.path}: the safetensors header is not a JSON object")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
         self.metadata = header.pop("__metadata__", {})
         self.header: dict[str, dict] = header
         self._data_start = 8 + n
         self._size = size
+
+    def check_extents(self) -> None:
+        """Raise ValueError naming the file and tensor unless every tensor's dtype is known and its bytes match its
+        shape and lie inside the file (a truncated shard fails here, before any tensor is read)."""
+        for name, info in self.header.items():
+            dtype_name = info.get("dtype") if isinstance(info, dict) else None
+            if dtype_name not in DTYPES:
+                raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype_name}")
+            shape = list(info["shape"])
+            if dtype_name == "F4":
+                shape[-1] //= 2
+            begin, end = info["data_offsets"]
+            if end - begin != int(np.prod(shape)) * DTYPES[dtype_name].itemsize:
+                raise ValueError(f"{self.path}: tensor {name!r} has {end - begin} bytes, which do not match "
+                                 f"{dtype_name} {info['shape']}")
+            if self._data_start + end > self._size:
+                raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated shard?)")
 
     def names(self) -> list[str]:
         return list(self.header)
