@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dijax.config import ModelConfig
-from dijax.io.convert import MARKER, convert
+from dijax.io.convert import MARKER, convert, source_fingerprint
 from dijax.io.safetensors import iter_tensors
 
 def _set(tree: dict, dotted: list[str], value) -> None:
@@ -28,20 +28,17 @@ def resolve_checkpoint(path: str | os.PathLike, cache_dir: str | None = None, pr
 
     A dijax checkpoint (``dijax.json`` marker) or a single reference-layout file is used as it is. A Hugging Face
     checkpoint directory is converted on first use into ``cache_dir`` (default ``$DIJAX_CACHE`` or
-    ``~/.cache/dijax``), keyed by its path and index, and the converted copy is reused afterwards.
+    ``~/.cache/dijax``), keyed by its content (``convert.source_fingerprint``: shard sizes and headers, index,
+    config and tokenizer files), and the converted copy is reused until that content changes.
     """
-    import hashlib
-
-
     path = os.fspath(path)
     if os.path.isfile(path) or os.path.exists(os.path.join(path, MARKER)):
         return path
     index = os.path.join(path, "model.safetensors.index.json")
     if not os.path.exists(index):
         return path
-    stamp = f"{os.path.abspath(path)}:{os.path.getmtime(index)}:{os.path.getsize(index)}"
     root = cache_dir or os.environ.get("DIJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dijax")
-    target = os.path.join(root, hashlib.sha1(stamp.encode()).hexdigest()[:16])
+    target = os.path.join(root, source_fingerprint(path)[:32])
     if not os.path.exists(os.path.join(target, MARKER)):
         print(f"dijax: {path} is a Hugging Face checkpoint; converting it once into {target}", flush=True)
         convert(path, target, progress=progress)
