@@ -9,6 +9,7 @@ import pytest
 from dijax.io.checkpoint import load_params, params_from_tensors, resolve_checkpoint
 from dijax.io.safetensors import SafetensorsFile, checkpoint_files
 from dijax.config import ModelConfig
+from dijax.model.param_map import checkpoint_tree
 from tests.conftest import parity_path
 
 
@@ -30,10 +31,11 @@ def test_hf_and_reference_layouts_load_identically(tmp_path, capsys):
 
 def test_dtypes_and_shapes_follow_the_roles():
     cfg = ModelConfig.from_file(parity_path("tiny", "config.json"))
-    p = load_params(cfg, parity_path("tiny", "reference", "model.safetensors"))
-    assert p["head"]["weight"].dtype == np.float32  # promoted at load, like the reference
-    assert p["layers"][2]["attn"]["compressor"]["wkv"]["weight"].dtype == np.float32  # ratio 2: fp32
-    assert p["layers"][5]["attn"]["compressor"]["wkv"]["weight"].dtype == jax.numpy.bfloat16  # ratio 1: bf16
+    p = checkpoint_tree(cfg, load_params(cfg, parity_path("tiny", "reference", "model.safetensors")))
+    # the checkpoint's own dtypes: the reference's fp32 promotions happen in the computation, not in memory
+    assert p["head"]["weight"].dtype == jax.numpy.bfloat16
+    assert p["layers"][2]["attn"]["compressor"]["wkv"]["weight"].dtype == jax.numpy.bfloat16
+    assert p["layers"][5]["attn"]["compressor"]["wkv"]["weight"].dtype == jax.numpy.bfloat16
     w1 = p["layers"][0]["ffn"]["experts"]["w1"]
     assert w1["weight"].shape == (cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim // 2)  # packed MXFP4
     assert w1["scale"].shape == (cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim // 32)
@@ -43,8 +45,8 @@ def test_dtypes_and_shapes_follow_the_roles():
 def test_one_devices_share_of_experts_and_engram_rows():
     cfg = ModelConfig.from_file(parity_path("tiny", "config.json"))
     path = parity_path("tiny", "reference", "model.safetensors")
-    full = load_params(cfg, path)
-    part = load_params(cfg, path, expert_range=(2, 6), engram_rows={1: (100, 200)})
+    full = checkpoint_tree(cfg, load_params(cfg, path))
+    part = checkpoint_tree(cfg, load_params(cfg, path, expert_range=(2, 6), engram_rows={1: (100, 200)}))
     for w in ("w1", "w2", "w3"):
         for k in ("weight", "scale"):
             got = np.asarray(part["layers"][3]["ffn"]["experts"][w][k])

@@ -20,6 +20,7 @@ from dijax.kernels import quant
 from dijax.kernels import routed_experts as rx
 from dijax.model import moe
 from dijax.io.random_init import random_params
+from dijax.model.param_map import checkpoint_tree
 
 TINY_CONFIG = os.path.join(os.path.dirname(dijax.__file__), "assets", "tiny", "config.json")
 TOKEN_COUNTS = (1, 4, 5, 9)  # with E = 8 and X = 2: T <= 4 is gathered (A <= E), T >= 5 ragged
@@ -30,7 +31,7 @@ LAYERS = (0, 5)
 def tiny():
     cfg = ModelConfig.from_file(TINY_CONFIG)
     assert (cfg.n_routed_experts, cfg.n_activated_experts) == (8, 2)  # the token counts above rely on it
-    return cfg, random_params(cfg, seed=3)
+    return cfg, checkpoint_tree(cfg, random_params(cfg, seed=3))
 
 
 def _inputs(cfg: ModelConfig, ffn: dict, t: int, seed: int, scale: float = 6.0):

@@ -105,7 +105,7 @@ class Cost:
 
 
 def _nbytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _elements(tree) -> int:
@@ -126,6 +126,10 @@ def step_cost(cfg: ModelConfig, params: dict, num_tokens: int, contexts: list[in
     index source scores (all of them, or the candidate blocks above the candidate source). FLOPs: 2 per weight
     element per token on the active weights, plus QK and PV over window + top-k rows and the indexer's scores.
     """
+    from dijax.model.param_map import checkpoint_tree
+
+    # per-layer shapes by checkpoint name (shape-only: slicing the stacked arrays would copy them)
+    params = checkpoint_tree(cfg, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
     e, x, t = cfg.n_routed_experts, cfg.n_activated_experts, num_tokens
     distinct = e * (1 - (1 - x / e) ** t)
     weight_bytes = flops = 0.0

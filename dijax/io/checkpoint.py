@@ -1,8 +1,9 @@
-"""Load a checkpoint (memory-mapped safetensors, see dijax.io.safetensors) into dijax's parameter pytree.
+"""Load a checkpoint (memory-mapped safetensors, see dijax.io.safetensors) into the model's parameters.
 
-Parameter pytree (names follow the checkpoint): {'embed': {'weight'}, 'norm': {...}, 'head': {...},
+The tensors are gathered into a checkpoint-named tree ({'embed': {'weight'}, 'norm': {...}, 'head': {...},
 'layers': [per layer {'attn': ..., 'ffn': {'gate', 'experts', 'shared_experts'}, 'attn_norm', 'ffn_norm',
-'hc_*', optional 'engram'}]}. Routed experts are stacked: ``experts['w1']['weight']`` is [E, out, in / 2].
+'hc_*', optional 'engram'}]}, routed experts stacked: ``experts['w1']['weight']`` is [E, out, in / 2]), which
+dijax.model.param_map turns into the ``Transformer``'s ``nnx.State``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 
-import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dijax.config import ModelConfig
 from dijax.io.convert import MARKER, convert, source_fingerprint
 from dijax.io.safetensors import iter_tensors
+from dijax.model.param_map import state_from_tree
 
 def _set(tree: dict, dotted: list[str], value) -> None:
     for part in dotted[:-1]:
@@ -46,8 +48,8 @@ def resolve_checkpoint(path: str | os.PathLike, cache_dir: str | None = None, pr
 
 
 def load_params(cfg: ModelConfig, path: str | os.PathLike, expert_range: tuple[int, int] | None = None,
-                engram_rows: dict[int, tuple[int, int]] | None = None) -> dict:
-    """Load a reference-layout or dijax checkpoint into the dijax parameter pytree (device arrays).
+                engram_rows: dict[int, tuple[int, int]] | None = None) -> nnx.State:
+    """Load a reference-layout or dijax checkpoint into the model's parameters (``nnx.State``, device arrays).
 
     ``expert_range=(start, end)`` keeps only those routed experts and ``engram_rows={layer: (start, end)}`` only
     those table rows (one device's share under expert parallelism); tensors are memory-mapped, so the rest is
@@ -58,13 +60,16 @@ def load_params(cfg: ModelConfig, path: str | os.PathLike, expert_range: tuple[i
 
 
 def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] | None = None,
-                        engram_rows: dict[int, tuple[int, int]] | None = None, source: str = "checkpoint") -> dict:
-    """Assemble (checkpoint name, numpy array) pairs into the parameter pytree (device arrays).
+                        engram_rows: dict[int, tuple[int, int]] | None = None,
+                        source: str = "checkpoint") -> nnx.State:
+    """Assemble (checkpoint name, numpy array) pairs into the model's parameters (device arrays).
 
     Routed experts come one per name (``layers.L.ffn.experts.E.w1.weight``) or already stacked over the range
     (``layers.L.ffn.experts.w1.weight`` [E, ...], as ``random_codes`` draws them).
 
-    Applies the reference's load-time promotions: ``head`` and ratio>1 ``compressor.{wkv,wgate}`` to float32.
+    Tensors keep their checkpoint dtypes (the reference's load-time fp32 promotions of ``head`` and ratio>1
+    ``compressor.{wkv,wgate}`` happen in the model's computation). Returns the model's ``nnx.State``
+    (dijax.model.param_map), each tensor placed on the device on its own.
     DSpark (``mtp.*``) tensors are not used by the backbone and are skipped.
     """
     first, last = expert_range or (0, cfg.n_routed_experts)
@@ -89,15 +94,12 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
             elif first <= int(rest[2]) < last:
                 experts[layer].setdefault(int(rest[2]), {}).setdefault(rest[3], {})[rest[4]] = array
             continue
-        if rest[:2] == ["attn", "compressor"] and rest[2] in ("wkv", "wgate") and cfg.compress_ratios[layer] > 1:
-            array = array.astype(np.float32)
         if rest[:2] == ["engram", "embed"] and engram_rows and layer in engram_rows:
             array = array[slice(*engram_rows[layer])]
         if rest[:2] == ["attn", "wo_a"] and rest[2] == "scale":
             raise ValueError(f"{source} holds an fp8 'attn.wo_a' with its scale (the Hugging Face layout): "
                              f"pass it through resolve_checkpoint() (or `dijax convert`) first")
         _set(layers[layer], rest, array)
-    top["head"]["weight"] = top["head"]["weight"].astype(np.float32)
     for layer in range(cfg.n_layers):
         found = experts[layer]
         if stacked_experts[layer]:
@@ -116,12 +118,5 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
                        for k in found[first][w]} for w in ("w1", "w2", "w3")}
         layers[layer].setdefault("ffn", {})["experts"] = stacked
     top["layers"] = layers
-    return _to_device(top)
-
-
-def _to_device(tree):
-    if isinstance(tree, dict):
-        return {k: _to_device(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to_device(v) for v in tree]
-    return jnp.asarray(tree)
+    rows = {layer: end - start for layer, (start, end) in (engram_rows or {}).items()}
+    return state_from_tree(cfg, top, n_experts=last - first, engram_rows=rows)

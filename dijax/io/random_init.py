@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
 from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
 from dijax.io.checkpoint import params_from_tensors
@@ -111,8 +112,9 @@ def _dense(name: str, shape: tuple[int, ...], rng: np.random.Generator, cfg: Mod
     return rng.normal(0, gain / np.sqrt(shape[-1]), shape)
 
 
-def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """The parameter pytree of ``cfg`` with random weights from ``seed`` (deterministic)."""
+def random_params(cfg: ModelConfig, seed: int = 0) -> nnx.State:
+    """The model's parameters (``Transformer`` state, see dijax.model.param_map) for ``cfg`` with random weights
+    from ``seed`` (deterministic), each tensor placed on the device as it is drawn."""
     return params_from_tensors(cfg, random_tensors(cfg, seed), source=f"random weights (seed {seed})")
 
 
@@ -183,6 +185,7 @@ def random_codes(cfg: ModelConfig, seed: int = 0):
                 jnp.float32 if s.dtypes[0] == "F32" else jnp.bfloat16)
 
 
-def random_codes_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """The parameter pytree of ``cfg`` from ``random_codes`` (benchmarks; deterministic per seed and device)."""
+def random_codes_params(cfg: ModelConfig, seed: int = 0) -> nnx.State:
+    """The model's parameters (``Transformer`` state) for ``cfg`` from ``random_codes`` (benchmarks; deterministic
+    per seed and device)."""
     return params_from_tensors(cfg, random_codes(cfg, seed), source=f"random codes (seed {seed})")

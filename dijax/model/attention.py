@@ -18,13 +18,15 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dijax.config import LayerRole, ModelConfig
 from dijax.kernels.sparse_attn import sparse_attn
 from dijax.kernels import quant
 from dijax.kernels.topk import topk
 from dijax.kernels.numerics import divide
-from dijax.model.layers import linear, matmul_f32, rms_norm, rope, rope_frequencies
+from dijax.model.layers import (QuantLinear, RMSNorm, linear, matmul_f32, param, rms_norm, rope,
+                                rope_frequencies, values)
 from dijax.model.step import StepBatch
 
 NEG_INF = -jnp.inf
@@ -93,8 +95,9 @@ def compressor(p: dict, role: LayerRole, x_TD: jax.Array, g: Geometry, cache: di
     key = str(role.layer)
     tail_kv, tail_score = cache["tail_kv"][key], cache["tail_score"][key]
     xf = x_TD.astype(jnp.float32)
-    kv_TK = matmul_f32(xf, p["wkv"]["weight"])
-    score_TK = matmul_f32(xf, p["wgate"]["weight"])
+    # the reference holds these weights in fp32 (promoted at load); dijax stores bf16 and promotes here
+    kv_TK = matmul_f32(xf, p["wkv"]["weight"].astype(jnp.float32))
+    score_TK = matmul_f32(xf, p["wgate"]["weight"].astype(jnp.float32))
     t = x_TD.shape[0]
     members_kv, members_score = [], []
     for i in range(r):
@@ -265,3 +268,56 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     u = jnp.einsum("tgd,grd->tgr", o.reshape(t, groups, -1), wo_a, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
     return linear(u.reshape(t, -1), p["wo_b"]), updates, shared
+
+
+class Compressor(nnx.Module):
+    """Parameters of a KV source's compressor (math: ``compressor``): bf16 ``wkv`` [K, D], for ratio > 1 also
+    ``wgate`` [K, D] (both multiplied in fp32, as the reference's fp32 promotion does), ``norm`` [K]."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, stack: tuple[int, ...] = ()):
+        gated = role.ratio > 1
+        self.wkv = QuantLinear(cfg.dim, cfg.head_dim, "bf16", ("head_dim", "embed"), stack, upcast=gated)
+        if gated:
+            self.wgate = QuantLinear(cfg.dim, cfg.head_dim, "bf16", ("head_dim", "embed"), stack, upcast=True)
+        self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim", stack)
+
+
+class Indexer(nnx.Module):
+    """Parameters of an index source's lightning indexer (math: ``index_scores``): fp8 ``wq_b`` [I * J, Q], bf16
+    ``weights_proj`` [I, D]; a source that owns its index keys also has bf16 ``wk`` [J, K] and ``k_norm`` [J]."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, stack: tuple[int, ...] = ()):
+        i, j = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = QuantLinear(cfg.q_lora_rank, i * j, "fp8", ("index_heads_dim", "q_lora"), stack)
+        self.weights_proj = QuantLinear(cfg.dim, i, "bf16", ("index_heads", "embed"), stack)
+        if role.owns_index_keys:
+            self.wk = QuantLinear(cfg.head_dim, j, "bf16", ("index_dim", "head_dim"), stack)
+            self.k_norm = RMSNorm(j, cfg.norm_eps, "index_dim", stack)
+
+
+class Attention(nnx.Module):
+    """One attention sublayer (checkpoint ``attn``), its parts decided by the layer's role: fp8 ``wq_a``, ``wq_b``,
+    ``wkv``, ``wo_b``; bf16 ``wo_a`` (held dequantised, as the converter writes it); bf16 ``q_norm``, ``kv_norm``;
+    fp32 ``attn_sink`` [H]; a ``compressor`` on KV sources and an ``indexer`` on index sources."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, stack: tuple[int, ...] = ()):
+        self.cfg, self.role = cfg, role
+        hk = cfg.n_heads * cfg.head_dim
+        self.wq_a = QuantLinear(cfg.dim, cfg.q_lora_rank, "fp8", ("q_lora", "embed"), stack)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, "q_lora", stack)
+        self.wq_b = QuantLinear(cfg.q_lora_rank, hk, "fp8", ("heads_dim", "q_lora"), stack)
+        self.wkv = QuantLinear(cfg.dim, cfg.head_dim, "fp8", ("head_dim", "embed"), stack)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim", stack)
+        self.wo_a = QuantLinear(hk // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, "bf16", ("o_lora", "o_group_in"),
+                                stack)
+        self.wo_b = QuantLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, "fp8", ("embed", "o_lora"), stack)
+        self.attn_sink = param(stack, (cfg.n_heads,), jnp.float32, ("heads",))
+        if role.kv_source:
+            self.compressor = Compressor(cfg, role, stack)
+        if role.index_source:
+            self.indexer = Indexer(cfg, role, stack)
+
+    def __call__(self, x_TD: jax.Array, g: Geometry, cache: dict, shared: dict, inject_TN: jax.Array | None,
+                 **kernel_options):
+        """See ``attention`` (same arguments after the parameters, same results)."""
+        return attention(values(self), self.role, self.cfg, x_TD, g, cache, shared, inject_TN, **kernel_options)

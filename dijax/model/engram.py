@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from dijax.config import ModelConfig
+from dijax.config import FP8_BLOCK, ModelConfig
 from dijax.kernels import quant
-from dijax.model.layers import linear
+from dijax.model.layers import QuantLinear, linear, param, values
 from dijax.kernels.numerics import mean
 
 DEAD = -1  # compressed id of a token that takes no part in any n-gram (image spans)
@@ -213,3 +214,31 @@ def engram(p: dict, x_TCD: jax.Array, rows_TJ: jax.Array, mask_T: jax.Array, nor
     gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), np.float32(1e-6))), dot))
     gate = jnp.where(mask_T[:, None], gate, 0.0)
     return (h + gate[..., None] * value_TD.astype(jnp.float32)[:, None, :]).astype(x_TCD.dtype)
+
+
+class EngramTable(nnx.Module):
+    """An Engram table in fp8 rows: ``weight`` [rows, W] e4m3 and ``scale`` [rows, W / 32] ue8m0 bytes."""
+
+    def __init__(self, rows: int, width: int, stack: tuple[int, ...] = ()):
+        self.weight = param(stack, (rows, width), jnp.float8_e4m3fn, ("engram_rows", "engram_dim"))
+        self.scale = param(stack, (rows, width // FP8_BLOCK), jnp.uint8, ("engram_rows", "engram_dim"))
+
+
+class Engram(nnx.Module):
+    """The Engram lookup before one block (checkpoint ``engram``): ``embed`` table, fp8 ``wkv``
+    [(C + 1) * D, J * W], bf16 ``q_weight`` and ``k_weight`` [C, D].
+
+    rows: table rows held here (all of ``engram_num_embeddings[index]``, or one device's share).
+    """
+
+    def __init__(self, cfg: ModelConfig, rows: int, stack: tuple[int, ...] = ()):
+        self.norm_eps = cfg.norm_eps
+        c, d, w = cfg.hc_mult, cfg.dim, cfg.engram_head_dim
+        self.embed = EngramTable(rows, w, stack)
+        self.wkv = QuantLinear(cfg.engram_n_cols * w, (c + 1) * d, "fp8", ("engram_out", "engram_in"), stack)
+        self.q_weight = param(stack, (c, d), jnp.bfloat16, ("stream", "embed"))
+        self.k_weight = param(stack, (c, d), jnp.bfloat16, ("stream", "embed"))
+
+    def __call__(self, x_TCD: jax.Array, rows_TJ: jax.Array, mask_T: jax.Array) -> jax.Array:
+        """See ``engram``: x_TCD bf16 [T, C, D], rows_TJ int32, mask_T bool -> bf16 [T, C, D]."""
+        return engram(values(self), x_TCD, rows_TJ, mask_T, self.norm_eps)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from dijax.model.layers import matmul_f32
+from dijax.model.layers import matmul_f32, param
 from dijax.kernels.numerics import divide, mean
 
 
@@ -67,3 +68,21 @@ def post(y_TD: jax.Array, residual_TCD: jax.Array, post_TC: jax.Array, comb_TCC:
     mixed = _sum_seq(comb_TCC[..., None] * residual_TCD.astype(jnp.float32)[:, :, None, :], 1)[:, 0]
     out = post_TC[..., None] * y_TD.astype(jnp.float32)[:, None, :] + mixed
     return out.astype(y_TD.dtype)
+
+
+class HyperConnection(nnx.Module):
+    """The mixing parameters of one sublayer's hyper-connection: fp32 ``fn`` [M, C * D], ``base`` [M], ``scale`` [3]
+    (checkpoint ``hc_{attn,ffn}_{fn,base,scale}``)."""
+
+    def __init__(self, dim: int, hc_mult: int, iters: int, hc_eps: float, norm_eps: float,
+                 stack: tuple[int, ...] = ()):
+        self.hc_mult, self.iters, self.hc_eps, self.norm_eps = hc_mult, iters, hc_eps, norm_eps
+        mix = (2 + hc_mult) * hc_mult
+        self.fn = param(stack, (mix, hc_mult * dim), jnp.float32, ("hc_mix", "streams_embed"))
+        self.base = param(stack, (mix,), jnp.float32, ("hc_mix",))
+        self.scale = param(stack, (3,), jnp.float32, ("hc_scale",))
+
+    def __call__(self, x_TCD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(pre [T, C], post [T, C], comb [T, C, C]) float32 for the streams x_TCD (see ``mixes``)."""
+        return mixes(x_TCD, self.fn[...], self.scale[...], self.base[...], self.hc_mult, self.iters, self.hc_eps,
+                     self.norm_eps)

@@ -1,4 +1,11 @@
-"""Shared building blocks: linear layers by storage dtype, RMSNorm, rotary embedding (with YaRN).
+"""Shared building blocks: linear layers by storage dtype, RMSNorm, rotary embedding (with YaRN), and the NNX
+parameter conventions every module follows.
+
+Parameters are ``nnx.Param`` in the checkpoint's own dtype (fp8 codes, packed MXFP4 bytes, ue8m0 scale bytes, bf16,
+fp32), never up-cast in storage; the reference's load-time promotions to fp32 happen in the computation instead.
+Each carries its logical axis names as the ``out_sharding`` metadata (``LOGICAL_AXES`` below is the one list of
+names; dijax.model.param_map maps checkpoint names to module paths). Parameters of stacked layers (see
+dijax.model.plan) carry two leading axes, ``period`` and ``layer``.
 
 Dimension letters (README glossary): T tokens of the step, D model dim, K head dim, R rope dim.
 """
@@ -10,10 +17,58 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from dijax.config import FP4_BLOCK, FP8_BLOCK
 from dijax.kernels import numerics, quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
+
+LOGICAL_AXES = {
+    "period": "repeat of a stage's period of layers (stacked, scanned)",
+    "layer": "layer within a run of like layers (stacked, scanned)",
+    "vocab": "vocabulary (embedding rows, head outputs)",
+    "embed": "model dim D of one stream",
+    "streams_embed": "C * D: all hyper-connection streams of a token, flattened",
+    "hc_mix": "hyper-connection mix width (2 + C) * C",
+    "hc_scale": "the three hyper-connection scales (pre, post, comb)",
+    "stream": "hyper-connection copy C",
+    "q_lora": "query low-rank width Q",
+    "heads": "query heads H",
+    "heads_dim": "H * K: all heads' q, flattened",
+    "head_dim": "K: width of one head (and of the KV latent)",
+    "o_group_in": "H * K / G: the heads of one output group, flattened",
+    "o_lora": "G * O: all output groups' low-rank widths",
+    "index_heads": "indexer heads I",
+    "index_heads_dim": "I * J: all indexer heads' q, flattened",
+    "index_dim": "J: indexer head dim",
+    "expert": "routed expert E",
+    "expert_out": "output features of a routed expert matrix",
+    "expert_in": "input features of a routed expert matrix (packed: two MXFP4 codes per byte)",
+    "mlp": "hidden width F of the shared expert",
+    "engram_rows": "Engram table rows",
+    "engram_dim": "Engram row width",
+    "engram_in": "Engram projection input: hash columns * row width",
+    "engram_out": "Engram projection output (C + 1) * D: keys of every stream and one value",
+}
+
+STORAGES = ("fp8", "mxfp4", "bf16")
+
+
+def param(stack: tuple[int, ...], shape: tuple[int, ...], dtype, axes: tuple[str, ...]) -> nnx.Param:
+    """An ``nnx.Param`` of ``stack + shape`` zeros (abstract under ``nnx.eval_shape``) with logical axis names.
+
+    stack: leading (period, layer) sizes of stacked layers, or () for unstacked parameters.
+    """
+    names = ("period", "layer")[:len(stack)] + axes
+    if len(axes) != len(shape) or any(a not in LOGICAL_AXES for a in axes):
+        raise ValueError(f"logical axes {axes} must name each of the {len(shape)} dims from LOGICAL_AXES")
+    return nnx.Param(jnp.zeros(tuple(stack) + tuple(shape), dtype), out_sharding=names, eager_sharding=False)
+
+
+def values(module: nnx.Module) -> dict:
+    """A module's parameters as the plain nested dict of arrays the functional code takes (checkpoint names)."""
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
 def matmul_f32(x: jax.Array, w_OI: jax.Array) -> jax.Array:
@@ -40,6 +95,62 @@ def linear(x: jax.Array, p: dict) -> jax.Array:
     if w.dtype == jnp.float32:
         return matmul_f32(x.astype(jnp.float32), w)
     return matmul_f32(x.astype(jnp.bfloat16), w).astype(jnp.bfloat16)
+
+
+class QuantLinear(nnx.Module):
+    """A Linear in its checkpoint storage (the reference's ``Linear``): ``weight`` [out, in] and, when quantised,
+    ``scale`` (ue8m0 bytes). The GEMM follows the storage (see ``linear``).
+
+    storage: 'fp8' (e4m3 codes, one scale per 32x32 tile), 'mxfp4' (uint8 [out, in / 2], two e2m1 codes per byte,
+    one scale per 1x32) or 'bf16'. ``upcast``: the reference promotes this bf16 weight to fp32 at load; dijax keeps
+    it bf16 in memory and multiplies in fp32 (same values, half the bytes), returning float32.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, storage: str, axes: tuple[str, str], stack: tuple[int, ...] = (),
+                 upcast: bool = False):
+        if storage not in STORAGES:
+            raise ValueError(f"QuantLinear storage must be one of {STORAGES}, got {storage!r}")
+        if upcast and storage != "bf16":
+            raise ValueError(f"QuantLinear upcast applies to bf16 storage only, got {storage!r}")
+        self.upcast = upcast
+        if storage == "fp8":
+            self.weight = param(stack, (out_dim, in_dim), jnp.float8_e4m3fn, axes)
+            self.scale = param(stack, (-(-out_dim // FP8_BLOCK), -(-in_dim // FP8_BLOCK)), jnp.uint8,
+                               axes)
+        elif storage == "mxfp4":
+            self.weight = param(stack, (out_dim, in_dim // 2), jnp.uint8, axes)
+            self.scale = param(stack, (out_dim, in_dim // FP4_BLOCK), jnp.uint8, axes)
+        else:
+            self.weight = param(stack, (out_dim, in_dim), jnp.bfloat16, axes)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., in] -> [..., out]: bf16, or float32 when ``upcast``."""
+        if self.upcast:
+            return matmul_f32(x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        return linear(x, values(self))
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a bf16 ``weight`` [dim] (see ``rms_norm``)."""
+
+    def __init__(self, dim: int, eps: float, axis: str, stack: tuple[int, ...] = ()):
+        self.eps = eps
+        self.weight = param(stack, (dim,), jnp.bfloat16, (axis,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., dim] -> same shape and dtype."""
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class Embed(nnx.Module):
+    """Token embedding, bf16 ``weight`` [V, D]."""
+
+    def __init__(self, vocab: int, dim: int):
+        self.weight = param((), (vocab, dim), jnp.bfloat16, ("vocab", "embed"))
+
+    def __call__(self, tokens_T: jax.Array) -> jax.Array:
+        """tokens_T int32 [T] -> bf16 [T, D]."""
+        return self.weight[...][tokens_T]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

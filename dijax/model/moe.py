@@ -9,11 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dijax.config import ModelConfig
 from dijax.kernels import quant
 from dijax.kernels.routed_experts import routed_experts, swiglu
-from dijax.model.layers import linear, matmul_f32
+from dijax.model.layers import QuantLinear, linear, matmul_f32, param, values
 from dijax.kernels.numerics import divide
 
 
@@ -47,3 +48,60 @@ def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, *, impl: str = "reference") 
     y = routed_experts(p["experts"], x_TD, weights, experts, cfg.swiglu_limit, impl=impl)
     y = y + shared_expert(p["shared_experts"], x_TD, cfg.swiglu_limit).astype(jnp.float32)
     return y.astype(jnp.bfloat16)
+
+
+class Gate(nnx.Module):
+    """The router: bf16 ``weight`` [E, D] and the fp32 selection-only ``bias`` [E] (see ``gate``)."""
+
+    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
+        self.weight = param(stack, (cfg.n_routed_experts, cfg.dim), jnp.bfloat16, ("expert", "embed"))
+        self.bias = param(stack, (cfg.n_routed_experts,), jnp.float32, ("expert",))
+
+
+class ExpertMatrix(nnx.Module):
+    """One weight of every routed expert, stacked: MXFP4 uint8 [E, out, in / 2] with ue8m0 [E, out, in / 32], or
+    fp8 [E, out, in] with ue8m0 32x32 tiles (``expert_dtype``)."""
+
+    def __init__(self, n_experts: int, in_dim: int, out_dim: int, expert_dtype: str | None,
+                 stack: tuple[int, ...] = ()):
+        axes = ("expert", "expert_out", "expert_in")
+        if expert_dtype == "fp4":
+            self.weight = param(stack, (n_experts, out_dim, in_dim // 2), jnp.uint8, axes)
+            self.scale = param(stack, (n_experts, out_dim, in_dim // 32), jnp.uint8, axes)
+        else:
+            self.weight = param(stack, (n_experts, out_dim, in_dim), jnp.float8_e4m3fn, axes)
+            self.scale = param(stack, (n_experts, -(-out_dim // 32), -(-in_dim // 32)), jnp.uint8, axes)
+
+
+class RoutedExperts(nnx.Module):
+    """The routed SwiGLU experts ``w1``, ``w3`` [F, D] and ``w2`` [D, F], stacked over the E experts held here
+    (``n_experts``: all of them, or one device's share)."""
+
+    def __init__(self, cfg: ModelConfig, n_experts: int, stack: tuple[int, ...] = ()):
+        d, f, kind = cfg.dim, cfg.moe_inter_dim, cfg.expert_dtype
+        self.w1 = ExpertMatrix(n_experts, d, f, kind, stack)
+        self.w2 = ExpertMatrix(n_experts, f, d, kind, stack)
+        self.w3 = ExpertMatrix(n_experts, d, f, kind, stack)
+
+
+class SharedExpert(nnx.Module):
+    """The fp8 shared expert: ``w1``, ``w3`` [F, D], ``w2`` [D, F] (see ``shared_expert``)."""
+
+    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
+        self.w1 = QuantLinear(cfg.dim, cfg.moe_inter_dim, "fp8", ("mlp", "embed"), stack)
+        self.w2 = QuantLinear(cfg.moe_inter_dim, cfg.dim, "fp8", ("embed", "mlp"), stack)
+        self.w3 = QuantLinear(cfg.dim, cfg.moe_inter_dim, "fp8", ("mlp", "embed"), stack)
+
+
+class MoE(nnx.Module):
+    """The MoE sublayer (checkpoint ``ffn``): ``gate``, ``experts``, ``shared_experts``."""
+
+    def __init__(self, cfg: ModelConfig, n_experts: int, stack: tuple[int, ...] = ()):
+        self.cfg = cfg
+        self.gate = Gate(cfg, stack)
+        self.experts = RoutedExperts(cfg, n_experts, stack)
+        self.shared_experts = SharedExpert(cfg, stack)
+
+    def __call__(self, x_TD: jax.Array, **kernel_options) -> jax.Array:
+        """x_TD bf16 (after ffn_norm) -> bf16 [T, D]; ``kernel_options`` go to ``moe`` unchanged."""
+        return moe(values(self), x_TD, self.cfg, **kernel_options)

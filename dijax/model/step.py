@@ -6,17 +6,20 @@ cached before the step (``start``), how many query tokens it has in the step (``
 T (``qstart``). A sequence's query tokens are contiguous and in position order. Padding tokens have
 ``valid = False``; padding sequence rows have ``qlen = 0``.
 
-Cache (one pytree, donated to the jitted step):
+Cache (one pytree, donated to the jitted step), laid out by the stages of dijax.model.plan:
+``cache["stages"][s][r]`` holds run ``r`` of stage ``s``, every array stacked [repeats, run length, ...] like the
+run's parameters (the layer of repeat i, member j is ``plan.layers[i][r][j]``):
 
   ==================  ==================================  =============================================
-  key                 shape                               written by
+  key                 per-layer shape                     held by
   ==================  ==================================  =============================================
-  window[l]           [num_slots, W, K] bf16              every layer (ring: position p at p mod W)
-  ckv[l]              [num_blocks, block_size/r, K] bf16  KV-source layers (paged, block table)
-  ik[l]               [num_blocks, block_size/r, J] bf16  KV sources that own index keys (paged)
-  tail_kv/score[l]    [num_slots, r, K] f32               ratio > 1 KV sources (compressor partial group)
-  engram_hist         [num_slots, G - 1] int32            the Engram hash (ring of compressed ids)
+  window              [num_slots, W, K] bf16              every layer (ring: position p at p mod W)
+  ckv                 [num_blocks, block_size/r, K] bf16  KV-source layers (paged, block table)
+  ik                  [num_blocks, block_size/r, J] bf16  KV sources that own index keys (paged)
+  tail_kv/score       [num_slots, r, K] f32               ratio > 1 KV sources (compressor partial group)
   ==================  ==================================  =============================================
+
+``cache["engram_hist"]`` [num_slots, G - 1] int32: the Engram hash's ring of compressed ids (with Engram only).
 
 Letters: T tokens, S sequence rows, B blocks per sequence, R logit rows.
 """
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dijax.config import ModelConfig
+from dijax.model.plan import plan_layers
 
 
 @jax.tree_util.register_dataclass
@@ -127,25 +131,31 @@ class CacheSpec:
         return -(-num_tokens // self.block_size)
 
 
-def init_cache(cfg: ModelConfig, spec: CacheSpec) -> dict:
-    """Zeroed cache pytree for ``cfg`` (layout in the module docstring)."""
+def init_cache(cfg: ModelConfig, spec: CacheSpec, fold: bool = True) -> dict:
+    """Zeroed cache pytree for ``cfg`` (layout in the module docstring; ``fold`` as in ``plan_layers``)."""
     for role in cfg.kv_source_roles:
         if spec.block_size % role.ratio:
             raise ValueError(f"block_size={spec.block_size} must be a multiple of every compress ratio "
                              f"(layer {role.layer} has {role.ratio})")
     k, j, w = cfg.head_dim, cfg.index_head_dim, cfg.window_size
-    cache: dict = {
-        "window": [jnp.zeros((spec.num_slots, w, k), jnp.bfloat16) for _ in range(cfg.n_layers)],
-        "ckv": {}, "ik": {}, "tail_kv": {}, "tail_score": {},
-    }
-    for role in cfg.kv_source_roles:
-        rows = spec.block_size // role.ratio
-        cache["ckv"][str(role.layer)] = jnp.zeros((spec.num_blocks, rows, k), jnp.bfloat16)
-        if role.owns_index_keys:
-            cache["ik"][str(role.layer)] = jnp.zeros((spec.num_blocks, rows, j), jnp.bfloat16)
-        if role.ratio > 1:
-            cache["tail_kv"][str(role.layer)] = jnp.zeros((spec.num_slots, role.ratio, k), jnp.float32)
-            cache["tail_score"][str(role.layer)] = jnp.zeros((spec.num_slots, role.ratio, k), jnp.float32)
+    stages = []
+    for stage in plan_layers(cfg, fold):
+        runs = []
+        for r in range(stage.num_runs):
+            role = cfg.roles[stage.layers[0][r][0]]
+            lead = stage.stack(r)
+            run = {"window": jnp.zeros(lead + (spec.num_slots, w, k), jnp.bfloat16)}
+            if role.kv_source:
+                rows = spec.block_size // role.ratio
+                run["ckv"] = jnp.zeros(lead + (spec.num_blocks, rows, k), jnp.bfloat16)
+                if role.owns_index_keys:
+                    run["ik"] = jnp.zeros(lead + (spec.num_blocks, rows, j), jnp.bfloat16)
+                if role.ratio > 1:
+                    run["tail_kv"] = jnp.zeros(lead + (spec.num_slots, role.ratio, k), jnp.float32)
+                    run["tail_score"] = jnp.zeros(lead + (spec.num_slots, role.ratio, k), jnp.float32)
+            runs.append(run)
+        stages.append(runs)
+    cache: dict = {"stages": stages}
     if cfg.engram_layer_ids:
         cache["engram_hist"] = jnp.full((spec.num_slots, cfg.engram_max_ngram_size - 1), -1, jnp.int32)
     return cache

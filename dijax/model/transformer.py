@@ -1,25 +1,39 @@
-"""The DeepSeek-V4.1 text model as one pure function of (params, cache, step batch): ``forward_step``.
+"""The DeepSeek-V4.1 text model as Flax NNX modules, and the step as one pure function of (params, cache, batch):
+``forward_step``.
 
 embed -> C streams -> [Engram] -> blocks (hyper-connected attention and MoE) -> collapse -> norm -> fp32 head.
-The cache is updated functionally and returned (the caller donates it, so XLA updates it in place).
+
+``Transformer`` holds the parameters (module paths follow the checkpoint names, dijax.model.param_map). Its
+blocks are grouped as dijax.model.plan cuts the backbone: one ``Stage`` per planned stage, holding one ``Block``
+per run of its period, with parameters stacked over (period repeat, layer in run). A stage runs its repeats under
+``lax.scan`` and a run its layers under ``lax.scan``, so the step compiles one body per distinct block, not one
+per layer. The cache is updated functionally and returned (the caller donates it, so XLA updates it in place).
+
+``forward_step(params, ...)`` takes the model's ``nnx.State``; the graph definition comes from the config
+(``graphdef``, computed once per config) and ``nnx.merge`` runs inside the trace.
 
 Letters: T tokens, C hc copies, D model dim, R logit rows, V vocab, N top-k entries.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from dijax.config import ModelConfig
+from dijax.config import LayerRole, ModelConfig
 from dijax.model import engram as engram_lib
 from dijax.model import hc
-from dijax.model.attention import Geometry, attention, geometry
-from dijax.model.layers import matmul_f32, rms_norm
-from dijax.model.moe import moe
+from dijax.model.attention import Attention, Geometry, geometry
+from dijax.model.engram import Engram
+from dijax.model.hc import HyperConnection
+from dijax.model.layers import Embed, QuantLinear, RMSNorm
+from dijax.model.moe import MoE
+from dijax.model.plan import StagePlan, plan_layers
 from dijax.model.step import StepBatch
 
 
@@ -44,70 +58,294 @@ def _engram_rows(consts: dict, cfg: ModelConfig, batch: StepBatch, g: Geometry, 
     return rows, new_history
 
 
-def _apply_updates(cache: dict, updates: dict) -> None:
-    for kind, (key, value) in updates.items():
-        if kind == "window":
-            cache["window"][key] = value
-        elif kind == "tail":
-            cache["tail_kv"][key], cache["tail_score"][key] = value
+@dataclass(frozen=True)
+class StepContext:
+    """What every block of one step reads besides its own parameters and cache (built once per step)."""
+
+    geometry: Geometry
+    engram_rows: list | None  # per Engram layer, int32 [T, J] table rows
+    engram_mask_T: jax.Array
+    kernel_options: dict
+
+
+class Block(nnx.Module):
+    """One backbone layer built from its ``LayerRole``: optional ``engram``, then ``hc_attn`` / ``attn_norm`` /
+    ``attn`` and ``hc_ffn`` / ``ffn_norm`` / ``ffn`` (checkpoint ``layers.L.*``; ``hc_attn_fn`` is ``hc_attn.fn``).
+
+    n_experts: routed experts held (all, or one device's share); engram_rows: Engram table rows held.
+    stack: leading (period, layer) sizes when the block stands for several stacked layers.
+    """
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, n_experts: int, engram_rows: int,
+                 stack: tuple[int, ...] = ()):
+        self.role = role
+        if role.engram:
+            self.engram = Engram(cfg, engram_rows, stack)
+        hc_args = (cfg.dim, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, stack)
+        self.hc_attn = HyperConnection(*hc_args)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, "embed", stack)
+        self.attn = Attention(cfg, role, stack)
+        self.hc_ffn = HyperConnection(*hc_args)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, "embed", stack)
+        self.ffn = MoE(cfg, n_experts, stack)
+
+    def __call__(self, x_TCD: jax.Array, pre_TC: jax.Array, ctx: StepContext, cache: dict, shared: dict,
+                 inject_TN: jax.Array | None) -> tuple[jax.Array, jax.Array, dict, dict]:
+        """One layer. x_TCD bf16 [T, C, D]; pre_TC float32: the collapse weights for the attention input.
+
+        cache and shared: as ``attention`` takes them. Returns (x_TCD, the next layer's pre_TC, cache updates,
+        shared).
+        """
+        role = self.role
+        if role.engram:
+            x_TCD = self.engram(x_TCD, ctx.engram_rows[role.engram_index],
+                                ctx.engram_mask_T & ctx.geometry.valid_T)
+        residual = x_TCD
+        a_pre, a_post, a_comb = self.hc_attn(x_TCD)
+        y = self.attn_norm(hc.pre(x_TCD, pre_TC))
+        attn_options = {k: v for k, v in ctx.kernel_options.items() if k != "moe_impl"}
+        y, updates, shared = self.attn(y, ctx.geometry, cache, shared, inject_TN, **attn_options)
+        x_TCD = hc.post(y, residual, a_post, a_comb)
+        residual = x_TCD
+        f_pre, f_post, f_comb = self.hc_ffn(x_TCD)
+        y = self.ffn_norm(hc.pre(x_TCD, a_pre))
+        x_TCD = hc.post(self.ffn(y, impl=ctx.kernel_options["moe_impl"]), residual, f_post, f_comb)
+        return x_TCD, f_pre, updates, shared
+
+
+class Stage(nnx.Module):
+    """The blocks of one planned stage (dijax.model.plan): ``blocks[r]`` is run ``r`` of the period, its
+    parameters stacked [repeats, run length, ...]."""
+
+    def __init__(self, cfg: ModelConfig, plan: StagePlan, n_experts: int, engram_rows: dict[int, int]):
+        self.plan = plan
+        blocks = []
+        for r in range(plan.num_runs):
+            role = cfg.roles[plan.layers[0][r][0]]
+            rows = engram_rows.get(role.layer, 0) if role.engram else 0
+            blocks.append(Block(cfg, role, n_experts, rows, plan.stack(r)))
+        self.blocks = nnx.List(blocks)
+
+
+def _cache_view(role: LayerRole, own: dict, refs: dict) -> dict:
+    """The cache dict ``attention`` reads for ``role`` (keys are the role's layer ids): its own entries plus the
+    compressed KV and index keys it reads from its sources (``refs``: {'ckv'|'ik': {layer: array}})."""
+    key = str(role.layer)
+    view: dict = {"window": {role.layer: own["window"]}, "ckv": {}, "ik": {}, "tail_kv": {}, "tail_score": {}}
+    for kind in ("ckv", "ik", "tail_kv", "tail_score"):
+        if kind in own:
+            view[kind][key] = own[kind]
+    if role.compressed and not role.kv_source:
+        view["ckv"][str(role.kv_from)] = refs["ckv"][role.kv_from]
+    if role.index_source and not role.owns_index_keys:
+        view["ik"][str(role.index_keys_from)] = refs["ik"][role.index_keys_from]
+    return view
+
+
+def _own_updates(own: dict, updates: dict) -> dict:
+    """A layer's cache entries after ``attention``'s updates."""
+    new = dict(own)
+    for kind, (_, value) in updates.items():
+        if kind == "tail":
+            new["tail_kv"], new["tail_score"] = value
         else:
-            cache[kind][key] = value
+            new[kind] = value
+    return new
 
 
-def forward_step(params: dict, cache: dict, batch: StepBatch, consts: dict, cfg: ModelConfig,
-                 inject_topk: dict[int, jax.Array] | None = None) -> tuple[jax.Array, dict, dict[int, jax.Array]]:
+def _run_layer(block_def, block_state, role: LayerRole, ctx: StepContext, x_TCD, pre_TC, own: dict, refs: dict,
+               inject_TN):
+    """One layer of a run: returns (x_TCD, pre_TC, its new cache entries, {'topk', 'candidates'} it published)."""
+    shared = {"topk": dict(refs["topk"]), "candidates": refs["candidates"]}
+    block = nnx.merge(block_def, block_state)
+    x_TCD, pre_TC, updates, shared = block(x_TCD, pre_TC, ctx, _cache_view(role, own, refs), shared, inject_TN)
+    published = {"topk": shared["topk"].get(role.layer) if role.index_source else None,
+                 "candidates": shared["candidates"] if role.candidate_source else None}
+    return x_TCD, pre_TC, _own_updates(own, updates), published
+
+
+def _scan(body, carry, cache_stack, xs, length: int):
+    """``body(carry, cache_i, xs_i) -> (carry, cache_i, out_i)`` over ``length`` stacked layers, in order.
+
+    The stacked cache rides in the carry and each step writes its slice back in place (a scan output would be a
+    second copy of every cache). One layer is called directly on static slices (no loop).
+    """
+    if length == 1:
+        carry, cache_0, out = body(carry, jax.tree.map(lambda a: a[0], cache_stack), jax.tree.map(lambda a: a[0], xs))
+        cache_stack = jax.tree.map(lambda a, v: a.at[0].set(v), cache_stack, cache_0)
+        return carry, cache_stack, jax.tree.map(lambda v: v[None], out)
+
+    def step(state, xs_i):
+        carry, cache_stack = state
+        i, xs_i = xs_i
+        cache_i = jax.tree.map(lambda a: a[i], cache_stack)
+        carry, cache_i, out = body(carry, cache_i, xs_i)
+        cache_stack = jax.tree.map(lambda a, v: a.at[i].set(v), cache_stack, cache_i)
+        return (carry, cache_stack), out
+
+    (carry, cache_stack), outs = jax.lax.scan(step, (carry, cache_stack), (jnp.arange(length), xs))
+    return carry, cache_stack, outs
+
+
+def _run_stage(cfg: ModelConfig, stage: Stage, ctx: StepContext, x_TCD, pre_TC, stage_cache: list,
+               published: dict, inject_topk: dict | None):
+    """Run one stage: its repeats in order, each running the period's runs in order.
+
+    published: {'ckv', 'ik', 'topk': {layer: array}, 'candidates'} from earlier stages (read for references that
+    leave the period). Returns (x_TCD, pre_TC, new stage cache, what the stage publishes, in the same form).
+    """
+    plan = stage.plan
+    splits = [nnx.split(block) for block in stage.blocks]
+    templates = [cfg.roles[plan.layers[0][r][0]] for r in range(plan.num_runs)]
+    sources = [r for r, role in enumerate(templates) if role.index_source]
+    injects = {}
+    if inject_topk is not None:
+        for r in sources:
+            layers = [plan.layers[i][r][0] for i in range(plan.repeats)]
+            present = [layer in inject_topk for layer in layers]
+            if any(present) and not all(present):
+                raise ValueError(f"inject_topk must give all or none of layers {layers} (they run as one scanned "
+                                 f"stage), got {sorted(layer for layer in layers if layer in inject_topk)}")
+            if all(present):
+                injects[r] = jnp.stack([jnp.asarray(inject_topk[layer]) for layer in layers])
+
+    def period(carry, period_cache, xs_i):
+        x_TCD, pre_TC = carry
+        states_i, injects_i = xs_i
+        refs = {"ckv": dict(published["ckv"]), "ik": dict(published["ik"]), "topk": dict(published["topk"]),
+                "candidates": published["candidates"]}
+        new_cache, out_topk = [], {}
+        for r, role in enumerate(templates):
+            block_def = splits[r][0]
+
+            def layer(carry, own, state, role=role, block_def=block_def, r=r):
+                x_TCD, pre_TC = carry
+                x_TCD, pre_TC, own, pub = _run_layer(block_def, state, role, ctx, x_TCD, pre_TC, own, refs,
+                                                     injects_i.get(r))
+                return (x_TCD, pre_TC), own, pub
+
+            (x_TCD, pre_TC), run_cache, pubs = _scan(layer, (x_TCD, pre_TC), period_cache[r], states_i[r],
+                                                     plan.run_length(r))
+            new_cache.append(run_cache)
+            # a source is alone in its run: publish its entries for the rest of the period
+            if role.kv_source:
+                refs["ckv"][role.layer] = run_cache["ckv"][0]
+            if role.owns_index_keys:
+                refs["ik"][role.layer] = run_cache["ik"][0]
+            if role.index_source:
+                refs["topk"][role.layer] = out_topk[r] = pubs["topk"][0]
+            if role.candidate_source:
+                refs["candidates"] = pubs["candidates"][0]
+        return (x_TCD, pre_TC), new_cache, (out_topk, refs["candidates"] if any(
+            t.candidate_source for t in templates) else None)
+
+    states = [split[1] for split in splits]
+    (x_TCD, pre_TC), stage_cache, (topk, candidates) = _scan(period, (x_TCD, pre_TC), stage_cache,
+                                                             (states, injects), plan.repeats)
+    out = {"ckv": {}, "ik": {}, "topk": {}, "candidates": None if candidates is None else candidates[0]}
+    for i in range(plan.repeats):
+        for r, role in enumerate(templates):
+            layer = plan.layers[i][r][0]
+            if role.kv_source:
+                out["ckv"][layer] = stage_cache[r]["ckv"][i, 0]
+            if role.owns_index_keys:
+                out["ik"][layer] = stage_cache[r]["ik"][i, 0]
+            if role.index_source:
+                out["topk"][layer] = topk[r][i]
+    return x_TCD, pre_TC, stage_cache, out
+
+
+class Transformer(nnx.Module):
+    """The V4.1 text model: ``embed``, the backbone ``stages`` (see the module docstring), ``norm``, ``head``.
+
+    n_experts: routed experts held per layer (default all); engram_rows: {Engram layer: table rows held} (default
+    all); fold: stack and scan repeated layers (False: one stage per layer, the plain loop).
+    """
+
+    def __init__(self, cfg: ModelConfig, n_experts: int | None = None, engram_rows: dict[int, int] | None = None,
+                 fold: bool = True):
+        self.cfg = cfg
+        self.plan = plan_layers(cfg, fold)
+        rows = {layer: cfg.engram_num_embeddings[i] for i, layer in enumerate(cfg.engram_layer_ids)}
+        rows.update(engram_rows or {})
+        experts = cfg.n_routed_experts if n_experts is None else n_experts
+        self.embed = Embed(cfg.vocab_size, cfg.dim)
+        self.stages = nnx.List([Stage(cfg, plan, experts, rows) for plan in self.plan])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, "embed")
+        self.head = QuantLinear(cfg.dim, cfg.vocab_size, "bf16", ("vocab", "embed"), upcast=True)
+
+    def __call__(self, cache: dict, batch: StepBatch, consts: dict, inject_topk: dict | None = None,
+                 **kernel_options) -> tuple[jax.Array, dict, dict[int, jax.Array]]:
+        """One ragged step; arguments and results as ``forward_step``."""
+        cfg = self.cfg
+        num_slots, window = cache["stages"][0][0]["window"].shape[2:4]
+        g = geometry(batch, num_slots, window)
+        new_cache: dict[str, Any] = {"stages": []}
+        x_TD = self.embed(batch.tokens_T)
+        x_TCD = jnp.broadcast_to(x_TD[:, None, :], (x_TD.shape[0], cfg.hc_mult, cfg.dim))
+        pre_TC = jnp.zeros((x_TD.shape[0], cfg.hc_mult), jnp.float32).at[:, 0].set(1.0)
+        engram_rows = None
+        if cfg.engram_layer_ids:
+            engram_rows, new_cache["engram_hist"] = _engram_rows(consts, cfg, batch, g, cache["engram_hist"])
+        ctx = StepContext(geometry=g, engram_rows=engram_rows, engram_mask_T=batch.engram_mask_T,
+                          kernel_options=dict(KERNEL_DEFAULTS, **kernel_options))
+        published: dict = {"ckv": {}, "ik": {}, "topk": {}, "candidates": None}
+        for stage, stage_cache in zip(self.stages, cache["stages"]):
+            x_TCD, pre_TC, stage_cache, out = _run_stage(cfg, stage, ctx, x_TCD, pre_TC, stage_cache, published,
+                                                         inject_topk)
+            new_cache["stages"].append(stage_cache)
+            for kind in ("ckv", "ik", "topk"):
+                published[kind].update(out[kind])
+            if out["candidates"] is not None:
+                published["candidates"] = out["candidates"]
+        rows = batch.logit_rows_R
+        h = self.norm(hc.pre(x_TCD[rows], pre_TC[rows]))
+        return self.head(h), new_cache, published["topk"]
+
+
+KERNEL_DEFAULTS = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference"}
+
+
+@lru_cache(maxsize=16)
+def graphdef(cfg: ModelConfig, fold: bool = True) -> nnx.GraphDef:
+    """The model's graph definition for ``cfg`` (no arrays: built from abstract shapes), computed once per config.
+
+    It does not depend on how many experts or Engram rows a device holds, so one graph serves partial loads.
+    """
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, fold=fold)))[0]
+
+
+def abstract_state(cfg: ModelConfig, n_experts: int | None = None, engram_rows: dict[int, int] | None = None,
+                   fold: bool = True) -> nnx.State:
+    """The model's parameters as ``ShapeDtypeStruct`` leaves (with their metadata), allocating nothing."""
+    return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, n_experts, engram_rows, fold)))
+
+
+def forward_step(params: nnx.State, cache: dict, batch: StepBatch, consts: dict, cfg: ModelConfig,
+                 inject_topk: dict[int, jax.Array] | None = None, **kernel_options
+                 ) -> tuple[jax.Array, dict, dict[int, jax.Array]]:
     """Run one ragged step.
 
-    params: checkpoint pytree (see dijax.io.checkpoint); cache: see dijax.model.step; consts: Engram device arrays
-    (``EngramTables.device_arrays()`` plus ``pad_id``), may be empty without Engram; inject_topk: optional
-    {index-source layer: int32 [T, N] compressed positions} overriding that layer's selection (a test seam).
+    params: the ``Transformer``'s ``nnx.State`` (dijax.model.param_map builds it from a checkpoint); cache: see
+    dijax.model.step (``init_cache``); consts: Engram device arrays (``EngramTables.step_consts()``), may be empty
+    without Engram; inject_topk: optional {index-source layer: int32 [T, N] compressed positions} overriding that
+    layer's selection (a test seam; layers of one scanned stage are given all or none). kernel_options (static):
+    ``moe_impl``, ``topk_impl``, ``sparse_attn_impl`` ('reference' by default, see dijax.kernels).
 
     Returns (logits_RV float32 for ``batch.logit_rows_R``, the new cache, {index-source layer: selected
     compressed positions int32 [T, N], ascending, -1 padded}).
     """
-    num_slots, window = cache["window"][0].shape[:2]
-    g = geometry(batch, num_slots, window)
-    new_cache: dict[str, Any] = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
-                                 for k, v in cache.items()}
-    x_TD = params["embed"]["weight"][batch.tokens_T]
-    x_TCD = jnp.broadcast_to(x_TD[:, None, :], (x_TD.shape[0], cfg.hc_mult, cfg.dim))
-    pre_mix = jnp.zeros((x_TD.shape[0], cfg.hc_mult), jnp.float32).at[:, 0].set(1.0)
-    engram_rows = None
-    if cfg.engram_layer_ids:
-        engram_rows, new_cache["engram_hist"] = _engram_rows(consts, cfg, batch, g, cache["engram_hist"])
-    shared: dict = {"topk": {}, "candidates": None}
-    mix = partial(hc.mixes, hc_mult=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-                  norm_eps=cfg.norm_eps)
-    for role in cfg.roles:
-        lp = params["layers"][role.layer]
-        if role.engram:
-            x_TCD = engram_lib.engram(lp["engram"], x_TCD, engram_rows[role.engram_index],
-                                      batch.engram_mask_T & g.valid_T, cfg.norm_eps)
-        residual = x_TCD
-        a_pre, a_post, a_comb = mix(x_TCD, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
-        y = rms_norm(hc.pre(x_TCD, pre_mix), lp["attn_norm"]["weight"], cfg.norm_eps)
-        inject = None if inject_topk is None else inject_topk.get(role.layer)
-        y, updates, shared = attention(lp["attn"], role, cfg, y, g, new_cache, shared, inject)
-        _apply_updates(new_cache, updates)
-        x_TCD = hc.post(y, residual, a_post, a_comb)
-        residual = x_TCD
-        f_pre, f_post, f_comb = mix(x_TCD, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
-        y = rms_norm(hc.pre(x_TCD, a_pre), lp["ffn_norm"]["weight"], cfg.norm_eps)
-        x_TCD = hc.post(moe(lp["ffn"], y, cfg), residual, f_post, f_comb)
-        pre_mix = f_pre
-    rows = batch.logit_rows_R
-    h = rms_norm(hc.pre(x_TCD[rows], pre_mix[rows]), params["norm"]["weight"], cfg.norm_eps)
-    logits = matmul_f32(h.astype(jnp.float32), params["head"]["weight"])
-    return logits, new_cache, shared["topk"]
+    model = nnx.merge(graphdef(cfg), params)
+    return model(cache, batch, consts, inject_topk, **kernel_options)
 
 
 @lru_cache(maxsize=8)
-def make_step_fn(cfg: ModelConfig):
+def make_step_fn(cfg: ModelConfig, **kernel_options):
     """``jit(forward_step)`` with the cache donated: step(params, cache, batch, consts, inject_topk).
 
-    Cached per config, so every driver or runner of one model shares its compiled executables.
+    Cached per config and kernel choice, so every driver or runner of one model shares its compiled executables.
     """
     def step(params, cache, batch, consts, inject_topk=None):
-        return forward_step(params, cache, batch, consts, cfg, inject_topk)
+        return forward_step(params, cache, batch, consts, cfg, inject_topk, **kernel_options)
 
     return jax.jit(step, donate_argnums=(1,))

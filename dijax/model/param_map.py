@@ -1,0 +1,181 @@
+"""Checkpoint tensor names <-> ``Transformer`` module paths and logical axes; the parameter state from a checkpoint.
+
+Module paths follow the checkpoint names, with two changes:
+
+* backbone layers live in stacked blocks: ``layers.L.<rest>`` is ``stages.s.blocks.r.<rest>`` at index (i, j) of
+  the leading (period, layer) axes, where layer L is member j of run r in repeat i of stage s
+  (dijax.model.plan);
+* a layer's hyper-connection tensors ``hc_attn_fn`` / ``hc_attn_base`` / ``hc_attn_scale`` (and ``hc_ffn_*``) are
+  the ``fn`` / ``base`` / ``scale`` of its ``hc_attn`` (``hc_ffn``) module.
+
+Routed experts are stacked over the experts as the loader assembles them: ``layers.L.ffn.experts.w1.weight``
+[E, out, in / 2]. Every parameter's logical axis names are its ``out_sharding`` metadata (not applied to a mesh
+here: ``eager_sharding=False``); the names are listed and explained once, in ``dijax.model.layers.LOGICAL_AXES``.
+``logical_axes(state)`` reads them back by path.
+
+Arrays keep the checkpoint's dtypes: fp8 e4m3 codes, uint8 MXFP4 bytes and ue8m0 scale bytes, bf16, fp32.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dijax.config import ModelConfig
+from dijax.model.plan import plan_layers
+from dijax.model.transformer import abstract_state
+
+_HC = ("hc_attn", "hc_ffn")
+
+
+def _block_rest(name_rest: tuple[str, ...]) -> tuple[str, ...]:
+    """Layer-relative checkpoint name parts -> block-relative module path."""
+    head = name_rest[0]
+    for hc in _HC:
+        if head.startswith(hc + "_"):
+            return (hc, head[len(hc) + 1:])
+    return name_rest
+
+
+def _name_rest(path_rest: tuple) -> str:
+    """Block-relative module path -> layer-relative checkpoint name."""
+    if path_rest[0] in _HC:
+        return f"{path_rest[0]}_{path_rest[1]}"
+    return ".".join(str(p) for p in path_rest)
+
+
+@lru_cache(maxsize=16)
+def _layer_slots(cfg: ModelConfig, fold: bool) -> dict[int, tuple[int, int, int, int]]:
+    """layer -> (stage s, run r, repeat i, member j)."""
+    slots = {}
+    for s, stage in enumerate(plan_layers(cfg, fold)):
+        for i, period in enumerate(stage.layers):
+            for r, run in enumerate(period):
+                for j, layer in enumerate(run):
+                    slots[layer] = (s, r, i, j)
+    return slots
+
+
+def module_path(cfg: ModelConfig, name: str, fold: bool = True) -> tuple[tuple, tuple[int, ...]]:
+    """(module path, index into the leading stacked axes) of checkpoint tensor ``name``.
+
+    ``layers.3.attn.wq_a.weight`` -> (('stages', s, 'blocks', r, 'attn', 'wq_a', 'weight'), (i, j)); a top-level
+    tensor has index (). Routed experts are named stacked (``layers.L.ffn.experts.w1.weight``).
+    """
+    parts = tuple(name.split("."))
+    if parts[0] != "layers":
+        return parts, ()
+    layer = int(parts[1])
+    slots = _layer_slots(cfg, fold)
+    if layer not in slots:
+        raise ValueError(f"tensor {name!r} names layer {layer}, but the config has n_layers={cfg.n_layers}")
+    s, r, i, j = slots[layer]
+    return ("stages", s, "blocks", r) + _block_rest(parts[2:]), (i, j)
+
+
+def checkpoint_names(cfg: ModelConfig, path: tuple, fold: bool = True) -> list[str]:
+    """The checkpoint tensor name(s) held by the parameter at module ``path``: one for a top-level parameter,
+    else one per stacked layer, in (repeat, member) order."""
+    if path[0] != "stages":
+        return [".".join(str(p) for p in path)]
+    stage = plan_layers(cfg, fold)[path[1]]
+    rest = _name_rest(path[4:])
+    return [f"layers.{run[path[3]][j]}.{rest}" for run in stage.layers for j in range(len(run[path[3]]))]
+
+
+def logical_axes(state: nnx.State) -> dict[tuple, tuple[str, ...]]:
+    """{module path: logical axis names} of every parameter in ``state``."""
+    return {path: var.get_metadata()["out_sharding"] for path, var in nnx.to_flat_state(state)}
+
+
+def _lookup(tree: dict, name: str):
+    node = tree
+    for part in name.split("."):
+        if part.isdigit() and isinstance(node, list):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise KeyError(name)
+    return node
+
+
+def _check(name: str, array, shape: tuple[int, ...], dtype) -> None:
+    if tuple(array.shape) != tuple(shape) or np.dtype(array.dtype) != np.dtype(dtype):
+        raise ValueError(f"tensor {name!r} is {np.dtype(array.dtype)} {tuple(array.shape)}, the model expects "
+                         f"{np.dtype(dtype)} {tuple(shape)}")
+
+
+def _write_layer(stack, value, index):
+    return jax.lax.dynamic_update_slice(stack, value[None, None], (*index,) + (0,) * value.ndim)
+
+
+# Writing into a stacked buffer in place needs donation, which the CPU backend does not implement (it would warn on
+# every call); there the copy per tensor is small anyway.
+_put_slice = jax.jit(_write_layer)
+_put_slice_donated = jax.jit(_write_layer, donate_argnums=0)
+
+
+def state_from_tree(cfg: ModelConfig, tree: dict, n_experts: int | None = None,
+                    engram_rows: dict[int, int] | None = None, fold: bool = True) -> nnx.State:
+    """Fill the model's abstract state from a checkpoint-named tree (``{'embed': {'weight': ...}, 'layers':
+    [per layer {...}], ...}`` of numpy memory maps or arrays), placing each tensor on the device on its own.
+
+    n_experts / engram_rows: experts per layer and {Engram layer: rows} held (a device's share). Raises ValueError
+    naming the tensor when one is missing or its shape or dtype differs from the model's.
+    """
+    abstract = abstract_state(cfg, n_experts, engram_rows, fold)
+    put = _put_slice if jax.default_backend() == "cpu" else _put_slice_donated
+    flat = []
+    for path, var in nnx.to_flat_state(abstract):
+        spec = var.get_value()
+        names = checkpoint_names(cfg, path, fold)
+        arrays = []
+        for name in names:
+            try:
+                arrays.append(_lookup(tree, name))
+            except KeyError:
+                raise ValueError(f"checkpoint has no tensor {name!r} (needed by {'.'.join(map(str, path))})") from None
+        lead = 2 if path[0] == "stages" else 0
+        for name, array in zip(names, arrays):
+            _check(name, array, spec.shape[lead:], spec.dtype)
+        if lead == 0:
+            value = jax.device_put(arrays[0])
+        elif len(arrays) == 1:
+            value = jax.device_put(arrays[0][None, None])
+        else:
+            value = jnp.zeros(spec.shape, spec.dtype)
+            members = spec.shape[1]
+            for k, array in enumerate(arrays):
+                value = put(value, jax.device_put(array), (k // members, k % members))
+        flat.append((path, var.replace(value)))
+    return nnx.from_flat_state(flat)
+
+
+def checkpoint_tree(cfg: ModelConfig, state: nnx.State, fold: bool = True) -> dict:
+    """The checkpoint-named view of ``state``: {'embed', 'norm', 'head', 'layers': [per layer {...}]} with each
+    stacked parameter sliced to its layer (arrays; ``ShapeDtypeStruct`` leaves give shape-only views)."""
+    def take(value, index):
+        if isinstance(value, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(value.shape[len(index):], value.dtype)
+        return value[index]
+
+    out: dict = {"layers": [{} for _ in range(cfg.n_layers)]}
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        for k, name in enumerate(checkpoint_names(cfg, path, fold)):
+            parts = name.split(".")
+            if parts[0] == "layers":
+                node, keys = out["layers"][int(parts[1])], parts[2:]
+                members = value.shape[1]
+                leaf = take(value, (k // members, k % members))
+            else:
+                node, keys, leaf = out, parts, value
+            for key in keys[:-1]:
+                node = node.setdefault(key, {})
+            node[keys[-1]] = leaf
+    return out

@@ -1,0 +1,125 @@
+"""Ahead-of-time compile time of the step for the full DeepSeek-V4.1-Flash layer schedule, from abstract shapes.
+
+    PYTHONPATH=. python3 tools/compile_time.py                      # decode and prefill buckets, stacked layers
+    PYTHONPATH=. python3 tools/compile_time.py --plain --buckets 8x8 # the unrolled layer loop, one small bucket
+
+No weights are read or allocated: parameters, cache, batch and Engram constants are ``ShapeDtypeStruct``s, and each
+bucket is ``jax.jit(step).lower(...).compile()``. The config is v41_spec §1 (40 backbone layers; the 3 DSpark
+stages are not part of the step) except ``engram_vocab_size``: the released 16,000,000 is above what the on-device
+hash supports (config validation), so the tables are sized from 100,000 as in tools/bench.py's flash-slice; table
+size does not change the compiled program's structure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dijax  # noqa: E402,F401  (sets XLA flags before JAX starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dijax.config import ModelConfig  # noqa: E402
+from dijax.io.loader import ASSETS  # noqa: E402
+
+FLASH = {
+    "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_hidden_layers": 40,
+    "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024,
+    "o_groups": 8, "max_position_embeddings": 1048576, "sliding_window": 128,
+    "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                     "original_max_position_embeddings": 65536},
+    "n_routed_experts": 384, "num_experts_per_tok": 6, "num_nextn_predict_layers": 3,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+    "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
+    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
+    "engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_vocab_size": 100000, "engram_n_heads": 8,
+    "engram_head_dim": 256, "engram_compressed_vocab_size": 99092, "dspark_target_layer_ids": [37, 38, 39],
+}
+
+
+def flash_config() -> ModelConfig:
+    """The V4.1-Flash config above, with Engram table rows derived from its primes."""
+    from dijax.model.engram import engram_primes
+
+    with open(os.path.join(ASSETS, "config.json")) as f:
+        raw = json.load(f)
+    raw["text_config"].update(FLASH, engram_num_embeddings=[1, 1])
+    primes = engram_primes(ModelConfig.from_dict(raw)).reshape(2, -1)
+    raw["text_config"]["engram_num_embeddings"] = [int(p.sum()) for p in primes]
+    return ModelConfig.from_dict(raw)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def compile_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_blocks: int, num_blocks: int,
+                   block_size: int, fold: bool) -> tuple[float, float]:
+    """(lower seconds, compile seconds) of one (tokens x sequences) bucket."""
+    from flax import nnx
+
+    from dijax.model.step import CacheSpec, StepBatch, init_cache
+    from dijax.model.transformer import graphdef
+
+    spec = CacheSpec(num_blocks=num_blocks, num_slots=seqs, block_size=block_size)
+    cache = jax.eval_shape(lambda: init_cache(cfg, spec, fold=fold))
+    i32 = jnp.int32
+    t, s = jax.ShapeDtypeStruct((tokens,), i32), jax.ShapeDtypeStruct((seqs,), i32)
+    batch = StepBatch(tokens_T=t, positions_T=t, seq_T=t, valid_T=jax.ShapeDtypeStruct((tokens,), bool),
+                      engram_mask_T=jax.ShapeDtypeStruct((tokens,), bool), slot_S=s, start_S=s, qlen_S=s,
+                      qstart_S=s, block_table_SB=jax.ShapeDtypeStruct((seqs, max_blocks), i32), logit_rows_R=s)
+
+    def step(params, cache, batch, consts):
+        return nnx.merge(graphdef(cfg, fold), params)(cache, batch, consts)
+
+    start = time.perf_counter()
+    lowered = jax.jit(step, donate_argnums=(1,)).lower(params, cache, batch, consts)
+    lowered_at = time.perf_counter()
+    lowered.compile()
+    return lowered_at - start, time.perf_counter() - lowered_at
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--buckets", default="64x64,8192x16",
+                        help="comma-separated TOKENSxSEQUENCES buckets (default: a decode and a prefill bucket)")
+    parser.add_argument("--max-blocks", type=int, default=64, help="block-table width (blocks per sequence)")
+    parser.add_argument("--num-blocks", type=int, default=4096, help="paged pool size in blocks")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--plain", action="store_true", help="unrolled layer loop instead of stacked stages")
+    args = parser.parse_args()
+
+    from dijax.model.engram import EngramTables
+    from dijax.model.plan import plan_layers
+    from dijax.model.transformer import abstract_state
+
+    cfg = flash_config()
+    fold = not args.plain
+    stages = plan_layers(cfg, fold)
+    print(f"dijax compile time: V4.1-Flash, {cfg.n_layers} layers in {len(stages)} stages "
+          f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}; "
+          f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    params = abstract_state(cfg, fold=fold)
+    size = cfg.engram_compressed_vocab_size
+    token_map = (np.arange(cfg.vocab_size) % size).astype(np.int32)
+    consts = _abstract(EngramTables.from_token_map(cfg, token_map, size).step_consts())
+    total = 0.0
+    for spec in args.buckets.split(","):
+        tokens, seqs = (int(v) for v in spec.split("x"))
+        lower_s, compile_s = compile_bucket(cfg, params, consts, tokens, seqs, args.max_blocks, args.num_blocks,
+                                            args.block_size, fold)
+        total += lower_s + compile_s
+        print(f"bucket {tokens:>5} tokens x {seqs:>3} sequences: lower {lower_s:6.1f} s, compile {compile_s:6.1f} s",
+              flush=True)
+    print(f"total {total:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
