@@ -413,10 +413,33 @@ def test_zos_on_and_off_give_the_same_tokens():
         assert on[seq.request_id] == reference_output(seq, seq.params.max_tokens)
 
 
+def test_a_failed_step_finishes_its_requests_with_error_and_frees_them():
+    sched, device = make_scheduler(max_num_batched_tokens=16), FakeDevice()
+    a, b = make_seq("a", 3, max_tokens=6), make_seq("b", 3, max_tokens=6)
+    sched.add(a)
+    out1 = sched.schedule()
+    res1 = device.run(out1)
+    sched.add(b)
+    out2 = sched.schedule()  # a decodes from out1's in-flight token, b prefills; this step fails to launch
+    assert ids(out2) == ["a", "b"] and out2.chunks[0].token_ids == (FROM_DEVICE,)
+    assert sched.fail(out2, "RuntimeError: boom") == [b]  # b is in no other step: released now
+    assert b.finish_reason == "error" and b.error == "RuntimeError: boom" and sched.is_aborting("a")
+    assert sched.process(out1, res1) == [a] and a.finish_reason == "error" and a.output_token_ids == []
+    sched.check_invariants()
+    assert all_free(sched) and not sched.has_unfinished()
+    with pytest.raises(ValueError, match="not an unprocessed step"):
+        sched.fail(out2, "again")
+    c = make_seq("c", 2, max_tokens=3)
+    sched.add(c)
+    while sched.has_unfinished():
+        step(sched, device)
+    assert c.finish_reason == "length" and c.output_token_ids == reference_output(c, 3)
+
+
 # -------------------------------------------------------------------------------------------- state machine
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals, lengths, budgets and aborts on tiny pools, with and without ZOS."""
+    """Random arrivals, lengths, budgets, aborts and failed steps on tiny pools, with and without ZOS."""
 
     @initialize(num_blocks=st.integers(6, 12), num_slots=st.integers(2, 3), max_num_seqs=st.integers(1, 4),
                 max_model_len=st.integers(6, 48), zos=st.booleans())
@@ -463,6 +486,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not self.zos or len(self.inflight) > 1:
             self._record(self.sched.process(*self.inflight.popleft()))
 
+    @rule()
+    def fail_step(self):
+        """The newest step fails to launch: its requests end with 'error'."""
+        out = self.sched.schedule()
+        self._check_output(out)
+        self._record(self.sched.fail(out, "launch failed"))
+
     @precondition(lambda self: self.sched.has_unfinished())
     @rule(data=st.data())
     def abort(self, data):
@@ -502,7 +532,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             elif reason == "stop":
                 assert out[-1] == EOS and not seq.params.ignore_eos
             else:
-                assert reason == "abort"
+                assert reason in ("abort", "error")
+                assert (seq.error == "launch failed") == (reason == "error")
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,

@@ -81,7 +81,7 @@ def test_one_shared_sort_samples_what_three_sorts_did():
         assert got.tolist() == want, (top_k, top_p)
 
 
-def test_an_all_greedy_step_takes_the_argmax_like_a_mixed_one():
+def test_greedy_rows_take_the_argmax_in_greedy_and_mixed_steps():
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 1, (8, 64)).astype(np.float32)
     logits[0, [4, 9]] = logits[0].max() + 1  # a tie: the lowest index wins in both branches

@@ -110,8 +110,11 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+                raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({error!r})") from None
         for name in files:
             if not os.path.exists(os.path.join(path, name)):
                 raise FileNotFoundError(f"{index} names shard {name!r}, which does not exist")

@@ -3,7 +3,9 @@
 The noise of a row is ``gumbel(fold_in(fold_in(key(seed_lo), seed_hi), position))`` with the full 64-bit seed split
 into two uint32 halves: it does not depend on the batch row, the batch size or any global RNG history, so a
 recomputed (preempted) request draws the same tokens (DESIGN.md promise 3), and seeds differing in any bit draw
-different noise. A step whose rows are all greedy only takes argmaxes (no sort, no noise).
+different noise. One descending sort per row serves both top-k and top-p. (Greedy rows still pay for it: skipping
+it for an all-greedy step needs a static flag in the runner's jit key; a ``lax.cond`` would read its predicate
+back to the host mid-step on GPU.)
 
 Letters: R rows to sample, V vocab.
 """
@@ -45,15 +47,7 @@ def sample(logits_RV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, t
     """One token per row. temperature float32 (0 = greedy), top_k int32 (0 = off), top_p float32 in (0, 1],
     seed_hi / seed_lo uint32 (the high and low halves of the 64-bit seed), position int32 (index of the token in
     the request's output). -> int32 [R]. The arrays are what ``sampling_inputs`` builds."""
-
-    def all_greedy(logits_RV):
-        return jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
-
-    def mixed(logits_RV):
-        return jax.vmap(_one)(logits_RV, temperature_R, top_k_R, top_p_R, seed_hi_R, seed_lo_R, position_R)
-
-    # a runtime branch (not a recompile): only the taken side runs
-    return jax.lax.cond(jnp.all(temperature_R == 0), all_greedy, mixed, logits_RV)
+    return jax.vmap(_one)(logits_RV, temperature_R, top_k_R, top_p_R, seed_hi_R, seed_lo_R, position_R)
 
 
 def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
