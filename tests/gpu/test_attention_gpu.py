@@ -56,7 +56,8 @@ def test_topk_special_values_order():
 
 
 def decode_problem(batch: int, seed: int, pool_rows_per_seq: int = 1024):
-    """A decode step: per token [127 ring rows | its new row | 512 compressed rows], some -1, one empty row."""
+    """A decode step: per token [127 ring rows | its new row | 512 compressed rows], some -1; with several tokens
+    the last one's list is all -1."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((batch, HEADS, DIM)), jnp.bfloat16)
     ring = jnp.asarray(rng.standard_normal((batch * WINDOW, DIM)), jnp.bfloat16)
@@ -69,13 +70,14 @@ def decode_problem(batch: int, seed: int, pool_rows_per_seq: int = 1024):
     comp_idx = batch * WINDOW + batch + comp
     idx = np.concatenate([ring_idx, new_idx, comp_idx], axis=1).astype(np.int32)
     idx[rng.random(idx.shape) < 0.05] = -1
-    idx[0, :] = -1
+    if batch > 1:
+        idx[-1, :] = -1
     sink = jnp.asarray(rng.standard_normal(HEADS), jnp.float32)
     return q, (ring, new, pool), jnp.asarray(idx), sink
 
 
 @pytest.mark.parametrize("batch,config", [(1, SparseAttnConfig()), (64, SparseAttnConfig()),
-                                          (5, SparseAttnConfig(block_h=32, num_splits=1))])
+                                          (5, SparseAttnConfig(block_h=32, num_splits=1, num_warps=4))])
 def test_sparse_attn_pallas_matches_reference(batch, config):
     q, sources, idx, sink = decode_problem(batch, seed=batch)
     scale = DIM ** -0.5
@@ -84,6 +86,6 @@ def test_sparse_attn_pallas_matches_reference(batch, config):
     poison(batch * HEADS * DIM * 4 * 16)
     got = np.asarray(kernel(q, sources, idx, sink), np.float32)
     assert np.isfinite(got).all()
-    assert (got[0] == 0).all()
+    assert batch == 1 or (got[-1] == 0).all()
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
     assert np.abs(got - want).mean() < 2e-3 * np.abs(want).mean()
