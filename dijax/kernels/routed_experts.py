@@ -166,7 +166,7 @@ class KernelConfig:
     gemm_words: int = 16
     gemm_warps: int = 4
     gemm_stages: int = 3
-    gathered_max: int = 6
+    gathered_max: int = 96
     poison: bool = False
 
 
@@ -200,20 +200,24 @@ def phase_major(x_TD: jax.Array) -> jax.Array:
     return x_TD.reshape(t, d // CODES_PER_WORD, CODES_PER_WORD).swapaxes(1, 2).reshape(t, d)
 
 
-def decode_codes(words_u32: jax.Array, j: int) -> jax.Array:
-    """Nibble ``j`` of each word as float32 ``e2m1 * 2^-14``, with integer bit operations only.
+def decode_pair(words_u32: jax.Array, j: int) -> tuple[jax.Array, jax.Array]:
+    """Nibbles ``j`` and ``j + 4`` (j < 4) of each word as float32 ``e2m1 * 2^-14``, by integer bit operations.
 
     The 3 magnitude bits (2 exponent, 1 mantissa) land on float16's exponent/mantissa boundary (bits 11..9) and the
-    sign on bit 15: e2m1 and float16 then differ only by their exponent bias (1 vs 15), and e2m1's subnormal
-    (0.5) is float16's subnormal too, so the float16 is exact for all 16 codes and the factor is 2^-14 for all.
+    sign on bit 15: e2m1 and float16 then differ only by their exponent bias (1 vs 15), and e2m1's subnormal (0.5)
+    is float16's subnormal too, so the float16 is exact for all 16 codes and the factor is 2^-14 for all. The two
+    nibbles sit 16 bits apart, so one shift-and-mask chain builds both float16s at once (the decode is the
+    kernels' ALU cost: two codes per 32-bit operation halve it).
     """
-    code = ((words_u32 >> (4 * j)) & 0xF).astype(jnp.int32)
-    bits = ((code & 0x7) << 9) | ((code & 0x8) << 12)
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+    v = words_u32 >> (4 * j)
+    bits = ((v & 0x00070007) << 9) | ((v & 0x00080008) << 12)
+    low = jax.lax.bitcast_convert_type((bits & 0xFFFF).astype(jnp.uint16), jnp.float16)
+    high = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.float16)
+    return low.astype(jnp.float32), high.astype(jnp.float32)
 
 
 def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
-    """ue8m0 exponent bytes s -> float32 ``2^(s - 127 + 14)`` built from the bits (undoes ``decode_codes``' 2^-14).
+    """ue8m0 exponent bytes s -> float32 ``2^(s - 127 + 14)`` built from the bits (undoes ``decode_pair``'s 2^-14).
 
     Exact for s in [1, 240]: real MXFP4 scales sit near 2^-8, far inside.
     """
@@ -233,9 +237,10 @@ def _matvec_partial(w_ref, s_ref, e, r0: int | jax.Array, w0, rows: int, words: 
     """One K step of a decode mat-vec: rows [r0, r0+rows) of expert e's words [w0, w0+words) dotted with the 8
     phase slices x_J (float32 [words] each). Scales are applied per 32-code block to the block sums. -> f32 [rows]."""
     w_RW = w_ref[e, pl.ds(r0, rows), pl.ds(w0, words)]
-    p_RW = decode_codes(w_RW, 0) * x_J[0][None, :]
-    for j in range(1, CODES_PER_WORD):
-        p_RW = p_RW + decode_codes(w_RW, j) * x_J[j][None, :]
+    p_RW = jnp.zeros((rows, words), jnp.float32)
+    for j in range(CODES_PER_WORD // 2):
+        low, high = decode_pair(w_RW, j)
+        p_RW = p_RW + low * x_J[j][None, :] + high * x_J[j + 4][None, :]
     block_RB = p_RW.reshape(rows, words // WORDS_PER_SCALE, WORDS_PER_SCALE).sum(axis=-1)
     scale_RB = scale_multiplier(s_ref[e, pl.ds(r0, rows), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
     return (block_RB * scale_RB).sum(axis=-1)
@@ -304,7 +309,11 @@ def _dequant_tile(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> jax.Array:
     scale_NB = scale_multiplier(s_ref[e, pl.ds(n0, cols), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
     scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
     scale_NW = scale_NW.reshape(cols, words)
-    return _interleave([(decode_codes(w_NW, j) * scale_NW).astype(jnp.bfloat16) for j in range(CODES_PER_WORD)])
+    p_J = [None] * CODES_PER_WORD
+    for j in range(CODES_PER_WORD // 2):
+        low, high = decode_pair(w_NW, j)
+        p_J[j], p_J[j + 4] = (low * scale_NW).astype(jnp.bfloat16), (high * scale_NW).astype(jnp.bfloat16)
+    return _interleave(p_J)
 
 
 def _dot_nt(lhs_MK: jax.Array, rhs_NK: jax.Array) -> jax.Array:
@@ -353,9 +362,11 @@ def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: in
 
 
 def gemm_rows(n_assignments: int, n_experts: int, config: KernelConfig = CONFIG) -> int:
-    """Rows per grouped-GEMM tile: the average group size A / E as a power of two, within the config's bounds."""
+    """Rows per grouped-GEMM tile: twice the average group size A / E as a power of two, within the config's
+    bounds. Every tile dequantises its expert's whole weight slice (the kernels' main cost), so tiles should rarely
+    split a group: at A / E = 16 (T = 1024), 32-row tiles decode a third less than 16-row ones."""
     mean = max(1, -(-n_assignments // n_experts))
-    return int(min(config.gemm_rows_max, max(config.gemm_rows_min, pl.next_power_of_2(mean))))
+    return int(min(config.gemm_rows_max, max(config.gemm_rows_min, pl.next_power_of_2(2 * mean))))
 
 
 def tile_layout(expert_A: jax.Array, n_experts: int, n_per_token: int, rows: int):
