@@ -62,7 +62,8 @@ def _kth_largest(key_RP: jax.Array, k: int) -> jax.Array:
     for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
         step = jnp.arange(1, digits, dtype=jnp.uint32) << shift
         cand_RD = prefix_R[:, None] | step[None, :]
-        count_RD = jnp.sum((key_RP[:, None, :] >= cand_RD[:, :, None]).astype(jnp.int32), axis=-1)
+        # digits innermost: the lanes comparing one key against every digit share its load
+        count_RD = jnp.sum((key_RP[:, :, None] >= cand_RD[:, None, :]).astype(jnp.int32), axis=1)
         # counts fall as the digit grows; digit 0 always qualifies (the prefix already reaches k keys)
         digit_R = jnp.sum((count_RD >= k).astype(jnp.uint32), axis=-1)
         prefix_R = prefix_R | (digit_R << shift)
