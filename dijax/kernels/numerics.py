@@ -22,3 +22,13 @@ def mean(x: jax.Array, axis: int = -1, keepdims: bool = True) -> jax.Array:
     """``sum(x) / n`` over ``axis`` with a true division (as torch's mean)."""
     total = jnp.sum(x, axis=axis, keepdims=keepdims)
     return divide(total, float(x.shape[axis]))
+
+
+def sum_in_order(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over a short axis strictly left to right, keeping the axis (size 1): the order the reference's reductions
+    use, so the bits match (XLA's reduce may pair the terms differently)."""
+    parts = jnp.moveaxis(x, axis, 0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return jnp.expand_dims(total, axis)

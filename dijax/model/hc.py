@@ -11,24 +11,17 @@ import numpy as np
 from flax import nnx
 
 from dijax.model.layers import matmul_f32, param
-from dijax.kernels.numerics import divide, mean
-
-
-def _sum_seq(x: jax.Array, axis: int) -> jax.Array:
-    """Sum over a short axis strictly left to right, the order the reference's reductions use (keeps bits equal)."""
-    parts = jnp.moveaxis(x, axis, 0)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return jnp.expand_dims(total, axis)
+from dijax.kernels.numerics import divide, mean, sum_in_order
+from dijax.kernels.sinkhorn import sinkhorn
 
 
 def split_sinkhorn(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
-                   eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   eps: float, sinkhorn_impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split raw mixes into pre [T, C], post [T, C] and the Sinkhorn-normalised comb [T, C, C] (float32).
 
     comb[i, j] = softmax_j(row i) + eps, then a column normalisation, then ``iters - 1`` rounds of
-    (row, column) normalisation, each dividing by (sum + eps); the last operation is always a column one.
+    (row, column) normalisation, each dividing by (sum + eps); the last operation is always a column one. The
+    rounds run in ``dijax.kernels.sinkhorn`` (``sinkhorn_impl``: 'reference' or 'pallas').
     """
     c = hc_mult
     m = mixes_TM.astype(jnp.float32)
@@ -37,35 +30,29 @@ def split_sinkhorn(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, h
     post = 2 * jax.nn.sigmoid(m[..., c:2 * c] * scale_3[1] + base_M[c:2 * c])
     comb = (m[..., 2 * c:] * scale_3[2] + base_M[2 * c:]).reshape(*m.shape[:-1], c, c)
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    comb = divide(comb, _sum_seq(comb, -1)) + eps
-    comb = divide(comb, _sum_seq(comb, -2) + eps)
+    comb = divide(comb, sum_in_order(comb, -1)) + eps
+    comb = divide(comb, sum_in_order(comb, -2) + eps)
 
-    def row_then_column(_, comb):
-        comb = divide(comb, _sum_seq(comb, -1) + eps)
-        return divide(comb, _sum_seq(comb, -2) + eps)
-
-    # a loop, not an unrolled chain: 19 iterations x 2 sublayers x every layer would swamp the compiler
-    comb = jax.lax.fori_loop(0, iters - 1, row_then_column, comb)
-    return pre, post, comb
+    return pre, post, sinkhorn(comb, iters - 1, eps, impl=sinkhorn_impl)
 
 
 def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
-          hc_eps: float, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+          hc_eps: float, norm_eps: float, sinkhorn_impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
     """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection, then Sinkhorn."""
     flat = x_TCD.reshape(x_TCD.shape[0], -1).astype(jnp.float32)
     rsqrt = jax.lax.rsqrt(mean(jnp.square(flat)) + np.float32(norm_eps))
     raw = matmul_f32(flat, fn_MX) * rsqrt
-    return split_sinkhorn(raw, scale_3, base_M, hc_mult, iters, hc_eps)
+    return split_sinkhorn(raw, scale_3, base_M, hc_mult, iters, hc_eps, sinkhorn_impl)
 
 
 def pre(x_TCD: jax.Array, pre_TC: jax.Array) -> jax.Array:
     """Collapse the streams: ``sum_k pre[k] * x[k]`` in float32, cast to x's dtype. -> [T, D]."""
-    return _sum_seq(pre_TC[..., None] * x_TCD.astype(jnp.float32), 1)[:, 0].astype(x_TCD.dtype)
+    return sum_in_order(pre_TC[..., None] * x_TCD.astype(jnp.float32), 1)[:, 0].astype(x_TCD.dtype)
 
 
 def post(y_TD: jax.Array, residual_TCD: jax.Array, post_TC: jax.Array, comb_TCC: jax.Array) -> jax.Array:
     """Expand a sublayer output: stream k = ``post[k] * y + sum_i comb[i, k] * residual[i]``. -> [T, C, D]."""
-    mixed = _sum_seq(comb_TCC[..., None] * residual_TCD.astype(jnp.float32)[:, :, None, :], 1)[:, 0]
+    mixed = sum_in_order(comb_TCC[..., None] * residual_TCD.astype(jnp.float32)[:, :, None, :], 1)[:, 0]
     out = post_TC[..., None] * y_TD.astype(jnp.float32)[:, None, :] + mixed
     return out.astype(y_TD.dtype)
 
@@ -82,7 +69,7 @@ class HyperConnection(nnx.Module):
         self.base = param(stack, (mix,), jnp.float32, ("hc_mix",))
         self.scale = param(stack, (3,), jnp.float32, ("hc_scale",))
 
-    def __call__(self, x_TCD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, x_TCD: jax.Array, sinkhorn_impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
         """(pre [T, C], post [T, C], comb [T, C, C]) float32 for the streams x_TCD (see ``mixes``)."""
         return mixes(x_TCD, self.fn[...], self.scale[...], self.base[...], self.hc_mult, self.iters, self.hc_eps,
-                     self.norm_eps)
+                     self.norm_eps, sinkhorn_impl)

@@ -101,13 +101,13 @@ class Block(nnx.Module):
             x_TCD = self.engram(x_TCD, ctx.engram_rows[role.engram_index],
                                 ctx.engram_mask_T & ctx.geometry.valid_T)
         residual = x_TCD
-        a_pre, a_post, a_comb = self.hc_attn(x_TCD)
+        a_pre, a_post, a_comb = self.hc_attn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
         y = self.attn_norm(hc.pre(x_TCD, pre_TC))
-        attn_options = {k: v for k, v in ctx.kernel_options.items() if k != "moe_impl"}
+        attn_options = {k: v for k, v in ctx.kernel_options.items() if k not in ("moe_impl", "sinkhorn_impl")}
         y, updates, shared = self.attn(y, ctx.geometry, cache, shared, inject_TN, **attn_options)
         x_TCD = hc.post(y, residual, a_post, a_comb)
         residual = x_TCD
-        f_pre, f_post, f_comb = self.hc_ffn(x_TCD)
+        f_pre, f_post, f_comb = self.hc_ffn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
         y = self.ffn_norm(hc.pre(x_TCD, a_pre))
         x_TCD = hc.post(self.ffn(y, impl=ctx.kernel_options["moe_impl"]), residual, f_post, f_comb)
         return x_TCD, f_pre, updates, shared
@@ -303,7 +303,8 @@ class Transformer(nnx.Module):
         return self.head(h), new_cache, published["topk"]
 
 
-KERNEL_DEFAULTS = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference"}
+KERNEL_DEFAULTS = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference",
+                   "sinkhorn_impl": "reference"}
 
 
 @lru_cache(maxsize=16)
@@ -330,7 +331,8 @@ def forward_step(params: nnx.State, cache: dict, batch: StepBatch, consts: dict,
     dijax.model.step (``init_cache``); consts: Engram device arrays (``EngramTables.step_consts()``), may be empty
     without Engram; inject_topk: optional {index-source layer: int32 [T, N] compressed positions} overriding that
     layer's selection (a test seam; layers of one scanned stage are given all or none). kernel_options (static):
-    ``moe_impl``, ``topk_impl``, ``sparse_attn_impl`` ('reference' by default, see dijax.kernels).
+    ``moe_impl``, ``topk_impl``, ``sparse_attn_impl``, ``sinkhorn_impl`` ('reference' by default, see
+    dijax.kernels).
 
     Returns (logits_RV float32 for ``batch.logit_rows_R``, the new cache, {index-source layer: selected
     compressed positions int32 [T, N], ascending, -1 padded}).
