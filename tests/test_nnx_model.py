@@ -178,3 +178,18 @@ def test_scanned_stages_compute_what_the_plain_layer_loop_computes():
     batch, _ = build_step(steps[1], 32, 2, 2, 32)
     with pytest.raises(ValueError, match="all or none"):
         step_folded(folded, caches["folded"], batch, {}, {1: jnp.zeros((32, cfg.index_topk), jnp.int32)})
+
+
+def test_accelerator_placement_writes_each_tensor_into_its_stacked_slot(monkeypatch):
+    """Off the CPU, stacked parameters are filled in place one layer (and one expert) at a time."""
+    cfg = _repeating()
+    tree = param_map.checkpoint_tree(cfg, random_params(cfg, seed=2))
+    for layer in tree["layers"]:  # routed experts as the checkpoint loader hands them over: one array per expert
+        for w in layer["ffn"]["experts"].values():
+            for k in ("weight", "scale"):
+                w[k] = list(np.asarray(w[k]))
+    host = param_map.state_from_tree(cfg, tree)
+    monkeypatch.setattr(param_map.jax, "default_backend", lambda: "gpu")
+    placed = param_map.state_from_tree(cfg, tree)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(host), nnx.to_flat_state(placed)):
+        assert np.array_equal(np.asarray(a.get_value()).view(np.uint8), np.asarray(b.get_value()).view(np.uint8)), path

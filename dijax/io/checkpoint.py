@@ -114,7 +114,8 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
             continue
         if sorted(found) != list(range(first, last)):
             raise ValueError(f"layer {layer}: expected routed experts {first}..{last - 1}, found {len(found)}")
-        stacked = {w: {k: np.stack([found[e][w][k] for e in range(first, last)])
+        # per-expert lists: param_map stacks them on the device, one expert at a time
+        stacked = {w: {k: [found[e][w][k] for e in range(first, last)]
                        for k in found[first][w]} for w in ("w1", "w2", "w3")}
         layers[layer].setdefault("ffn", {})["experts"] = stacked
     top["layers"] = layers

@@ -105,31 +105,62 @@ def _lookup(tree: dict, name: str):
 
 
 def _check(name: str, array, shape: tuple[int, ...], dtype) -> None:
-    if tuple(array.shape) != tuple(shape) or np.dtype(array.dtype) != np.dtype(dtype):
-        raise ValueError(f"tensor {name!r} is {np.dtype(array.dtype)} {tuple(array.shape)}, the model expects "
-                         f"{np.dtype(dtype)} {tuple(shape)}")
+    """``array`` is one tensor, or a list of per-expert tensors that stack to ``shape``."""
+    parts = array if isinstance(array, list) else [array]
+    inner = tuple(shape[1:]) if isinstance(array, list) else tuple(shape)
+    for part in parts:
+        if tuple(part.shape) != inner or np.dtype(part.dtype) != np.dtype(dtype):
+            got = f"{len(parts)} x " if isinstance(array, list) else ""
+            raise ValueError(f"tensor {name!r} is {got}{np.dtype(part.dtype)} {tuple(part.shape)}, the model "
+                             f"expects {np.dtype(dtype)} {tuple(shape)}")
+    if isinstance(array, list) and len(parts) != shape[0]:
+        raise ValueError(f"tensor {name!r} has {len(parts)} experts, the model expects {shape[0]}")
 
 
-def _write_layer(stack, value, index):
-    return jax.lax.dynamic_update_slice(stack, value[None, None], (*index,) + (0,) * value.ndim)
+def _write(stack, value, index):
+    return jax.lax.dynamic_update_slice(stack, value.reshape((1,) * len(index) + value.shape),
+                                        tuple(index) + (0,) * value.ndim)
 
 
-# Writing into a stacked buffer in place needs donation, which the CPU backend does not implement (it would warn on
-# every call); there the copy per tensor is small anyway.
-_put_slice = jax.jit(_write_layer)
-_put_slice_donated = jax.jit(_write_layer, donate_argnums=0)
+# donated: each write lands in the stacked buffer in place, so device memory never holds a second copy of it
+_write_donated = jax.jit(_write, donate_argnums=0)
+
+
+def _host(array) -> np.ndarray:
+    return np.stack([np.asarray(a) for a in array]) if isinstance(array, list) else np.asarray(array)
+
+
+def _place(spec: jax.ShapeDtypeStruct, arrays: list, members: int) -> jax.Array:
+    """The device array of one parameter from its per-layer tensors (``members`` layers per repeat when stacked,
+    0 when not), each tensor (or expert) read from its memory map and copied to the device on its own."""
+    if jax.default_backend() == "cpu":  # device memory is host memory: stack there and place once
+        host = _host(arrays[0]) if not members else np.stack([_host(a) for a in arrays]).reshape(spec.shape)
+        return jax.device_put(host)
+    if not any(isinstance(a, list) for a in arrays):
+        if not members:
+            return jax.device_put(arrays[0])
+        if len(arrays) == 1:
+            return jax.device_put(arrays[0][None, None])
+    value = jnp.zeros(spec.shape, spec.dtype)
+    for k, array in enumerate(arrays):
+        layer = (k // members, k % members) if members else ()
+        pieces = enumerate(array) if isinstance(array, list) else [(None, array)]
+        for e, piece in pieces:
+            index = layer + (() if e is None else (e,))
+            value = _write_donated(value, jax.device_put(piece), index)
+    return value
 
 
 def state_from_tree(cfg: ModelConfig, tree: dict, n_experts: int | None = None,
                     engram_rows: dict[int, int] | None = None, fold: bool = True) -> nnx.State:
     """Fill the model's abstract state from a checkpoint-named tree (``{'embed': {'weight': ...}, 'layers':
-    [per layer {...}], ...}`` of numpy memory maps or arrays), placing each tensor on the device on its own.
+    [per layer {...}], ...}`` of numpy memory maps or arrays; a routed-expert tensor may be a list of per-expert
+    arrays), placing each tensor on the device on its own.
 
     n_experts / engram_rows: experts per layer and {Engram layer: rows} held (a device's share). Raises ValueError
     naming the tensor when one is missing or its shape or dtype differs from the model's.
     """
     abstract = abstract_state(cfg, n_experts, engram_rows, fold)
-    put = _put_slice if jax.default_backend() == "cpu" else _put_slice_donated
     flat = []
     for path, var in nnx.to_flat_state(abstract):
         spec = var.get_value()
@@ -143,16 +174,7 @@ def state_from_tree(cfg: ModelConfig, tree: dict, n_experts: int | None = None,
         lead = 2 if path[0] == "stages" else 0
         for name, array in zip(names, arrays):
             _check(name, array, spec.shape[lead:], spec.dtype)
-        if lead == 0:
-            value = jax.device_put(arrays[0])
-        elif len(arrays) == 1:
-            value = jax.device_put(arrays[0][None, None])
-        else:
-            value = jnp.zeros(spec.shape, spec.dtype)
-            members = spec.shape[1]
-            for k, array in enumerate(arrays):
-                value = put(value, jax.device_put(array), (k // members, k % members))
-        flat.append((path, var.replace(value)))
+        flat.append((path, var.replace(_place(spec, arrays, spec.shape[1] if lead else 0))))
     return nnx.from_flat_state(flat)
 
 
