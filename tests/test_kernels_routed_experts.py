@@ -21,6 +21,7 @@ from dijax.io.random_init import random_params
 from dijax.kernels import quant
 from dijax.kernels import routed_experts as rx
 from dijax.model import moe
+from dijax.model.param_map import checkpoint_tree
 
 LIMIT = 10.0
 
@@ -187,7 +188,7 @@ def test_unknown_impl_is_refused():
 @pytest.mark.parametrize("t", (3, 60))  # tiny: E = 8, X = 2; A = 6 takes the mat-vec path, A = 120 the GEMM
 def test_moe_with_pallas_matches_reference(t):
     cfg = ModelConfig.from_file(os.path.join(os.path.dirname(dijax.__file__), "assets", "tiny", "config.json"))
-    ffn = random_params(cfg, seed=4)["layers"][1]["ffn"]
+    ffn = checkpoint_tree(cfg, random_params(cfg, seed=4))["layers"][1]["ffn"]
     x_TD = make_x(np.random.default_rng(t), t, cfg.dim, 4.0)
     ref = np.asarray(moe.moe(ffn, x_TD, cfg), np.float32)
     got = np.asarray(moe.moe(ffn, x_TD, cfg, impl="pallas"), np.float32)
