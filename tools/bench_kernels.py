@@ -125,6 +125,75 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     return out
 
 
+def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **timing) -> list[dict]:
+    """The routed-experts layer alone at the flash-slice dimensions (tools/bench.py: 384 MXFP4 experts of
+    2304 x dim, 6 per token, random codes and ue8m0 exponents 116..120, uniformly random routing): the jnp
+    reference (its own path choice) against the Pallas kernels on each path ('*' marks the default pick).
+
+    Floor: the larger of the packed bytes of the distinct experts the routing touches (codes and ue8m0 scales,
+    plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
+    ``sweep`` adds the mat-vec path at every T and the grouped GEMM's tile rows forced to 16 / 64.
+    """
+    import dataclasses
+
+    from dijax.kernels import routed_experts as rx
+    from tools.bench import flash_slice_config
+
+    cfg = flash_slice_config(384)
+    n_experts, d, f, x, limit = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts, \
+        cfg.swiglu_limit
+    keys = jax.random.split(jax.random.key(0), 6)
+
+    def draw(k1, k2, out_dim: int, in_dim: int) -> dict:
+        return {"weight": jax.random.bits(k1, (n_experts, out_dim, in_dim // 2), jnp.uint8),
+                "scale": jax.random.randint(k2, (n_experts, out_dim, in_dim // 32), 116, 121).astype(jnp.uint8)}
+
+    experts = {"w1": draw(*keys[:2], f, d), "w3": draw(*keys[2:4], f, d), "w2": draw(*keys[4:], d, f)}
+    expert_bytes = sum(v.nbytes for w in experts.values() for v in w.values()) / n_experts
+    out = []
+    for t in tokens:
+        k1, k2, k3 = jax.random.split(jax.random.key(t), 3)
+        experts_TX = jnp.sort(jnp.argsort(jax.random.uniform(k1, (t, n_experts)), axis=1)[:, :x], axis=1)
+        experts_TX = experts_TX.astype(jnp.int32)
+        weights_TX = jax.random.uniform(k2, (t, x), jnp.float32, 0.05, 0.3)
+        x_TD = (jax.random.normal(k3, (t, d), jnp.float32) * 3).astype(jnp.bfloat16)
+        distinct = int(np.unique(np.asarray(experts_TX)).size)
+        floor = max((distinct * expert_bytes + t * d * 2 * 2) / BANDWIDTH, 2 * 3 * d * f * t * x / 7.9e14)
+        shape = f"T={t}, X={x}, {distinct} experts"
+        ref_fn = jax.jit(lambda *a: rx.routed_experts(*a, limit, impl="reference"))
+        want = np.asarray(ref_fn(experts, x_TD, weights_TX, experts_TX))
+        base = time_call(ref_fn, experts, x_TD, weights_TX, experts_TX, **timing)
+        out.append(_routed_row(shape, f"reference ({rx.routed_path(t * x, n_experts)})", base, floor, None))
+        variants = [("ragged", None)]
+        if t * x <= 4 * n_experts or sweep:
+            variants.insert(0, ("gathered", None))
+        if sweep:
+            variants += [("ragged", 16), ("ragged", 64)]
+        for path, rows in variants:
+            saved = rx.CONFIG
+            if rows:
+                rx.CONFIG = dataclasses.replace(saved, gemm_rows_min=rows, gemm_rows_max=rows)
+            try:
+                fn = jax.jit(lambda *a, p=path: rx.routed_experts(*a, limit, impl="pallas", path=p))
+                got = np.asarray(fn(experts, x_TD, weights_TX, experts_TX))
+                err = float(np.abs(got - want).max() / np.abs(want).max())
+                seconds = time_call(fn, experts, x_TD, weights_TX, experts_TX, **timing)
+                pick = "*" if path == rx.pallas_path(t * x) and not rows else ""
+                name = f"pallas {path}{pick}" + (f" rows={rows}" if rows else "")
+                out.append(_routed_row(shape, f"{name} (err {err:.1e}, {np.mean(got == want):.1%} equal)", seconds,
+                                       floor, base))
+            except Exception as exc:  # one failing variant must not hide the others' rows
+                print(f"routed_experts {path} rows={rows} at T={t} failed: {type(exc).__name__}: {str(exc)[:600]}")
+            finally:
+                rx.CONFIG = saved
+    return out
+
+
+def _routed_row(shape: str, impl: str, seconds: float, floor: float, base: float | None) -> dict:
+    return {"kernel": "routed_experts", "shape": shape, "impl": impl, "us": seconds * 1e6, "floor_us": floor * 1e6,
+            "floor_pct": 100 * floor / seconds, "speedup": (base / seconds) if base else 1.0}
+
+
 def print_table(rows: list[dict]) -> None:
     """Markdown table of benchmark rows."""
     print("| kernel | shape | impl | us | floor us | % of floor | x reference |")
@@ -134,7 +203,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['floor_pct']:.1f} | {r['speedup']:.2f} |")
 
 
-BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows}
+BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows, "routed_experts": routed_experts_rows}
 
 
 def main() -> None:
