@@ -251,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.moe_path != "auto":  # A/B seam: every step traced from here on takes the forced path
-        from dijax.model import moe
+        from dijax.kernels import routed_experts
 
-        moe.routed_path = lambda n_assignments, n_experts: args.moe_path
+        routed_experts.routed_path = lambda n_assignments, n_experts: args.moe_path
     device = jax.devices()[0]
     header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
               f" | {platform.machine()} | model {args.model} | moe path {args.moe_path}"
