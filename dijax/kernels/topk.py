@@ -11,7 +11,7 @@ lowest-index ties at it, and returns exactly what ``lax.top_k`` returns, ties an
 * **Threshold.** The k-th largest key is found by a radix descent from the top bit, ``RADIX_BITS`` bits per pass:
   each pass counts the keys at or above each candidate digit and keeps the largest digit whose count still reaches
   k. Only counts are needed, no histogram scatter.
-* **Chunk prefilter** (long rows). The top k chunk maxima, ties to the lower chunk, hold the whole answer: every
+* **Chunk prefilter** (long rows of a large array). The top k chunk maxima, ties to the lower chunk, hold the whole answer: every
   value above the threshold lies in a chunk whose maximum is above it, and the lowest-index ties at it lie in the
   lowest-index chunks whose maximum equals it, which precede any dropped chunk of that maximum. So a row of P
   values shrinks to k * CHUNK candidates, kept in position order so that "lowest candidate index" still means
@@ -90,10 +90,11 @@ def _first_reaching(cum_RP: jax.Array, target_RN: jax.Array) -> jax.Array:
 def _select_ascending(key_RP: jax.Array, k: int) -> jax.Array:
     """Indices of the k largest keys per row, ties to the lower index, in ascending index order: int32 [R, k]."""
     thr_R = _kth_largest(key_RP, k)[:, None]
-    # one scan counts both: taken so far = values above the threshold + ties at it, capped at the ties needed
-    above_RP, at_RP = jnp.cumsum(jnp.stack([key_RP > thr_R, key_RP == thr_R]).astype(jnp.int32), axis=2)
-    need_R = k - above_RP[:, -1:]
-    cum_RP = above_RP + jnp.minimum(at_RP, need_R)
+    above = key_RP > thr_R
+    at = key_RP == thr_R
+    need_R = k - jnp.sum(above.astype(jnp.int32), axis=1, keepdims=True)
+    take = above | (at & (jnp.cumsum(at.astype(jnp.int32), axis=1) <= need_R))
+    cum_RP = jnp.cumsum(take.astype(jnp.int32), axis=1)
     return _first_reaching(cum_RP, jnp.arange(k, dtype=jnp.int32)[None, :])
 
 
