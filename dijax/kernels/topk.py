@@ -11,11 +11,11 @@ lowest-index ties at it, and returns exactly what ``lax.top_k`` returns, ties an
 * **Threshold.** The k-th largest key is found by a radix descent from the top bit, ``RADIX_BITS`` bits per pass:
   each pass counts the keys at or above each candidate digit and keeps the largest digit whose count still reaches
   k. Only counts are needed, no histogram scatter.
-* **Chunk prefilter** (long rows of a large array). The top k chunk maxima, ties to the lower chunk, hold the whole answer: every
-  value above the threshold lies in a chunk whose maximum is above it, and the lowest-index ties at it lie in the
-  lowest-index chunks whose maximum equals it, which precede any dropped chunk of that maximum. So a row of P
-  values shrinks to k * CHUNK candidates, kept in position order so that "lowest candidate index" still means
-  "lowest position".
+* **Chunk prefilter** (long rows of a large array). The top k chunk maxima, ties to the lower chunk, hold the
+  whole answer: every value above the threshold lies in a chunk whose maximum is above it, and the lowest-index
+  ties at it lie in the lowest-index chunks whose maximum equals it, which precede any dropped chunk of that
+  maximum. So a row of P values shrinks to k * CHUNK candidates, kept in position order so that "lowest candidate
+  index" still means "lowest position".
 * **Compaction.** A cumulative count of the selected keys gives each its output slot; a binary search over that
   count finds the position of every slot (no scatter). The k picks, in position order, are then stably sorted by
   descending key, which is ``lax.top_k``'s order.
