@@ -36,6 +36,7 @@ BLOCK = 64
 HIGHEST = jax.lax.Precision.HIGHEST
 IMPLS = ("reference", "pallas")
 MAX_SOURCES = 3
+MIN_HEADS = 16  # Triton's dot needs every dimension >= 16: fewer heads (tiny test models) are padded with zero queries
 
 
 def gather_rows(sources: tuple[jax.Array, ...], idx: jax.Array) -> jax.Array:
@@ -170,6 +171,11 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     if not 1 <= len(kv_sources) <= MAX_SOURCES:
         raise ValueError(f"sparse_attn_pallas: kv_sources must hold 1 to {MAX_SOURCES} arrays, got {len(kv_sources)}")
     t, h, k = q_THK.shape
+    if h < MIN_HEADS:
+        q_THK = jnp.pad(q_THK, ((0, 0), (0, MIN_HEADS - h), (0, 0)))
+        sink_H = jnp.pad(sink_H, (0, MIN_HEADS - h))
+        out = sparse_attn_pallas(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, config=config, interpret=interpret)
+        return out[:, :h]
     block_h = min(config.block_h, h)
     if h % block_h:
         raise ValueError(f"sparse_attn_pallas: config.block_h ({config.block_h}) must divide the {h} heads")
