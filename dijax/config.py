@@ -215,7 +215,10 @@ class ModelConfig:
                 raise ValueError(f"{path}: not a valid JSON config ({error})") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a config must be a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except (ValueError, TypeError) as error:
+            raise type(error)(f"{path}: {error}") from None
 
 
 _REQUIRED = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts", "n_activated_experts",

@@ -434,6 +434,16 @@ def test_model_checkpoints_are_checked_against_their_config(tmp_path, capsys, ed
         load(folder)
 
 
+def test_config_errors_name_the_file(tmp_path, capsys):
+    folder = _model_dir(tmp_path, lambda c: c.update(hidden_size=-1))
+    config = os.path.join(folder, "config.json")
+    assert main(["generate", "--model", folder, "x"]) == 2
+    assert f"{config}: config field 'dim': must be a positive integer" in capsys.readouterr().err
+    open(config, "w").write('{"text_config": ')
+    assert main(["generate", "--model", folder, "x"]) == 2
+    assert f"{config}: not a valid JSON config" in capsys.readouterr().err
+
+
 def test_a_truncated_loadable_checkpoint_fails_before_reading(tmp_path):
     from dijax.io.loader import load
 
