@@ -83,7 +83,8 @@ def linear(x: jax.Array, p: dict) -> jax.Array:
       * fp8 (e4m3 + ue8m0 32x32 tiles): x is fake-quantised to e4m3 per 32, block-scaled GEMM -> bf16;
       * MXFP4 (uint8 packed + ue8m0 1x32): x fake-quantised to e4m3 per 32 -> bf16;
       * bf16: plain bf16 GEMM (fp32 accumulation) -> bf16;
-      * fp32: ``x.float() @ W.T`` -> float32.
+      * fp32 (a weight the reference promotes at load; dijax passes its bf16 storage up-cast, see QuantLinear):
+        ``x.float() @ W.T`` -> float32.
     """
     w = p["weight"]
     if w.dtype == jnp.float8_e4m3fn:
@@ -126,7 +127,7 @@ class QuantLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., in] -> [..., out]: bf16, or float32 when ``upcast``."""
         if self.upcast:
-            return matmul_f32(x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+            return linear(x, {"weight": self.weight[...].astype(jnp.float32)})
         return linear(x, values(self))
 
 
