@@ -33,7 +33,8 @@ from dijax.runtime.scheduler import FROM_DEVICE
 from tests.conftest import parity_path
 
 POISON = 1 << 62  # a seed with this bit makes the fake runner (or the wrapped real one) fail to launch the step;
-# every request of these tests has an explicit seed (a drawn one could carry the bit)
+CRASH = 1 << 61  # with this bit the fake step launches but fails while running (its wait() raises);
+# every request of these tests has an explicit seed (a drawn one could carry the bits)
 EOS = 1  # the embedded tiny model's eos token
 
 
@@ -43,11 +44,13 @@ def fake_token(seed: int, position: int) -> int:
 
 
 class FakeHandle:
-    def __init__(self, sampled: dict[str, tuple[int, int]], delay: float):
-        self.sampled, self.delay, self.logits = sampled, delay, {}
+    def __init__(self, sampled: dict[str, tuple[int, int]], delay: float, crash: bool):
+        self.sampled, self.delay, self.crash, self.logits = sampled, delay, crash, {}
 
     def wait(self) -> dict[str, tuple[int, int]]:
         time.sleep(self.delay)
+        if self.crash:
+            raise RuntimeError("the step failed while running")
         return self.sampled
 
 
@@ -67,7 +70,7 @@ class FakeRunner:
                 raise RuntimeError(f"cannot launch {c.request_id}")
         self.launches += 1
         return FakeHandle({c.request_id: (c.epoch, fake_token(c.seed, c.output_position))
-                           for c in output.chunks if c.sample}, self.delay)
+                           for c in output.chunks if c.sample}, self.delay, any(c.seed & CRASH for c in output.chunks))
 
 
 def _check_output(out, params: SamplingParams, prompt_len: int, max_model_len: int, aborted: set) -> None:
@@ -80,7 +83,7 @@ def _check_output(out, params: SamplingParams, prompt_len: int, max_model_len: i
     elif out.finish_reason == "stop":
         assert out.token_ids[-1] == EOS and not params.ignore_eos
     elif out.finish_reason == "error":
-        assert out.error and "cannot launch" in out.error
+        assert out.error and ("cannot launch" in out.error or "failed while running" in out.error), out
     else:
         assert out.finish_reason == "abort" and out.error is None
 
@@ -99,14 +102,15 @@ def fake_llm():
 
 
 def test_randomized_abort_and_failure_interleaving(fake_llm):
-    """2,000+ engine calls: adds, steps, aborts of live / finished / unknown / future ids, poisoned requests, ZOS
-    toggled; after every call the pools hold exactly what live requests own and no request's tokens changed."""
+    """2,000+ engine calls: adds, steps, aborts of live / finished / unknown / future ids, steps failing at launch
+    or while running, ZOS toggled; after every call the pools hold exactly what live requests own and no request's tokens changed."""
     engine, rng = fake_llm.engine, random.Random(10)
     max_model_len = engine.scheduler.max_model_len
     requests: dict[str, tuple[SamplingParams, int]] = {}
     finished: dict[str, object] = {}
     aborted: set[str] = set()
-    counts = dict.fromkeys(("add", "step", "abort live", "abort finished", "abort unknown", "poison", "error"), 0)
+    counts = dict.fromkeys(("add", "step", "abort live", "abort finished", "abort unknown", "poison", "crash",
+                            "error"), 0)
 
     def check(outputs):
         for out in outputs:
@@ -128,13 +132,13 @@ def test_randomized_abort_and_failure_interleaving(fake_llm):
         op = rng.random()
         if op < 0.22 and len(requests) - len(finished) < 12:
             rid = f"q{len(requests)}"
-            poison = rng.random() < 0.04
+            poison = rng.choice([0] * 46 + [POISON, CRASH])
             params = SamplingParams(max_tokens=rng.randint(1, 14), ignore_eos=rng.random() < 0.5, temperature=0.7,
-                                    seed=rng.getrandbits(62) | (POISON if poison else 0))
+                                    seed=rng.getrandbits(61) | poison)
             prompt = [rng.randrange(2, 500) for _ in range(rng.randint(1, 30))]
             engine.add_request(rid, prompt, params)
             requests[rid] = (params, len(prompt))
-            counts["poison" if poison else "add"] += 1
+            counts[{0: "add", POISON: "poison", CRASH: "crash"}[poison]] += 1
         elif op < 0.32 and live:
             rid = rng.choice(live)
             assert engine.abort(rid) is True
@@ -170,7 +174,7 @@ def test_abort_from_another_thread_during_generate(fake_llm):
         for batch in range(25):
             first = llm._counter
             params = [SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, temperature=1.0,
-                                     seed=rng.getrandbits(62) | (POISON if rng.random() < 0.05 else 0))
+                                     seed=rng.getrandbits(61) | (POISON if rng.random() < 0.05 else 0))
                       for _ in range(6)]
             prompts = [[rng.randrange(2, 500) for _ in range(rng.randint(1, 20))] for _ in range(6)]
             returned_true: set[str] = set()
