@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -117,7 +119,7 @@ def _elements(tree) -> int:
     return total
 
 
-def step_cost(cfg: ModelConfig, params: dict, num_tokens: int, contexts: list[int]) -> Cost:
+def step_cost(cfg: ModelConfig, num_tokens: int, contexts: list[int]) -> Cost:
     """Floor of one step of ``num_tokens`` query tokens over sequences that end at ``contexts``.
 
     Weights: every non-expert parameter once, the expected number of distinct routed experts under uniform routing
@@ -127,12 +129,17 @@ def step_cost(cfg: ModelConfig, params: dict, num_tokens: int, contexts: list[in
     element per token on the active weights, plus QK and PV over window + top-k rows and the indexer's scores.
     """
     from dijax.model.param_map import checkpoint_tree
+    from dijax.model.transformer import abstract_state
 
     # per-layer shapes by checkpoint name (shape-only: slicing the stacked arrays would copy them)
-    params = checkpoint_tree(cfg, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
+    params = checkpoint_tree(cfg, abstract_state(cfg))  # shapes only: no device copies of stacked layers
+    from dijax.model.param_map import checkpoint_tree
+    from dijax.model.transformer import abstract_state
+
     e, x, t = cfg.n_routed_experts, cfg.n_activated_experts, num_tokens
     distinct = e * (1 - (1 - x / e) ** t)
     weight_bytes = flops = 0.0
+    params = checkpoint_tree(cfg, abstract_state(cfg))  # shapes only: no device copies of stacked layers
     for lp in params["layers"]:
         experts = lp["ffn"]["experts"]
         rest = {k: v for k, v in lp.items() if k not in ("ffn", "engram")}
@@ -176,9 +183,47 @@ def _random_cache(cfg: ModelConfig, spec, seed: int) -> dict:
     return jax.tree.unflatten(tree, leaves)
 
 
+def kernel_launches(hlo_text: str) -> int:
+    """Kernel launches of one run of a compiled GPU executable, counted from its optimised HLO text: every fusion,
+    library call (custom-call), copy, sort, scatter and dot of the entry computation, each ``while`` body counted
+    as often as its known trip count (1 if unknown), the largest branch of a ``conditional``."""
+    computations: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line) if line and not line.startswith(" ") else None
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            entry = current if header.group(1) else entry
+        elif current and " = " in line:
+            computations[current].append(line.strip())
+    launching = {"fusion", "custom-call", "copy", "sort", "scatter", "gather", "reduce", "dot", "convolution",
+                 "dynamic-update-slice", "all-reduce", "all-gather", "reduce-scatter", "all-to-all"}
+
+    @functools.lru_cache(maxsize=None)
+    def count(name: str) -> int:
+        total = 0
+        for ins in computations.get(name, []):
+            op = re.search(r"=\s*\S+\s+([\w\-]+)\(", ins)
+            op = op.group(1) if op else ""
+            if op in launching:
+                total += 1
+            elif op == "while":
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins)
+                body, cond = re.search(r"body=%?([\w.\-]+)", ins), re.search(r"condition=%?([\w.\-]+)", ins)
+                total += (int(trip.group(1)) if trip else 1) * (count(body.group(1)) + count(cond.group(1)))
+            elif op == "conditional" and "branch_computations=" in ins:
+                branches = re.findall(r"%([\w.\-]+)", ins.split("branch_computations=")[1])
+                total += max((count(b) for b in branches), default=0)
+        return total
+
+    return count(entry) if entry else 0
+
+
 def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
-              warmup: int, iters: int) -> tuple[float, float]:
-    """(compile + first run seconds, median seconds) of one step: sequence i has ``lengths[i] = (cached, new)``."""
+              warmup: int, iters: int, kernels: dict[str, str]) -> tuple[float, float, int, int]:
+    """(compile + first run seconds, median seconds, kernel launches per step, XLA temporary bytes) of one step:
+    sequence i has ``lengths[i] = (cached, new)``; ``kernels``: the step's kernel options."""
     from dijax.driver import bucket
     from dijax.model.step import CacheSpec, SeqChunk, build_step
     from dijax.model.transformer import make_step_fn
@@ -191,8 +236,9 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     total = sum(n for _, n in lengths)
     batch, _ = build_step(chunks, bucket(total), bucket(len(lengths), 1), max_blocks, bucket(len(lengths), 1))
     cache = _random_cache(cfg, spec, seed=1)
-    step = make_step_fn(cfg)
     start = time.perf_counter()
+    step = make_step_fn(cfg, **kernels).lower(params, cache, batch, consts).compile()
+    launches, temp_bytes = kernel_launches(step.as_text()), step.memory_analysis().temp_size_in_bytes
     logits, cache, _ = step(params, cache, batch, consts)
     jax.block_until_ready(logits)
     first = time.perf_counter() - start
@@ -207,15 +253,15 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
         logits, cache, _ = step(params, cache, batch, consts)
         jax.block_until_ready((logits, cache))
         times.append(time.perf_counter() - start)
-    return first, float(np.median(times))
+    return first, float(np.median(times)), launches, temp_bytes
 
 
-def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int) -> tuple[float, int]:
+def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int, kernels: str) -> tuple[float, int]:
     """(seconds, output tokens) of ``LLM.generate`` on the embedded tiny model; a first identical run warms up."""
     from dijax.runtime.llm import LLM
     from dijax.runtime.sampling_params import SamplingParams
 
-    llm = LLM(max_num_seqs=num_prompts, max_num_batched_tokens=max(64, prompt_len), zos=zos)
+    llm = LLM(max_num_seqs=num_prompts, max_num_batched_tokens=max(64, prompt_len), zos=zos, kernels=kernels)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, llm.engine.cfg.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=i)
@@ -247,8 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flops", type=float, default=7.9e14, help="FLOP/s ceiling (H200 bf16 GEMM: 7.9e14)")
     parser.add_argument("--moe-path", choices=("auto", "ragged", "gathered"), default="auto",
                         help="routed-experts path: auto (gathered when T*X < E) or forced, for A/B comparisons")
+    parser.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
+                        help="step kernels (dijax.kernels.kernel_options); run once with each to compare")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    from dijax.kernels import kernel_options
+
+    kernels = kernel_options(args.kernels, jax.default_backend())
 
     if args.moe_path != "auto":  # A/B seam: every step traced from here on takes the forced path
         from dijax.kernels import routed_experts
@@ -256,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         routed_experts.routed_path = lambda n_assignments, n_experts: args.moe_path
     device = jax.devices()[0]
     header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
-              f" | {platform.machine()} | model {args.model} | moe path {args.moe_path}"
+              f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels}"
               f" | warm-up {args.warmup}, median of {args.iters}"
               f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s")
     print(header, flush=True)
@@ -269,31 +320,34 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(f"decode B={b} ctx={c}", [(c, 1)] * b) for b in args.decode_batch for c in args.context]
     cases += [(f"prefill P={p}", [(0, p)]) for p in args.prefill]
     for label, lengths in cases:
-        first, median = time_step(cfg, params, consts, lengths, args.block_size, args.warmup, args.iters)
+        first, median, launches, temp_bytes = time_step(cfg, params, consts, lengths, args.block_size, args.warmup,
+                                                        args.iters, kernels)
         tokens = sum(n for _, n in lengths)
-        cost = step_cost(cfg, params, tokens, [c + n for c, n in lengths])
+        cost = step_cost(cfg, tokens, [c + n for c, n in lengths])
         floor, bound = cost.floor_s(args.bandwidth, args.flops)
         rows.append({"case": label, "tokens": tokens, "first_s": first, "median_ms": median * 1e3,
                      "tokens_per_s": tokens / median, "floor_ms": floor * 1e3, "bound": bound,
                      "of_floor": floor / median, "bytes_GB": (cost.weight_bytes + cost.kv_bytes) / 1e9,
-                     "GFLOP": cost.flops / 1e9})
-        print(f"  {label}: {median * 1e3:.2f} ms (first run {first:.1f} s)", flush=True)
+                     "GFLOP": cost.flops / 1e9, "launches": launches, "temp_GB": temp_bytes / 1e9})
+        print(f"  {label}: {median * 1e3:.2f} ms (first run {first:.1f} s, {launches} kernel launches, "
+              f"{temp_bytes / 1e9:.3f} GB temporaries)", flush=True)
     if args.engine == "on":
         for zos in (True, False):
-            seconds, tokens = time_engine(zos, num_prompts=8, prompt_len=32, max_tokens=64)
+            seconds, tokens = time_engine(zos, num_prompts=8, prompt_len=32, max_tokens=64, kernels=args.kernels)
             rows.append({"case": f"engine tiny 8x(32+64) zos {'on' if zos else 'off'}", "tokens": tokens,
                          "median_ms": seconds * 1e3, "tokens_per_s": tokens / seconds})
             print(f"  engine zos {'on' if zos else 'off'}: {tokens / seconds:.0f} output tok/s", flush=True)
     print()
     print(header)
-    print("| case | ms (median) | tokens/s | floor ms (bound) | of floor | GB moved | GFLOP |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | ms (median) | tokens/s | floor ms (bound) | of floor | GB moved | GFLOP | launches | temp GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "floor_ms" in r:
             print(f"| {r['case']} | {r['median_ms']:.3f} | {r['tokens_per_s']:.0f} | {r['floor_ms']:.3f} "
-                  f"({r['bound']}) | {r['of_floor']:.1%} | {r['bytes_GB']:.3f} | {r['GFLOP']:.1f} |")
+                  f"({r['bound']}) | {r['of_floor']:.1%} | {r['bytes_GB']:.3f} | {r['GFLOP']:.1f} | "
+                  f"{r['launches']} | {r['temp_GB']:.3f} |")
         else:
-            print(f"| {r['case']} | {r['median_ms']:.0f} (whole run) | {r['tokens_per_s']:.0f} | | | | |")
+            print(f"| {r['case']} | {r['median_ms']:.0f} (whole run) | {r['tokens_per_s']:.0f} | | | | | | |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": rows}, f, indent=1)

@@ -1,0 +1,22 @@
+"""The engine's one kernel option (dijax.kernels.kernel_options) and its place in the step's jit key."""
+
+from __future__ import annotations
+
+import pytest
+
+from dijax.kernels import AUTO_ON_GPU, FAST, REFERENCE, kernel_options
+
+
+def test_choices():
+    assert kernel_options("off", "gpu") == REFERENCE
+    assert kernel_options("on", "gpu") == FAST
+    assert kernel_options("auto", "cpu") == REFERENCE
+    assert kernel_options("auto", "gpu") == dict(REFERENCE, **AUTO_ON_GPU)
+    assert set(FAST) == set(REFERENCE)
+
+
+def test_bad_choices_name_the_field():
+    with pytest.raises(ValueError, match=r"kernels must be one of \('auto', 'on', 'off'\), got 'pallas'"):
+        kernel_options("pallas", "gpu")
+    with pytest.raises(ValueError, match="kernels='on' needs a GPU"):
+        kernel_options("on", "cpu")
