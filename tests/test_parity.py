@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import filecmp
+import hashlib
 import io
 import json
 import os
@@ -83,19 +83,27 @@ def test_planted_bug_fails_the_prefix_check(tmp_path):
     assert main(["parity", str(copy / "tiny-nodrop")]) == 1
 
 
+def _sha256_listing(root: str) -> dict[str, str]:
+    digests = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                digests["./" + os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return digests
+
+
 def test_fixture_copy_is_identical_to_shared():
-    """tests/fixtures/parity is a copy of ../shared/parity (the source). When the shared folder changes, this fails
-    until the copy is refreshed: `rm -r tests/fixtures/parity && cp -a ../shared/parity tests/fixtures/parity`."""
-    if not os.path.isdir(SHARED_PARITY):
-        pytest.skip(f"no {SHARED_PARITY} beside this clone to compare the copy with")
-
-    def files(root: str) -> set[str]:
-        return {os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names}
-
-    assert files(FIXTURE_COPY) == files(SHARED_PARITY)
-    different = [rel for rel in files(SHARED_PARITY)
-                 if not filecmp.cmp(os.path.join(SHARED_PARITY, rel), os.path.join(FIXTURE_COPY, rel), shallow=False)]
-    assert different == []
+    """tests/fixtures/parity is a copy of ../shared/parity (the source), recorded in tests/fixtures/parity.sha256.
+    The copy must match the record; where ../shared/parity exists, so must it (so the two are byte-identical). When
+    the shared folder changes this fails until the copy is refreshed: `rm -r tests/fixtures/parity && cp -a
+    ../shared/parity tests/fixtures/parity && (cd tests/fixtures/parity && find . -type f | sort | xargs sha256sum)
+    > tests/fixtures/parity.sha256`."""
+    with open(os.path.join(os.path.dirname(FIXTURE_COPY), "parity.sha256")) as f:
+        recorded = {path: digest for digest, path in (line.split() for line in f if line.strip())}
+    assert _sha256_listing(FIXTURE_COPY) == recorded
+    if os.path.isdir(SHARED_PARITY):
+        assert _sha256_listing(SHARED_PARITY) == recorded, f"{SHARED_PARITY} changed: refresh the copy"
 
 
 def test_prefix_figures():
