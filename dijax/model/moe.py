@@ -13,8 +13,9 @@ from flax import nnx
 
 from dijax.config import ModelConfig
 from dijax.kernels import quant
-from dijax.kernels.routed_experts import routed_experts, swiglu
+from dijax.kernels.routed_experts import swiglu
 from dijax.model.layers import QuantLinear, linear, matmul_f32, param, values
+from dijax.parallel.moe import routed_experts_ep
 from dijax.kernels.numerics import divide
 
 
@@ -43,9 +44,10 @@ def shared_expert(p: dict, x_TD: jax.Array, limit: float) -> jax.Array:
 
 def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, *, impl: str = "reference") -> jax.Array:
     """MoE sublayer. x_TD: bf16 (after ffn_norm) -> bf16 [T, D]. ``impl``: the routed-experts kernel seam's
-    implementation ('reference' or 'pallas', static)."""
+    implementation ('reference' or 'pallas', static). Under a context mesh with an ``ep`` axis the routed
+    experts run split over it (dijax.parallel.moe)."""
     weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg)
-    y = routed_experts(p["experts"], x_TD, weights, experts, cfg.swiglu_limit, impl=impl)
+    y = routed_experts_ep(p["experts"], x_TD, weights, experts, cfg.swiglu_limit, impl=impl)
     y = y + shared_expert(p["shared_experts"], x_TD, cfg.swiglu_limit).astype(jnp.float32)
     return y.astype(jnp.bfloat16)
 

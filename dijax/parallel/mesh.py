@@ -1,0 +1,88 @@
+"""The device mesh of expert parallelism and the placement of the model's parameters on it.
+
+The mesh has two axes: ``dp`` (attention data-parallel ranks; until the scheduler assigns sequences to ranks, every
+``dp`` rank runs the whole batch) and ``ep`` (each rank holds 1 / ep of the routed experts). Placement reads each
+parameter's logical axis names (``out_sharding`` metadata, dijax.model.layers.LOGICAL_AXES) and maps them by
+``RULES``; everything else is replicated.
+
+On a CPU-only machine JAX exposes one host device unless ``XLA_FLAGS`` asks for more before JAX initialises its
+backends: ``force_host_devices`` sets that flag and must run before the first JAX computation (the CLI calls it
+right after parsing ``--ep``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXES = ("dp", "ep")
+# (logical axis, mesh axis, the axis that marks the parameters the rule applies to). Only the routed experts'
+# matrices carry "expert_in": the router's own "expert" axis (gate weight [E, D], bias [E]) is read whole by every
+# device to choose the experts, so it stays replicated.
+RULES = (("expert", "ep", "expert_in"),)
+_HOST_FLAG = "--xla_force_host_platform_device_count"
+
+
+def force_host_devices(n: int) -> None:
+    """Give the host (CPU) platform ``n`` devices through ``XLA_FLAGS``, replacing an earlier count.
+
+    Call it before the first JAX computation: XLA reads the flag once, when JAX initialises its backends, and
+    ignores later changes. On a machine with GPUs the flag only adds CPU devices, which ``jax.devices()`` (the
+    default backend's) does not list, so it is harmless there.
+    """
+    if n < 1:
+        raise ValueError(f"host device count must be >= 1, got {n}")
+    flags = re.sub(rf"{_HOST_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags.strip()} {_HOST_FLAG}={n}".strip()
+
+
+def make_mesh(ep: int, n_experts: int | None = None) -> Mesh:
+    """A ``(dp, ep)`` mesh over all of ``jax.devices()``: ``ep`` ranks share the routed experts and dp =
+    devices / ep. ``n_experts`` (the config's n_routed_experts), when given, must be divisible by ``ep``."""
+    devices = jax.devices()
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep must be a positive integer, got {ep!r}")
+    if ep > len(devices) or len(devices) % ep:
+        hint = (f" (on a CPU-only machine, dijax.parallel.mesh.force_host_devices({ep}) before JAX starts gives "
+                f"the host {ep} devices)" if devices[0].platform == "cpu" else "")
+        raise ValueError(f"ep={ep} must divide the device count {len(devices)} ({devices[0].platform}): allowed "
+                         f"{[d for d in range(1, len(devices) + 1) if len(devices) % d == 0]}{hint}")
+    if n_experts is not None and n_experts % ep:
+        raise ValueError(f"ep={ep} must divide n_routed_experts={n_experts}: allowed (dividing both it and the "
+                         f"device count {len(devices)}) "
+                         f"{[d for d in range(1, len(devices) + 1) if len(devices) % d == 0 and n_experts % d == 0]}")
+    return Mesh(np.asarray(devices).reshape(len(devices) // ep, ep), AXES)
+
+
+def partition_spec(names: tuple[str, ...] | None) -> PartitionSpec:
+    """The mesh placement of a parameter with logical axis ``names`` (``RULES``; unnamed or unmatched axes are
+    replicated)."""
+    names = tuple(names or ())
+    spec = [None] * len(names)
+    for logical, mesh_axis, marker in RULES:
+        if logical in names and marker in names:
+            spec[names.index(logical)] = mesh_axis
+    return PartitionSpec(*spec)
+
+
+def place_params(params: nnx.State, mesh: Mesh | None) -> nnx.State:
+    """``params`` (an ``nnx.State`` of ``nnx.Param``) with each array put on ``mesh`` by ``partition_spec`` of
+    its logical axes. ``mesh=None`` returns ``params`` unchanged (one device)."""
+    if mesh is None:
+        return params
+
+    def place(variable: nnx.Variable) -> nnx.Variable:
+        sharding = NamedSharding(mesh, partition_spec(variable.get_metadata().get("out_sharding")))
+        return variable.replace(jax.device_put(variable.get_value(), sharding))
+
+    return jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def ep_size(mesh: Mesh | None) -> int:
+    """The mesh's ``ep`` size (1 without a mesh)."""
+    return 1 if mesh is None else mesh.shape["ep"]
