@@ -222,7 +222,7 @@ def _params(i: int, poison: bool = False) -> SamplingParams:
 @pytest.fixture(scope="module")
 def real_llm():
     # the shapes of test_engine's warm-up test: in one pytest process every step bucket is compiled already
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=32)
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     execute = llm.engine.runner.execute
 
     def failing_execute(output, previous):  # the real runner, refusing steps that hold a poisoned request
