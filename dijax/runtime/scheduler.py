@@ -99,8 +99,8 @@ class Scheduler:
     """FCFS scheduler with chunked prefill, recompute preemption, cancellation and zero-overhead scheduling.
 
     Queues: ``waiting`` (FCFS deque; owns nothing), ``running`` (admission order; each owns a slot and the blocks
-    covering its cached tokens). A sequence being aborted while a step that contains it is in flight sits in
-    neither queue until that step is processed; it keeps its blocks and slot until then.
+    covering its cached tokens). A sequence being aborted (or failed) while a step that contains it is in flight
+    sits in neither queue until that step is processed; it keeps its blocks and slot until then.
 
     Each step (``schedule``):
       1. every running sequence that is decoding (one token left to feed) gets one token;
@@ -173,7 +173,8 @@ class Scheduler:
         If no unprocessed step contains it, its blocks and slot are released now and the finished sequence is
         returned. Otherwise the in-flight steps are left to finish; the release happens in the ``process`` call
         that handles the last of them, which returns the sequence among its finished ones; this returns None.
-        ``reason`` is the finish reason to record; the engine uses "stop" when it matched a stop string.
+        ``reason`` is the finish reason to record; the engine uses "stop" when it matched a stop string, and
+        ``fail`` uses "error". Raises KeyError for an id that is not live (the engine checks first).
         """
         if reason not in FINISH_REASONS:
             raise ValueError(f"Scheduler.abort reason must be one of {FINISH_REASONS}, got {reason!r}")
