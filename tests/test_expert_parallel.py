@@ -24,7 +24,8 @@ import sys
 
 import pytest
 
-from dijax.parallel.mesh import force_host_devices, make_mesh, partition_spec, place_params
+from dijax.parallel.mesh import (force_host_devices, make_mesh, mesh_context, params_mesh, partition_spec,
+                                  place_params)
 
 DEVICES = 4
 PARTIAL_BOUND = 1e-6  # |partial - exact| / max|exact|: fp32 re-association of six bf16 terms
@@ -65,6 +66,7 @@ def test_placement_splits_only_routed_experts(results):
     assert placed["gate.weight"] == [None, None, None, None]
     assert placed["gate.bias"] == [None, None, None]
     assert placed["shared_experts.w1.weight"] == [None, None, None, None]
+    assert results["params_mesh"] == [True, True]  # the runner finds the mesh from the placed params
 
 
 def test_errors_name_the_field(results):
@@ -93,8 +95,6 @@ def test_force_host_devices_replaces_count(monkeypatch):
 
 def _run_checks() -> dict:
     """The subprocess side (4 host devices). Returns the results the tests above assert on."""
-    import contextlib
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -116,7 +116,7 @@ def _run_checks() -> dict:
         driver = Driver(cfg, place_params(params, mesh), consts, CacheSpec(num_blocks=4, num_slots=2,
                                                                            block_size=16), 32)
         seqs = [driver.new_sequence() for _ in prompts]
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        with mesh_context(mesh):
             logits, _ = driver.step([(s, p, "all") for s, p in zip(seqs, prompts)])
         return [np.asarray(x, np.float32) for x in logits]
 
@@ -147,7 +147,9 @@ def _run_checks() -> dict:
                 "exact_equal": bool(np.array_equal(out["exact"], one_TD)),
                 "partial_rel": float(np.max(np.abs(out["partial"] - one_TD)) / np.max(np.abs(one_TD)))}
 
-    placed = place_params(params, make_mesh(2, cfg.n_routed_experts))["stages"][2]["blocks"][0]["ffn"]
+    mesh = make_mesh(2, cfg.n_routed_experts)
+    placed_all = place_params(params, mesh)
+    placed = placed_all["stages"][2]["blocks"][0]["ffn"]
     placement = {name: list(leaf.get_value().sharding.spec) + [None] * (leaf.get_value().ndim -
                                                                         len(leaf.get_value().sharding.spec))
                  for name, leaf in (("experts.w1.weight", placed["experts"]["w1"]["weight"]),
@@ -160,7 +162,7 @@ def _run_checks() -> dict:
         except ValueError as error:
             errors[key] = str(error)
     return {"devices": jax.device_count(), "model": model, "experts": checks, "placement": placement,
-            "errors": errors}
+            "errors": errors, "params_mesh": [params_mesh(placed_all) is mesh, params_mesh(params) is None]}
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import json
 import sys
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
+from dijax.parallel.mesh import force_host_devices
 from dijax.runtime.sampling_params import SamplingParams
 
 DEMO_PROMPTS = ["The license", "Permission is hereby granted", "You may obtain a copy"]
@@ -70,9 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, help="token budget of a step (long prompts prefill in chunks of N)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a CPU-only host gets N devices)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ep < 1:
+        raise ValueError(f"--ep must be a positive number of devices, got {args.ep}")
+    if args.ep > 1:
+        force_host_devices(args.ep)  # before JAX initialises its backends (in LLM below)
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         max_tokens=args.max_tokens, seed=args.seed)
     if args.chunk is not None and args.chunk <= 0:
@@ -84,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from dijax.runtime.llm import LLM
 
     budget = args.chunk or 256
-    llm = LLM(args.model, max_num_seqs=min(len(prompts), 16, budget), max_num_batched_tokens=budget, zos=True)
+    llm = LLM(args.model, max_num_seqs=min(len(prompts), 16, budget), max_num_batched_tokens=budget, zos=True,
+              ep=args.ep)
     for out in llm.generate(prompts, sp):
         error = f" ({out.error})" if out.error else ""
         print(f"prompt: {out.prompt!r}\noutput: {out.text!r}\nfinish: {out.finish_reason}{error}\n")

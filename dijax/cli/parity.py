@@ -40,6 +40,7 @@ from dijax.config import ModelConfig
 from dijax.driver import Driver
 from dijax.model.engram import EngramTables
 from dijax.model.step import CacheSpec
+from dijax.parallel.mesh import force_host_devices, make_mesh, mesh_context, place_params
 
 # Keys each check kind evaluates (numbers and booleans; anything else numeric in a check is an error). Text-valued
 # ``index_sets`` switches the tier-1 index-set comparison on.
@@ -297,7 +298,7 @@ def _evaluate_tier2(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out
 
 def run_engine(folder: str, layout: str = "reference", weights: str | None = None, zos: bool = True,
                max_num_batched_tokens: int = 256, block_size: int = 16, num_blocks: int | None = None,
-               out=sys.stdout) -> bool:
+               out=sys.stdout, ep: int = 1) -> bool:
     """Every prompt of every case through one engine at once (greedy), compared with the reference per request up
     to the first step where the reference's own top-2 margin is below the manifest's token tolerance.
 
@@ -331,7 +332,7 @@ def run_engine(folder: str, layout: str = "reference", weights: str | None = Non
     engine = LLMEngine(loaded=(fixture.cfg, params, consts, Tokenizer.from_file(fixture.tokenizer_path)),
                        max_num_seqs=len(requests) + len(prefix_requests),
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
-                       max_model_len=max_len, zos=zos, debug_logits=True)
+                       max_model_len=max_len, zos=zos, debug_logits=True, ep=ep)
     for rid, (_, _, prompt, n) in requests.items():
         engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     for rid, (_, _, _, prompt) in prefix_requests.items():
@@ -384,12 +385,15 @@ def run_engine(folder: str, layout: str = "reference", weights: str | None = Non
 
 
 def run_fixture(folder: str, layout: str = "reference", weights: str | None = None, chunk: int | None = None,
-                out=sys.stdout) -> tuple[int, int]:
-    """Run every check of a fixture; prints figures and the final ``parity: K/N checks passed`` line."""
+                out=sys.stdout, ep: int = 1) -> tuple[int, int]:
+    """Run every check of a fixture; prints figures and the final ``parity: K/N checks passed`` line. ``ep`` > 1
+    splits the routed experts over that many devices (dijax.parallel)."""
     if chunk is not None and chunk <= 0:
         raise ValueError(f"--chunk must be a positive number of tokens, got {chunk}")
     fixture = Fixture(folder, layout, weights)
     params, consts = load_model(fixture)
+    mesh = make_mesh(ep, fixture.cfg.n_routed_experts) if ep > 1 else None
+    params = place_params(params, mesh)
     checks = fixture.manifest["checks"]
     print(f"parity: {fixture.manifest.get('name', folder)}: {len(fixture.case_names)} cases, "
           f"weights {fixture.weights}, prefill {'in chunks of ' + str(chunk) if chunk else 'in one step'}", file=out)
@@ -398,8 +402,9 @@ def run_fixture(folder: str, layout: str = "reference", weights: str | None = No
     for check in checks:
         inject = bool(check.get("inject_topk", False))
         if inject not in runs_by_inject:
-            runs_by_inject[inject] = {case: run_case(fixture, params, consts, case, inject, chunk)
-                                      for case in fixture.case_names}
+            with mesh_context(mesh):
+                runs_by_inject[inject] = {case: run_case(fixture, params, consts, case, inject, chunk)
+                                          for case in fixture.case_names}
         passed += evaluate(fixture, check, runs_by_inject[inject], out)
     print(f"parity: {passed}/{len(checks)} checks passed", file=out)
     return passed, len(checks)
@@ -423,16 +428,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="engine: query tokens per step")
     parser.add_argument("--block-size", type=int, default=16, help="engine: tokens per KV block")
     parser.add_argument("--num-blocks", type=int, help="engine: KV blocks in the pool (small values force preemption)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a CPU-only host gets N devices)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ep < 1:
+        raise ValueError(f"--ep must be a positive number of devices, got {args.ep}")
+    if args.ep > 1:
+        force_host_devices(args.ep)  # before JAX initialises its backends (below)
     if args.engine and args.chunk is not None:
         raise ValueError("--chunk prefills the teacher-forced run in chunks; with --engine the step's token budget "
                          "decides chunking: use --max-num-batched-tokens N")
     if args.engine:
         return 0 if run_engine(args.fixture, args.layout, args.weights, args.zos == "on",
-                               args.max_num_batched_tokens, args.block_size, args.num_blocks) else 1
-    passed, total = run_fixture(args.fixture, args.layout, args.weights, args.chunk)
+                               args.max_num_batched_tokens, args.block_size, args.num_blocks, ep=args.ep) else 1
+    passed, total = run_fixture(args.fixture, args.layout, args.weights, args.chunk, ep=args.ep)
     return 0 if passed == total else 1
 
 

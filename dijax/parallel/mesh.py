@@ -12,6 +12,8 @@ right after parsing ``--ep``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 
@@ -19,6 +21,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dijax.model.layers import LOGICAL_AXES
 
 AXES = ("dp", "ep")
 # (logical axis, mesh axis, the axis that marks the parameters the rule applies to). Only the routed experts'
@@ -83,6 +87,37 @@ def place_params(params: nnx.State, mesh: Mesh | None) -> nnx.State:
     return jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def ep_size(mesh: Mesh | None) -> int:
-    """The mesh's ``ep`` size (1 without a mesh)."""
-    return 1 if mesh is None else mesh.shape["ep"]
+def params_mesh(params: nnx.State) -> Mesh | None:
+    """The mesh ``place_params`` put ``params`` on when it splits experts (an ``ep`` axis of size > 1), else
+    None (parameters on one device)."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.shape.get("ep", 1) > 1:
+            return sharding.mesh
+    return None
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh | None):
+    """The context in which the model traces on ``mesh``: ``jax.set_mesh(mesh)`` (the MoE's ``shard_map`` reads
+    it; the context mesh is part of the jit key) with every logical axis name bound to no mesh axis, so that
+    Flax's abstract model (``nnx.eval_shape``, which builds a sharding from each parameter's names under a context
+    mesh) stays replicated: the placement itself is ``place_params``'s. A no-op context for ``mesh=None``."""
+    if mesh is None:
+        yield
+        return
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(tuple((name, None) for name in LOGICAL_AXES)):
+        yield
+
+
+def on_mesh(fn, mesh: Mesh | None):
+    """``fn`` called under ``mesh_context(mesh)``; ``fn`` itself for ``mesh=None``."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with mesh_context(mesh):
+            return fn(*args, **kwargs)
+
+    return call

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numbers
 from collections import deque
 
+from dijax.parallel.mesh import make_mesh, place_params
 from dijax.runtime.block_manager import BlockManager
 from dijax.runtime.model_runner import ModelRunner, StepHandle
 from dijax.runtime.outputs import RequestOutput
@@ -45,10 +46,12 @@ class LLMEngine:
     num_blocks              KV blocks in the pool (default: enough for max_num_seqs requests of max_model_len).
     max_model_len           longest request (prompt + output), 1 .. the config's max_seq_len (default: that).
     zos                     zero-overhead scheduling (plan step N while step N-1 runs).
+    ep                      expert-parallel ranks: the routed experts split over ep devices (dijax.parallel;
+                            1: one device, no mesh).
     """
 
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
-                 block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None,
+                 block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None, ep: int = 1,
                  zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False):
         from dijax.io.loader import load
 
@@ -60,6 +63,7 @@ class LLMEngine:
             num_blocks = _check_size("num_blocks", num_blocks)
         if max_model_len is not None:
             max_model_len = _check_size("max_model_len", max_model_len)
+        ep = _check_size("ep", ep)
         if not isinstance(zos, bool):
             raise TypeError(f"zos must be a bool, got {type(zos).__name__} {zos!r}")
         # ``loaded``: an already loaded (config, params, Engram constants, tokenizer), e.g. a parity fixture
@@ -72,6 +76,7 @@ class LLMEngine:
             num_blocks = max_num_seqs * -(-max_model_len // block_size)
         self.scheduler = Scheduler(BlockManager(num_blocks, block_size), StateManager(max_num_seqs), max_num_seqs,
                                    max_num_batched_tokens, max_model_len, eos_token_id=self.cfg.eos_token_id)
+        params = place_params(params, make_mesh(ep, self.cfg.n_routed_experts) if ep > 1 else None)
         self.runner = ModelRunner(self.cfg, params, consts, num_blocks, max_num_seqs, block_size, max_model_len,
                                   max_num_seqs, max_num_batched_tokens, debug_logits)
         # debug: request id -> {output position: logits row that sampled it} (the last computation wins, so a

@@ -23,6 +23,7 @@ from dijax.config import ModelConfig
 from dijax.driver import bucket
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
+from dijax.parallel.mesh import on_mesh, params_mesh
 from dijax.runtime.sampler import sample, sampling_inputs
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
 
@@ -79,6 +80,8 @@ class ModelRunner:
         self.max_tokens = bucket(max_num_batched_tokens)
         self._step = _compiled_step(cfg, self.max_rows, debug_logits)
         self._no_previous = jnp.zeros(self.max_rows, jnp.int32)  # prev_tokens_R of a step with no predecessor
+        # experts split by dijax.parallel.mesh.place_params: every launch traces the MoE's shard_map on that mesh
+        self._step = on_mesh(self._step, params_mesh(params))
 
     @property
     def compiles(self) -> int:
