@@ -17,6 +17,7 @@ of results that the tests assert on. What is checked there:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -83,6 +84,18 @@ def test_one_device_helpers():
     with pytest.raises(ValueError, match="ep must be a positive integer"):
         make_mesh(0)
     assert partition_spec(("period", "layer", "expert", "expert_out", "expert_in"))[2] == "ep"
+
+
+@pytest.mark.parametrize("command", ["parity", "generate"])
+def test_cli_rejects_bad_ep(command):
+    """``--ep 0`` is refused before anything is loaded (and before the host device flag is touched)."""
+    from dijax.cli import generate, parity
+
+    module = {"parity": parity, "generate": generate}[command]
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    with pytest.raises(ValueError, match="--ep must be a positive number of devices, got 0"):
+        module.run(parser.parse_args((["fixture"] if command == "parity" else []) + ["--ep", "0"]))
 
 
 def test_force_host_devices_replaces_count(monkeypatch):

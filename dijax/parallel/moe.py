@@ -79,6 +79,8 @@ def routed_experts_ep(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, exp
         return jax.lax.psum(y_TD, "ep")
 
     specs = (jax.tree.map(lambda _: P("ep"), experts), P(), P(), P())
+    # check_vma off: the kernel seam (jnp and Pallas) is not annotated for the varying-manual-axes type check; the
+    # psum makes the output replicated, as out_specs P() states
     y = jax.shard_map(exact if combine == "exact" else partial, mesh=mesh, in_specs=specs, out_specs=P(),
                       check_vma=False)(experts, x_TD, weights_TX, experts_TX)
     if combine == "partial":
