@@ -39,17 +39,19 @@ class Driver:
     """Runs steps of ``forward_step`` over a donated cache.
 
     cfg: model config; params: parameter pytree; consts: Engram device constants (may be empty);
-    spec: cache sizes. ``max_seq_len`` bounds every sequence (block tables are sized by it).
+    spec: cache sizes. ``max_seq_len`` bounds every sequence (block tables are sized by it). kernel_options: the
+    step's static kernel choice (dijax.kernels.kernel_options; default the jnp references).
     """
 
-    def __init__(self, cfg: ModelConfig, params: dict, consts: dict, spec: CacheSpec, max_seq_len: int):
+    def __init__(self, cfg: ModelConfig, params: dict, consts: dict, spec: CacheSpec, max_seq_len: int,
+                 kernel_options: dict[str, str] | None = None):
         self.cfg, self.params, self.consts, self.spec = cfg, params, consts, spec
         self.max_blocks = spec.blocks_for(max_seq_len)
         self.max_seq_len = max_seq_len
         self.cache = init_cache(cfg, spec)
         self.free_blocks = list(range(spec.num_blocks))
         self.free_slots = list(range(spec.num_slots))
-        self._step = make_step_fn(cfg)
+        self._step = make_step_fn(cfg, **(kernel_options or {}))
 
     def new_sequence(self) -> Sequence:
         if not self.free_slots:

@@ -59,10 +59,13 @@ def test_cancelling_one_request_leaves_the_others_unchanged(reference):
 
 
 def test_no_new_compilations_after_warm_up():
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=32)
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)  # 4 blocks: widths 1 and 4
     work = [_params(i) for i in range(3)]
+    assert llm.engine.runner.buckets() == [(t, w) for t in (8, 16, 32) for w in (1, 4)]
+    before = llm.engine.runner.compiles
     llm.engine.runner.warmup()
     warm = llm.engine.runner.compiles
+    assert warm - before <= 6  # one executable per bucket (fewer if another runner of this model compiled some)
     llm.generate(PROMPTS[::-1], work, use_tqdm=False)
     llm.generate(PROMPTS, work, use_tqdm=False)
     assert llm.engine.runner.compiles == warm

@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, help="token budget of a step (long prompts prefill in chunks of N)")
+    parser.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
+                        help="step kernels: the Pallas kernels (on, GPU only), the jnp references (off), or auto")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a CPU-only host gets N devices)")
 
 
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     budget = args.chunk or 256
     llm = LLM(args.model, max_num_seqs=min(len(prompts), 16, budget), max_num_batched_tokens=budget, zos=True,
-              ep=args.ep)
+              kernels=args.kernels, ep=args.ep)
     for out in llm.generate(prompts, sp):
         error = f" ({out.error})" if out.error else ""
         print(f"prompt: {out.prompt!r}\noutput: {out.text!r}\nfinish: {out.finish_reason}{error}\n")

@@ -31,6 +31,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
@@ -39,6 +40,7 @@ from dijax.io.safetensors import SafetensorsFile
 from dijax.config import ModelConfig
 from dijax.driver import Driver
 from dijax.model.engram import EngramTables
+from dijax.kernels import kernel_options
 from dijax.model.step import CacheSpec
 from dijax.parallel.mesh import force_host_devices, make_mesh, mesh_context, place_params
 
@@ -122,7 +124,7 @@ def load_model(fixture: Fixture):
 
 
 def run_case(fixture: Fixture, params: dict, consts: dict, case: str, inject: bool,
-             chunk: int | None) -> CaseRun:
+             chunk: int | None, kernels: str = "auto") -> CaseRun:
     """Teacher-forced run: prefill ``input_ids`` (in chunks of ``chunk`` tokens if given), then feed the recorded
     ``tokens[:, j]`` one decode step at a time."""
     cfg = fixture.cfg
@@ -133,7 +135,8 @@ def run_case(fixture: Fixture, params: dict, consts: dict, case: str, inject: bo
     layers = [r.layer for r in cfg.index_source_roles]
     total = length + n + 1
     spec = CacheSpec(num_blocks=b * -(-total // 16), num_slots=b, block_size=16)
-    driver = Driver(cfg, params, consts, spec, max_seq_len=total)
+    driver = Driver(cfg, params, consts, spec, max_seq_len=total,
+                    kernel_options=kernel_options(kernels, jax.default_backend()))
     seqs = [driver.new_sequence() for _ in range(b)]
     step_len = length if chunk is None else chunk
     prefill_logits = np.zeros((b, length, cfg.vocab_size), np.float32)
@@ -298,7 +301,7 @@ def _evaluate_tier2(fixture: Fixture, check: dict, runs: dict[str, CaseRun], out
 
 def run_engine(folder: str, layout: str = "reference", weights: str | None = None, zos: bool = True,
                max_num_batched_tokens: int = 256, block_size: int = 16, num_blocks: int | None = None,
-               out=sys.stdout, ep: int = 1) -> bool:
+               out=sys.stdout, kernels: str = "auto", ep: int = 1) -> bool:
     """Every prompt of every case through one engine at once (greedy), compared with the reference per request up
     to the first step where the reference's own top-2 margin is below the manifest's token tolerance.
 
@@ -330,9 +333,9 @@ def run_engine(folder: str, layout: str = "reference", weights: str | None = Non
                 prefix_requests[f"{case}/{b}/prefix{p}"] = (case, b, p, [int(t) for t in ids[b, :p + 1]])
     max_len = max(len(p) + n for _, _, p, n in requests.values()) + 1
     engine = LLMEngine(loaded=(fixture.cfg, params, consts, Tokenizer.from_file(fixture.tokenizer_path)),
-                       max_num_seqs=len(requests) + len(prefix_requests),
+                       max_num_seqs=min(len(requests) + len(prefix_requests), max_num_batched_tokens),
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
-                       max_model_len=max_len, zos=zos, debug_logits=True, ep=ep)
+                       max_model_len=max_len, zos=zos, debug_logits=True, kernels=kernels, ep=ep)
     for rid, (_, _, prompt, n) in requests.items():
         engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     for rid, (_, _, _, prompt) in prefix_requests.items():
@@ -385,25 +388,27 @@ def run_engine(folder: str, layout: str = "reference", weights: str | None = Non
 
 
 def run_fixture(folder: str, layout: str = "reference", weights: str | None = None, chunk: int | None = None,
-                out=sys.stdout, ep: int = 1) -> tuple[int, int]:
+                out=sys.stdout, kernels: str = "auto", ep: int = 1) -> tuple[int, int]:
     """Run every check of a fixture; prints figures and the final ``parity: K/N checks passed`` line. ``ep`` > 1
     splits the routed experts over that many devices (dijax.parallel)."""
     if chunk is not None and chunk <= 0:
         raise ValueError(f"--chunk must be a positive number of tokens, got {chunk}")
+    options = kernel_options(kernels, jax.default_backend())  # a bad choice fails before anything is loaded
     fixture = Fixture(folder, layout, weights)
     params, consts = load_model(fixture)
     mesh = make_mesh(ep, fixture.cfg.n_routed_experts) if ep > 1 else None
     params = place_params(params, mesh)
     checks = fixture.manifest["checks"]
     print(f"parity: {fixture.manifest.get('name', folder)}: {len(fixture.case_names)} cases, "
-          f"weights {fixture.weights}, prefill {'in chunks of ' + str(chunk) if chunk else 'in one step'}", file=out)
+          f"weights {fixture.weights}, prefill {'in chunks of ' + str(chunk) if chunk else 'in one step'}, "
+          f"kernels {kernels} ({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})", file=out)
     passed = 0
     runs_by_inject: dict[bool, dict[str, CaseRun]] = {}
     for check in checks:
         inject = bool(check.get("inject_topk", False))
         if inject not in runs_by_inject:
             with mesh_context(mesh):
-                runs_by_inject[inject] = {case: run_case(fixture, params, consts, case, inject, chunk)
+                runs_by_inject[inject] = {case: run_case(fixture, params, consts, case, inject, chunk, kernels)
                                           for case in fixture.case_names}
         passed += evaluate(fixture, check, runs_by_inject[inject], out)
     print(f"parity: {passed}/{len(checks)} checks passed", file=out)
@@ -428,6 +433,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="engine: query tokens per step")
     parser.add_argument("--block-size", type=int, default=16, help="engine: tokens per KV block")
     parser.add_argument("--num-blocks", type=int, help="engine: KV blocks in the pool (small values force preemption)")
+    parser.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
+                        help="step kernels: the Pallas kernels (on, GPU only), the jnp references (off), or auto")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a CPU-only host gets N devices)")
 
 
@@ -441,8 +448,10 @@ def run(args: argparse.Namespace) -> int:
                          "decides chunking: use --max-num-batched-tokens N")
     if args.engine:
         return 0 if run_engine(args.fixture, args.layout, args.weights, args.zos == "on",
-                               args.max_num_batched_tokens, args.block_size, args.num_blocks, ep=args.ep) else 1
-    passed, total = run_fixture(args.fixture, args.layout, args.weights, args.chunk, ep=args.ep)
+                               args.max_num_batched_tokens, args.block_size, args.num_blocks,
+                               kernels=args.kernels, ep=args.ep) else 1
+    passed, total = run_fixture(args.fixture, args.layout, args.weights, args.chunk, kernels=args.kernels,
+                                ep=args.ep)
     return 0 if passed == total else 1
 
 

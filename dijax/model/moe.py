@@ -42,11 +42,15 @@ def shared_expert(p: dict, x_TD: jax.Array, limit: float) -> jax.Array:
     return linear(h.astype(jnp.bfloat16), p["w2"])
 
 
-def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, *, impl: str = "reference") -> jax.Array:
-    """MoE sublayer. x_TD: bf16 (after ffn_norm) -> bf16 [T, D]. ``impl``: the routed-experts kernel seam's
-    implementation ('reference' or 'pallas', static). Under a context mesh with an ``ep`` axis the routed
-    experts run split over it (dijax.parallel.moe)."""
+def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, valid_T: jax.Array | None = None, *,
+        impl: str = "reference") -> jax.Array:
+    """MoE sublayer. x_TD: bf16 (after ffn_norm) -> bf16 [T, D]. valid_T: bool [T], False for the step's padding
+    tokens, which are routed to no expert (expert id -1: no expert weights are read for them by the kernel).
+    ``impl``: the routed-experts kernel seam's implementation ('reference' or 'pallas', static). Under a context
+    mesh with an ``ep`` axis the routed experts run split over it (dijax.parallel.moe)."""
     weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg)
+    if valid_T is not None:
+        experts = jnp.where(valid_T[:, None], experts, -1)
     y = routed_experts_ep(p["experts"], x_TD, weights, experts, cfg.swiglu_limit, impl=impl)
     y = y + shared_expert(p["shared_experts"], x_TD, cfg.swiglu_limit).astype(jnp.float32)
     return y.astype(jnp.bfloat16)
@@ -104,6 +108,6 @@ class MoE(nnx.Module):
         self.experts = RoutedExperts(cfg, n_experts, stack)
         self.shared_experts = SharedExpert(cfg, stack)
 
-    def __call__(self, x_TD: jax.Array, **kernel_options) -> jax.Array:
-        """x_TD bf16 (after ffn_norm) -> bf16 [T, D]; ``kernel_options`` go to ``moe`` unchanged."""
-        return moe(values(self), x_TD, self.cfg, **kernel_options)
+    def __call__(self, x_TD: jax.Array, valid_T: jax.Array | None = None, **kernel_options) -> jax.Array:
+        """x_TD bf16 (after ffn_norm) -> bf16 [T, D]; valid_T and ``kernel_options`` go to ``moe`` unchanged."""
+        return moe(values(self), x_TD, self.cfg, valid_T, **kernel_options)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dijax import kernels
 from dijax.config import LayerRole, ModelConfig
 from dijax.model import engram as engram_lib
 from dijax.model import hc
@@ -109,7 +110,8 @@ class Block(nnx.Module):
         residual = x_TCD
         f_pre, f_post, f_comb = self.hc_ffn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
         y = self.ffn_norm(hc.pre(x_TCD, a_pre))
-        x_TCD = hc.post(self.ffn(y, impl=ctx.kernel_options["moe_impl"]), residual, f_post, f_comb)
+        x_TCD = hc.post(self.ffn(y, ctx.geometry.valid_T, impl=ctx.kernel_options["moe_impl"]), residual, f_post,
+                        f_comb)
         return x_TCD, f_pre, updates, shared
 
 
@@ -234,7 +236,7 @@ def _run_stage(cfg: ModelConfig, stage: Stage, ctx: StepContext, x_TCD, pre_TC, 
                 refs["ik"][role.layer] = run_cache["ik"][0]
             if role.index_source:
                 refs["topk"][role.layer] = out_topk[r] = pubs["topk"][0]
-            if role.candidate_source:
+            if role.candidate_source and pubs["candidates"] is not None:  # None when its selection is injected
                 refs["candidates"] = pubs["candidates"][0]
         return (x_TCD, pre_TC), new_cache, (out_topk, refs["candidates"] if any(
             t.candidate_source for t in templates) else None)
@@ -288,7 +290,7 @@ class Transformer(nnx.Module):
         if cfg.engram_layer_ids:
             engram_rows, new_cache["engram_hist"] = _engram_rows(consts, cfg, batch, g, cache["engram_hist"])
         ctx = StepContext(geometry=g, engram_rows=engram_rows, engram_mask_T=batch.engram_mask_T,
-                          kernel_options=dict(KERNEL_DEFAULTS, **kernel_options))
+                          kernel_options=dict(kernels.REFERENCE, **kernel_options))
         published: dict = {"ckv": {}, "ik": {}, "topk": {}, "candidates": None}
         for stage, stage_cache in zip(self.stages, cache["stages"]):
             x_TCD, pre_TC, stage_cache, out = _run_stage(cfg, stage, ctx, x_TCD, pre_TC, stage_cache, published,
@@ -301,10 +303,6 @@ class Transformer(nnx.Module):
         rows = batch.logit_rows_R
         h = self.norm(hc.pre(x_TCD[rows], pre_TC[rows]))
         return self.head(h), new_cache, published["topk"]
-
-
-KERNEL_DEFAULTS = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference",
-                   "sinkhorn_impl": "reference"}
 
 
 @lru_cache(maxsize=16)

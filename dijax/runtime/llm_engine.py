@@ -48,11 +48,14 @@ class LLMEngine:
     zos                     zero-overhead scheduling (plan step N while step N-1 runs).
     ep                      expert-parallel ranks: the routed experts split over ep devices (dijax.parallel;
                             1: one device, no mesh).
+    kernels                 'auto' (the Pallas kernels on a GPU, the jnp references elsewhere), 'on' or 'off'
+                            (dijax.kernels.kernel_options).
     """
 
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None, ep: int = 1,
-                 zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False):
+                 zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False,
+                 kernels: str = "auto"):
         from dijax.io.loader import load
 
         # checked before the model is loaded: a bad size fails at once, naming itself
@@ -78,7 +81,7 @@ class LLMEngine:
                                    max_num_batched_tokens, max_model_len, eos_token_id=self.cfg.eos_token_id)
         params = place_params(params, make_mesh(ep, self.cfg.n_routed_experts) if ep > 1 else None)
         self.runner = ModelRunner(self.cfg, params, consts, num_blocks, max_num_seqs, block_size, max_model_len,
-                                  max_num_seqs, max_num_batched_tokens, debug_logits)
+                                  max_num_seqs, max_num_batched_tokens, debug_logits, kernels)
         # debug: request id -> {output position: logits row that sampled it} (the last computation wins, so a
         # preempted-and-recomputed position keeps the recomputed row)
         self.step_logits: dict[str, dict[int, object]] = {}
