@@ -73,7 +73,7 @@ def compile_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max
     i32 = jnp.int32
     t, s = jax.ShapeDtypeStruct((tokens,), i32), jax.ShapeDtypeStruct((seqs,), i32)
     batch = StepBatch(tokens_T=t, positions_T=t, seq_T=t, valid_T=jax.ShapeDtypeStruct((tokens,), bool),
-                      engram_mask_T=jax.ShapeDtypeStruct((tokens,), bool), slot_S=s, start_S=s, qlen_S=s,
+                      slot_S=s, start_S=s, qlen_S=s,
                       qstart_S=s, block_table_SB=jax.ShapeDtypeStruct((seqs, max_blocks), i32), logit_rows_R=s)
 
     def step(params, cache, batch, consts):

@@ -41,7 +41,7 @@ from dijax.model.plan import plan_layers
 class StepBatch:
     """Inputs of one step (all int32 unless noted; host numpy arrays until the jitted step takes them).
 
-    tokens_T, positions_T, seq_T [T]; valid_T, engram_mask_T bool [T];
+    tokens_T, positions_T, seq_T [T]; valid_T bool [T];
     slot_S, start_S, qlen_S, qstart_S [S]; block_table_SB [S, B]; logit_rows_R [R] (indices into T).
     """
 
@@ -49,7 +49,6 @@ class StepBatch:
     positions_T: jax.Array
     seq_T: jax.Array
     valid_T: jax.Array
-    engram_mask_T: jax.Array
     slot_S: jax.Array
     start_S: jax.Array
     qlen_S: jax.Array
@@ -113,7 +112,7 @@ def build_step(chunks: list[SeqChunk], num_tokens: int, num_seqs: int, max_block
     logit_rows = np.zeros(r, np.int32)
     logit_rows[:len(rows)] = rows
     batch = StepBatch(tokens_T=tokens, positions_T=positions, seq_T=seq, valid_T=valid,
-                      engram_mask_T=valid.copy(), slot_S=slot, start_S=start, qlen_S=qlen, qstart_S=qstart,
+                      slot_S=slot, start_S=start, qlen_S=qlen, qstart_S=qstart,
                       block_table_SB=table, logit_rows_R=logit_rows)
     return batch, rows_per_chunk
 
@@ -125,7 +124,6 @@ class CacheSpec:
     num_blocks: int
     num_slots: int
     block_size: int = 128
-    max_blocks_per_seq: int = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

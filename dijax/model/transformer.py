@@ -44,7 +44,7 @@ def _engram_rows(consts: dict, cfg: ModelConfig, batch: StepBatch, g: Geometry, 
     ring = n - 1
     t = g.pos_T.shape[0]
     ids_T = consts["token_map"][batch.tokens_T]
-    ids_T = jnp.where(batch.engram_mask_T, ids_T, engram_lib.DEAD)
+    ids_T = jnp.where(batch.valid_T, ids_T, engram_lib.DEAD)
     cols = []
     for s in range(n):
         q = g.pos_T - s
@@ -65,7 +65,6 @@ class StepContext:
 
     geometry: Geometry
     engram_rows: list | None  # per Engram layer, int32 [T, J] table rows
-    engram_mask_T: jax.Array
     kernel_options: dict
 
 
@@ -99,8 +98,7 @@ class Block(nnx.Module):
         """
         role = self.role
         if role.engram:
-            x_TCD = self.engram(x_TCD, ctx.engram_rows[role.engram_index],
-                                ctx.engram_mask_T & ctx.geometry.valid_T)
+            x_TCD = self.engram(x_TCD, ctx.engram_rows[role.engram_index], ctx.geometry.valid_T)
         residual = x_TCD
         a_pre, a_post, a_comb = self.hc_attn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
         y = self.attn_norm(hc.pre(x_TCD, pre_TC))
@@ -289,7 +287,7 @@ class Transformer(nnx.Module):
         engram_rows = None
         if cfg.engram_layer_ids:
             engram_rows, new_cache["engram_hist"] = _engram_rows(consts, cfg, batch, g, cache["engram_hist"])
-        ctx = StepContext(geometry=g, engram_rows=engram_rows, engram_mask_T=batch.engram_mask_T,
+        ctx = StepContext(geometry=g, engram_rows=engram_rows,
                           kernel_options=dict(kernels.REFERENCE, **kernel_options))
         published: dict = {"ckv": {}, "ik": {}, "topk": {}, "candidates": None}
         for stage, stage_cache in zip(self.stages, cache["stages"]):

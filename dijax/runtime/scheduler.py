@@ -221,11 +221,6 @@ class Scheduler:
         """Whether any request is still waiting, running or being aborted."""
         return bool(self._seqs)
 
-    @property
-    def num_pending_steps(self) -> int:
-        """Steps scheduled but not yet processed."""
-        return len(self._pending)
-
     def get(self, request_id: str) -> Sequence | None:
         """The live sequence with this id, or None."""
         return self._seqs.get(request_id)
