@@ -12,7 +12,7 @@ import json
 import sys
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.parallel.mesh import force_host_devices
+from dijax.cli.options import add_model_options, apply_ep
 from dijax.runtime.sampling_params import SamplingParams
 
 DEMO_PROMPTS = ["The license", "Permission is hereby granted", "You may obtain a copy"]
@@ -71,16 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, help="token budget of a step (long prompts prefill in chunks of N)")
-    parser.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
-                        help="step kernels: the Pallas kernels (on, GPU only), the jnp references (off), or auto")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a CPU-only host gets N devices)")
+    add_model_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.ep < 1:
-        raise ValueError(f"--ep must be a positive number of devices, got {args.ep}")
-    if args.ep > 1:
-        force_host_devices(args.ep)  # before JAX initialises its backends (in LLM below)
+    apply_ep(args)  # before JAX initialises its backends
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         max_tokens=args.max_tokens, seed=args.seed)
     if args.chunk is not None and args.chunk <= 0:

@@ -35,14 +35,15 @@ import jax
 import numpy as np
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.io.checkpoint import load_params, resolve_checkpoint
-from dijax.io.safetensors import SafetensorsFile
+from dijax.cli.options import add_model_options, apply_ep
 from dijax.config import ModelConfig
 from dijax.driver import Driver
-from dijax.model.engram import EngramTables
+from dijax.io.checkpoint import load_params, resolve_checkpoint
+from dijax.io.safetensors import SafetensorsFile
 from dijax.kernels import kernel_options
+from dijax.model.engram import EngramTables
 from dijax.model.step import CacheSpec
-from dijax.parallel.mesh import force_host_devices, make_mesh, mesh_context, place_params
+from dijax.parallel.mesh import make_mesh, mesh_context, place_params
 
 # Keys each check kind evaluates (numbers and booleans; anything else numeric in a check is an error). Text-valued
 # ``index_sets`` switches the tier-1 index-set comparison on.
@@ -433,16 +434,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="engine: query tokens per step")
     parser.add_argument("--block-size", type=int, default=16, help="engine: tokens per KV block")
     parser.add_argument("--num-blocks", type=int, help="engine: KV blocks in the pool (small values force preemption)")
-    parser.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
-                        help="step kernels: the Pallas kernels (on, GPU only), the jnp references (off), or auto")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a CPU-only host gets N devices)")
+    add_model_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.ep < 1:
-        raise ValueError(f"--ep must be a positive number of devices, got {args.ep}")
-    if args.ep > 1:
-        force_host_devices(args.ep)  # before JAX initialises its backends (below)
+    apply_ep(args)  # before JAX initialises its backends
     if args.engine and args.chunk is not None:
         raise ValueError("--chunk prefills the teacher-forced run in chunks; with --engine the step's token budget "
                          "decides chunking: use --max-num-batched-tokens N")
