@@ -34,3 +34,14 @@ def tiny_nodrop():
     fixture = Fixture(parity_path("tiny-nodrop"))
     params, consts = load_model(fixture)
     return fixture, params, consts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_steps():
+    """Drop JAX's compiled executables after each test module: one pytest process compiles hundreds of step
+    buckets (configs x kernels x shapes), and holding them all exhausted this 24 GB machine (XLA aborted while
+    compiling, late in a full run)."""
+    yield
+    import jax
+
+    jax.clear_caches()
