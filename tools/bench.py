@@ -221,9 +221,12 @@ def kernel_launches(hlo_text: str) -> int:
 
 
 def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
-              warmup: int, iters: int, kernels: dict[str, str]) -> tuple[float, float, int, int]:
+              warmup: int, iters: int, kernels: dict[str, str], dump: str | None = None,
+              label: str = "step") -> tuple[float, float, int, int]:
     """(compile + first run seconds, median seconds, kernel launches per step, XLA temporary bytes) of one step:
-    sequence i has ``lengths[i] = (cached, new)``; ``kernels``: the step's kernel options."""
+    sequence i has ``lengths[i] = (cached, new)``; ``kernels``: the step's kernel options. With ``dump``, the
+    optimised HLO goes to ``dump/<label>.hlo.txt`` and a JAX profiler trace of the timed runs to
+    ``dump/<label>/`` (open it with xprof / Perfetto, or summarise it with ``tools/trace_summary.py``)."""
     from dijax.driver import bucket
     from dijax.model.step import CacheSpec, SeqChunk, build_step
     from dijax.model.transformer import make_step_fn
@@ -239,6 +242,11 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     start = time.perf_counter()
     step = make_step_fn(cfg, **kernels).lower(params, cache, batch, consts).compile()
     launches, temp_bytes = kernel_launches(step.as_text()), step.memory_analysis().temp_size_in_bytes
+    name = re.sub(r"[^\w]+", "_", label).strip("_")
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, f"{name}.hlo.txt"), "w") as f:
+            f.write(step.as_text())
     logits, cache, _ = step(params, cache, batch, consts)
     jax.block_until_ready(logits)
     first = time.perf_counter() - start
@@ -253,6 +261,11 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
         logits, cache, _ = step(params, cache, batch, consts)
         jax.block_until_ready((logits, cache))
         times.append(time.perf_counter() - start)
+    if dump:  # profiled separately so the profiler's overhead stays out of the timed runs
+        with jax.profiler.trace(os.path.join(dump, name), create_perfetto_trace=True):
+            for _ in range(3):
+                logits, cache, _ = step(params, cache, batch, consts)
+            jax.block_until_ready((logits, cache))
     return first, float(np.median(times)), launches, temp_bytes
 
 
@@ -296,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
                         help="step kernels (dijax.kernels.kernel_options); run once with each to compare")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--dump", help="write each step's optimised HLO and a profiler trace of 3 steps here")
     args = parser.parse_args(argv)
     from dijax.kernels import kernel_options
 
@@ -321,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     cases += [(f"prefill P={p}", [(0, p)]) for p in args.prefill]
     for label, lengths in cases:
         first, median, launches, temp_bytes = time_step(cfg, params, consts, lengths, args.block_size, args.warmup,
-                                                        args.iters, kernels)
+                                                        args.iters, kernels, args.dump, label)
         tokens = sum(n for _, n in lengths)
         cost = step_cost(cfg, tokens, [c + n for c, n in lengths])
         floor, bound = cost.floor_s(args.bandwidth, args.flops)
