@@ -559,3 +559,12 @@ def test_invariant_checker_catches_corruption():
     a.slot, b.slot = b.slot, b.slot  # one slot, two holders
     with pytest.raises(AssertionError, match=r"slot \d+ is held by"):
         sched.check_invariants()
+
+
+def test_sequence_tokens_slices_prompt_and_output_without_concatenating():
+    seq = Sequence("r", [5, 6, 7], SamplingParams(max_tokens=8))
+    seq.output_token_ids.extend([20, 21, 22, 23])
+    whole = seq.token_ids
+    for start in range(len(whole) + 1):
+        for stop in range(start, len(whole) + 2):
+            assert seq.tokens(start, stop) == tuple(whole[start:stop]), (start, stop)

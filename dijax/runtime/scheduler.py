@@ -301,7 +301,7 @@ class Scheduler:
         """Describe ``seq``'s chunk of ``n`` tokens and advance its reservations (num_cached, num_inflight)."""
         start = seq.num_cached
         if start < len(seq):
-            token_ids = tuple(seq.token_ids[start:start + n])
+            token_ids = seq.tokens(start, start + n)
             assert len(token_ids) == n, f"{seq!r}: chunk of {n} tokens runs past the known tokens"
         else:
             # Its input was sampled by the previous step and is not on the host yet.

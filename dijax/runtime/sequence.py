@@ -80,8 +80,15 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        """Prompt then output tokens known on the host (a new list)."""
+        """Prompt then output tokens known on the host (a new list: O(len), for callers outside the step loop)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens(self, start: int, stop: int) -> tuple[int, ...]:
+        """Tokens [start, stop) of prompt + output, without building the whole sequence: O(stop - start)."""
+        prompt = self.prompt_token_ids
+        head = prompt[start:stop]
+        tail = self.output_token_ids[max(start - len(prompt), 0):max(stop - len(prompt), 0)]
+        return tuple(head + tail)
 
     @property
     def num_prompt_tokens(self) -> int:
