@@ -9,6 +9,7 @@ import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.kernels import topk as topk_mod
+from dijax.kernels import topk as topk_module
 from dijax.kernels.topk import topk, topk_reference, topk_select
 from dijax.model.attention import select_candidate_blocks, topk_positions
 
@@ -93,16 +94,21 @@ def test_k_zero_and_k_out_of_range():
         topk_select(jnp.zeros((3, 10), jnp.int32), 2)
 
 
-def test_dispatcher():
+def test_dispatcher(monkeypatch):
     x = jnp.asarray(scores("ties", 2, 64, seed=1))
-    for impl in ("reference", "select"):
-        v, i = topk(x, 9, impl=impl)
-        np.testing.assert_array_equal(np.asarray(i), np.asarray(jax.lax.top_k(x, 9)[1]))
+    for threshold in (0, topk_module.SELECT_MIN_VALUES):  # the select path, then the short-row hand-off
+        monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", threshold)
+        for impl in ("reference", "select"):
+            v, i = topk(x, 9, impl=impl)
+            np.testing.assert_array_equal(np.asarray(i), np.asarray(jax.lax.top_k(x, 9)[1]))
     with pytest.raises(ValueError, match="impl must be one of"):
         topk(x, 9, impl="sort")
 
 
-def test_attention_call_sites_identical_for_both_impls():
+def test_attention_call_sites_identical_for_both_impls(monkeypatch):
+    # force the select path at these short widths (the dispatcher hands rows shorter than SELECT_MIN_VALUES to
+    # lax.top_k)
+    monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", 0)
     # the indexer's masked scores: bf16 ties, -inf beyond each query's visible prefix, ragged limits
     t, width, k = 6, 700, 16
     score = scores("bf16", t, width, seed=5)

@@ -41,6 +41,10 @@ CHUNK = 32
 # 0.14 ms without it and 0.36 ms with it for one row, 1.0 ms without and 0.29 ms with for 64 rows).
 PREFILTER_FACTOR = 4
 PREFILTER_MIN_VALUES = 1 << 22
+# Below this many values per row "select" hands the row to lax.top_k (the same result): a short row's sort is one
+# kernel, while the radix descent is ~80 small kernels (counted in the tiny model's GPU step, where they were 80
+# of its 680 kernels: tools/hlo_kernels.py). The select measured faster at 262,144 values for 1, 4 and 64 rows.
+SELECT_MIN_VALUES = 1 << 16
 IMPLS = ("reference", "select")
 
 
@@ -139,11 +143,11 @@ def topk(score: jax.Array, k: int, *, impl: str = "reference") -> tuple[jax.Arra
     """Top-k over the last axis with the chosen implementation; every one returns ``lax.top_k``'s result.
 
     score: float [..., P]; k: static int <= P; impl: "reference" (``lax.top_k``) or "select" (threshold
-    selection). Returns (values [..., k] score.dtype, indices [..., k] int32), values descending, ties lower index
-    first.
+    selection for rows of at least ``SELECT_MIN_VALUES`` values, ``lax.top_k`` for shorter ones). Returns
+    (values [..., k] score.dtype, indices [..., k] int32), values descending, ties lower index first.
     """
     if impl == "reference":
         return topk_reference(score, k)
     if impl == "select":
-        return topk_select(score, k)
+        return topk_select(score, k) if score.shape[-1] >= SELECT_MIN_VALUES else topk_reference(score, k)
     raise ValueError(f"topk: impl must be one of {IMPLS}, got {impl!r}")
