@@ -5,33 +5,36 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dijax.driver import Driver
-from dijax.model.step import CacheSpec
 from dijax.cli.parity import relative_errors
+from dijax.model.step import SeqChunk
+from dijax.runtime.model_runner import ModelRunner
 
 
-def _prefill_logits(fixture, params, consts, prompts, chunk):
+def _prefill_logits(fixture, params, consts, prompts, chunk) -> np.ndarray:
+    """Logits float32 [len(prompts), L, V] of prompts of one length L (< 64), prefilled together in chunks of
+    ``chunk`` tokens (None: in one step); prompt i owns slot i and blocks 4i .. 4i + 3."""
     cfg = fixture.cfg
     length = len(prompts[0])
-    spec = CacheSpec(num_blocks=len(prompts) * 4, num_slots=len(prompts), block_size=16)
-    driver = Driver(cfg, params, consts, spec, max_seq_len=64)
-    seqs = [driver.new_sequence() for _ in prompts]
+    runner = ModelRunner(cfg, params, consts, num_blocks=len(prompts) * 4, num_slots=len(prompts), block_size=16,
+                         max_model_len=64, max_num_seqs=len(prompts), max_num_batched_tokens=64 * len(prompts))
     out = np.zeros((len(prompts), length, cfg.vocab_size), np.float32)
     step = chunk or length
     for start in range(0, length, step):
         end = min(start + step, length)
-        logits, _ = driver.step([(s, list(p[start:end]), "all") for s, p in zip(seqs, prompts)])
+        logits, _ = runner.forward([SeqChunk(slot=i, block_table=list(range(4 * i, 4 * i + -(-end // 16))),
+                                             start=start, tokens=list(p[start:end]), logits="all")
+                                    for i, p in enumerate(prompts)])
         for i, lg in enumerate(logits):
             out[i, start:end] = lg
-    return out, driver
+    return out
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_chunked_prefill_matches_one_shot(tiny_nodrop, chunk):
     fixture, params, consts = tiny_nodrop
     prompts = [list(map(int, row)) for row in fixture.tensor("case_L23", "input_ids")]
-    one_shot, _ = _prefill_logits(fixture, params, consts, prompts, None)
-    chunked, _ = _prefill_logits(fixture, params, consts, prompts, chunk)
+    one_shot = _prefill_logits(fixture, params, consts, prompts, None)
+    chunked = _prefill_logits(fixture, params, consts, prompts, chunk)
     r = relative_errors(chunked, one_shot).ravel()
     # Different chunkings change only fp32 summation orders; the fixture's tier-1 bounds (p90, max) hold and the
     # median sits at the fp32 noise floor of this model (see docs/parity.md).
@@ -46,7 +49,7 @@ def test_chunked_prefill_state_is_carried(tiny_nodrop):
     computed without its prefix (fresh sequence) gives different logits than the same chunk as a continuation."""
     fixture, params, consts = tiny_nodrop
     prompt = list(map(int, fixture.tensor("case_L23", "input_ids")[0]))
-    full, _ = _prefill_logits(fixture, params, consts, [prompt], 11)
-    alone, _ = _prefill_logits(fixture, params, consts, [prompt[11:]], None)
+    full = _prefill_logits(fixture, params, consts, [prompt], 11)
+    alone = _prefill_logits(fixture, params, consts, [prompt[11:]], None)
     r = relative_errors(alone[0], full[0, 11:])
     assert np.median(r) > 0.05

@@ -21,7 +21,8 @@ from dijax.model import param_map
 from dijax.model.layers import LOGICAL_AXES
 from dijax.model.plan import plan_layers
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
-from dijax.model.transformer import Block, Transformer, abstract_state, graphdef, make_step_fn
+from dijax.model.transformer import Block, Transformer, abstract_state, graphdef
+from dijax.runtime.model_runner import ModelRunner
 from tests.conftest import parity_path
 
 
@@ -157,27 +158,29 @@ def test_scanned_stages_compute_what_the_plain_layer_loop_computes():
     assert max(s.repeats for s in plan_layers(cfg)) == 2
     folded = random_params(cfg, seed=7)
     plain = param_map.state_from_tree(cfg, param_map.checkpoint_tree(cfg, folded), fold=False)
-    spec = CacheSpec(num_blocks=8, num_slots=2, block_size=16)
     step_plain = jax.jit(lambda p, c, b: nnx.merge(graphdef(cfg, fold=False), p)(c, b, {}))
-    step_folded = make_step_fn(cfg)
-    caches = {"plain": init_cache(cfg, spec, fold=False), "folded": init_cache(cfg, spec)}
+    cache_plain = init_cache(cfg, CacheSpec(num_blocks=8, num_slots=2, block_size=16), fold=False)
+    runner = ModelRunner(cfg, folded, {}, num_blocks=8, num_slots=2, block_size=16, max_model_len=32,
+                         max_num_seqs=2, max_num_batched_tokens=32)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (21, 6)]
-    steps = [[SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=prompts[0], logits="all"),
-              SeqChunk(slot=1, block_table=[2], start=0, tokens=prompts[1], logits="all")],
-             [SeqChunk(slot=0, block_table=[0, 1], start=21, tokens=[5]),
-              SeqChunk(slot=1, block_table=[2], start=6, tokens=[9])]]
-    for chunks in steps:
-        batch, _ = build_step(chunks, 32, 2, 2, 32)
-        a, caches["plain"], topk_a = step_plain(plain, caches["plain"], batch)
-        b, caches["folded"], topk_b = step_folded(folded, caches["folded"], batch, {})
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    # (chunks, logit-row bucket of the runner: its token bucket for "all" rows, else its sequence-row bucket)
+    steps = [([SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=prompts[0], logits="all"),
+               SeqChunk(slot=1, block_table=[2], start=0, tokens=prompts[1], logits="all")], 32),
+             ([SeqChunk(slot=0, block_table=[0, 1], start=21, tokens=[5]),
+               SeqChunk(slot=1, block_table=[2], start=6, tokens=[9])], 2)]
+    for chunks, num_rows in steps:
+        batch, rows_per_chunk = build_step(chunks, 32, 2, 2, num_rows)
+        a, cache_plain, topk_a = step_plain(plain, cache_plain, batch)
+        b, topk_b = runner.forward(chunks)
+        for rows, got in zip(rows_per_chunk, b):
+            assert np.array_equal(np.asarray(a)[rows], got)
         assert sorted(topk_a) == sorted(topk_b) == list(cfg.index_source_layers)
+        num_tokens = sum(len(c.tokens) for c in chunks)
         for layer in topk_a:
-            assert np.array_equal(np.asarray(topk_a[layer]), np.asarray(topk_b[layer]))
-    batch, _ = build_step(steps[1], 32, 2, 2, 32)
+            assert np.array_equal(np.asarray(topk_a[layer])[:num_tokens], np.concatenate(topk_b[layer]))
     with pytest.raises(ValueError, match="all or none"):
-        step_folded(folded, caches["folded"], batch, {}, {1: jnp.zeros((32, cfg.index_topk), jnp.int32)})
+        runner.forward(steps[1][0], {1: np.zeros((2, cfg.index_topk), np.int32)})
 
 
 def test_accelerator_placement_writes_each_tensor_into_its_stacked_slot(monkeypatch):

@@ -11,9 +11,9 @@ import numpy as np
 from dijax.config import ModelConfig
 from dijax.io.loader import ASSETS, load
 from dijax.model.param_map import checkpoint_tree
-from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
-from dijax.model.transformer import make_step_fn
 from dijax.io.random_init import random_codes_params, random_params
+from dijax.model.step import SeqChunk
+from dijax.runtime.model_runner import ModelRunner
 
 
 def test_random_codes_match_the_recipe_layout_and_give_finite_logits():
@@ -30,9 +30,10 @@ def test_random_codes_match_the_recipe_layout_and_give_finite_logits():
                               np.asarray(codes["embed"]["weight"][...]))
 
     _, _, consts, _ = load(None)
-    spec = CacheSpec(num_blocks=4, num_slots=2, block_size=16)
-    batch, _ = build_step([SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=list(range(5, 25))),
-                           SeqChunk(slot=1, block_table=[2], start=0, tokens=[7, 8, 9])], 32, 2, 2)
-    logits, _, _ = make_step_fn(cfg)(codes, init_cache(cfg, spec), batch, consts)
-    assert logits.shape == (2, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
-    assert float(jnp.std(logits)) > 0
+    runner = ModelRunner(cfg, codes, consts, num_blocks=4, num_slots=2, block_size=16, max_model_len=32,
+                         max_num_seqs=2, max_num_batched_tokens=32)
+    logits, _ = runner.forward([SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=list(range(5, 25))),
+                                SeqChunk(slot=1, block_table=[2], start=0, tokens=[7, 8, 9])])
+    logits_RV = np.concatenate(logits)
+    assert logits_RV.shape == (2, cfg.vocab_size) and np.isfinite(logits_RV).all()
+    assert float(np.std(logits_RV)) > 0

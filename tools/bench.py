@@ -3,12 +3,12 @@
     python tools/bench.py                                   # embedded tiny model: step + engine (CPU or GPU)
     python tools/bench.py --model flash-slice --decode-batch 1,16,64 --context 4096 --prefill 2048
 
-Step rows: the jitted ``forward_step`` alone (no scheduler), a decode step of B sequences at context C or one
-prefill of P tokens, median wall time over ``--iters`` runs after ``--warmup`` runs (each run ends in
-``jax.block_until_ready``), on a cache filled with random values. Beside it, the step's floor: the larger of bytes /
-bandwidth and FLOPs / matrix rate, counted from the parameter shapes and the cache rows the step must read
-(``step_cost``), and the fraction of that floor reached. Engine rows: ``LLM.generate`` end to end (scheduler,
-runner, sampler) with ZOS on and off, output tokens per second.
+Step rows: the step the engine runs (``ModelRunner``'s jitted step: ``forward_step``, the ZOS remap and the sampler;
+no scheduler), a decode step of B sequences at context C or one prefill of P tokens, median wall time over
+``--iters`` runs after ``--warmup`` runs (each run ends in ``jax.block_until_ready``), on a cache filled with random
+values. Beside it, the step's floor: the larger of bytes / bandwidth and FLOPs / matrix rate, counted from the
+parameter shapes and the cache rows the step must read (``step_cost``), and the fraction of that floor reached.
+Engine rows: ``LLM.generate`` end to end (scheduler, runner, sampler) with ZOS on and off, output tokens per second.
 
 Models: ``tiny`` (the embedded default, random weights) and ``flash-slice``: DeepSeek-V4.1-Flash's real dimensions
 (dim 5120, 64 heads of 512, 384 experts of 2304, vocab 129280, indexer 32x128 top-512, candidates 2048x8, window
@@ -131,15 +131,11 @@ def step_cost(cfg: ModelConfig, num_tokens: int, contexts: list[int]) -> Cost:
     from dijax.model.param_map import checkpoint_tree
     from dijax.model.transformer import abstract_state
 
-    # per-layer shapes by checkpoint name (shape-only: slicing the stacked arrays would copy them)
-    params = checkpoint_tree(cfg, abstract_state(cfg))  # shapes only: no device copies of stacked layers
-    from dijax.model.param_map import checkpoint_tree
-    from dijax.model.transformer import abstract_state
-
     e, x, t = cfg.n_routed_experts, cfg.n_activated_experts, num_tokens
     distinct = e * (1 - (1 - x / e) ** t)
     weight_bytes = flops = 0.0
-    params = checkpoint_tree(cfg, abstract_state(cfg))  # shapes only: no device copies of stacked layers
+    # per-layer shapes by checkpoint name, shapes only: slicing the stacked arrays would copy them
+    params = checkpoint_tree(cfg, abstract_state(cfg))
     for lp in params["layers"]:
         experts = lp["ffn"]["experts"]
         rest = {k: v for k, v in lp.items() if k not in ("ffn", "engram")}
@@ -171,11 +167,9 @@ def step_cost(cfg: ModelConfig, num_tokens: int, contexts: list[int]) -> Cost:
     return Cost(weight_bytes, kv_bytes, flops)
 
 
-def _random_cache(cfg: ModelConfig, spec, seed: int) -> dict:
-    """A cache with random contents (timings on zeros can flatter), Engram history left as "no history"."""
-    from dijax.model.step import init_cache
-
-    cache = init_cache(cfg, spec)
+def _randomised(cache: dict, seed: int) -> dict:
+    """``cache`` with random floating contents (timings on zeros can flatter), Engram history left as is ("no
+    history")."""
     leaves, tree = jax.tree.flatten(cache)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     leaves = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
@@ -221,51 +215,69 @@ def kernel_launches(hlo_text: str) -> int:
 
 
 def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
-              warmup: int, iters: int, kernels: dict[str, str], dump: str | None = None,
+              warmup: int, iters: int, kernels: str, dump: str | None = None,
               label: str = "step") -> tuple[float, float, int, int]:
-    """(compile + first run seconds, median seconds, kernel launches per step, XLA temporary bytes) of one step:
-    sequence i has ``lengths[i] = (cached, new)``; ``kernels``: the step's kernel options. With ``dump``, the
-    optimised HLO goes to ``dump/<label>.hlo.txt`` and a JAX profiler trace of the timed runs to
-    ``dump/<label>/`` (open it with xprof / Perfetto, or summarise it with ``tools/trace_summary.py``)."""
-    from dijax.driver import bucket
-    from dijax.model.step import CacheSpec, SeqChunk, build_step
-    from dijax.model.transformer import make_step_fn
+    """(compile + first run seconds, median seconds, kernel launches per step, XLA temporary bytes) of the engine's
+    step: ``ModelRunner``'s jitted step with the ZOS remap and the sampler inside, at the runner's buckets, every
+    sequence sampling one token. Sequence i has ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off.
+    ``max_model_len`` is the longest sequence, so the block-table width is that sequence's blocks. The runner's
+    debug logits are on so the first run can check them finite. With ``dump``, the optimised HLO goes to
+    ``dump/<label>.hlo.txt`` and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with xprof /
+    Perfetto, or summarise it with ``tools/trace_summary.py``)."""
+    from dijax.runtime.model_runner import ModelRunner
+    from dijax.runtime.sampling_params import SamplingParams
+    from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
 
     rng = np.random.default_rng(0)
     max_blocks = -(-max(c + n for c, n in lengths) // block_size)
-    spec = CacheSpec(num_blocks=max_blocks * len(lengths), num_slots=len(lengths), block_size=block_size)
-    chunks = [SeqChunk(slot=i, block_table=list(range(i * max_blocks, (i + 1) * max_blocks)), start=c,
-                       tokens=rng.integers(3, cfg.vocab_size, n).tolist()) for i, (c, n) in enumerate(lengths)]
     total = sum(n for _, n in lengths)
-    batch, _ = build_step(chunks, bucket(total), bucket(len(lengths), 1), max_blocks, bucket(len(lengths), 1))
-    cache = _random_cache(cfg, spec, seed=1)
+    runner = ModelRunner(cfg, params, consts, num_blocks=max_blocks * len(lengths), num_slots=len(lengths),
+                         block_size=block_size, max_model_len=max_blocks * block_size, max_num_seqs=len(lengths),
+                         max_num_batched_tokens=total, debug_logits=True, kernels=kernels)
+    runner.cache = _randomised(runner.cache, seed=1)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95)  # the sampler's cost does not depend on its values
+    chunks = []
+    for i, (c, n) in enumerate(lengths):
+        blocks = tuple(range(i * max_blocks, (i + 1) * max_blocks))
+        token_ids = tuple(rng.integers(3, cfg.vocab_size, n).tolist())
+        chunks.append(ScheduledChunk(request_id=str(i), slot=i, block_table=blocks, start=c, num_tokens=n,
+                                     token_ids=token_ids, sample=True, epoch=0, seed=i, output_position=0,
+                                     params=sampling))
+    inputs = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total, preempted=()),
+                                None)
     start = time.perf_counter()
-    step = make_step_fn(cfg, **kernels).lower(params, cache, batch, consts).compile()
+    step = runner.lower(inputs).compile()
     launches, temp_bytes = kernel_launches(step.as_text()), step.memory_analysis().temp_size_in_bytes
     name = re.sub(r"[^\w]+", "_", label).strip("_")
     if dump:
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, f"{name}.hlo.txt"), "w") as f:
             f.write(step.as_text())
-    logits, cache, _ = step(params, cache, batch, consts)
-    jax.block_until_ready(logits)
+
+    def run():
+        """One launch of the step: (sampled tokens [R], logits_RV)."""
+        outputs, runner.cache = step(runner.params, runner.cache, *inputs)
+        return outputs
+
+    tokens_R, logits_RV = run()
+    jax.block_until_ready(logits_RV)
     first = time.perf_counter() - start
-    if not bool(jnp.isfinite(logits).all()):
+    if not bool(jnp.isfinite(logits_RV).all()):
         raise RuntimeError("the benchmark step produced non-finite logits")
     for _ in range(warmup):
-        logits, cache, _ = step(params, cache, batch, consts)
-    jax.block_until_ready((logits, cache))
+        tokens_R, _ = run()
+    jax.block_until_ready((tokens_R, runner.cache))
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        logits, cache, _ = step(params, cache, batch, consts)
-        jax.block_until_ready((logits, cache))
+        tokens_R, _ = run()
+        jax.block_until_ready((tokens_R, runner.cache))
         times.append(time.perf_counter() - start)
     if dump:  # profiled separately so the profiler's overhead stays out of the timed runs
         with jax.profiler.trace(os.path.join(dump, name), create_perfetto_trace=True):
             for _ in range(3):
-                logits, cache, _ = step(params, cache, batch, consts)
-            jax.block_until_ready((logits, cache))
+                tokens_R, _ = run()
+            jax.block_until_ready((tokens_R, runner.cache))
     return first, float(np.median(times)), launches, temp_bytes
 
 
@@ -313,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from dijax.kernels import kernel_options
 
-    kernels = kernel_options(args.kernels, jax.default_backend())
+    kernel_options(args.kernels, jax.default_backend())  # a bad choice fails before the model is built
 
     if args.moe_path != "auto":  # A/B seam: every step traced from here on takes the forced path
         from dijax.kernels import routed_experts
@@ -335,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     cases += [(f"prefill P={p}", [(0, p)]) for p in args.prefill]
     for label, lengths in cases:
         first, median, launches, temp_bytes = time_step(cfg, params, consts, lengths, args.block_size, args.warmup,
-                                                        args.iters, kernels, args.dump, label)
+                                                        args.iters, args.kernels, args.dump, label)
         tokens = sum(n for _, n in lengths)
         cost = step_cost(cfg, tokens, [c + n for c, n in lengths])
         floor, bound = cost.floor_s(args.bandwidth, args.flops)

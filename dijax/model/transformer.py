@@ -335,15 +335,3 @@ def forward_step(params: nnx.State, cache: dict, batch: StepBatch, consts: dict,
     """
     model = nnx.merge(graphdef(cfg), params)
     return model(cache, batch, consts, inject_topk, **kernel_options)
-
-
-@lru_cache(maxsize=8)
-def make_step_fn(cfg: ModelConfig, **kernel_options):
-    """``jit(forward_step)`` with the cache donated: step(params, cache, batch, consts, inject_topk).
-
-    Cached per config and kernel choice, so every driver or runner of one model shares its compiled executables.
-    """
-    def step(params, cache, batch, consts, inject_topk=None):
-        return forward_step(params, cache, batch, consts, cfg, inject_topk, **kernel_options)
-
-    return jax.jit(step, donate_argnums=(1,))

@@ -12,7 +12,11 @@ previous step's sampled-token array through ``remap_T`` (token t reads row ``rem
 trip. Launching runs under ``jax.transfer_guard_device_to_host("disallow")``: an accidental device read there
 raises instead of silently serialising. ``StepHandle.wait()`` is the only place that reads device results.
 
-Letters: T tokens, S sequence rows, R sampled rows (= the sequence-row bucket).
+``forward`` is the same step, teacher-forced, for the parity checker, tests and diagnostics: the caller's chunks
+(slots and blocks are the caller's), every logit row a chunk asks for, the index sets every index source selected,
+optionally injected ones; no sampling. It blocks until the step is done.
+
+Letters: T tokens, S sequence rows, R logit rows (sampled rows: the sequence-row bucket), V vocab.
 """
 
 from __future__ import annotations
@@ -25,11 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dijax.config import ModelConfig
-from dijax.driver import bucket
 from dijax.kernels import kernel_options
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
-from dijax.parallel.mesh import on_mesh, params_mesh
+from dijax.parallel.mesh import mesh_context, on_mesh, params_mesh
 from dijax.runtime.sampler import sample, sampling_inputs
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
 
@@ -58,6 +61,14 @@ _COMPILES: dict[ModelConfig, int] = {}
 MIN_TOKENS = 8
 
 
+def bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= max(n, minimum) (``minimum`` a power of two)."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
 def width_bucket(blocks: int, max_blocks: int) -> int:
     """Block-table width for a step whose longest sequence holds ``blocks`` blocks: the smallest power of four
     >= blocks, capped at ``max_blocks`` (the capacity set by max_model_len)."""
@@ -70,13 +81,24 @@ def width_bucket(blocks: int, max_blocks: int) -> int:
 @lru_cache(maxsize=8)
 def _compiled_step(cfg: ModelConfig, max_rows: int, with_logits: bool, kernels: tuple[tuple[str, str], ...]):
     """One jitted step function per (config, sampled-row capacity, debug logits, kernel choice), shared by every
-    runner."""
+    runner: step(params, cache, batch, consts, prev_tokens_R, remap_T, sampling, inject_topk=None) -> (outputs,
+    new cache), the cache donated.
 
-    def step(params, cache, batch, consts, prev_tokens_R, remap_T, sampling):
+    The engine step (``sampling`` given, ``inject_topk`` None): in-flight tokens gathered through ``remap_T`` from
+    ``prev_tokens_R`` [max_rows], the rows sampled; outputs (tokens int32 [max_rows], logits_RV float32 or None).
+    The teacher-forced step (``prev_tokens_R``, ``remap_T``, ``sampling`` None): outputs (logits_RV float32 of every
+    row of ``batch.logit_rows_R``, {index-source layer: selected compressed positions int32 [T, N]}). The two
+    modes are two traces of one function (None is an empty pytree), so they share the jit cache and its count.
+    """
+
+    def step(params, cache, batch, consts, prev_tokens_R, remap_T, sampling, inject_topk=None):
         _COMPILES[cfg] = _COMPILES.get(cfg, 0) + 1  # Python side effect: runs once per trace (= per bucket)
-        tokens_T = jnp.where(batch.tokens_T == FROM_DEVICE, prev_tokens_R[remap_T], batch.tokens_T)
-        logits, cache, _ = forward_step(params, cache, dataclasses.replace(batch, tokens_T=tokens_T), consts, cfg,
-                                        **dict(kernels))
+        if remap_T is not None:
+            tokens_T = jnp.where(batch.tokens_T == FROM_DEVICE, prev_tokens_R[remap_T], batch.tokens_T)
+            batch = dataclasses.replace(batch, tokens_T=tokens_T)
+        logits, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **dict(kernels))
+        if sampling is None:
+            return (logits, topk), cache
         tokens = sample(logits, *sampling)
         tokens = jnp.zeros(max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens)
         return (tokens, logits if with_logits else None), cache
@@ -94,13 +116,15 @@ class ModelRunner:
         self.cfg, self.params, self.consts = cfg, params, consts
         self.kernel_options = kernel_options(kernels, jax.default_backend())
         self.cache = init_cache(cfg, CacheSpec(num_blocks=num_blocks, num_slots=num_slots, block_size=block_size))
+        self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.max_rows = bucket(max_num_seqs, 1)
         self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)
-        self._step = _compiled_step(cfg, self.max_rows, debug_logits, tuple(sorted(self.kernel_options.items())))
+        self._jit = _compiled_step(cfg, self.max_rows, debug_logits, tuple(sorted(self.kernel_options.items())))
         self._no_previous = jnp.zeros(self.max_rows, jnp.int32)  # prev_tokens_R of a step with no predecessor
         # experts split by dijax.parallel.mesh.place_params: every launch traces the MoE's shard_map on that mesh
-        self._step = on_mesh(self._step, params_mesh(params))
+        self._mesh = params_mesh(params)
+        self._step = on_mesh(self._jit, self._mesh)
 
     @property
     def compiles(self) -> int:
@@ -121,8 +145,9 @@ class ModelRunner:
             _, self.cache = self._step(self.params, self.cache, batch, self.consts, self._no_previous,
                                        np.zeros(num_tokens, np.int32), sampling_inputs([], num_seqs))
 
-    def execute(self, output: SchedulerOutput, previous: StepHandle | None) -> StepHandle:
-        """Launch ``output``'s step; returns immediately (JAX dispatch is asynchronous)."""
+    def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None) -> tuple:
+        """The engine step's arguments after (params, cache) for ``output``: (batch, consts, prev_tokens_R,
+        remap_T int32 [T], sampling); host arrays except the previous step's device tokens."""
         chunks = [SeqChunk(slot=c.slot, block_table=list(c.block_table), start=c.start, tokens=list(c.token_ids),
                            logits="last" if c.sample else "none") for c in output.chunks]
         num_tokens = bucket(output.num_tokens, MIN_TOKENS)
@@ -139,7 +164,63 @@ class ModelRunner:
         # host arrays throughout: the jitted call transfers them together with the batch
         sampling = sampling_inputs([c for c in output.chunks if c.sample], num_seqs)
         prev_tokens = previous.tokens_R if previous is not None else self._no_previous
+        return batch, self.consts, prev_tokens, remap, sampling
+
+    def lower(self, inputs: tuple) -> jax.stages.Lowered:
+        """The engine step lowered for ``inputs`` (``step_inputs``) under the runner's mesh: ``.compile()`` is the
+        executable ``execute`` launches for that bucket (tools/bench.py reads its HLO and memory, and times it)."""
+        with mesh_context(self._mesh):
+            return self._jit.lower(self.params, self.cache, *inputs)
+
+    def execute(self, output: SchedulerOutput, previous: StepHandle | None) -> StepHandle:
+        """Launch ``output``'s step; returns immediately (JAX dispatch is asynchronous)."""
+        inputs = self.step_inputs(output, previous)
         with jax.transfer_guard_device_to_host("disallow"):
-            (tokens, logits), self.cache = self._step(self.params, self.cache, batch, self.consts, prev_tokens,
-                                                      remap, sampling)
+            (tokens, logits), self.cache = self._step(self.params, self.cache, *inputs)
         return StepHandle(output, tokens, logits)
+
+    def forward(self, chunks: list[SeqChunk], inject_topk: dict[int, np.ndarray] | None = None
+                ) -> tuple[list[np.ndarray], dict[int, list[np.ndarray]]]:
+        """Teacher-forced step: advance every chunk by its tokens and read back its logit rows and index sets.
+
+        chunks: one per sequence (at most ``max_num_seqs``, together at most ``max_num_batched_tokens`` tokens);
+        the caller owns their slots and blocks, and each block table covers ``start + len(tokens)`` positions.
+        inject_topk: optional {index-source layer: int32 [total tokens, index_topk]} compressed positions, rows in
+        the chunks' token order, overriding that layer's selection. Same buckets as ``execute``; the logit rows
+        take the sequence-row bucket, or the token bucket when a chunk asks for "all".
+
+        Returns, per chunk, its logits float32 [rows, V] (rows: 1 for "last", len(tokens) for "all", 0 for
+        "none"), and per index-source layer, per chunk, its selected compressed positions int32 [len(tokens),
+        index_topk] (ascending, -1 padded).
+        """
+        if not chunks:
+            raise ValueError("forward needs at least one chunk")
+        for c in chunks:
+            if len(c.block_table) * self.block_size < c.start + len(c.tokens):
+                raise ValueError(f"block table of {len(c.block_table)} blocks of {self.block_size} does not cover "
+                                 f"positions up to {c.start + len(c.tokens)}")
+        lengths = [len(c.tokens) for c in chunks]
+        num_tokens = bucket(sum(lengths), MIN_TOKENS)
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"step of {sum(lengths)} tokens exceeds max_num_batched_tokens "
+                             f"(bucket {self.max_tokens})")
+        num_seqs = min(num_tokens, self.max_rows)
+        rows = sum({"last": 1, "all": n, "none": 0}[c.logits] for c, n in zip(chunks, lengths))
+        width = width_bucket(max(len(c.block_table) for c in chunks), self.max_blocks)
+        batch, rows_per_chunk = build_step(chunks, num_tokens, num_seqs, width,
+                                           num_seqs if rows <= num_seqs else num_tokens)
+        inject = None
+        if inject_topk is not None:
+            for layer, v in inject_topk.items():
+                if v.shape != (sum(lengths), self.cfg.index_topk):
+                    raise ValueError(f"inject_topk[{layer}] has shape {v.shape}, expected "
+                                     f"({sum(lengths)}, {self.cfg.index_topk})")
+            inject = {layer: np.pad(np.asarray(v, np.int32), ((0, num_tokens - v.shape[0]), (0, 0)),
+                                    constant_values=-1) for layer, v in inject_topk.items()}
+        (logits_RV, topk), self.cache = self._step(self.params, self.cache, batch, self.consts, None, None, None,
+                                                   inject)
+        logits_RV = np.asarray(logits_RV)
+        starts = np.cumsum([0] + lengths)
+        per_layer = {layer: [np.asarray(v)[a:b] for a, b in zip(starts[:-1], starts[1:])]
+                     for layer, v in topk.items()}
+        return [logits_RV[r] for r in rows_per_chunk], per_layer
