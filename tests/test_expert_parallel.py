@@ -11,7 +11,8 @@ of results that the tests assert on. What is checked there:
     every rank), on the gathered (T = 1) and ragged (T = 24) paths: the 'exact' combine equals one device bit for
     bit; the 'partial' combine (psum of fp32 partial sums) re-associates the sum and is only within a few fp32
     ulps of the output's magnitude (stated bound PARTIAL_BOUND, relative to max |y|);
-  * placement: routed-expert matrices split on ``ep``, the router and everything else replicated;
+  * placement: routed-expert matrices split on ``ep``, the router, shared experts and dense weights replicated (the
+    Engram tables' row split: tests/test_ep_loading.py);
   * errors: ep not dividing the device count, and an expert count not divisible by ep, are ValueErrors naming them.
 """
 
@@ -25,8 +26,7 @@ import sys
 
 import pytest
 
-from dijax.parallel.mesh import (force_host_devices, make_mesh, mesh_context, params_mesh, partition_spec,
-                                  place_params)
+from dijax.parallel.mesh import force_host_devices, make_mesh, params_mesh, partition_spec, place_params
 
 DEVICES = 4
 PARTIAL_BOUND = 1e-6  # |partial - exact| / max|exact|: fp32 re-association of six bf16 terms
@@ -114,23 +114,22 @@ def _run_checks() -> dict:
     from flax import nnx
 
     import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-    from dijax.driver import Driver
     from dijax.io.loader import load
     from dijax.kernels.routed_experts import routed_experts
     from dijax.model.moe import gate
-    from dijax.model.step import CacheSpec
+    from dijax.model.step import SeqChunk
     from dijax.parallel.moe import routed_experts_ep
+    from dijax.runtime.model_runner import ModelRunner
 
     cfg, params, consts, _ = load(None)
     prompts = [[5, 17, 99, 3, 250, 7, 11, 40, 2, 9], [300, 1, 2, 3]]
 
     def model_logits(ep: int) -> list[np.ndarray]:
         mesh = make_mesh(ep, cfg.n_routed_experts) if ep > 1 else None
-        driver = Driver(cfg, place_params(params, mesh), consts, CacheSpec(num_blocks=4, num_slots=2,
-                                                                           block_size=16), 32)
-        seqs = [driver.new_sequence() for _ in prompts]
-        with mesh_context(mesh):
-            logits, _ = driver.step([(s, p, "all") for s, p in zip(seqs, prompts)])
+        runner = ModelRunner(cfg, place_params(params, mesh), consts, num_blocks=4, num_slots=2, block_size=16,
+                             max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16)
+        logits, _ = runner.forward([SeqChunk(slot=i, block_table=[2 * i], start=0, tokens=p, logits="all")
+                                    for i, p in enumerate(prompts)])  # the runner traces on the params' mesh
         return [np.asarray(x, np.float32) for x in logits]
 
     one = model_logits(1)

@@ -37,13 +37,13 @@ import numpy as np
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.cli.options import add_model_options, apply_ep
 from dijax.config import ModelConfig
-from dijax.driver import Driver
 from dijax.io.checkpoint import load_params, resolve_checkpoint
 from dijax.io.safetensors import SafetensorsFile
 from dijax.kernels import kernel_options
 from dijax.model.engram import EngramTables
-from dijax.model.step import CacheSpec
-from dijax.parallel.mesh import make_mesh, mesh_context, place_params
+from dijax.model.step import SeqChunk
+from dijax.parallel.mesh import make_mesh
+from dijax.runtime.model_runner import ModelRunner
 
 # Keys each check kind evaluates (numbers and booleans; anything else numeric in a check is an error). Text-valued
 # ``index_sets`` switches the tier-1 index-set comparison on.
@@ -112,9 +112,10 @@ class Fixture:
         return f"{case}.{name}" in self.cases.header
 
 
-def load_model(fixture: Fixture):
-    """Params and Engram device constants for a fixture."""
-    params = load_params(fixture.cfg, fixture.weights)
+def load_model(fixture: Fixture, mesh=None):
+    """Params and Engram device constants for a fixture; with a ``mesh`` (expert parallelism) each device reads
+    only its share of the checkpoint (dijax.io.checkpoint.load_params)."""
+    params = load_params(fixture.cfg, fixture.weights, mesh=mesh)
     consts: dict = {}
     if fixture.cfg.engram_layer_ids:
         from tokenizers import Tokenizer
@@ -126,30 +127,37 @@ def load_model(fixture: Fixture):
 
 def run_case(fixture: Fixture, params: dict, consts: dict, case: str, inject: bool,
              chunk: int | None, kernels: str = "auto") -> CaseRun:
-    """Teacher-forced run: prefill ``input_ids`` (in chunks of ``chunk`` tokens if given), then feed the recorded
-    ``tokens[:, j]`` one decode step at a time."""
+    """Teacher-forced run through ``ModelRunner.forward``: prefill ``input_ids`` (in chunks of ``chunk`` tokens if
+    given), then feed the recorded ``tokens[:, j]`` one decode step at a time. Batch row i owns slot i and blocks
+    ``i * nb .. (i + 1) * nb - 1``; each step passes the blocks its positions reach."""
     cfg = fixture.cfg
     ids = fixture.tensor(case, "input_ids")
     tokens = fixture.tensor(case, "tokens")
     b, length = ids.shape
     n = fixture.tensor(case, "decode_logits").shape[0]
     layers = [r.layer for r in cfg.index_source_roles]
-    total = length + n + 1
-    spec = CacheSpec(num_blocks=b * -(-total // 16), num_slots=b, block_size=16)
-    driver = Driver(cfg, params, consts, spec, max_seq_len=total,
-                    kernel_options=kernel_options(kernels, jax.default_backend()))
-    seqs = [driver.new_sequence() for _ in range(b)]
+    total, block_size = length + n + 1, 16
+    nb = -(-total // block_size)
     step_len = length if chunk is None else chunk
+    runner = ModelRunner(cfg, params, consts, num_blocks=b * nb, num_slots=b, block_size=block_size,
+                         max_model_len=total, max_num_seqs=b, max_num_batched_tokens=b * step_len, kernels=kernels)
+
+    def step(start: int, rows: np.ndarray, mode: str, injected: dict[int, np.ndarray] | None):
+        """One step of every batch row: ``rows`` [B, n] token ids at positions start .. start + n - 1."""
+        end = start + rows.shape[1]
+        chunks = [SeqChunk(slot=i, block_table=list(range(i * nb, i * nb + -(-end // block_size))), start=start,
+                           tokens=[int(t) for t in rows[i]], logits=mode) for i in range(b)]
+        return runner.forward(chunks, injected)
+
     prefill_logits = np.zeros((b, length, cfg.vocab_size), np.float32)
     prefill_topk = {l: np.full((b, length, cfg.index_topk), -1, np.int32) for l in layers}
     for start in range(0, length, step_len):
         end = min(start + step_len, length)
-        work = [(seqs[i], [int(t) for t in ids[i, start:end]], "all") for i in range(b)]
         injected = None
         if inject:
             injected = {l: fixture.tensor(case, f"topk_layer{l}_prefill")[:, start:end].reshape(-1, cfg.index_topk)
                         for l in layers}
-        logits, topk = driver.step(work, injected)
+        logits, topk = step(start, ids[:, start:end], "all", injected)
         for i in range(b):
             prefill_logits[i, start:end] = logits[i]
             for l in layers:
@@ -157,11 +165,10 @@ def run_case(fixture: Fixture, params: dict, consts: dict, case: str, inject: bo
     decode_logits = np.zeros((n, b, cfg.vocab_size), np.float32)
     decode_topk = {l: np.full((n, b, cfg.index_topk), -1, np.int32) for l in layers}
     for j in range(n):
-        work = [(seqs[i], [int(tokens[i, j])], "last") for i in range(b)]
         injected = None
         if inject:
             injected = {l: fixture.tensor(case, f"topk_layer{l}_step{j}") for l in layers}
-        logits, topk = driver.step(work, injected)
+        logits, topk = step(length + j, tokens[:, j:j + 1], "last", injected)
         for i in range(b):
             decode_logits[j, i] = logits[i][0]
             for l in layers:
@@ -396,9 +403,8 @@ def run_fixture(folder: str, layout: str = "reference", weights: str | None = No
         raise ValueError(f"--chunk must be a positive number of tokens, got {chunk}")
     options = kernel_options(kernels, jax.default_backend())  # a bad choice fails before anything is loaded
     fixture = Fixture(folder, layout, weights)
-    params, consts = load_model(fixture)
     mesh = make_mesh(ep, fixture.cfg.n_routed_experts) if ep > 1 else None
-    params = place_params(params, mesh)
+    params, consts = load_model(fixture, mesh)
     checks = fixture.manifest["checks"]
     print(f"parity: {fixture.manifest.get('name', folder)}: {len(fixture.case_names)} cases, "
           f"weights {fixture.weights}, prefill {'in chunks of ' + str(chunk) if chunk else 'in one step'}, "
@@ -407,10 +413,9 @@ def run_fixture(folder: str, layout: str = "reference", weights: str | None = No
     runs_by_inject: dict[bool, dict[str, CaseRun]] = {}
     for check in checks:
         inject = bool(check.get("inject_topk", False))
-        if inject not in runs_by_inject:
-            with mesh_context(mesh):
-                runs_by_inject[inject] = {case: run_case(fixture, params, consts, case, inject, chunk, kernels)
-                                          for case in fixture.case_names}
+        if inject not in runs_by_inject:  # the runner traces on the parameters' mesh itself
+            runs_by_inject[inject] = {case: run_case(fixture, params, consts, case, inject, chunk, kernels)
+                                      for case in fixture.case_names}
         passed += evaluate(fixture, check, runs_by_inject[inject], out)
     print(f"parity: {passed}/{len(checks)} checks passed", file=out)
     return passed, len(checks)

@@ -13,10 +13,11 @@ import os
 
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from dijax.config import ModelConfig
 from dijax.io.convert import MARKER, convert, source_fingerprint
-from dijax.io.safetensors import iter_tensors
+from dijax.io.safetensors import iter_tensors, tensor_refs
 from dijax.model.param_map import state_from_tree
 
 def _set(tree: dict, dotted: list[str], value) -> None:
@@ -48,21 +49,28 @@ def resolve_checkpoint(path: str | os.PathLike, cache_dir: str | None = None, pr
 
 
 def load_params(cfg: ModelConfig, path: str | os.PathLike, expert_range: tuple[int, int] | None = None,
-                engram_rows: dict[int, tuple[int, int]] | None = None) -> nnx.State:
+                engram_rows: dict[int, tuple[int, int]] | None = None, mesh: Mesh | None = None) -> nnx.State:
     """Load a reference-layout or dijax checkpoint into the model's parameters (``nnx.State``, device arrays).
 
     ``expert_range=(start, end)`` keeps only those routed experts and ``engram_rows={layer: (start, end)}`` only
-    those table rows (one device's share under expert parallelism); tensors are memory-mapped, so the rest is
-    never read. See ``params_from_tensors`` for the rest.
+    those table rows (one process's share); tensors are memory-mapped, so the rest is never read.
+
+    ``mesh`` (dijax.parallel.mesh.make_mesh) loads every parameter straight onto the mesh as one global array,
+    split by its logical axes: routed experts over ``ep``, Engram tables by rows over ``ep`` (ceil-split, zero
+    rows padding the last devices), everything else replicated. Each device's block is read for it alone, by
+    positioned reads rather than through a memory map (dijax.io.safetensors.TensorRef), so the host never holds
+    a whole split tensor: on an accelerator one layer's share of one tensor at a time, on CPU host devices one
+    device's block (dijax.model.param_map.state_from_tree). See ``params_from_tensors`` for the rest.
     """
-    items = ((name, array) for name, array, _ in iter_tensors(path))
-    return params_from_tensors(cfg, items, expert_range, engram_rows, source=os.fspath(path))
+    items = tensor_refs(path) if mesh is not None else ((name, array) for name, array, _ in iter_tensors(path))
+    return params_from_tensors(cfg, items, expert_range, engram_rows, source=os.fspath(path), mesh=mesh)
 
 
 def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] | None = None,
                         engram_rows: dict[int, tuple[int, int]] | None = None,
-                        source: str = "checkpoint") -> nnx.State:
-    """Assemble (checkpoint name, numpy array) pairs into the model's parameters (device arrays).
+                        source: str = "checkpoint", mesh: Mesh | None = None) -> nnx.State:
+    """Assemble (checkpoint name, array) pairs (numpy arrays, memory maps or ``TensorRef``s) into the model's
+    parameters (device arrays; on ``mesh``, global arrays split as ``load_params`` describes).
 
     Routed experts come one per name (``layers.L.ffn.experts.E.w1.weight``) or already stacked over the range
     (``layers.L.ffn.experts.w1.weight`` [E, ...], as ``random_codes`` draws them).
@@ -72,6 +80,9 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
     (dijax.model.param_map), each tensor placed on the device on its own.
     DSpark (``mtp.*``) tensors are not used by the backbone and are skipped.
     """
+    if mesh is not None and (expert_range is not None or engram_rows is not None):
+        raise ValueError("give either mesh (every device reads its own share of the whole model) or expert_range / "
+                         "engram_rows (one process's share), not both")
     first, last = expert_range or (0, cfg.n_routed_experts)
     layers: list[dict] = [{} for _ in range(cfg.n_layers)]
     experts: list[dict[int, dict]] = [{} for _ in range(cfg.n_layers)]
@@ -120,4 +131,4 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
         layers[layer].setdefault("ffn", {})["experts"] = stacked
     top["layers"] = layers
     rows = {layer: end - start for layer, (start, end) in (engram_rows or {}).items()}
-    return state_from_tree(cfg, top, n_experts=last - first, engram_rows=rows)
+    return state_from_tree(cfg, top, n_experts=last - first, engram_rows=rows, mesh=mesh)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from jax.sharding import Mesh
 from tokenizers import Tokenizer
 
 from dijax.config import ModelConfig
@@ -11,20 +12,27 @@ from dijax.io.checkpoint import load_params, resolve_checkpoint
 from dijax.io.random_init import random_params
 from dijax.io.tensor_spec import check_checkpoint
 from dijax.model.engram import EngramTables
+from dijax.parallel.mesh import make_mesh
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
 
 
-def load(model: str | os.PathLike | None, seed: int = 0):
+def _mesh(cfg: ModelConfig, ep: int) -> Mesh | None:
+    return make_mesh(ep, cfg.n_routed_experts) if ep > 1 else None
+
+
+def load(model: str | os.PathLike | None, seed: int = 0, ep: int = 1):
     """(config, params, Engram constants, tokenizer) for a checkpoint path, or the embedded tiny default.
 
     A checkpoint is checked against its config from its headers before any tensor is read
     (``tensor_spec.check_checkpoint``); a missing path, config or tokenizer is a FileNotFoundError naming it.
+    ``ep`` > 1 loads the parameters straight onto an expert-parallel mesh (``make_mesh(ep, n_routed_experts)``):
+    each device reads only its routed experts and Engram rows (``load_params(mesh=...)``).
     """
     if model is None:
         cfg = ModelConfig.from_file(os.path.join(ASSETS, "config.json"))
         tokenizer = Tokenizer.from_file(os.path.join(ASSETS, "tokenizer.json"))
-        params = random_params(cfg, seed)
+        params = random_params(cfg, seed, _mesh(cfg, ep))
     else:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a checkpoint path or None, got {type(model).__name__} {model!r}")
@@ -40,8 +48,9 @@ def load(model: str | os.PathLike | None, seed: int = 0):
             tokenizer = Tokenizer.from_file(tokenizer_path)
         except Exception as error:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
             raise ValueError(f"{tokenizer_path}: unreadable tokenizer ({error})") from None
+        mesh = _mesh(cfg, ep)  # its errors come before anything is read
         check_checkpoint(cfg, path)
-        params = load_params(cfg, path)
+        params = load_params(cfg, path, mesh=mesh)
     consts: dict = {}
     if cfg.engram_layer_ids:
         tables = EngramTables.build(cfg, tokenizer)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
 from dijax.io.checkpoint import params_from_tensors
@@ -112,10 +113,11 @@ def _dense(name: str, shape: tuple[int, ...], rng: np.random.Generator, cfg: Mod
     return rng.normal(0, gain / np.sqrt(shape[-1]), shape)
 
 
-def random_params(cfg: ModelConfig, seed: int = 0) -> nnx.State:
+def random_params(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> nnx.State:
     """The model's parameters (``Transformer`` state, see dijax.model.param_map) for ``cfg`` with random weights
-    from ``seed`` (deterministic), each tensor placed on the device as it is drawn."""
-    return params_from_tensors(cfg, random_tensors(cfg, seed), source=f"random weights (seed {seed})")
+    from ``seed`` (deterministic), each tensor placed on the device as it is drawn (on ``mesh``: split over it as
+    ``load_params(mesh=...)`` splits a checkpoint; the same values for every mesh)."""
+    return params_from_tensors(cfg, random_tensors(cfg, seed), source=f"random weights (seed {seed})", mesh=mesh)
 
 
 class _DeviceDraws:

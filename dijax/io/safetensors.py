@@ -7,6 +7,11 @@ a zero-copy numpy view of a memory map:
   * ``F8_E4M3`` -> ml_dtypes.float8_e4m3fn, ``BF16`` -> ml_dtypes.bfloat16, ``F32`` -> float32;
   * ``F8_E8M0`` scales -> uint8 (the raw exponent byte; dijax.kernels.quant.ue8m0_to_f32 decodes it);
   * ``F4`` (logical shape [out, in]) and ``I8`` expert weights -> uint8 [out, in / 2], two e2m1 codes per byte.
+
+``SafetensorsFile.read`` (and ``TensorRef``, the handle the sharded loader works with) copies a range of rows with
+positioned reads instead: nothing is mapped, so the process's resident memory holds only the rows it asked for. A
+memory map keeps every page it touched resident (and counted in the RSS) for as long as it is mapped, which for a
+loader that reads each device's shard of every tensor adds up to the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -81,8 +86,8 @@ class SafetensorsFile:
     def names(self) -> list[str]:
         return list(self.header)
 
-    def get(self, name: str) -> np.ndarray:
-        """Zero-copy view of tensor ``name`` (see the module docstring for dtype mapping)."""
+    def layout(self, name: str) -> tuple[np.dtype, list[int], int]:
+        """(numpy dtype, stored shape, offset of its first byte in the file) of tensor ``name``, its extent checked."""
         info = self.header[name]
         dtype_name = info["dtype"]
         if dtype_name not in DTYPES:
@@ -98,8 +103,47 @@ class SafetensorsFile:
                              f"{count * dtype.itemsize} for {dtype_name} {info['shape']}")
         if self._data_start + end > self._size:
             raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated shard?)")
-        array = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + begin)
-        return array.reshape(shape)
+        return dtype, shape, self._data_start + begin
+
+    def get(self, name: str) -> np.ndarray:
+        """Zero-copy view of tensor ``name`` (see the module docstring for dtype mapping)."""
+        dtype, shape, offset = self.layout(name)
+        count = int(np.prod(shape)) if shape else 1
+        return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of tensor ``name``'s leading axis, copied into a new array by positioned reads (no
+        mapping, see the module docstring). Same dtypes and stored shapes as ``get``; 0 <= start <= stop <= rows."""
+        dtype, shape, offset = self.layout(name)
+        if not shape or not 0 <= start <= stop <= shape[0]:
+            raise ValueError(f"{self.path}: tensor {name!r} of shape {shape} has no rows [{start}, {stop})")
+        out = np.empty([stop - start, *shape[1:]], dtype)
+        buffer = memoryview(out.reshape(-1).view(np.uint8))
+        offset += start * int(np.prod(shape[1:])) * dtype.itemsize
+        done = 0
+        with open(self.path, "rb") as f:
+            while done < len(buffer):  # one call reads at most ~2 GiB on Linux
+                n = os.preadv(f.fileno(), [buffer[done:]], offset + done)
+                if n == 0:
+                    raise ValueError(f"{self.path}: tensor {name!r} ends early (the file shrank while loading?)")
+                done += n
+        return out
+
+
+class TensorRef:
+    """Tensor ``name`` of a safetensors file, read on demand: ``shape`` and ``dtype`` (as ``get`` would give
+    them) and ``ref[start:stop]``, rows [start, stop) of the leading axis read by ``SafetensorsFile.read``."""
+
+    def __init__(self, file: SafetensorsFile, name: str):
+        self.file, self.name = file, name
+        self.dtype, shape, _ = file.layout(name)
+        self.shape = tuple(shape)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"tensor {self.name!r} is read by contiguous row ranges (ref[start:stop]), got {rows!r}")
+        start, stop, _ = rows.indices(self.shape[0])
+        return self.file.read(self.name, start, max(start, stop))
 
 
 def checkpoint_files(path: str | os.PathLike) -> list[str]:
@@ -131,3 +175,11 @@ def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray, str
         st = SafetensorsFile(file)
         for name in st.names():
             yield name, st.get(name), st.header[name]["dtype"]
+
+
+def tensor_refs(path: str | os.PathLike) -> Iterator[tuple[str, TensorRef]]:
+    """Yield (name, ``TensorRef``) for every tensor of a checkpoint (nothing is read yet)."""
+    for file in checkpoint_files(path):
+        st = SafetensorsFile(file)
+        for name in st.names():
+            yield name, TensorRef(st, name)

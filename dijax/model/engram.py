@@ -21,6 +21,7 @@ from dijax.config import FP8_BLOCK, ModelConfig
 from dijax.kernels import quant
 from dijax.model.layers import QuantLinear, linear, param, values
 from dijax.kernels.numerics import mean
+from dijax.parallel.engram import table_rows
 
 DEAD = -1  # compressed id of a token that takes no part in any n-gram (image spans)
 
@@ -201,7 +202,7 @@ def engram(p: dict, x_TCD: jax.Array, rows_TJ: jax.Array, mask_T: jax.Array, nor
     """Gate one shared looked-up value into every stream. x_TCD: bf16 [T, C, D]; rows_TJ: int32 table rows;
     mask_T: bool (False = no contribution). Returns bf16 [T, C, D]."""
     t, c, d = x_TCD.shape
-    emb = quant.dequant_rows_fp8(p["embed"]["weight"][rows_TJ], p["embed"]["scale"][rows_TJ])  # [T, J, W]
+    emb = quant.dequant_rows_fp8(*table_rows(p["embed"], rows_TJ))  # [T, J, W]; split by rows under ep
     kv = linear(emb.reshape(t, -1), p["wkv"])  # [T, (C + 1) * D]
     key_TCD = kv[:, :c * d].astype(jnp.float32).reshape(t, c, d)
     value_TD = kv[:, c * d:]

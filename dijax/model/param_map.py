@@ -14,6 +14,9 @@ here: ``eager_sharding=False``); the names are listed and explained once, in ``d
 ``logical_axes(state)`` reads them back by path.
 
 Arrays keep the checkpoint's dtypes: fp8 e4m3 codes, uint8 MXFP4 bytes and ue8m0 scale bytes, bf16, fp32.
+
+``state_from_tree`` places each parameter on the default device, or with ``mesh`` as one global array split over
+the mesh by its logical axes (dijax.parallel.mesh), every device's block read for that device alone.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from dijax.config import ModelConfig
 from dijax.model.plan import plan_layers
 from dijax.model.transformer import abstract_state
+from dijax.parallel.mesh import padded_shape, param_sharding
 
 _HC = ("hc_attn", "hc_ffn")
 
@@ -151,14 +156,74 @@ def _place(spec: jax.ShapeDtypeStruct, arrays: list, members: int) -> jax.Array:
     return value
 
 
-def state_from_tree(cfg: ModelConfig, tree: dict, n_experts: int | None = None,
-                    engram_rows: dict[int, int] | None = None, fold: bool = True) -> nnx.State:
-    """Fill the model's abstract state from a checkpoint-named tree (``{'embed': {'weight': ...}, 'layers':
-    [per layer {...}], ...}`` of numpy memory maps or arrays; a routed-expert tensor may be a list of per-expert
-    arrays), placing each tensor on the device on its own.
+def _shard(shape: tuple[int, ...], dtype, arrays: list, members: int, index: tuple[slice, ...],
+           device: jax.Device) -> jax.Array:
+    """The block ``index`` (slices of the global ``shape``) of one parameter, on ``device``, from its per-layer
+    tensors (``members`` layers per repeat when stacked, 0 when not).
 
-    n_experts / engram_rows: experts per layer and {Engram layer: rows} held (a device's share). Raises ValueError
-    naming the tensor when one is missing or its shape or dtype differs from the model's.
+    Each stacked layer inside the block gives the rows of the parameter's first own axis that the block selects,
+    read on their own: a ``TensorRef`` by positioned reads, a memory map or array by slicing, a per-expert list
+    only those experts. Rows past a tensor's end (the padding of a row-split table, ``padded_shape``) stay zero.
+    On a CPU device the block is assembled in host memory and placed once; on an accelerator each layer's rows are
+    written into the device buffer as they are read, so the host holds one layer's share at a time.
+    """
+    lead = 2 if members else 0
+    ranges = [range(*s.indices(n)) for s, n in zip(index, shape)]
+    rows, rest = ranges[lead], tuple(index[lead + 1:])
+    block = tuple(len(r) for r in ranges)
+    on_host = device.platform == "cpu"
+    value = np.zeros(block, dtype) if on_host else jnp.zeros(block, dtype, device=device)
+    for k, array in enumerate(arrays):
+        layer = divmod(k, members) if members else ()
+        if not all(i in r for i, r in zip(layer, ranges)):
+            continue
+        if isinstance(array, list):
+            piece = np.stack([array[e][:] for e in rows])
+        else:
+            piece = np.asarray(array[rows.start:min(rows.stop, array.shape[0])])
+        piece = piece[(slice(None),) + rest]
+        at = tuple(i - r.start for i, r in zip(layer, ranges))
+        if on_host:
+            value[at + tuple(slice(0, n) for n in piece.shape)] = piece
+        else:
+            value = _write_donated(value, jax.device_put(piece, device), at)
+    return jax.device_put(value, device) if on_host else value
+
+
+def _place_on_mesh(shape: tuple[int, ...], dtype, names: tuple[str, ...], arrays: list, members: int,
+                   mesh: Mesh) -> jax.Array:
+    """One parameter as a global array on ``mesh``: its logical axis ``names`` give the sharding
+    (``param_sharding``) and the zero-padded global shape (``padded_shape``); each device's block is read for that
+    device alone (``_shard``), and a block several devices hold (a replicated parameter, ``dp`` replicas) is read
+    once and copied between them.
+
+    Built from per-device arrays (``jax.make_array_from_single_device_arrays``) rather than
+    ``jax.make_array_from_callback``, which reads every device's block into host memory before it transfers any:
+    for a split tensor that is the whole tensor on the host at once.
+    """
+    shape = padded_shape(shape, names, mesh)
+    sharding = param_sharding(names, mesh)
+    blocks: dict[tuple, jax.Array] = {}
+    shards = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, shape))
+        if key not in blocks:
+            blocks[key] = _shard(shape, dtype, arrays, members, index, device)
+        shards.append(jax.device_put(blocks[key], device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def state_from_tree(cfg: ModelConfig, tree: dict, n_experts: int | None = None,
+                    engram_rows: dict[int, int] | None = None, fold: bool = True,
+                    mesh: Mesh | None = None) -> nnx.State:
+    """Fill the model's abstract state from a checkpoint-named tree (``{'embed': {'weight': ...}, 'layers':
+    [per layer {...}], ...}`` of numpy memory maps, arrays or ``TensorRef``s; a routed-expert tensor may be a list
+    of per-expert arrays), placing each tensor on the device on its own.
+
+    n_experts / engram_rows: experts per layer and {Engram layer: rows} held (a device's share). mesh: build each
+    parameter as one global array on this mesh instead, split by its logical axes (dijax.parallel.mesh), every
+    device reading only its own block (``_place_on_mesh``); with n_experts and engram_rows left at the whole
+    model. Raises ValueError naming the tensor when one is missing or its shape or dtype differs from the model's.
     """
     abstract = abstract_state(cfg, n_experts, engram_rows, fold)
     flat = []
@@ -174,7 +239,12 @@ def state_from_tree(cfg: ModelConfig, tree: dict, n_experts: int | None = None,
         lead = 2 if path[0] == "stages" else 0
         for name, array in zip(names, arrays):
             _check(name, array, spec.shape[lead:], spec.dtype)
-        flat.append((path, var.replace(_place(spec, arrays, spec.shape[1] if lead else 0))))
+        members = spec.shape[1] if lead else 0
+        if mesh is None:
+            value = _place(spec, arrays, members)
+        else:
+            value = _place_on_mesh(spec.shape, spec.dtype, var.get_metadata()["out_sharding"], arrays, members, mesh)
+        flat.append((path, var.replace(value)))
     return nnx.from_flat_state(flat)
 
 

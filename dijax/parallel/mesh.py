@@ -1,9 +1,15 @@
 """The device mesh of expert parallelism and the placement of the model's parameters on it.
 
 The mesh has two axes: ``dp`` (attention data-parallel ranks; until the scheduler assigns sequences to ranks, every
-``dp`` rank runs the whole batch) and ``ep`` (each rank holds 1 / ep of the routed experts). Placement reads each
-parameter's logical axis names (``out_sharding`` metadata, dijax.model.layers.LOGICAL_AXES) and maps them by
-``RULES``; everything else is replicated.
+``dp`` rank runs the whole batch) and ``ep`` (each rank holds 1 / ep of the routed experts and of every Engram
+table's rows). Placement reads each parameter's logical axis names (``out_sharding`` metadata,
+dijax.model.layers.LOGICAL_AXES) and maps them by ``RULES``; everything else is replicated. A split axis is
+ceil-split: its size is rounded up to a multiple of the mesh axis (``padded_shape``) with zeros, which only Engram
+tables need (an expert count must divide by ep, ``make_mesh`` checks; a table's row count need not).
+
+Two ways onto the mesh: a checkpoint is loaded straight into its shards (dijax.io.checkpoint.load_params with
+``mesh=``, each device reading only its experts and rows); parameters already on one device (random weights, a
+parity fixture loaded once) are resharded by ``place_params``.
 
 On a CPU-only machine JAX exposes one host device unless ``XLA_FLAGS`` asks for more before JAX initialises its
 backends: ``force_host_devices`` sets that flag and must run before the first JAX computation (the CLI calls it
@@ -18,6 +24,7 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -27,8 +34,9 @@ from dijax.model.layers import LOGICAL_AXES
 AXES = ("dp", "ep")
 # (logical axis, mesh axis, the axis that marks the parameters the rule applies to). Only the routed experts'
 # matrices carry "expert_in": the router's own "expert" axis (gate weight [E, D], bias [E]) is read whole by every
-# device to choose the experts, so it stays replicated.
-RULES = (("expert", "ep", "expert_in"),)
+# device to choose the experts, so it stays replicated. Engram tables (weight and scale) split by rows
+# (dijax.parallel.engram looks them up).
+RULES = (("expert", "ep", "expert_in"), ("engram_rows", "ep", "engram_rows"))
 _HOST_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -74,22 +82,40 @@ def partition_spec(names: tuple[str, ...] | None) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
+def param_sharding(names: tuple[str, ...] | None, mesh: Mesh) -> NamedSharding:
+    """The ``NamedSharding`` on ``mesh`` of a parameter with logical axis ``names`` (``partition_spec``)."""
+    return NamedSharding(mesh, partition_spec(names))
+
+
+def padded_shape(shape: tuple[int, ...], names: tuple[str, ...] | None, mesh: Mesh) -> tuple[int, ...]:
+    """The global shape of a parameter of ``shape`` with logical axis ``names`` on ``mesh``: every split axis
+    rounded up to a multiple of its mesh axis's size (ceil-split; the extra rows are zeros)."""
+    spec = partition_spec(names)
+    return tuple(-(-n // mesh.shape[axis]) * mesh.shape[axis] if axis else n
+                 for n, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))))
+
+
 def place_params(params: nnx.State, mesh: Mesh | None) -> nnx.State:
-    """``params`` (an ``nnx.State`` of ``nnx.Param``) with each array put on ``mesh`` by ``partition_spec`` of
-    its logical axes. ``mesh=None`` returns ``params`` unchanged (one device)."""
+    """``params`` (an ``nnx.State`` of ``nnx.Param``) with each array zero-padded to ``padded_shape`` and put on
+    ``mesh`` by ``partition_spec`` of its logical axes. ``mesh=None`` returns ``params`` unchanged (one device);
+    parameters already on ``mesh`` stay as they are."""
     if mesh is None:
         return params
 
     def place(variable: nnx.Variable) -> nnx.Variable:
-        sharding = NamedSharding(mesh, partition_spec(variable.get_metadata().get("out_sharding")))
-        return variable.replace(jax.device_put(variable.get_value(), sharding))
+        names = variable.get_metadata().get("out_sharding")
+        value = variable.get_value()
+        shape = padded_shape(value.shape, names, mesh)
+        if shape != value.shape:
+            value = jnp.pad(value, [(0, padded - n) for padded, n in zip(shape, value.shape)])
+        return variable.replace(jax.device_put(value, param_sharding(names, mesh)))
 
     return jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def params_mesh(params: nnx.State) -> Mesh | None:
-    """The mesh ``place_params`` put ``params`` on when it splits experts (an ``ep`` axis of size > 1), else
-    None (parameters on one device)."""
+    """The mesh ``params`` were placed on (``place_params``, or loaded onto) when it splits experts (an ``ep`` axis
+    of size > 1), else None (parameters on one device)."""
     for leaf in jax.tree.leaves(params):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, NamedSharding) and sharding.mesh.shape.get("ep", 1) > 1:
@@ -99,10 +125,11 @@ def params_mesh(params: nnx.State) -> Mesh | None:
 
 @contextlib.contextmanager
 def mesh_context(mesh: Mesh | None):
-    """The context in which the model traces on ``mesh``: ``jax.set_mesh(mesh)`` (the MoE's ``shard_map`` reads
-    it; the context mesh is part of the jit key) with every logical axis name bound to no mesh axis, so that
-    Flax's abstract model (``nnx.eval_shape``, which builds a sharding from each parameter's names under a context
-    mesh) stays replicated: the placement itself is ``place_params``'s. A no-op context for ``mesh=None``."""
+    """The context in which the model traces on ``mesh``: ``jax.set_mesh(mesh)`` (the ``shard_map``s of the MoE
+    and the Engram lookup read it; the context mesh is part of the jit key) with every logical axis name bound to
+    no mesh axis, so that Flax's abstract model (``nnx.eval_shape``, which builds a sharding from each parameter's
+    names under a context mesh) stays replicated: the placement is the parameters' own (loaded onto the mesh, or
+    ``place_params``). A no-op context for ``mesh=None``."""
     if mesh is None:
         yield
         return

@@ -69,8 +69,11 @@ class LLMEngine:
         ep = _check_size("ep", ep)
         if not isinstance(zos, bool):
             raise TypeError(f"zos must be a bool, got {type(zos).__name__} {zos!r}")
-        # ``loaded``: an already loaded (config, params, Engram constants, tokenizer), e.g. a parity fixture
-        self.cfg, params, consts, self.tokenizer = loaded or load(model, weights_seed)
+        # ``loaded``: an already loaded (config, params, Engram constants, tokenizer), e.g. a parity fixture, placed
+        # on the mesh below; a model loaded here goes straight onto the mesh, each device reading only its share
+        self.cfg, params, consts, self.tokenizer = loaded or load(model, weights_seed, ep)
+        if loaded is not None and ep > 1:
+            params = place_params(params, make_mesh(ep, self.cfg.n_routed_experts))
         if max_model_len is not None and max_model_len > self.cfg.max_seq_len:
             raise ValueError(f"max_model_len must be <= the model's max_seq_len ({self.cfg.max_seq_len}), "
                              f"got {max_model_len}")
@@ -79,7 +82,6 @@ class LLMEngine:
             num_blocks = max_num_seqs * -(-max_model_len // block_size)
         self.scheduler = Scheduler(BlockManager(num_blocks, block_size), StateManager(max_num_seqs), max_num_seqs,
                                    max_num_batched_tokens, max_model_len, eos_token_id=self.cfg.eos_token_id)
-        params = place_params(params, make_mesh(ep, self.cfg.n_routed_experts) if ep > 1 else None)
         self.runner = ModelRunner(self.cfg, params, consts, num_blocks, max_num_seqs, block_size, max_model_len,
                                   max_num_seqs, max_num_batched_tokens, debug_logits, kernels)
         # debug: request id -> {output position: logits row that sampled it} (the last computation wins, so a
