@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from dijax.cli.parity import manifest_problems, prefix_figures, run_fixture
-from tests.conftest import FIXTURE_COPY, PARITY_DIR, SHARED_PARITY, parity_path
+from tests.conftest import FIXTURE_COPY, SHARED_PARITY, parity_path
 
 
 def manifest_check(fixture: str, name: str) -> dict:
@@ -97,23 +97,26 @@ def _patch_f32(path: str, tensor: str, factor: float) -> None:
 @pytest.mark.slow
 def test_planted_bug_fails_the_prefix_check(tmp_path):
     """One hyper-connection scale off by 1 %: caught by the prefix check on every case (the untouched fixture
-    fails it only on the documented KNOWN_PREFIX_MISSES row: test_tiny_nodrop_meets_its_manifest)."""
-    from dijax.cli.main import main
-
-    copy = tmp_path / "parity"
-    shutil.copytree(PARITY_DIR, copy)
-    with open(copy / "tiny-nodrop" / "fixture.json") as f:
-        weights = os.path.normpath(os.path.join(copy, "tiny-nodrop", json.load(f)["weights"]["reference"]))
+    fails it only on the documented KNOWN_PREFIX_MISSES row: test_tiny_nodrop_meets_its_manifest). Run through the
+    three cases whose rows the untouched fixture passes."""
+    cases = ("case_L5", "case_L23", "case_L64")
+    folder = _one_case_fixture(tmp_path, "tiny-nodrop", cases, [manifest_check("tiny-nodrop", "tier1")])
+    with open(os.path.join(folder, "fixture.json")) as f:
+        manifest = json.load(f)
+    weights = str(tmp_path / "model.safetensors")
+    shutil.copyfile(manifest["weights"]["reference"], weights)
     _patch_f32(weights, "layers.1.hc_attn_scale", 1.01)
+    manifest["weights"] = {"reference": weights}
+    with open(os.path.join(folder, "fixture.json"), "w") as f:
+        json.dump(manifest, f)
     out = io.StringIO()
-    passed, total = run_fixture(str(copy / "tiny-nodrop"), out=out)
+    passed, total = run_fixture(folder, out=out)
     text = out.getvalue()
     assert passed < total, text
     assert "prefix FAIL" in text and "-> FAIL" in text, text
-    for case in ("case_L5", "case_L23", "case_L64"):  # rows the untouched fixture passes
+    for case in cases:
         assert any(line.startswith(f"  tier1 {case}:") and "prefix" in line and ") FAIL;" in line
                    for line in text.splitlines()), case
-    assert main(["parity", str(copy / "tiny-nodrop")]) == 1
 
 
 def _sha256_listing(root: str) -> dict[str, str]:
@@ -199,6 +202,9 @@ def test_checker_reads_any_fixture_folder_and_reports(tmp_path):
     assert "tier1-impossible: all rows (87)" in text and "-> FAIL" in text
     assert "tier1-unknown-key: key 'prefix_rows' is not one the tier1 checker evaluates" in text
     assert text.strip().splitlines()[-1] == "parity: 1/3 checks passed"
+    from dijax.cli.main import main
+
+    assert main(["parity", folder]) == 1  # a failing check is exit status 1
 
 
 def test_checker_chunked_and_cli_exit_codes(tmp_path):

@@ -1,0 +1,101 @@
+"""The engine and the parity checker at ep = 4 on 4 CPU host devices (issue 14, item 5).
+
+As in tests/test_expert_parallel.py, the pytest process already runs JAX with one host device, so the work runs in
+a subprocess started with ``--xla_force_host_platform_device_count=4`` (this file run as a script), which prints
+one JSON line of results:
+  * a mixed engine workload on the tiny default, scripted step by step so that ep = 1 and ep = 4 see the same
+    schedule: arrivals between steps, a cancellation of a running request, blocks scarce enough to force
+    preemption, ZOS on. Per request the finish reason and tokens, the preemption count, and whether every block
+    and slot is free at the end;
+  * ``dijax parity --ep 4`` through the CLI (exit status) on one-case copies of tiny-nodrop (model and
+    ``--engine``) and tiny (tier 1 with injected index sets, and tier 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DEVICES = 4
+
+
+def workload(ep: int) -> dict:
+    """Run the scripted workload at ``ep``; {request id: [finish reason, tokens]}, preemptions, all_free."""
+    from dijax.runtime.llm_engine import LLMEngine
+    from dijax.runtime.sampling_params import SamplingParams
+
+    engine = LLMEngine(None, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_blocks=12,
+                       max_model_len=64, ep=ep)
+    prompts = {f"r{i}": [(7 * i + 3 * j) % 400 + 3 for j in range(5 + 4 * i)] for i in range(6)}
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5)
+    arrivals = {0: ["r0", "r1", "r2"], 2: ["r3"], 5: ["r4"], 7: ["r5"]}
+    results, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for rid in arrivals.get(step, []):
+            engine.add_request(rid, prompts[rid], params)
+        if step == 4:
+            assert engine.abort("r1")
+        for out in engine.step():
+            results[out.request_id] = [out.finish_reason, out.token_ids]
+        step += 1
+    sched = engine.scheduler
+    all_free = (sched.block_manager.num_free == sched.block_manager.num_blocks
+                and sched.state_manager.num_free == sched.state_manager.num_slots)
+    return {"results": results, "preemptions": engine.num_preemptions, "all_free": all_free}
+
+
+def parity_exit_codes(tmp: str) -> dict:
+    """``dijax parity ... --ep 4`` exit statuses on one-case fixture copies (0 = every check passed)."""
+    from dijax.cli.main import main
+    from tests.test_parity import _one_case_fixture, manifest_check
+
+    codes = {}
+    for name, fixture, checks, extra in [
+            ("tiny-nodrop", "tiny-nodrop", ["tier1"], []),
+            ("tiny-nodrop engine", "tiny-nodrop", ["tier1"], ["--engine"]),
+            ("tiny", "tiny", ["tier1-injected", "tier2-selection"], [])]:
+        folder = os.path.join(tmp, name.replace(" ", "-"))
+        os.makedirs(folder)
+        _one_case_fixture(Path(folder), fixture, "case_L5", [manifest_check(fixture, c) for c in checks])
+        codes[name] = main(["parity", folder, "--ep", str(DEVICES), *extra])
+    return codes
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run([sys.executable, __file__, str(tmp_path_factory.mktemp("ep_parity"))], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    if done.returncode:
+        pytest.fail(f"ep engine subprocess failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_mixed_workload_at_ep4_equals_ep1_and_frees_everything(results):
+    one, four = results["engine"]["1"], results["engine"]["4"]
+    assert one["preemptions"] > 0, "the workload must force preemption"
+    assert four["all_free"] and one["all_free"]
+    assert four["results"] == one["results"]
+    assert one["results"]["r1"][0] == "abort"
+    assert sorted(one["results"]) == [f"r{i}" for i in range(6)]
+
+
+def test_parity_cli_at_ep4(results):
+    assert results["parity"] == {"tiny-nodrop": 0, "tiny-nodrop engine": 0, "tiny": 0}, results["parity"]
+
+
+if __name__ == "__main__":
+    import jax
+
+    assert len(jax.devices()) == DEVICES, jax.devices()
+    engine = {str(ep): workload(ep) for ep in (1, DEVICES)}
+    print(json.dumps({"engine": engine, "parity": parity_exit_codes(sys.argv[1])}))
