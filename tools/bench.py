@@ -2,6 +2,7 @@
 
     python tools/bench.py                                   # embedded tiny model: step + engine (CPU or GPU)
     python tools/bench.py --model flash-slice --decode-batch 1,16,64 --context 4096 --prefill 2048
+    python tools/bench.py --ep 2                            # experts and Engram rows split over 2 devices
 
 Step rows: the step the engine runs (``ModelRunner``'s jitted step: ``forward_step``, the ZOS remap and the sampler;
 no scheduler), a decode step of B sequences at context C or one prefill of P tokens, median wall time over
@@ -42,8 +43,11 @@ import dijax  # noqa: E402  (sets XLA flags before JAX starts)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from dijax.cli.options import add_model_options, apply_ep  # noqa: E402
 from dijax.config import ModelConfig  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
+from dijax.kernels import kernel_options  # noqa: E402
+from dijax.parallel.mesh import make_mesh, place_params  # noqa: E402
 
 FLASH_SLICE = {  # v41_spec §1 values; layer roles 0-6 mirror layers 0, 1, 2, 3, 20, 24, 25 of the release
     "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_hidden_layers": 7,
@@ -74,15 +78,16 @@ def flash_slice_config(n_experts: int) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-def load_model(name: str, n_experts: int):
-    """(config, params, step consts) of a benchmark model."""
+def load_model(name: str, n_experts: int, ep: int = 1):
+    """(config, params, step consts) of a benchmark model; ``ep`` > 1 splits its experts and Engram rows over that
+    many devices (dijax.parallel.mesh)."""
     from dijax.model.engram import EngramTables
     from dijax.io.random_init import random_codes_params
 
     if name == "tiny":
         from dijax.io.loader import load
 
-        cfg, params, consts, _ = load(None)
+        cfg, params, consts, _ = load(None, 0, ep)
         return cfg, params, consts
     if name != "flash-slice":
         raise ValueError(f"--model must be 'tiny' or 'flash-slice', got {name!r}")
@@ -90,7 +95,8 @@ def load_model(name: str, n_experts: int):
     size = cfg.engram_compressed_vocab_size
     token_map = (np.arange(cfg.vocab_size) % size).astype(np.int32)  # synthetic normalisation: timing only
     consts = EngramTables.from_token_map(cfg, token_map, size).step_consts()
-    return cfg, random_codes_params(cfg, seed=0), consts
+    mesh = make_mesh(ep, cfg.n_routed_experts) if ep > 1 else None
+    return cfg, place_params(random_codes_params(cfg, seed=0), mesh), consts
 
 
 @dataclass
@@ -281,12 +287,14 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     return first, float(np.median(times)), launches, temp_bytes
 
 
-def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int, kernels: str) -> tuple[float, int]:
-    """(seconds, output tokens) of ``LLM.generate`` on the embedded tiny model; a first identical run warms up."""
+def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int, kernels: str,
+                ep: int = 1) -> tuple[float, int]:
+    """(seconds, output tokens) of ``LLM.generate`` on the embedded tiny model at ``ep``; a first identical run
+    warms up."""
     from dijax.runtime.llm import LLM
     from dijax.runtime.sampling_params import SamplingParams
 
-    llm = LLM(max_num_seqs=num_prompts, max_num_batched_tokens=max(64, prompt_len), zos=zos, kernels=kernels)
+    llm = LLM(max_num_seqs=num_prompts, max_num_batched_tokens=max(64, prompt_len), zos=zos, kernels=kernels, ep=ep)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, llm.engine.cfg.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=i)
@@ -318,13 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flops", type=float, default=7.9e14, help="FLOP/s ceiling (H200 bf16 GEMM: 7.9e14)")
     parser.add_argument("--moe-path", choices=("auto", "ragged", "gathered"), default="auto",
                         help="routed-experts path: auto (gathered when T*X < E) or forced, for A/B comparisons")
-    parser.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
-                        help="step kernels (dijax.kernels.kernel_options); run once with each to compare")
+    add_model_options(parser)  # --kernels (run once with each to compare) and --ep
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dump", help="write each step's optimised HLO and a profiler trace of 3 steps here")
     args = parser.parse_args(argv)
-    from dijax.kernels import kernel_options
-
+    apply_ep(args)  # before JAX starts its backends: a CPU-only host gets --ep devices
     kernel_options(args.kernels, jax.default_backend())  # a bad choice fails before the model is built
 
     if args.moe_path != "auto":  # A/B seam: every step traced from here on takes the forced path
@@ -333,12 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         routed_experts.routed_path = lambda n_assignments, n_experts: args.moe_path
     device = jax.devices()[0]
     header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
-              f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels}"
+              f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels} | ep {args.ep}"
               f" | warm-up {args.warmup}, median of {args.iters}"
               f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s")
     print(header, flush=True)
     start = time.perf_counter()
-    cfg, params, consts = load_model(args.model, args.experts)
+    cfg, params, consts = load_model(args.model, args.experts, args.ep)
     jax.block_until_ready(params)
     print(f"model ready in {time.perf_counter() - start:.1f} s: {_nbytes(params) / 1e9:.2f} GB of parameters, "
           f"{cfg.n_layers} layers, {cfg.n_routed_experts} experts", flush=True)
@@ -359,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{temp_bytes / 1e9:.3f} GB temporaries)", flush=True)
     if args.engine == "on":
         for zos in (True, False):
-            seconds, tokens = time_engine(zos, num_prompts=8, prompt_len=32, max_tokens=64, kernels=args.kernels)
+            seconds, tokens = time_engine(zos, num_prompts=8, prompt_len=32, max_tokens=64, kernels=args.kernels,
+                                          ep=args.ep)
             rows.append({"case": f"engine tiny 8x(32+64) zos {'on' if zos else 'off'}", "tokens": tokens,
                          "median_ms": seconds * 1e3, "tokens_per_s": tokens / seconds})
             print(f"  engine zos {'on' if zos else 'off'}: {tokens / seconds:.0f} output tok/s", flush=True)
