@@ -42,19 +42,6 @@ def test_dtypes_and_shapes_follow_the_roles():
     assert p["layers"][0]["attn"]["wo_a"]["weight"].dtype == jax.numpy.bfloat16
 
 
-def test_one_devices_share_of_experts_and_engram_rows():
-    cfg = ModelConfig.from_file(parity_path("tiny", "config.json"))
-    path = parity_path("tiny", "reference", "model.safetensors")
-    full = checkpoint_tree(cfg, load_params(cfg, path))
-    part = checkpoint_tree(cfg, load_params(cfg, path, expert_range=(2, 6), engram_rows={1: (100, 200)}))
-    for w in ("w1", "w2", "w3"):
-        for k in ("weight", "scale"):
-            got = np.asarray(part["layers"][3]["ffn"]["experts"][w][k])
-            assert np.array_equal(got, np.asarray(full["layers"][3]["ffn"]["experts"][w][k])[2:6])
-    got = np.asarray(part["layers"][1]["engram"]["embed"]["weight"]).view(np.uint8)
-    assert np.array_equal(got, np.asarray(full["layers"][1]["engram"]["embed"]["weight"]).view(np.uint8)[100:200])
-
-
 def test_stacked_experts_load_like_per_expert_tensors():
     cfg = ModelConfig.from_file(parity_path("tiny", "config.json"))
     file = SafetensorsFile(parity_path("tiny", "reference", "model.safetensors"))

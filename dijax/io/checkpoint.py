@@ -48,14 +48,10 @@ def resolve_checkpoint(path: str | os.PathLike, cache_dir: str | None = None, pr
     return target
 
 
-def load_params(cfg: ModelConfig, path: str | os.PathLike, expert_range: tuple[int, int] | None = None,
-                engram_rows: dict[int, tuple[int, int]] | None = None, mesh: Mesh | None = None) -> nnx.State:
+def load_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None = None) -> nnx.State:
     """Load a reference-layout or dijax checkpoint into the model's parameters (``nnx.State``, device arrays).
 
-    ``expert_range=(start, end)`` keeps only those routed experts and ``engram_rows={layer: (start, end)}`` only
-    those table rows (one process's share); tensors are memory-mapped, so the rest is never read.
-
-    ``mesh`` (dijax.parallel.mesh.make_mesh) loads every parameter straight onto the mesh as one global array,
+    Without a mesh the tensors are memory-mapped and placed on the default device one by one. ``mesh`` (dijax.parallel.mesh.make_mesh) loads every parameter straight onto the mesh as one global array,
     split by its logical axes: routed experts over ``ep``, Engram tables by rows over ``ep`` (ceil-split, zero
     rows padding the last devices), everything else replicated. Each device's block is read for it alone, by
     positioned reads rather than through a memory map (dijax.io.safetensors.TensorRef), so the host never holds
@@ -63,16 +59,14 @@ def load_params(cfg: ModelConfig, path: str | os.PathLike, expert_range: tuple[i
     device's block (dijax.model.param_map.state_from_tree). See ``params_from_tensors`` for the rest.
     """
     items = tensor_refs(path) if mesh is not None else ((name, array) for name, array, _ in iter_tensors(path))
-    return params_from_tensors(cfg, items, expert_range, engram_rows, source=os.fspath(path), mesh=mesh)
+    return params_from_tensors(cfg, items, source=os.fspath(path), mesh=mesh)
 
 
-def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] | None = None,
-                        engram_rows: dict[int, tuple[int, int]] | None = None,
-                        source: str = "checkpoint", mesh: Mesh | None = None) -> nnx.State:
+def params_from_tensors(cfg: ModelConfig, items, source: str = "checkpoint", mesh: Mesh | None = None) -> nnx.State:
     """Assemble (checkpoint name, array) pairs (numpy arrays, memory maps or ``TensorRef``s) into the model's
     parameters (device arrays; on ``mesh``, global arrays split as ``load_params`` describes).
 
-    Routed experts come one per name (``layers.L.ffn.experts.E.w1.weight``) or already stacked over the range
+    Routed experts come one per name (``layers.L.ffn.experts.E.w1.weight``) or already stacked
     (``layers.L.ffn.experts.w1.weight`` [E, ...], as ``random_codes`` draws them).
 
     Tensors keep their checkpoint dtypes (the reference's load-time fp32 promotions of ``head`` and ratio>1
@@ -80,10 +74,7 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
     (dijax.model.param_map), each tensor placed on the device on its own.
     DSpark (``mtp.*``) tensors are not used by the backbone and are skipped.
     """
-    if mesh is not None and (expert_range is not None or engram_rows is not None):
-        raise ValueError("give either mesh (every device reads its own share of the whole model) or expert_range / "
-                         "engram_rows (one process's share), not both")
-    first, last = expert_range or (0, cfg.n_routed_experts)
+    first, last = 0, cfg.n_routed_experts
     layers: list[dict] = [{} for _ in range(cfg.n_layers)]
     experts: list[dict[int, dict]] = [{} for _ in range(cfg.n_layers)]
     stacked_experts: list[dict] = [{} for _ in range(cfg.n_layers)]
@@ -105,8 +96,6 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
             elif first <= int(rest[2]) < last:
                 experts[layer].setdefault(int(rest[2]), {}).setdefault(rest[3], {})[rest[4]] = array
             continue
-        if rest[:2] == ["engram", "embed"] and engram_rows and layer in engram_rows:
-            array = array[slice(*engram_rows[layer])]
         if rest[:2] == ["attn", "wo_a"] and rest[2] == "scale":
             raise ValueError(f"{source} holds an fp8 'attn.wo_a' with its scale (the Hugging Face layout): "
                              f"pass it through resolve_checkpoint() (or `dijax convert`) first")
@@ -130,5 +119,4 @@ def params_from_tensors(cfg: ModelConfig, items, expert_range: tuple[int, int] |
                        for k in found[first][w]} for w in ("w1", "w2", "w3")}
         layers[layer].setdefault("ffn", {})["experts"] = stacked
     top["layers"] = layers
-    rows = {layer: end - start for layer, (start, end) in (engram_rows or {}).items()}
-    return state_from_tree(cfg, top, n_experts=last - first, engram_rows=rows, mesh=mesh)
+    return state_from_tree(cfg, top, mesh=mesh)

@@ -26,6 +26,7 @@ Letters: T tokens, S sequence rows, B blocks per sequence, R logit rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -62,9 +63,9 @@ class SeqChunk:
     """One sequence's part of a step (host side): its slot, block table, cached length and new tokens."""
 
     slot: int
-    block_table: list[int]
+    block_table: Sequence[int]  # the scheduler's tuple as it is: no per-step copy
     start: int
-    tokens: list[int]
+    tokens: Sequence[int]
     logits: str = "last"  # "last", "all" or "none": which of its tokens get logits
 
 

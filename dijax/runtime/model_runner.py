@@ -148,7 +148,7 @@ class ModelRunner:
     def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None) -> tuple:
         """The engine step's arguments after (params, cache) for ``output``: (batch, consts, prev_tokens_R,
         remap_T int32 [T], sampling); host arrays except the previous step's device tokens."""
-        chunks = [SeqChunk(slot=c.slot, block_table=list(c.block_table), start=c.start, tokens=list(c.token_ids),
+        chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids,
                            logits="last" if c.sample else "none") for c in output.chunks]
         num_tokens = bucket(output.num_tokens, MIN_TOKENS)
         num_seqs = min(num_tokens, self.max_rows)
