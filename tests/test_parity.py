@@ -30,14 +30,14 @@ def manifest_check(fixture: str, name: str) -> dict:
 KNOWN_PREFIX_MISSES = {("case_L150", 2)}
 
 
-def _assert_tier1(fixture, check: dict, chunk: int | None) -> None:
-    """Every bound of a manifest tier-1 check, with the prefix check per (case, row) so that a documented miss
-    cannot hide a new one."""
+def _assert_tier1(fixture, check: dict, chunk: int | None, cases: tuple[str, ...] | None = None) -> None:
+    """Every bound of a manifest tier-1 check over ``cases`` (default all), with the prefix check per (case, row)
+    so that a documented miss cannot hide a new one."""
     from dijax.cli.parity import _sets_equal, load_model, relative_errors, run_case
 
     params, consts = load_model(fixture)
     all_r, prefix_misses = [], set()
-    for case in fixture.case_names:
+    for case in cases or fixture.case_names:
         run = run_case(fixture, params, consts, case, bool(check.get("inject_topk")), chunk)
         prefill_r = relative_errors(run.prefill_logits, fixture.tensor(case, "prefill_logits"))
         all_r += [prefill_r.ravel(), relative_errors(run.decode_logits, fixture.tensor(case, "decode_logits")).ravel()]
@@ -65,7 +65,10 @@ def test_tiny_nodrop_meets_its_manifest():
 def test_tiny_nodrop_chunked_prefill_meets_its_manifest():
     from dijax.cli.parity import Fixture
 
-    _assert_tier1(Fixture(parity_path("tiny-nodrop")), manifest_check("tiny-nodrop", "tier1"), chunk=7)
+    # the cases that chunks of 7 really split (L5 is one chunk); L150 (22 chunks, a third of the fixture's work) is
+    # left to `dijax parity --chunk 7` (docs/parity.md) to keep the suite's time
+    _assert_tier1(Fixture(parity_path("tiny-nodrop")), manifest_check("tiny-nodrop", "tier1"), chunk=7,
+                  cases=("case_L23", "case_L64"))
 
 
 @pytest.mark.slow
