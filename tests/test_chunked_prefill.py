@@ -29,11 +29,18 @@ def _prefill_logits(fixture, params, consts, prompts, chunk) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 16])
-def test_chunked_prefill_matches_one_shot(tiny_nodrop, chunk):
+@pytest.fixture(scope="module")
+def one_shot_L23(tiny_nodrop):
+    """(prompts, their one-shot prefill logits) of case L23, computed once for every chunk size."""
     fixture, params, consts = tiny_nodrop
     prompts = [list(map(int, row)) for row in fixture.tensor("case_L23", "input_ids")]
-    one_shot = _prefill_logits(fixture, params, consts, prompts, None)
+    return prompts, _prefill_logits(fixture, params, consts, prompts, None)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_chunked_prefill_matches_one_shot(tiny_nodrop, one_shot_L23, chunk):
+    fixture, params, consts = tiny_nodrop
+    prompts, one_shot = one_shot_L23
     chunked = _prefill_logits(fixture, params, consts, prompts, chunk)
     r = relative_errors(chunked, one_shot).ravel()
     # Different chunkings change only fp32 summation orders; the fixture's tier-1 bounds (p90, max) hold and the
