@@ -145,15 +145,22 @@ class ModelRunner:
             _, self.cache = self._step(self.params, self.cache, batch, self.consts, self._no_previous,
                                        np.zeros(num_tokens, np.int32), sampling_inputs([], num_seqs))
 
+    def _batch(self, chunks: list[SeqChunk], all_rows: bool = False):
+        """(batch, rows_per_chunk, T, S) of ``chunks`` padded to the runner's buckets: T tokens, S = min(T, the
+        sequence capacity) rows, the block-table width following the longest table; logit rows S, or T when
+        ``all_rows`` (a teacher-forced step asking for every position)."""
+        num_tokens = bucket(sum(len(c.tokens) for c in chunks), MIN_TOKENS)
+        num_seqs = min(num_tokens, self.max_rows)
+        width = width_bucket(max(len(c.block_table) for c in chunks), self.max_blocks)
+        batch, rows_per_chunk = build_step(chunks, num_tokens, num_seqs, width, num_tokens if all_rows else num_seqs)
+        return batch, rows_per_chunk, num_tokens, num_seqs
+
     def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None) -> tuple:
         """The engine step's arguments after (params, cache) for ``output``: (batch, consts, prev_tokens_R,
         remap_T int32 [T], sampling); host arrays except the previous step's device tokens."""
         chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids,
                            logits="last" if c.sample else "none") for c in output.chunks]
-        num_tokens = bucket(output.num_tokens, MIN_TOKENS)
-        num_seqs = min(num_tokens, self.max_rows)
-        width = width_bucket(max(len(c.block_table) for c in chunks), self.max_blocks)
-        batch, _ = build_step(chunks, num_tokens, num_seqs, width, num_seqs)
+        batch, _, num_tokens, num_seqs = self._batch(chunks)
         prev_rows = {rid: i for i, rid in enumerate(previous.output.sampled_request_ids)} if previous else {}
         remap = np.zeros(num_tokens, np.int32)
         t = 0
@@ -200,15 +207,10 @@ class ModelRunner:
                 raise ValueError(f"block table of {len(c.block_table)} blocks of {self.block_size} does not cover "
                                  f"positions up to {c.start + len(c.tokens)}")
         lengths = [len(c.tokens) for c in chunks]
-        num_tokens = bucket(sum(lengths), MIN_TOKENS)
-        if num_tokens > self.max_tokens:
+        if bucket(sum(lengths), MIN_TOKENS) > self.max_tokens:
             raise ValueError(f"step of {sum(lengths)} tokens exceeds max_num_batched_tokens "
                              f"(bucket {self.max_tokens})")
-        num_seqs = min(num_tokens, self.max_rows)
-        rows = sum({"last": 1, "all": n, "none": 0}[c.logits] for c, n in zip(chunks, lengths))
-        width = width_bucket(max(len(c.block_table) for c in chunks), self.max_blocks)
-        batch, rows_per_chunk = build_step(chunks, num_tokens, num_seqs, width,
-                                           num_seqs if rows <= num_seqs else num_tokens)
+        batch, rows_per_chunk, num_tokens, _ = self._batch(chunks, all_rows=any(c.logits == "all" for c in chunks))
         inject = None
         if inject_topk is not None:
             for layer, v in inject_topk.items():
