@@ -213,19 +213,15 @@ def _place_on_mesh(shape: tuple[int, ...], dtype, names: tuple[str, ...], arrays
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
-def state_from_tree(cfg: ModelConfig, tree: dict, n_experts: int | None = None,
-                    engram_rows: dict[int, int] | None = None, fold: bool = True,
-                    mesh: Mesh | None = None) -> nnx.State:
+def state_from_tree(cfg: ModelConfig, tree: dict, fold: bool = True, mesh: Mesh | None = None) -> nnx.State:
     """Fill the model's abstract state from a checkpoint-named tree (``{'embed': {'weight': ...}, 'layers':
     [per layer {...}], ...}`` of numpy memory maps, arrays or ``TensorRef``s; a routed-expert tensor may be a list
     of per-expert arrays), placing each tensor on the device on its own.
 
-    n_experts / engram_rows: experts per layer and {Engram layer: rows} held (a device's share). mesh: build each
-    parameter as one global array on this mesh instead, split by its logical axes (dijax.parallel.mesh), every
-    device reading only its own block (``_place_on_mesh``); with n_experts and engram_rows left at the whole
-    model. Raises ValueError naming the tensor when one is missing or its shape or dtype differs from the model's.
+    mesh: build each parameter as one global array on this mesh instead, split by its logical axes
+    (dijax.parallel.mesh), every device reading only its own block (``_place_on_mesh``). Raises ValueError naming the tensor when one is missing or its shape or dtype differs from the model's.
     """
-    abstract = abstract_state(cfg, n_experts, engram_rows, fold)
+    abstract = abstract_state(cfg, fold=fold)
     flat = []
     for path, var in nnx.to_flat_state(abstract):
         spec = var.get_value()
