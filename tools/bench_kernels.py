@@ -40,7 +40,12 @@ def time_call(fn, *args, iters: int = 20, repeats: int = 5) -> float:
 
 
 def _row(kernel: str, shape: str, impl: str, seconds: float, floor_bytes: float, base: float | None) -> dict:
-    floor = floor_bytes / BANDWIDTH
+    """A row whose floor is ``floor_bytes`` over the copy bandwidth."""
+    return _timed_row(kernel, shape, impl, seconds, floor_bytes / BANDWIDTH, base)
+
+
+def _timed_row(kernel: str, shape: str, impl: str, seconds: float, floor: float, base: float | None) -> dict:
+    """A row against a floor in seconds; ``base``: the reference's seconds (None for the reference itself)."""
     return {"kernel": kernel, "shape": shape, "impl": impl, "us": seconds * 1e6, "floor_us": floor * 1e6,
             "floor_pct": 100 * floor / seconds, "speedup": (base / seconds) if base else 1.0}
 
@@ -193,7 +198,8 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
         ref_fn = jax.jit(lambda *a: rx.routed_experts(*a, limit, impl="reference"))
         want = np.asarray(ref_fn(experts, x_TD, weights_TX, experts_TX))
         base = time_call(ref_fn, experts, x_TD, weights_TX, experts_TX, **timing)
-        out.append(_routed_row(shape, f"reference ({rx.routed_path(t * x, n_experts)})", base, floor, None))
+        out.append(_timed_row("routed_experts", shape, f"reference ({rx.routed_path(t * x, n_experts)})", base, floor,
+                              None))
         variants = [("ragged", None)]
         if t * x <= 4 * n_experts or sweep:
             variants.insert(0, ("gathered", None))
@@ -210,8 +216,8 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
                 seconds = time_call(fn, experts, x_TD, weights_TX, experts_TX, **timing)
                 pick = "*" if path == rx.pallas_path(t * x) and not rows else ""
                 name = f"pallas {path}{pick}" + (f" rows={rows}" if rows else "")
-                out.append(_routed_row(shape, f"{name} (err {err:.1e}, {np.mean(got == want):.1%} equal)", seconds,
-                                       floor, base))
+                label = f"{name} (err {err:.1e}, {np.mean(got == want):.1%} equal)"
+                out.append(_timed_row("routed_experts", shape, label, seconds, floor, base))
             except Exception as exc:  # one failing variant must not hide the others' rows
                 print(f"routed_experts {path} rows={rows} at T={t} failed: {type(exc).__name__}: {str(exc)[:600]}")
             finally:
@@ -219,9 +225,55 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
     return out
 
 
-def _routed_row(shape: str, impl: str, seconds: float, floor: float, base: float | None) -> dict:
-    return {"kernel": "routed_experts", "shape": shape, "impl": impl, "us": seconds * 1e6, "floor_us": floor * 1e6,
-            "floor_pct": 100 * floor / seconds, "speedup": (base / seconds) if base else 1.0}
+def fp8_linear_rows(tokens=(1, 64, 1024), sweep: bool = False, **timing) -> list[dict]:
+    """The fp8 block-scaled linears at the flash-slice dimensions (attention wq_a / wq_b / wkv / wo_b, the indexer's
+    wq_b, the shared expert's w1 and w2; random e4m3 codes, ue8m0 exponents 116..120): the jnp reference against
+    the Pallas kernel. Floor: the larger of (codes + scales + x + y bytes) / 4.3 TB/s and 2 T O I / 790 TFLOP/s.
+    ``sweep`` adds tile variants (columns, K slice, warps)."""
+    import dataclasses
+
+    from dijax.kernels import fp8_linear as fl
+    from tools.bench import flash_slice_config
+
+    cfg = flash_slice_config(384)
+    d, q, hk = cfg.dim, cfg.q_lora_rank, cfg.n_heads * cfg.head_dim
+    shapes = {"wq_a": (q, d), "wq_b": (hk, q), "wkv": (cfg.head_dim, d), "wo_b": (d, cfg.o_groups * cfg.o_lora_rank),
+              "index wq_b": (cfg.index_n_heads * cfg.index_head_dim, q), "shared w1": (cfg.moe_inter_dim, d),
+              "shared w2": (d, cfg.moe_inter_dim)}
+    variants = [("pallas", {})]
+    if sweep:
+        variants += [(f"pallas {k}={v}", {k: v}) for k, v in (("cols", 32), ("cols", 128), ("depth", 64),
+                                                                ("depth", 256), ("warps", 8), ("stages", 2))]
+    out = []
+    for name, (o, i) in shapes.items():
+        k1, k2 = jax.random.split(jax.random.key(o + i))
+        weight = jax.random.bits(k1, (o, i), jnp.uint8)
+        weight = jax.lax.bitcast_convert_type(jnp.where((weight & 0x7F) == 0x7F, 0x38, weight).astype(jnp.uint8),
+                                              jnp.float8_e4m3fn)
+        scale = jax.random.randint(k2, (o // 32, i // 32), 116, 121).astype(jnp.uint8)
+        for t in tokens:
+            x = (jax.random.normal(jax.random.key(t), (t, i), jnp.float32) * 3).astype(jnp.bfloat16)
+            floor = max((o * i + scale.size + 2 * t * (i + o)) / BANDWIDTH, 2 * t * o * i / 7.9e14)
+            shape = f"{name} {o} x {i}, T={t}"
+            ref_fn = jax.jit(fl.fp8_linear_reference)
+            want = np.asarray(ref_fn(x, weight, scale).astype(jnp.float32))
+            base = time_call(ref_fn, x, weight, scale, **timing)
+            out.append(_timed_row("fp8_linear", shape, "reference", base, floor, None))
+            for label, change in variants:
+                saved = fl.CONFIG
+                fl.CONFIG = dataclasses.replace(saved, **change)
+                try:
+                    fn = jax.jit(fl.fp8_linear_pallas)
+                    got = np.asarray(fn(x, weight, scale).astype(jnp.float32))
+                    err = float(np.abs(got - want).max() / np.abs(want).max())
+                    seconds = time_call(fn, x, weight, scale, **timing)
+                    out.append(_timed_row("fp8_linear", shape, f"{label} (err {err:.1e}, {np.mean(got == want):.1%} "
+                                          "equal)", seconds, floor, base))
+                except Exception as exc:  # one failing variant must not hide the others' rows
+                    print(f"fp8_linear {label} {shape} failed: {type(exc).__name__}: {str(exc)[:600]}")
+                finally:
+                    fl.CONFIG = saved
+    return out
 
 
 def print_table(rows: list[dict]) -> None:
@@ -233,7 +285,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r['floor_pct']:.1f} | {r['speedup']:.2f} |")
 
 
-BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows, "routed_experts": routed_experts_rows}
+BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows, "routed_experts": routed_experts_rows,
+           "fp8_linear": fp8_linear_rows}
 
 
 def main() -> None:

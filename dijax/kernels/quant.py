@@ -50,6 +50,21 @@ def e4m3_round(x_f32: jax.Array) -> jax.Array:
     return clipped.astype(jnp.float8_e4m3fn).astype(jnp.float32)
 
 
+def e4m3_round_arith(v_f32: jax.Array) -> jax.Array:
+    """``e4m3_round`` for |v| <= 448 by float arithmetic only (no fp8 conversion: usable inside GPU kernels).
+
+    Adding and subtracting ``2^(q + 23)``, where 2^q is the e4m3 spacing at |v| (2^(e - 3) for a normal |v| in
+    [2^e, 2^(e+1)), 2^-9 for subnormals), rounds |v| to that spacing with float32's own round-half-to-even.
+    Returns float32 with v's sign (zero as +0).
+    """
+    mag = jnp.abs(v_f32.astype(jnp.float32))
+    exponent = ((jax.lax.bitcast_convert_type(mag, jnp.int32) >> 23) & 0xFF) - 127
+    spacing = jnp.maximum(exponent, -6) - 3
+    magic = jax.lax.bitcast_convert_type((spacing + 23 + 127) << 23, jnp.float32)
+    rounded = (mag + magic) - magic
+    return jnp.where(v_f32 < 0, -rounded, rounded)
+
+
 def e2m1_round(v_f32: jax.Array) -> jax.Array:
     """Round float32 in [-6, 6] to the e2m1 grid with round-half-to-even codes. Returns float32 (sign kept)."""
     mag = jnp.abs(v_f32)[..., None]

@@ -83,7 +83,8 @@ def _sequence_rows(block_table_SB: jax.Array, rows_per_block: int) -> jax.Array:
     return block_table_SB[:, j // rows_per_block] * rows_per_block + (j % rows_per_block)[None, :]
 
 
-def compressor(p: dict, role: LayerRole, x_TD: jax.Array, g: Geometry, cache: dict, eps: float):
+def compressor(p: dict, role: LayerRole, x_TD: jax.Array, g: Geometry, cache: dict, eps: float,
+               linear_impl: str = "reference"):
     """Compress the step's tokens into latents (pre-RoPE) for the groups they complete.
 
     Returns (latent_TK bf16, emit_T bool, group_T int32, new tail (kv, score) or None). A token emits the latent of
@@ -91,7 +92,7 @@ def compressor(p: dict, role: LayerRole, x_TD: jax.Array, g: Geometry, cache: di
     """
     r = role.ratio
     if r == 1:
-        return rms_norm(linear(x_TD, p["wkv"]), p["norm"]["weight"], eps), g.valid_T, g.pos_T, None
+        return rms_norm(linear(x_TD, p["wkv"], linear_impl), p["norm"]["weight"], eps), g.valid_T, g.pos_T, None
     key = str(role.layer)
     tail_kv, tail_score = cache["tail_kv"][key], cache["tail_score"][key]
     xf = x_TD.astype(jnp.float32)
@@ -149,10 +150,10 @@ def select_candidate_blocks(score_TP: jax.Array, visible_T: jax.Array, topk_bloc
 
 
 def index_scores(p: dict, x_TD: jax.Array, qr_TQ: jax.Array, keys_SPJ: jax.Array, g: Geometry,
-                 freqs: np.ndarray, n_heads: int, head_dim: int) -> jax.Array:
+                 freqs: np.ndarray, n_heads: int, head_dim: int, linear_impl: str = "reference") -> jax.Array:
     """Lightning-indexer scores in the reference's bf16 order. -> bf16 [T, P] (unmasked)."""
     t = x_TD.shape[0]
-    q = linear(qr_TQ, p["wq_b"]).reshape(t, n_heads, head_dim)
+    q = linear(qr_TQ, p["wq_b"], linear_impl).reshape(t, n_heads, head_dim)
     q = quant.fq4_pow2(rope(q, g.pos_T, freqs), 32)
     w = linear(x_TD, p["weights_proj"]).astype(jnp.float32) * np.float32(head_dim ** -0.5 * n_heads ** -0.5)
     w = w.astype(jnp.bfloat16)
@@ -184,14 +185,15 @@ def topk_positions(score_TP: jax.Array, visible_T: jax.Array, limit_T: jax.Array
 
 def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Geometry, cache: dict,
               shared: dict, inject_TN: jax.Array | None, *, topk_impl: str = "reference",
-              sparse_attn_impl: str = "reference"):
+              sparse_attn_impl: str = "reference", linear_impl: str = "reference"):
     """One attention sublayer on the ragged step.
 
     x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
     returned in the new cache dict); ``shared`` carries what sources publish to later layers in this step:
     {"topk": {layer: [T, N]}, "candidates": [T, P]}. ``topk_impl`` ("reference" | "select") and
-    ``sparse_attn_impl`` ("reference" | "pallas") pick the kernel implementations (static): the top-k picks are
-    identical, the attention output agrees to bf16 rounding (``kernels.sparse_attn``).
+    ``sparse_attn_impl`` ("reference" | "pallas") and ``linear_impl`` (the fp8 linears: "reference" | "pallas")
+    pick the kernel implementations (static): the top-k picks are identical, the attention output and the linears
+    agree to bf16 rounding (``kernels.sparse_attn``, ``kernels.fp8_linear``).
     Returns (y_TD bf16, cache updates dict, shared).
     """
     t = x_TD.shape[0]
@@ -203,9 +205,9 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     else:
         freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 0, cfg.rope_factor, cfg.beta_fast,
                                  cfg.beta_slow)
-    qr = rms_norm(linear(x_TD, p["wq_a"]), p["q_norm"]["weight"], eps)
-    q = rope(linear(qr, p["wq_b"]).reshape(t, cfg.n_heads, cfg.head_dim), g.pos_T, freqs)
-    kv = rms_norm(linear(x_TD, p["wkv"]), p["kv_norm"]["weight"], eps)
+    qr = rms_norm(linear(x_TD, p["wq_a"], linear_impl), p["q_norm"]["weight"], eps)
+    q = rope(linear(qr, p["wq_b"], linear_impl).reshape(t, cfg.n_heads, cfg.head_dim), g.pos_T, freqs)
+    kv = rms_norm(linear(x_TD, p["wkv"], linear_impl), p["kv_norm"]["weight"], eps)
     kv = quant.fq8(rope(kv, g.pos_T, freqs))
 
     ring = cache["window"][role.layer]
@@ -217,7 +219,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     if role.compressed:
         r = role.ratio
         if role.kv_source:
-            latent, emit, group, tail = compressor(p["compressor"], role, x_TD, g, cache, eps)
+            latent, emit, group, tail = compressor(p["compressor"], role, x_TD, g, cache, eps, linear_impl)
             if tail is not None:
                 updates["tail"] = (key, tail)
             if role.owns_index_keys:
@@ -240,7 +242,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
                 ik = updates["ik"][1] if role.owns_index_keys else cache["ik"][ik_key]
                 keys_SPJ = ik.reshape(-1, ik.shape[-1])[seq_rows_SP]
                 score = index_scores(p["indexer"], x_TD, qr, keys_SPJ, g, freqs, cfg.index_n_heads,
-                                     cfg.index_head_dim).astype(jnp.float32)
+                                     cfg.index_head_dim, linear_impl).astype(jnp.float32)
                 score = jnp.where(jnp.arange(score.shape[1])[None, :] < visible[:, None], score, NEG_INF)
                 if role.candidate_source:
                     shared["candidates"] = select_candidate_blocks(score, visible, cfg.candidate_topk_blocks,
@@ -267,7 +269,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     wo_a = p["wo_a"]["weight"].reshape(groups, cfg.o_lora_rank, -1)
     u = jnp.einsum("tgd,grd->tgr", o.reshape(t, groups, -1), wo_a, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
-    return linear(u.reshape(t, -1), p["wo_b"]), updates, shared
+    return linear(u.reshape(t, -1), p["wo_b"], linear_impl), updates, shared
 
 
 class Compressor(nnx.Module):

@@ -198,12 +198,13 @@ def hash_rows(window_TG: jax.Array, dev: dict[str, jax.Array], engram_index: int
     return jnp.stack(cols, axis=-1).astype(jnp.int32) + dev["offsets"][engram_index]
 
 
-def engram(p: dict, x_TCD: jax.Array, rows_TJ: jax.Array, mask_T: jax.Array, norm_eps: float) -> jax.Array:
+def engram(p: dict, x_TCD: jax.Array, rows_TJ: jax.Array, mask_T: jax.Array, norm_eps: float,
+           linear_impl: str = "reference") -> jax.Array:
     """Gate one shared looked-up value into every stream. x_TCD: bf16 [T, C, D]; rows_TJ: int32 table rows;
-    mask_T: bool (False = no contribution). Returns bf16 [T, C, D]."""
+    mask_T: bool (False = no contribution); linear_impl: the fp8 ``wkv``'s kernel. Returns bf16 [T, C, D]."""
     t, c, d = x_TCD.shape
     emb = quant.dequant_rows_fp8(*table_rows(p["embed"], rows_TJ))  # [T, J, W]; split by rows under ep
-    kv = linear(emb.reshape(t, -1), p["wkv"])  # [T, (C + 1) * D]
+    kv = linear(emb.reshape(t, -1), p["wkv"], linear_impl)  # [T, (C + 1) * D]
     key_TCD = kv[:, :c * d].astype(jnp.float32).reshape(t, c, d)
     value_TD = kv[:, c * d:]
     weight_CD = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)
@@ -240,6 +241,7 @@ class Engram(nnx.Module):
         self.q_weight = param(stack, (c, d), jnp.bfloat16, ("stream", "embed"))
         self.k_weight = param(stack, (c, d), jnp.bfloat16, ("stream", "embed"))
 
-    def __call__(self, x_TCD: jax.Array, rows_TJ: jax.Array, mask_T: jax.Array) -> jax.Array:
+    def __call__(self, x_TCD: jax.Array, rows_TJ: jax.Array, mask_T: jax.Array,
+                 linear_impl: str = "reference") -> jax.Array:
         """See ``engram``: x_TCD bf16 [T, C, D], rows_TJ int32, mask_T bool -> bf16 [T, C, D]."""
-        return engram(values(self), x_TCD, rows_TJ, mask_T, self.norm_eps)
+        return engram(values(self), x_TCD, rows_TJ, mask_T, self.norm_eps, linear_impl)

@@ -21,6 +21,7 @@ from flax import nnx
 
 from dijax.config import FP4_BLOCK, FP8_BLOCK
 from dijax.kernels import numerics, quant
+from dijax.kernels.fp8_linear import fp8_linear
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -76,11 +77,12 @@ def matmul_f32(x: jax.Array, w_OI: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
-def linear(x: jax.Array, p: dict) -> jax.Array:
+def linear(x: jax.Array, p: dict, impl: str = "reference") -> jax.Array:
     """The reference ``linear()``: the GEMM is chosen by the weight's storage dtype.
 
     x: [..., in] bf16; p: {'weight': [out, in], optional 'scale'}.
-      * fp8 (e4m3 + ue8m0 32x32 tiles): x is fake-quantised to e4m3 per 32, block-scaled GEMM -> bf16;
+      * fp8 (e4m3 + ue8m0 32x32 tiles): x is fake-quantised to e4m3 per 32, block-scaled GEMM -> bf16, through
+        the kernel seam ``dijax.kernels.fp8_linear`` (``impl``: 'reference' or 'pallas', static);
       * MXFP4 (uint8 packed + ue8m0 1x32): x fake-quantised to e4m3 per 32 -> bf16;
       * bf16: plain bf16 GEMM (fp32 accumulation) -> bf16;
       * fp32 (a weight the reference promotes at load; dijax passes its bf16 storage up-cast, see QuantLinear):
@@ -88,8 +90,7 @@ def linear(x: jax.Array, p: dict) -> jax.Array:
     """
     w = p["weight"]
     if w.dtype == jnp.float8_e4m3fn:
-        w_deq = quant.dequant_fp8_weight(w, p["scale"])
-        return matmul_f32(quant.fq8(x), w_deq).astype(jnp.bfloat16)
+        return fp8_linear(x, w, p["scale"], impl=impl)
     if w.dtype == jnp.uint8:
         w_deq = quant.dequant_fp4_weight(w, p["scale"])
         return matmul_f32(quant.fq8(x), w_deq).astype(jnp.bfloat16)
@@ -124,11 +125,11 @@ class QuantLinear(nnx.Module):
         else:
             self.weight = param(stack, (out_dim, in_dim), jnp.bfloat16, axes)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [..., in] -> [..., out]: bf16, or float32 when ``upcast``."""
+    def __call__(self, x: jax.Array, impl: str = "reference") -> jax.Array:
+        """x: [..., in] -> [..., out]: bf16, or float32 when ``upcast``; ``impl`` as ``linear`` takes it."""
         if self.upcast:
             return linear(x, {"weight": self.weight[...].astype(jnp.float32)})
-        return linear(x, values(self))
+        return linear(x, values(self), impl)
 
 
 class RMSNorm(nnx.Module):

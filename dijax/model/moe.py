@@ -36,23 +36,25 @@ def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig) -> tuple[jax
     return weights * np.float32(cfg.route_scale), experts.astype(jnp.int32)
 
 
-def shared_expert(p: dict, x_TD: jax.Array, limit: float) -> jax.Array:
+def shared_expert(p: dict, x_TD: jax.Array, limit: float, linear_impl: str = "reference") -> jax.Array:
     """The fp8 shared expert: ``w2(silu(min(w1 x, l)) * clip(w3 x, +-l))``. -> bf16 [T, D]."""
-    h = swiglu(linear(x_TD, p["w1"]).astype(jnp.float32), linear(x_TD, p["w3"]).astype(jnp.float32), limit)
-    return linear(h.astype(jnp.bfloat16), p["w2"])
+    h = swiglu(linear(x_TD, p["w1"], linear_impl).astype(jnp.float32),
+               linear(x_TD, p["w3"], linear_impl).astype(jnp.float32), limit)
+    return linear(h.astype(jnp.bfloat16), p["w2"], linear_impl)
 
 
 def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, valid_T: jax.Array | None = None, *,
-        impl: str = "reference") -> jax.Array:
+        impl: str = "reference", linear_impl: str = "reference") -> jax.Array:
     """MoE sublayer. x_TD: bf16 (after ffn_norm) -> bf16 [T, D]. valid_T: bool [T], False for the step's padding
     tokens, which are routed to no expert (expert id -1: no expert weights are read for them by the kernel).
-    ``impl``: the routed-experts kernel seam's implementation ('reference' or 'pallas', static). Under a context
+    ``impl``: the routed-experts kernel seam's implementation ('reference' or 'pallas', static); ``linear_impl``:
+    the shared expert's fp8 linears' (``dijax.kernels.fp8_linear``). Under a context
     mesh with an ``ep`` axis the routed experts run split over it (dijax.parallel.moe)."""
     weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg)
     if valid_T is not None:
         experts = jnp.where(valid_T[:, None], experts, -1)
     y = routed_experts_ep(p["experts"], x_TD, weights, experts, cfg.swiglu_limit, impl=impl)
-    y = y + shared_expert(p["shared_experts"], x_TD, cfg.swiglu_limit).astype(jnp.float32)
+    y = y + shared_expert(p["shared_experts"], x_TD, cfg.swiglu_limit, linear_impl).astype(jnp.float32)
     return y.astype(jnp.bfloat16)
 
 

@@ -98,7 +98,8 @@ class Block(nnx.Module):
         """
         role = self.role
         if role.engram:
-            x_TCD = self.engram(x_TCD, ctx.engram_rows[role.engram_index], ctx.geometry.valid_T)
+            x_TCD = self.engram(x_TCD, ctx.engram_rows[role.engram_index], ctx.geometry.valid_T,
+                                ctx.kernel_options["linear_impl"])
         residual = x_TCD
         a_pre, a_post, a_comb = self.hc_attn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
         y = self.attn_norm(hc.pre(x_TCD, pre_TC))
@@ -108,8 +109,9 @@ class Block(nnx.Module):
         residual = x_TCD
         f_pre, f_post, f_comb = self.hc_ffn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
         y = self.ffn_norm(hc.pre(x_TCD, a_pre))
-        x_TCD = hc.post(self.ffn(y, ctx.geometry.valid_T, impl=ctx.kernel_options["moe_impl"]), residual, f_post,
-                        f_comb)
+        y = self.ffn(y, ctx.geometry.valid_T, impl=ctx.kernel_options["moe_impl"],
+                     linear_impl=ctx.kernel_options["linear_impl"])
+        x_TCD = hc.post(y, residual, f_post, f_comb)
         return x_TCD, f_pre, updates, shared
 
 
@@ -327,7 +329,7 @@ def forward_step(params: nnx.State, cache: dict, batch: StepBatch, consts: dict,
     dijax.model.step (``init_cache``); consts: Engram device arrays (``EngramTables.step_consts()``), may be empty
     without Engram; inject_topk: optional {index-source layer: int32 [T, N] compressed positions} overriding that
     layer's selection (a test seam; layers of one scanned stage are given all or none). kernel_options (static):
-    ``moe_impl``, ``topk_impl``, ``sparse_attn_impl``, ``sinkhorn_impl`` ('reference' by default, see
+    ``moe_impl``, ``topk_impl``, ``sparse_attn_impl``, ``sinkhorn_impl``, ``linear_impl`` ('reference' by default, see
     dijax.kernels).
 
     Returns (logits_RV float32 for ``batch.logit_rows_R``, the new cache, {index-source layer: selected

@@ -1,0 +1,49 @@
+"""The fp8 linear Pallas kernel compiled for the GPU (Triton lowering) against the jnp reference on the same GPU.
+
+Outputs start NaN-filled (``KernelConfig.poison``), so an element no program writes shows as NaN. Covers token
+counts below, at and above one tile of rows (masked rows), the real V4.1-Flash linear shapes, and the whole range
+of scale exponents the kernel is exact for. Run on the device: ``PYTHONPATH=. python3 -m pytest -q tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dijax.kernels import fp8_linear as fl
+from tests.test_kernels_fp8_linear import _weights, assert_close_bf16
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
+                                reason="compiles the Pallas kernel for a GPU (the CPU tests run it interpreted)")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, poison=True))
+
+
+@pytest.mark.parametrize("t, out_dim, in_dim", [
+    (1, 1280, 5120),     # wq_a at decode
+    (8, 512, 5120),      # wkv, a tiny-model decode bucket of 8 tokens (masked rows)
+    (37, 5120, 8192),    # wo_b, a ragged token count
+    (64, 2304, 5120),    # shared w1, one full tile of rows
+    (300, 8192, 1280),   # the indexer's wq_b at prefill
+    (16, 96, 160),       # small dims: narrow tiles
+])
+def test_kernel_matches_reference(t, out_dim, in_dim):
+    weight, scale, _ = _weights(out_dim, in_dim, seed=t)
+    x = (jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
+    got = jax.jit(fl.fp8_linear_pallas)(x, weight, scale)
+    want = jax.jit(fl.fp8_linear_reference)(x, weight, scale)
+    assert_close_bf16(got, want)
+
+
+def test_every_scale_exponent_in_range():
+    weight, _, _ = _weights(64, 8 * 32, seed=9)
+    scale = jnp.arange(0, 247, 16, dtype=jnp.uint8)[:16].reshape(2, 8)
+    x = jax.random.normal(jax.random.key(3), (4, 256), jnp.bfloat16)
+    assert_close_bf16(jax.jit(fl.fp8_linear_pallas)(x, weight, scale),
+                      jax.jit(fl.fp8_linear_reference)(x, weight, scale))

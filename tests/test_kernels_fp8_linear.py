@@ -1,0 +1,140 @@
+"""The fp8 block-scaled linear (dijax/kernels/fp8_linear.py): its kernel arithmetic against quant's reference
+functions bit for bit, and the Pallas kernel (interpret mode on CPU) against the jnp reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from dijax.kernels import fp8_linear as fl
+from dijax.kernels import quant
+from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
+from dijax.model.transformer import forward_step
+
+
+def _bf16_values(limit: float) -> np.ndarray:
+    """Every finite bf16 value with |v| <= limit, as float32."""
+    v = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    return v[np.isfinite(v) & (np.abs(v) <= limit)]
+
+
+def test_e4m3_round_arith_matches_conversion():
+    """Every bf16 value and every e4m3 midpoint (the ties) and its float32 neighbours, both signs."""
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(np.abs(grid[np.isfinite(grid)]))
+    mids = (grid[:-1] + grid[1:]) / 2
+    near = np.concatenate([mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf), grid]).astype(np.float32)
+    rng = np.random.default_rng(0)
+    values = np.concatenate([_bf16_values(448.0), near, -near, rng.uniform(-448, 448, 20000).astype(np.float32)])
+    values = values[np.abs(values) <= 448]
+    got = np.asarray(quant.e4m3_round_arith(jnp.asarray(values)))
+    want = np.asarray(quant.e4m3_round(jnp.asarray(values)))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_decode_e4m3_every_code():
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.asarray(fl.decode_e4m3(jnp.asarray(codes))) * np.float32(2.0 ** fl._F16_BIAS_FIX)
+    finite = np.isfinite(want)
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(got[finite], want[finite])
+
+
+def test_scale_multiplier_every_exponent_in_range():
+    s = np.arange(0, 247, dtype=np.uint8)
+    got = np.asarray(fl.scale_multiplier(jnp.asarray(s))) * np.float32(2.0 ** -fl._F16_BIAS_FIX)
+    np.testing.assert_array_equal(got, np.asarray(quant.ue8m0_to_f32(jnp.asarray(s))))
+
+
+def test_fq8_tile_matches_fq8():
+    """Blocks of every magnitude, an all-zero block (the 1e-4 amax floor) and exact powers of two."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 8, 32)) * np.exp2(rng.integers(-30, 20, (6, 8, 1)))
+    x = x.astype(np.float32).reshape(6, 256)
+    x[0, :32] = 0
+    x[1, 32:64] = np.exp2(np.arange(32) - 16)
+    x_bf16 = jnp.asarray(x, jnp.bfloat16)
+    got = np.asarray(fl.fq8_tile(x_bf16.astype(jnp.float32)).astype(jnp.float32))
+    want = np.asarray(quant.fq8(x_bf16).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+
+
+def _weights(out_dim: int, in_dim: int, seed: int, exponents: tuple[int, int] = (110, 135)):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, (out_dim, in_dim), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes (checkpoints have none)
+    weight = jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn))
+    scale = jnp.asarray(rng.integers(*exponents, (-(-out_dim // 32), in_dim // 32), dtype=np.uint8))
+    x = jnp.asarray(rng.standard_normal((0, in_dim)), jnp.bfloat16)
+    return weight, scale, x
+
+
+def assert_close_bf16(got: jax.Array, want: jax.Array) -> None:
+    """Same summands in another fp32 order: outputs within one bf16 ulp (plus fp32 summation noise, which matters
+    only where the sum cancels to near zero), and most identical."""
+    g, w = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    assert not np.isnan(g).any(), "an output element was never written"
+    bound = np.abs(w) * np.float32(2.0 ** -7) + np.abs(w).max() * np.float32(2.0 ** -20)
+    assert np.all(np.abs(g - w) <= bound), np.max(np.abs(g - w) / bound)
+    assert np.mean(g == w) >= 0.9
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, poison=True))
+
+
+@pytest.mark.parametrize("t, out_dim, in_dim", [(1, 64, 256), (5, 96, 160), (16, 256, 64), (70, 128, 96)])
+def test_pallas_matches_reference(poison, t, out_dim, in_dim):
+    weight, scale, _ = _weights(out_dim, in_dim, seed=t)
+    x = jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3
+    x = x.astype(jnp.bfloat16)
+    assert_close_bf16(fl.fp8_linear_pallas(x, weight, scale), fl.fp8_linear_reference(x, weight, scale))
+
+
+def test_every_scale_exponent_in_range(poison):
+    """Scale exponents 0..246 (the kernel's exact range), several per tile row."""
+    weight, _, _ = _weights(64, 8 * 32, seed=9)
+    scale = jnp.asarray(np.arange(0, 247, 16, dtype=np.uint8)[:16].reshape(2, 8))
+    x = jax.random.normal(jax.random.key(3), (4, 256), jnp.bfloat16)
+    assert_close_bf16(fl.fp8_linear_pallas(x, weight, scale), fl.fp8_linear_reference(x, weight, scale))
+
+
+def test_seam_shapes_fallback_and_errors():
+    weight, scale, _ = _weights(48, 64, seed=2)  # O not a multiple of 32: the reference serves it
+    x = jax.random.normal(jax.random.key(0), (2, 3, 64), jnp.bfloat16)
+    got = fl.fp8_linear(x, weight, scale, impl="pallas")
+    assert got.shape == (2, 3, 48)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(fl.fp8_linear(x, weight, scale)))
+    assert fl.fp8_linear(x[:, :0], weight, scale, impl="pallas").shape == (2, 0, 48)
+    with pytest.raises(ValueError, match="fp8 linear impl must be one of"):
+        fl.fp8_linear(x, weight, scale, impl="triton")
+
+
+def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkeypatch):
+    """Trace the tiny-nodrop step with ``linear_impl='pallas'``: every fp8 linear's weight shape (attention, indexer,
+    shared expert, Engram projection) reaches the kernel seam, and nothing else does."""
+    fixture, params, consts = tiny_nodrop
+    cfg = fixture.cfg
+    seen = set()
+
+    def record(x_TI, weight_OI, scale_BB):
+        seen.add(weight_OI.shape)
+        return fl.fp8_linear_reference(x_TI, weight_OI, scale_BB)
+
+    monkeypatch.setitem(fl._IMPLEMENTATIONS, "pallas", record)
+    chunks = [SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=list(range(3, 20)), logits="all")]
+    batch, _ = build_step(chunks, 32, 2, 2, 32)
+    cache = init_cache(cfg, CacheSpec(num_blocks=4, num_slots=2, block_size=16))
+    jax.eval_shape(functools.partial(forward_step, cfg=cfg, linear_impl="pallas"), params, cache, batch, consts)
+    fp8_linears = {leaf.shape[-2:] for path, leaf in nnx.to_flat_state(params)
+                   if leaf.get_value().dtype == jnp.float8_e4m3fn and "experts" not in path and "embed" not in path}
+    assert len(fp8_linears) >= 5 and seen == fp8_linears
