@@ -222,11 +222,12 @@ def kernel_launches(hlo_text: str) -> int:
 
 def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
               warmup: int, iters: int, kernels: str, dump: str | None = None,
-              label: str = "step") -> tuple[float, float, int, int]:
+              label: str = "step", max_model_len: int | None = None) -> tuple[float, float, int, int]:
     """(compile + first run seconds, median seconds, kernel launches per step, XLA temporary bytes) of the engine's
     step: ``ModelRunner``'s jitted step with the ZOS remap and the sampler inside, at the runner's buckets, every
     sequence sampling one token. Sequence i has ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off.
-    ``max_model_len`` is the longest sequence, so the block-table width is that sequence's blocks. The runner's
+    ``max_model_len`` defaults to the longest sequence's blocks; a larger one must not change the step (the block
+    table's width follows the step's sequences, not ``max_model_len``: issue 9's row). The runner's
     debug logits are on so the first run can check them finite. With ``dump``, the optimised HLO goes to
     ``dump/<label>.hlo.txt`` and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with xprof /
     Perfetto, or summarise it with ``tools/trace_summary.py``)."""
@@ -238,7 +239,8 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     max_blocks = -(-max(c + n for c, n in lengths) // block_size)
     total = sum(n for _, n in lengths)
     runner = ModelRunner(cfg, params, consts, num_blocks=max_blocks * len(lengths), num_slots=len(lengths),
-                         block_size=block_size, max_model_len=max_blocks * block_size, max_num_seqs=len(lengths),
+                         block_size=block_size, max_model_len=max_model_len or max_blocks * block_size,
+                         max_num_seqs=len(lengths),
                          max_num_batched_tokens=total, debug_logits=True, kernels=kernels)
     runner.cache = _randomised(runner.cache, seed=1)
     sampling = SamplingParams(temperature=0.8, top_p=0.95)  # the sampler's cost does not depend on its values
@@ -318,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=_ints, default=[256], help="comma list of cached tokens per sequence")
     parser.add_argument("--prefill", type=_ints, default=[128], help="comma list of prefill lengths (one sequence)")
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--max-model-len", type=_ints, default=[],
+                        help="comma list: time each case at each of these runner max_model_len values (default: the "
+                             "case's longest sequence); the step must not depend on it")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--engine", choices=("on", "off"), default="on",
@@ -339,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         routed_experts.routed_path = lambda n_assignments, n_experts: args.moe_path
     device = jax.devices()[0]
     header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
-              f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels} | ep {args.ep}"
-              f" | warm-up {args.warmup}, median of {args.iters}"
+              f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels}"
+              f" | ep {args.ep} | warm-up {args.warmup}, median of {args.iters}"
               f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s")
     print(header, flush=True)
     start = time.perf_counter()
@@ -351,9 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     cases = [(f"decode B={b} ctx={c}", [(c, 1)] * b) for b in args.decode_batch for c in args.context]
     cases += [(f"prefill P={p}", [(0, p)]) for p in args.prefill]
-    for label, lengths in cases:
+    if args.max_model_len:
+        cases = [(f"{label} max_model_len={n}", lengths, n) for label, lengths in cases for n in args.max_model_len]
+    else:
+        cases = [(label, lengths, None) for label, lengths in cases]
+    for label, lengths, max_model_len in cases:
         first, median, launches, temp_bytes = time_step(cfg, params, consts, lengths, args.block_size, args.warmup,
-                                                        args.iters, args.kernels, args.dump, label)
+                                                        args.iters, args.kernels, args.dump, label, max_model_len)
         tokens = sum(n for _, n in lengths)
         cost = step_cost(cfg, tokens, [c + n for c, n in lengths])
         floor, bound = cost.floor_s(args.bandwidth, args.flops)
