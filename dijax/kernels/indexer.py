@@ -136,7 +136,7 @@ def _score_kernel(seq_ref, visible_ref, rows_ref, q_ref, w_ref, keys_ref, *refs,
                                                                                            (block_p, j)), other=0)
                 s_IP = jax.lax.dot_general(q_IJ, keys_PJ, (((1,), (1,)), ((), ())),
                                            preferred_element_type=jnp.float32)
-                # the dot's fp32 accumulator starts at +0, so a zero score is +0 and ReLU in fp32 is exact
+                # ReLU of the bf16-rounded dot, in fp32 (exact); the accumulator starts at +0.0, so no dot is -0.0
                 s_IP = jnp.maximum(s_IP.astype(jnp.bfloat16).astype(jnp.float32), 0.0)
                 s_IP = (s_IP * w_I1).astype(jnp.bfloat16).astype(jnp.float32)
                 score_P = jnp.sum(s_IP, axis=0).astype(jnp.bfloat16).astype(jnp.float32)
@@ -162,7 +162,9 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
     docstring). J must be a power of two >= 16. Heads are padded to a power of two >= 16 with zero queries and
     weights: a padded head's term is +0.0, which leaves every fp32 sum as it was (a -0.0 sum becomes +0.0, which
     every zero score is made anyway). A P that is not a multiple of ``blocks * block_p`` is padded
-    (rows_SP copied with the padding, the scores sliced after). config: tiling (default ``IndexerConfig()``);
+    (rows_SP copied with the padding, the scores sliced after). The pool, the padded rows_SP and the padded
+    scores must each hold fewer than 2^31 elements (Triton's int32 offsets: N < 2^24 rows at J = 128).
+    config: tiling (default ``IndexerConfig()``);
     interpret: run in the Pallas interpreter (default: when the backend is not a GPU).
     """
     config = config or IndexerConfig()
@@ -183,6 +185,10 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
     padded = -(-width // chunk) * chunk
     if padded != width:
         rows_SP = jnp.pad(rows_SP, ((0, 0), (0, padded - width)))
+    for name, size in (("keys_NJ", keys_NJ.size), ("rows_SP padded", s * padded), ("the padded scores", t * padded)):
+        if size >= 2 ** 31:
+            raise ValueError(f"index_scores_pallas: {name} has {size} elements; the kernel's int32 offsets need "
+                             f"fewer than 2^31")
     visible_T = jnp.minimum(visible_T.astype(jnp.int32), width)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
