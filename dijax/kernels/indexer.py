@@ -8,9 +8,9 @@ Two implementations behind ``index_scores(..., impl=...)``, one signature:
     loads or dots for blocks past the token's visible length.
 
 Semantics (both): for token t and compressed position p of its sequence,
-``score[t, p] = bf16(sum_i fp32(bf16(bf16(relu(bf16(q[t, i] . k[p]))) * w[t, i])))``: the dot of bf16 values
-accumulated in fp32 and rounded to bf16, ReLU, times the head weight (exact in fp32, rounded to bf16), the heads
-summed in fp32 and rounded to bf16. The result is returned as float32, with -inf (``NEG_INF``) at every
+``score[t, p] = bf16(sum_i bf16(relu(bf16(q[t, i] . k[p])) * w[t, i]))``, every sum and product in fp32: the dot
+of bf16 values accumulated in fp32 and rounded to bf16, ReLU, times the head weight (exact in fp32, rounded to
+bf16), the heads summed in fp32 and rounded to bf16. The result is returned as float32, with -inf (``NEG_INF``) at every
 p >= visible_T[t].
 
 Agreement: both accumulate exact products of bf16 values in fp32, but in different orders (the dot over J, the sum
@@ -19,7 +19,10 @@ small fraction of entries with random inputs, none when the sums are exact (fq4-
 model's case, usually are). The -inf mask is identical. A zero score is +0.0 in both: the sign of a sum whose
 every head gives -0.0 (ReLU'd to zero, negative weight) depends on the backend's reduction (XLA's reduce starts
 from +0.0 but drops a one-head reduce; Triton's tree sum of -0.0 terms is -0.0), and the top-k orders -0.0 below
-+0.0, so both implementations make every zero score +0.0.
++0.0, so both implementations make every zero score +0.0. XLA:CPU caveat (jax 0.12): jitted, the reference's
+chain and head sum become one YNNPACK fusion that misses bf16 roundings (~40% of scores a bf16 ulp or more off
+the definition); op by op, with ``--xla_cpu_experimental_ynn_fusion_type=`` or with an optimization barrier
+before the sum it follows the definition. The tests compare against it op by op.
 
 The kernel: grid (T, chunks of ``blocks * block_p`` positions); program (t, c) reads t's sequence and visible
 length, and if its chunk holds a visible position it loads t's queries [I, J] and weights [I] once, then for each
@@ -76,7 +79,8 @@ class IndexerConfig:
     most, up to ``max_blocks``, that still leaves ``target_programs`` programs for T x P (more blocks per program
     load the queries once for more keys and launch fewer programs that only write -inf; fewer keep a short step's
     grid wide enough to fill the GPU); num_warps / num_stages: Triton launch parameters. poison: the output starts
-    NaN-filled instead of uninitialised (tests: an element no program writes shows).
+    NaN-filled instead of uninitialised (tests: an element no program writes shows). The defaults are reasoned,
+    not yet measured (``tools/bench_kernels.py --only indexer --sweep`` times the alternatives).
     """
 
     block_p: int = 128
