@@ -198,9 +198,9 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
         interpret = jax.default_backend() != "gpu"
     kernel = functools.partial(_score_kernel, block_p=config.block_p, blocks=blocks)
     out_spec = pl.BlockSpec((None, chunk), lambda a, c: (a, c))
-    in_specs = [pl.no_block_spec, pl.no_block_spec, pl.no_block_spec,
-                pl.BlockSpec((None, heads, j), lambda a, c: (a, 0, 0)), pl.BlockSpec((None, heads), lambda a, c: (a, 0)),
-                pl.no_block_spec]
+    per_token = [pl.BlockSpec((None, heads, j), lambda a, c: (a, 0, 0)),
+                 pl.BlockSpec((None, heads), lambda a, c: (a, 0))]
+    in_specs = [pl.no_block_spec] * 3 + per_token + [pl.no_block_spec]
     args = [seq_T.astype(jnp.int32), visible_T, rows_SP.astype(jnp.int32), q_TIJ.astype(jnp.bfloat16),
             w_TI.astype(jnp.bfloat16), keys_NJ.astype(jnp.bfloat16)]
     aliases = {}
