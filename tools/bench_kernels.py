@@ -160,6 +160,76 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     return out
 
 
+def _bf16_order(x: np.ndarray) -> np.ndarray:
+    """Integers in the order of the float32 array of bf16 values ``x``, one apart per bf16 ulp (-0.0 = +0.0)."""
+    bits = (x.view(np.int32) >> 16).astype(np.int64)
+    return np.where(bits < 0, -0x8000 - bits, bits)
+
+
+def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: int = 32, dim: int = 128,
+                 pool_rows: int = 1 << 22, reference_max_bytes: float = 32e9, sweep: bool = False,
+                 **timing) -> list[dict]:
+    """Decode lightning-indexer scores: the jnp reference against the Pallas kernel.
+
+    ``batch`` tokens, one sequence each, every one seeing its whole context of P compressed positions (the
+    worst case), at random rows of a pool of ``pool_rows`` keys; fq4-quantised queries and keys (the model's).
+    Floor: the visible keys and their row indices read once, the [T, P] float32 scores written. The reference
+    (it materialises [T, P, J] keys and [T, I, P] dots) is skipped above ``reference_max_bytes`` of those. The
+    kernel's row notes its agreement with the reference: the share of scores equal bit for bit, the largest gap in
+    bf16 ulps. ``sweep`` adds tilings.
+    """
+    from dijax.kernels import indexer as ix
+    from dijax.kernels import quant
+
+    configs = [("pallas", ix.IndexerConfig())]
+    if sweep:
+        configs += [("pallas p64", ix.IndexerConfig(block_p=64)),
+                    ("pallas p256 warps8", ix.IndexerConfig(block_p=256, num_warps=8)),
+                    ("pallas 1 block/program", ix.IndexerConfig(blocks=1)),
+                    ("pallas 4 blocks/program", ix.IndexerConfig(blocks=4)),
+                    ("pallas 16 blocks/program", ix.IndexerConfig(blocks=16)),
+                    ("pallas warps8", ix.IndexerConfig(num_warps=8)),
+                    ("pallas stages2", ix.IndexerConfig(num_stages=2))]
+    out = []
+    for batch in batches:
+        for width in contexts:
+            rng = jax.random.split(jax.random.key(batch * 7 + width), 4)
+            q = quant.fq4_pow2(jax.random.normal(rng[0], (batch, heads, dim), jnp.bfloat16), 32)
+            w = (jax.random.normal(rng[1], (batch, heads), jnp.float32) * (dim * heads) ** -0.5).astype(jnp.bfloat16)
+            pool = quant.fq4_pow2(jax.random.normal(rng[2], (pool_rows, dim), jnp.bfloat16), 32)
+            rows = jax.random.randint(rng[3], (batch, width), 0, pool_rows, jnp.int32)
+            seq = jnp.arange(batch, dtype=jnp.int32)
+            visible = jnp.full((batch,), width, jnp.int32)
+            args = (q, w, pool, rows, seq, visible)
+            floor_bytes = batch * width * (dim * 2 + 4 + 4)
+            shape = f"B={batch}, P={width}, {heads} heads x {dim}"
+            base, want = None, None
+            if batch * width * (dim * 2 + heads * 4) <= reference_max_bytes:
+                try:
+                    ref_fn = jax.jit(ix.index_scores_reference)
+                    want = np.asarray(ref_fn(*args))
+                    base = time_call(ref_fn, *args, **timing)
+                    out.append(_row("indexer", shape, "reference (XLA)", base, floor_bytes, None))
+                except Exception as exc:  # out of memory: the kernel rows still come
+                    print(f"indexer reference at {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
+            for name, config in configs:
+                try:
+                    fn = jax.jit(lambda *a, c=config: ix.index_scores_pallas(*a, config=c))
+                    note = ""
+                    if want is not None:
+                        got = np.asarray(fn(*args))
+                        gap = np.abs(_bf16_order(got) - _bf16_order(want))
+                        note = f" ({np.mean(got.view(np.uint32) == want.view(np.uint32)):.2%} equal, " \
+                               f"max {int(gap.max())} ulp)"
+                        del got
+                    seconds = time_call(fn, *args, **timing)
+                    out.append(_row("indexer", shape, name + note, seconds, floor_bytes, base))
+                except Exception as exc:  # one failing tiling must not hide the others' rows
+                    print(f"indexer {name} at {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
+            del args, pool, rows, want
+    return out
+
+
 def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **timing) -> list[dict]:
     """The routed-experts layer alone at the flash-slice dimensions (tools/bench.py: 384 MXFP4 experts of
     2304 x dim, 6 per token, random codes and ue8m0 exponents 116..120, uniformly random routing): the jnp
@@ -285,8 +355,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r['floor_pct']:.1f} | {r['speedup']:.2f} |")
 
 
-BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows, "routed_experts": routed_experts_rows,
-           "fp8_linear": fp8_linear_rows}
+BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
+           "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows}
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
 |---|---|---|
 | routed experts (MXFP4 / fp8 grouped GEMM, SwiGLU) | ``routed_experts`` | reference, pallas |
 | sparse attention with the sink | ``sparse_attn`` | reference, pallas |
+| lightning-indexer scores over the paged key pool | ``indexer`` | reference, pallas |
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection) |
 | the hyper-connection Sinkhorn rounds | ``sinkhorn`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |

@@ -1,0 +1,127 @@
+"""The Pallas lightning-indexer kernel on the GPU, at V4.1-Flash sizes, against its jnp reference.
+
+Run on a GPU machine: ``python -m pytest -q tests/gpu/test_indexer_gpu.py``. Outputs are poisoned two ways: with
+``IndexerConfig(poison=True)`` the output buffer starts NaN-filled (aliased into the kernel); without it a NaN array
+of the output's size is freed just before the call, so the allocator hands the kernel memory full of NaN. Either
+way an element the kernel fails to write shows up as NaN.
+
+Agreement (kernels/indexer.py): the -inf mask exactly, zero scores as +0.0, other scores at most one bf16 ulp apart
+on a small fraction of entries (fp32 summation order); fq4-quantised inputs (the model's) make the sums exact, so
+nearly all of them agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dijax  # noqa: F401  (sets XLA flags before JAX starts)
+from dijax.kernels import quant
+from dijax.kernels.indexer import IndexerConfig, index_scores_pallas, index_scores_reference
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
+                                reason="GPU kernels: needs a CUDA backend (jax.default_backend() == 'gpu')")
+
+HEADS, DIM = 32, 128  # V4.1-Flash: index_n_heads, index_head_dim (v41_spec §5.2)
+
+
+def poison(nbytes: int) -> None:
+    """Leave ``nbytes`` of freed device memory holding NaN for the next allocation to reuse."""
+    filler = jnp.full((nbytes // 4 + 1,), jnp.nan, jnp.float32)
+    filler.block_until_ready()
+    filler.delete()
+
+
+def problem(batch: int, width: int, visible, *, heads: int = HEADS, dim: int = DIM, seqs: int | None = None,
+            seed: int = 0, fq4: bool = True):
+    """``batch`` tokens over ``seqs`` sequences (default one each, a decode step; fewer: tokens share sequences, a
+    prefill), every sequence's positions at randomly permuted rows of one pool."""
+    rng = np.random.default_rng(seed)
+    seqs = seqs or batch
+    n = seqs * width + 1000
+    q = jnp.asarray(rng.standard_normal((batch, heads, dim)), jnp.bfloat16)
+    keys = jnp.asarray(rng.standard_normal((n, dim)), jnp.bfloat16)
+    if fq4:
+        q, keys = quant.fq4_pow2(q, 32), quant.fq4_pow2(keys, 32)
+    w = jnp.asarray(rng.standard_normal((batch, heads)) * (dim * heads) ** -0.5, jnp.bfloat16)
+    rows = jnp.asarray(rng.permutation(n)[:seqs * width].reshape(seqs, width).astype(np.int32))
+    seq = jnp.asarray(np.arange(batch) % seqs, jnp.int32)
+    return q, w, keys, rows, seq, jnp.asarray(np.asarray(visible, np.int32))
+
+
+def bf16_ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Distance in bf16 ulps between float32 arrays of bf16 values."""
+    def ordered(x):
+        bits = x.view(np.int32) >> 16
+        return np.where(bits < 0, np.int32(-0x8000) - bits, bits).astype(np.int64)
+    return np.abs(ordered(got) - ordered(want))
+
+
+def check(args, config: IndexerConfig, max_fraction: float) -> float:
+    """Run both implementations, assert the agreement above; returns the fraction of scores that differ."""
+    want = np.asarray(jax.jit(index_scores_reference)(*args))
+    kernel = jax.jit(lambda *a: index_scores_pallas(*a, config=config))
+    if not config.poison:
+        poison(want.nbytes * 2)
+    got = np.asarray(kernel(*args))
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} scores never written"
+    visible = np.minimum(np.asarray(args[5]), want.shape[1])
+    masked = np.arange(want.shape[1])[None, :] >= visible[:, None]
+    np.testing.assert_array_equal(np.isneginf(got), masked)
+    np.testing.assert_array_equal(np.isneginf(want), masked)
+    live_got, live_want = got[~masked], want[~masked]
+    assert np.isfinite(live_got).all()
+    assert not (live_got.view(np.uint32) == np.float32(-0.0).view(np.uint32)).any(), "a zero score is -0.0"
+    ulps = bf16_ulps(live_got, live_want)
+    fraction = float((ulps > 0).mean()) if ulps.size else 0.0
+    assert ulps.max(initial=0) <= 1, f"max {ulps.max()} bf16 ulps"
+    assert fraction <= max_fraction, f"{fraction:.3%} of the scores one bf16 ulp apart"
+    return fraction
+
+
+@pytest.mark.parametrize("batch,width,config", [
+    (1, 262_144, IndexerConfig()),
+    (64, 65_536, IndexerConfig()),
+    (256, 4096, IndexerConfig(poison=True)),
+    (64, 65_536, IndexerConfig(block_p=64, blocks=1, num_warps=4, poison=True)),
+    (64, 65_536, IndexerConfig(block_p=256, blocks=2, num_warps=8)),
+])
+def test_decode_matches_reference(batch, width, config):
+    rng = np.random.default_rng(batch)
+    visible = rng.integers(0, width + 1, batch)
+    visible[0] = width
+    if batch > 2:
+        visible[1], visible[2] = 0, 1  # a token with nothing visible, one with a single position
+    args = problem(batch, width, visible, seed=batch)
+    check(args, config, max_fraction=1e-3)
+
+
+def test_prefill_tokens_of_few_sequences():
+    # a chunk of 48 tokens of 3 sequences, P not a multiple of the chunk: visible lengths grow token by token
+    width = 3000
+    visible = np.concatenate([np.arange(16) * 37, 1500 + np.arange(16), width - np.arange(16)])
+    args = problem(48, width, visible, seqs=3, seed=7)
+    check(args, IndexerConfig(poison=True), max_fraction=1e-3)
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+def test_random_bf16_inputs_within_one_ulp(heads):
+    # unquantised inputs: the dot and head sums round, in another order than XLA's
+    args = problem(16, 8192, np.linspace(0, 8192, 16).astype(int), heads=heads, seed=heads, fq4=False)
+    check(args, IndexerConfig(poison=True), max_fraction=0.02)
+
+
+def test_tiny_model_heads_and_zero_scores():
+    # the parity fixtures' 4 heads of 32, padded to 16 inside the call; token 0's scores are all sums of -0.0
+    # terms (every dot negative, every weight negative), which must come back +0.0
+    q, w, keys, rows, seq, visible = problem(7, 300, [300, 0, 1, 17, 150, 299, 64], heads=4, dim=32, seqs=3,
+                                             seed=3, fq4=False)
+    q = q.at[0].set(-jnp.abs(q[0]))
+    keys = jnp.abs(keys)
+    w = w.at[0].set(-jnp.abs(w[0]))
+    args = (q, w, keys, rows, seq, visible)
+    check(args, IndexerConfig(block_p=16, poison=True), max_fraction=0.02)
+    got = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a, config=IndexerConfig(block_p=16)))(*args))
+    assert (got[0].view(np.uint32) == 0).all()
