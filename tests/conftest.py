@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import types
 
 import pytest
 
@@ -49,3 +50,23 @@ def _release_compiled_steps():
     compiling, late in a full run)."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture
+def lower_for_cuda(monkeypatch):
+    """``lower(fn, *abstract_args) -> str``: the StableHLO of ``jax.jit(fn)`` lowered for CUDA on any host, with
+    the device that jax's Pallas Triton lowering asks about faked as an H200 (compute capability 9.0). Kernels are
+    lowered to Triton IR on the way, so an operation the Triton lowering rejects fails here, before a GPU run."""
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as registration
+    except ImportError as exc:
+        pytest.skip(f"jax's Pallas Triton lowering moved: {exc}")
+    if not hasattr(registration, "gpu_info_lib"):
+        pytest.skip("jax's Pallas Triton lowering no longer reads the device through gpu_info_lib")
+    device = types.SimpleNamespace(compute_capability="9.0")
+    monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(get_gpu_info=lambda: device))
+
+    def lower(fn, *args) -> str:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    return lower

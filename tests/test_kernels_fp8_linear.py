@@ -77,12 +77,16 @@ def _weights(out_dim: int, in_dim: int, seed: int, exponents: tuple[int, int] = 
     return weight, scale, x
 
 
-def assert_close_bf16(got: jax.Array, want: jax.Array) -> None:
-    """Same summands in another fp32 order: outputs within one bf16 ulp (plus fp32 summation noise, which matters
-    only where the sum cancels to near zero), and most identical."""
+def assert_close_bf16(got: jax.Array, want: jax.Array, x_TI: jax.Array, weight_OI: jax.Array,
+                      scale_BB: jax.Array) -> None:
+    """The same exact products summed in another order: within one bf16 ulp of the output plus the accumulation's
+    error, bounded by 2^-16 of the sum of |products| (fp32 sums in any order, and tensor cores, which align and
+    truncate partial sums, stay far below it; a wrong scale or code is of the size of that sum); most identical."""
     g, w = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
     assert not np.isnan(g).any(), "an output element was never written"
-    bound = np.abs(w) * np.float32(2.0 ** -7) + np.abs(w).max() * np.float32(2.0 ** -20)
+    x = np.abs(np.asarray(quant.fq8(x_TI).astype(jnp.float32)))
+    wd = np.abs(np.asarray(quant.dequant_fp8_weight(weight_OI, scale_BB).astype(jnp.float32)))
+    bound = np.abs(w) * np.float32(2.0 ** -7) + (x @ wd.T) * np.float32(2.0 ** -16)
     assert np.all(np.abs(g - w) <= bound), np.max(np.abs(g - w) / bound)
     assert np.mean(g == w) >= 0.9
 
@@ -92,12 +96,16 @@ def poison(monkeypatch):
     monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, poison=True))
 
 
-@pytest.mark.parametrize("t, out_dim, in_dim", [(1, 64, 256), (5, 96, 160), (16, 256, 64), (70, 128, 96)])
-def test_pallas_matches_reference(poison, t, out_dim, in_dim):
+@pytest.mark.parametrize("t, out_dim, in_dim, target", [(1, 64, 256, 264), (5, 96, 160, 264), (16, 256, 64, 1),
+                                                        (70, 128, 96, 1), (70, 128, 96, 264)])
+def test_pallas_matches_reference(monkeypatch, poison, t, out_dim, in_dim, target):
+    """``target`` 1: no K split (bf16 out of the kernel); 264: K split into as many parts as it has slices."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, target_programs=target))
     weight, scale, _ = _weights(out_dim, in_dim, seed=t)
     x = jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3
     x = x.astype(jnp.bfloat16)
-    assert_close_bf16(fl.fp8_linear_pallas(x, weight, scale), fl.fp8_linear_reference(x, weight, scale))
+    assert_close_bf16(fl.fp8_linear_pallas(x, weight, scale), fl.fp8_linear_reference(x, weight, scale), x, weight,
+                      scale)
 
 
 def test_every_scale_exponent_in_range(poison):
@@ -105,16 +113,21 @@ def test_every_scale_exponent_in_range(poison):
     weight, _, _ = _weights(64, 8 * 32, seed=9)
     scale = jnp.asarray(np.arange(0, 247, 16, dtype=np.uint8)[:16].reshape(2, 8))
     x = jax.random.normal(jax.random.key(3), (4, 256), jnp.bfloat16)
-    assert_close_bf16(fl.fp8_linear_pallas(x, weight, scale), fl.fp8_linear_reference(x, weight, scale))
+    assert_close_bf16(fl.fp8_linear_pallas(x, weight, scale), fl.fp8_linear_reference(x, weight, scale), x, weight,
+                      scale)
 
 
-def test_seam_shapes_fallback_and_errors():
+def test_seam_shapes_fallback_and_errors(monkeypatch):
     weight, scale, _ = _weights(48, 64, seed=2)  # O not a multiple of 32: the reference serves it
     x = jax.random.normal(jax.random.key(0), (2, 3, 64), jnp.bfloat16)
     got = fl.fp8_linear(x, weight, scale, impl="pallas")
     assert got.shape == (2, 3, 48)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(fl.fp8_linear(x, weight, scale)))
     assert fl.fp8_linear(x[:, :0], weight, scale, impl="pallas").shape == (2, 0, 48)
+    weight, scale, _ = _weights(64, 64, seed=3)  # more tokens than CONFIG.max_tokens: the reference serves them
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, max_tokens=4))
+    np.testing.assert_array_equal(np.asarray(fl.fp8_linear(x, weight, scale, impl="pallas")),
+                                  np.asarray(fl.fp8_linear(x, weight, scale)))
     with pytest.raises(ValueError, match="fp8 linear impl must be one of"):
         fl.fp8_linear(x, weight, scale, impl="triton")
 
@@ -138,3 +151,14 @@ def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkey
     fp8_linears = {leaf.shape[-2:] for path, leaf in nnx.to_flat_state(params)
                    if leaf.get_value().dtype == jnp.float8_e4m3fn and "experts" not in path and "embed" not in path}
     assert len(fp8_linears) >= 5 and seen == fp8_linears
+
+
+@pytest.mark.parametrize("t, out_dim, in_dim", [(1, 512, 5120), (64, 5120, 8192), (8, 96, 160)])
+def test_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch, t, out_dim, in_dim):
+    """Both output forms (bf16, and split K's fp32 partial sums) and the poisoned output lower to Triton IR."""
+    x = jax.ShapeDtypeStruct((t, in_dim), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((out_dim, in_dim), jnp.float8_e4m3fn)
+    s = jax.ShapeDtypeStruct((out_dim // 32, in_dim // 32), jnp.uint8)
+    for config in (fl.CONFIG, dataclasses.replace(fl.CONFIG, target_programs=1, poison=True)):
+        monkeypatch.setattr(fl, "CONFIG", config)
+        assert "triton" in lower_for_cuda(functools.partial(fl.fp8_linear_pallas, interpret=False), x, w, s)

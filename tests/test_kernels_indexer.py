@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,22 +152,12 @@ def test_dispatcher_and_errors():
         jax.eval_shape(index_scores_pallas, *too_big)
 
 
-def test_lowers_to_triton_without_a_gpu(monkeypatch):
-    """The kernel lowers to Triton IR at the V4.1-Flash sizes (lowering for CUDA on this CPU host, the device
-    properties faked as an H200's): catches operations the Triton lowering rejects before a GPU run does."""
-    try:
-        from jax._src.pallas.triton import pallas_call_registration as registration
-    except ImportError as exc:
-        pytest.skip(f"jax's Pallas Triton lowering moved: {exc}")
-    if not hasattr(registration, "gpu_info_lib"):
-        pytest.skip("jax's Pallas Triton lowering no longer reads the device through gpu_info_lib")
-    device = types.SimpleNamespace(compute_capability="9.0")
-    monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(get_gpu_info=lambda: device))
+def test_lowers_to_triton_without_a_gpu(lower_for_cuda):
+    """The kernel lowers to Triton IR at the V4.1-Flash sizes (conftest ``lower_for_cuda``)."""
     t, i, j, width, n = 64, 32, 128, 65_536, 1 << 20
     shapes = [((t, i, j), jnp.bfloat16), ((t, i), jnp.bfloat16), ((n, j), jnp.bfloat16), ((t, width), jnp.int32),
               ((t,), jnp.int32), ((t,), jnp.int32)]
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
     for config in (IndexerConfig(), IndexerConfig(block_p=64, blocks=1, poison=True)):
-        fn = jax.jit(lambda *a, c=config: index_scores_pallas(*a, config=c, interpret=False))
-        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "triton" in text
+        assert "triton" in lower_for_cuda(lambda *a, c=config: index_scores_pallas(*a, config=c, interpret=False),
+                                          *args)

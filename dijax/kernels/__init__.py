@@ -17,17 +17,17 @@ from __future__ import annotations
 
 KERNEL_CHOICES = ("auto", "on", "off")
 REFERENCE = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference",
-             "sinkhorn_impl": "reference", "linear_impl": "reference"}
+             "sinkhorn_impl": "reference", "linear_impl": "reference", "indexer_impl": "reference"}
 FAST = {"moe_impl": "pallas", "topk_impl": "select", "sparse_attn_impl": "pallas", "sinkhorn_impl": "pallas",
-        "linear_impl": "pallas"}
+        "linear_impl": "pallas", "indexer_impl": "pallas"}
 # The fast kernels 'auto' turns on for a GPU: a kernel joins once the whole model passes `dijax parity` on a GPU
 # with it (`--kernels on`, tools/gpu_validate.sh). All four have (H200, 2026-12-01, docs/parity.md "On the GPU"):
 # every statistical bound, tier 2, the engine's tokens; the one prefix row that misses is of the same kind as the
 # row the CPU misses with every kernel off (a single position-1 row at r ~ 1e-2, issue 8). Each kernel also passed
 # its own GPU test against its reference; top-k select returns exactly lax.top_k's result, and the Sinkhorn kernel
 # matches a numpy float32 oracle bit for bit where XLA's GPU code for the reference is 9-21 ulps off.
-# The fp8 linear kernel has not yet had its GPU parity run.
-AUTO_ON_GPU: dict[str, str] = {k: v for k, v in FAST.items() if k != "linear_impl"}
+# The fp8 linear and indexer kernels have not yet had their GPU parity run.
+AUTO_ON_GPU: dict[str, str] = {k: v for k, v in FAST.items() if k not in ("linear_impl", "indexer_impl")}
 
 
 def kernel_options(kernels: str, platform: str) -> dict[str, str]:

@@ -3,10 +3,12 @@
 ``fp8_linear(x, weight, scale, impl=)``; the choice is static (part of the step's jit key):
   * 'reference': fake-quantise x (``quant.fq8``), dequantise the whole weight to bf16 in XLA, one fp32-accumulated
     GEMM (the semantics; three XLA kernels and a bf16 copy of the weight per call);
-  * 'pallas': one Triton-lowered ``pl.pallas_call`` per call. Each program owns a [rows x cols] output tile, walks K
-    in slices, fake-quantises its activation slice in registers (per-32 amax, power-of-two scale from the bits,
-    e4m3 rounding by float arithmetic), decodes its e4m3 weight codes with integer bit operations, applies the
-    32 x 32 tile scales, and runs a tensor-core bf16 dot with fp32 accumulation. The weight is read once, as bytes.
+  * 'pallas': one Triton-lowered ``pl.pallas_call`` per call. Each program owns a [rows x cols] output tile and
+    one of ``splits`` parts of K, walks its part in slices, fake-quantises its activation slice in registers
+    (per-32 amax, power-of-two scale from the bits, e4m3 rounding by float arithmetic), decodes its e4m3 weight
+    codes with integer bit operations, applies the 32 x 32 tile scales, and runs a tensor-core bf16 dot with fp32
+    accumulation. The weight is read once, as bytes. Split K (flash-decoding style) keeps a decode step's grid
+    wide enough to fill the GPU when O / cols tiles are few: the splits' fp32 partial sums are added in XLA.
 
 Numerics: every fake-quantised activation and every dequantised weight is a bf16 value, so each product is exact in
 fp32 and both implementations sum the same exact products in fp32; only the summation order differs (a bf16 ulp
@@ -42,6 +44,9 @@ _F16_BIAS_FIX = 8  # a decoded e4m3 code is value * 2^-8 (float16 bias 15 agains
 class KernelConfig:
     """Tiles and Triton launch parameters. Sizes are powers of two; ``cols`` and ``depth`` are halved until they
     divide their dimension (never below 32, the scale block). ``rows`` grows to cover up to ``rows_max`` tokens.
+    K is split into the fewest parts (a divisor of its slices) that give ``target_programs`` programs. Steps of
+    more than ``max_tokens`` tokens take the reference (XLA's dequantisation, then cuBLAS: faster on the H200
+    once the GEMM is compute bound, see docs/benchmarks.md).
 
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
@@ -49,6 +54,8 @@ class KernelConfig:
     depth: int = 128
     warps: int = 4
     stages: int = 3
+    target_programs: int = 264  # two per multiprocessor of an H200: K is split until the grid has this many
+    max_tokens: int = 32
     poison: bool = False
 
 
@@ -99,14 +106,17 @@ def _expand_scales(scale_BB: jax.Array, cols: int, depth: int) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int, n_depth: int):
-    """Program (n, m): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...)."""
+    """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...),
+    over K slices [k*n_depth, (k+1)*n_depth) of ``depth``. The output is bf16 [T, O], or with split K the fp32
+    partial sums [splits, T, O]."""
     n0, m0 = pl.program_id(0) * cols, pl.program_id(1) * rows
+    first = pl.program_id(2) * n_depth
     row_R = m0 + jnp.arange(rows)
     live_R1 = (row_R < n_tokens)[:, None]
     safe_R1 = jnp.minimum(row_R, n_tokens - 1)[:, None]
 
     def step(k, acc):
-        k0 = k * depth
+        k0 = (first + k) * depth
         col_K = k0 + jnp.arange(depth)
         x_RK = pltriton.load(x_ref.at[safe_R1, col_K[None, :]], mask=jnp.broadcast_to(live_R1, (rows, depth)),
                              other=0).astype(jnp.float32)
@@ -120,8 +130,10 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, 
     col_N = n0 + jnp.arange(cols)
     # masked rows keep their own (out-of-range) indices: interpret mode drops them, where clamped duplicates would
     # write stale values over a live row
-    pltriton.store(o_ref.at[row_R[:, None], col_N[None, :]], acc.astype(jnp.bfloat16),
-                   mask=jnp.broadcast_to(live_R1, (rows, cols)))
+    index = (row_R[:, None], col_N[None, :])
+    if len(o_ref.shape) == 3:  # split K: this split's plane of fp32 partial sums
+        index = (jnp.full((rows, 1), pl.program_id(2)),) + index
+    pltriton.store(o_ref.at[index], acc.astype(o_ref.dtype), mask=jnp.broadcast_to(live_R1, (rows, cols)))
 
 
 def _tile(dim: int, preferred: int) -> int:
@@ -132,17 +144,28 @@ def _tile(dim: int, preferred: int) -> int:
     return block if block >= QUANT_BLOCK else 0
 
 
+def k_splits(programs: int, n_slices: int, target: int) -> int:
+    """The fewest parts of ``n_slices`` K slices (a divisor of it) giving ``programs * parts >= target``."""
+    for parts in range(1, n_slices + 1):
+        if n_slices % parts == 0 and programs * parts >= target:
+            return parts
+    return n_slices
+
+
 def pallas_supports(x_TI: jax.Array, weight_OI: jax.Array) -> bool:
-    """Shapes the kernel takes: O and I multiples of 32 (the scale tiles), fp8 weights."""
+    """Shapes the kernel takes: O and I multiples of 32 (the scale tiles), fp8 weights, at most
+    ``CONFIG.max_tokens`` rows of x."""
     out_dim, in_dim = weight_OI.shape
-    return weight_OI.dtype == jnp.float8_e4m3fn and out_dim % QUANT_BLOCK == 0 and in_dim % QUANT_BLOCK == 0
+    return (weight_OI.dtype == jnp.float8_e4m3fn and out_dim % QUANT_BLOCK == 0 and in_dim % QUANT_BLOCK == 0
+            and x_TI.shape[0] <= CONFIG.max_tokens)
 
 
-def fp8_linear_pallas(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array) -> jax.Array:
+def fp8_linear_pallas(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array,
+                      interpret: bool | None = None) -> jax.Array:
     """``fp8_linear_reference`` in one Pallas kernel (module docstring); other shapes take the reference.
 
     x_TI bf16 [T, I] (any leading shape is flattened by ``fp8_linear``); weight [O, I] e4m3; scale uint8
-    [O/32, I/32]. -> bf16 [T, O]."""
+    [O/32, I/32]. -> bf16 [T, O]. ``interpret``: run the kernel interpreted (default: off a GPU)."""
     if not pallas_supports(x_TI, weight_OI):
         return fp8_linear_reference(x_TI, weight_OI, scale_BB)
     t, in_dim = x_TI.shape
@@ -152,22 +175,27 @@ def fp8_linear_pallas(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array
     cfg = CONFIG
     rows = int(min(cfg.rows_max, max(MIN_DOT, pl.next_power_of_2(max(t, 1)))))
     cols, depth = _tile(out_dim, cfg.cols), _tile(in_dim, cfg.depth)
-    kernel = functools.partial(_kernel, n_tokens=t, rows=rows, cols=cols, depth=depth, n_depth=in_dim // depth)
-    grid = (out_dim // cols, -(-t // rows))
-    out = jax.ShapeDtypeStruct((t, out_dim), jnp.bfloat16)
+    tiles = (out_dim // cols) * -(-t // rows)
+    splits = k_splits(tiles, in_dim // depth, cfg.target_programs)
+    kernel = functools.partial(_kernel, n_tokens=t, rows=rows, cols=cols, depth=depth,
+                               n_depth=in_dim // depth // splits)
+    grid = (out_dim // cols, -(-t // rows), splits)
+    out = jax.ShapeDtypeStruct((t, out_dim) if splits == 1 else (splits, t, out_dim),
+                               jnp.bfloat16 if splits == 1 else jnp.float32)
     params = pltriton.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages)
     codes_OI = jax.lax.bitcast_convert_type(weight_OI, jnp.uint8)
-    interpret = jax.default_backend() != "gpu"
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     if not cfg.poison:
-        return pl.pallas_call(kernel, out_shape=out, grid=grid, compiler_params=params, name="fp8_linear",
-                              interpret=interpret)(x_TI, codes_OI, scale_BB)
+        y = pl.pallas_call(kernel, out_shape=out, grid=grid, compiler_params=params, name="fp8_linear",
+                           interpret=interpret)(x_TI, codes_OI, scale_BB)
+    else:
+        def poisoned(x_ref, w_ref, s_ref, _alias_ref, o_ref):
+            kernel(x_ref, w_ref, s_ref, o_ref)
 
-    def poisoned(x_ref, w_ref, s_ref, _alias_ref, o_ref):
-        kernel(x_ref, w_ref, s_ref, o_ref)
-
-    return pl.pallas_call(poisoned, out_shape=out, grid=grid, compiler_params=params, name="fp8_linear",
-                          input_output_aliases={3: 0}, interpret=interpret,
-                          )(x_TI, codes_OI, scale_BB, jnp.full((t, out_dim), np.nan, jnp.bfloat16))
+        y = pl.pallas_call(poisoned, out_shape=out, grid=grid, compiler_params=params, name="fp8_linear",
+                           input_output_aliases={3: 0}, interpret=interpret,
+                           )(x_TI, codes_OI, scale_BB, jnp.full(out.shape, np.nan, out.dtype))
+    return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
 
 
 _IMPLEMENTATIONS = {"reference": fp8_linear_reference, "pallas": fp8_linear_pallas}

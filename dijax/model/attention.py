@@ -22,14 +22,14 @@ from flax import nnx
 
 from dijax.config import LayerRole, ModelConfig
 from dijax.kernels.sparse_attn import sparse_attn
-from dijax.kernels import quant
+from dijax.kernels import indexer, quant
 from dijax.kernels.topk import topk
 from dijax.kernels.numerics import divide
 from dijax.model.layers import (QuantLinear, RMSNorm, linear, matmul_f32, param, rms_norm, rope,
                                 rope_frequencies, values)
 from dijax.model.step import StepBatch
 
-NEG_INF = -jnp.inf
+NEG_INF = indexer.NEG_INF
 
 
 @dataclass(frozen=True)
@@ -149,20 +149,17 @@ def select_candidate_blocks(score_TP: jax.Array, visible_T: jax.Array, topk_bloc
     return jnp.repeat(kept, block_size, axis=1)[:, :width]
 
 
-def index_scores(p: dict, x_TD: jax.Array, qr_TQ: jax.Array, keys_SPJ: jax.Array, g: Geometry,
-                 freqs: np.ndarray, n_heads: int, head_dim: int, linear_impl: str = "reference") -> jax.Array:
-    """Lightning-indexer scores in the reference's bf16 order. -> bf16 [T, P] (unmasked)."""
+def index_scores(p: dict, x_TD: jax.Array, qr_TQ: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array, g: Geometry,
+                 visible_T: jax.Array, freqs: np.ndarray, n_heads: int, head_dim: int, *,
+                 linear_impl: str = "reference", indexer_impl: str = "reference") -> jax.Array:
+    """Lightning-indexer scores in the reference's bf16 order over the paged key pool ``keys_NJ`` (pool row of each
+    sequence position: ``rows_SP``). -> float32 [T, P], -inf at positions >= visible_T. The queries and head
+    weights are computed here; the scores by ``kernels.indexer`` (``indexer_impl``: 'reference' or 'pallas')."""
     t = x_TD.shape[0]
     q = linear(qr_TQ, p["wq_b"], linear_impl).reshape(t, n_heads, head_dim)
     q = quant.fq4_pow2(rope(q, g.pos_T, freqs), 32)
     w = linear(x_TD, p["weights_proj"]).astype(jnp.float32) * np.float32(head_dim ** -0.5 * n_heads ** -0.5)
-    w = w.astype(jnp.bfloat16)
-    keys_TPJ = keys_SPJ[g.seq_T]
-    s = jnp.einsum("tij,tpj->tip", q, keys_TPJ, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
-    s = jnp.maximum(s, 0)
-    s = (s.astype(jnp.float32) * w.astype(jnp.float32)[..., None]).astype(jnp.bfloat16)
-    return jnp.sum(s.astype(jnp.float32), axis=1).astype(jnp.bfloat16)
+    return indexer.index_scores(q, w.astype(jnp.bfloat16), keys_NJ, rows_SP, g.seq_T, visible_T, impl=indexer_impl)
 
 
 def topk_positions(score_TP: jax.Array, visible_T: jax.Array, limit_T: jax.Array, k: int, *,
@@ -185,15 +182,16 @@ def topk_positions(score_TP: jax.Array, visible_T: jax.Array, limit_T: jax.Array
 
 def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Geometry, cache: dict,
               shared: dict, inject_TN: jax.Array | None, *, topk_impl: str = "reference",
-              sparse_attn_impl: str = "reference", linear_impl: str = "reference"):
+              sparse_attn_impl: str = "reference", linear_impl: str = "reference", indexer_impl: str = "reference"):
     """One attention sublayer on the ragged step.
 
     x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
     returned in the new cache dict); ``shared`` carries what sources publish to later layers in this step:
     {"topk": {layer: [T, N]}, "candidates": [T, P]}. ``topk_impl`` ("reference" | "select") and
-    ``sparse_attn_impl`` ("reference" | "pallas") and ``linear_impl`` (the fp8 linears: "reference" | "pallas")
-    pick the kernel implementations (static): the top-k picks are identical, the attention output and the linears
-    agree to bf16 rounding (``kernels.sparse_attn``, ``kernels.fp8_linear``).
+    ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and ``indexer_impl`` (the index scores), each
+    "reference" | "pallas", pick the kernel implementations (static): the top-k picks are identical, the attention
+    output, the linears and the index scores agree to bf16 rounding (``kernels.sparse_attn``,
+    ``kernels.fp8_linear``, ``kernels.indexer``).
     Returns (y_TD bf16, cache updates dict, shared).
     """
     t = x_TD.shape[0]
@@ -240,10 +238,9 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
             else:
                 ik_key = str(role.index_keys_from)
                 ik = updates["ik"][1] if role.owns_index_keys else cache["ik"][ik_key]
-                keys_SPJ = ik.reshape(-1, ik.shape[-1])[seq_rows_SP]
-                score = index_scores(p["indexer"], x_TD, qr, keys_SPJ, g, freqs, cfg.index_n_heads,
-                                     cfg.index_head_dim, linear_impl).astype(jnp.float32)
-                score = jnp.where(jnp.arange(score.shape[1])[None, :] < visible[:, None], score, NEG_INF)
+                score = index_scores(p["indexer"], x_TD, qr, ik.reshape(-1, ik.shape[-1]), seq_rows_SP, g, visible,
+                                     freqs, cfg.index_n_heads, cfg.index_head_dim, linear_impl=linear_impl,
+                                     indexer_impl=indexer_impl)
                 if role.candidate_source:
                     shared["candidates"] = select_candidate_blocks(score, visible, cfg.candidate_topk_blocks,
                                                                    cfg.candidate_block_size, impl=topk_impl)

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, poison=True))
+def poisoned_outputs(monkeypatch):  # and every token count through the kernel
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, poison=True, max_tokens=1 << 20))
 
 
 @pytest.mark.parametrize("t, out_dim, in_dim", [
@@ -38,7 +38,7 @@ def test_kernel_matches_reference(t, out_dim, in_dim):
     x = (jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
     got = jax.jit(fl.fp8_linear_pallas)(x, weight, scale)
     want = jax.jit(fl.fp8_linear_reference)(x, weight, scale)
-    assert_close_bf16(got, want)
+    assert_close_bf16(got, want, x, weight, scale)
 
 
 def test_every_scale_exponent_in_range():
@@ -46,4 +46,4 @@ def test_every_scale_exponent_in_range():
     scale = jnp.arange(0, 247, 16, dtype=jnp.uint8)[:16].reshape(2, 8)
     x = jax.random.normal(jax.random.key(3), (4, 256), jnp.bfloat16)
     assert_close_bf16(jax.jit(fl.fp8_linear_pallas)(x, weight, scale),
-                      jax.jit(fl.fp8_linear_reference)(x, weight, scale))
+                      jax.jit(fl.fp8_linear_reference)(x, weight, scale), x, weight, scale)
