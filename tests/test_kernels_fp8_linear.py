@@ -92,8 +92,8 @@ def assert_close_bf16(got: jax.Array, want: jax.Array, x_TI: jax.Array, weight_O
 
 
 @pytest.fixture
-def poison(monkeypatch):
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, poison=True))
+def poison(monkeypatch):  # and every token count through the kernel
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, poison=True, max_tokens=1 << 20))
 
 
 @pytest.mark.parametrize("t, out_dim, in_dim, target", [(1, 64, 256, 264), (5, 96, 160, 264), (16, 256, 64, 1),
@@ -159,6 +159,7 @@ def test_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch, t, out_dim,
     x = jax.ShapeDtypeStruct((t, in_dim), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((out_dim, in_dim), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((out_dim // 32, in_dim // 32), jnp.uint8)
-    for config in (fl.CONFIG, dataclasses.replace(fl.CONFIG, target_programs=1, poison=True)):
+    for config in (dataclasses.replace(fl.CONFIG, max_tokens=t),
+                   dataclasses.replace(fl.CONFIG, max_tokens=t, target_programs=1, poison=True)):
         monkeypatch.setattr(fl, "CONFIG", config)
         assert "triton" in lower_for_cuda(functools.partial(fl.fp8_linear_pallas, interpret=False), x, w, s)
