@@ -230,7 +230,8 @@ class Engram(nnx.Module):
     """The Engram lookup before one block (checkpoint ``engram``): ``embed`` table, fp8 ``wkv``
     [(C + 1) * D, J * W], bf16 ``q_weight`` and ``k_weight`` [C, D].
 
-    rows: table rows held here (all of ``engram_num_embeddings[index]``, or one device's share).
+    rows: the table's rows (``engram_num_embeddings`` of this Engram layer; split over the ``ep`` mesh axis under
+    expert parallelism, dijax.parallel.engram).
     """
 
     def __init__(self, cfg: ModelConfig, rows: int, stack: tuple[int, ...] = ()):

@@ -82,11 +82,11 @@ class ExpertMatrix(nnx.Module):
 
 
 class RoutedExperts(nnx.Module):
-    """The routed SwiGLU experts ``w1``, ``w3`` [F, D] and ``w2`` [D, F], stacked over the E experts held here
-    (``n_experts``: all of them, or one device's share)."""
+    """The routed SwiGLU experts ``w1``, ``w3`` [F, D] and ``w2`` [D, F], stacked over all E experts (split over
+    the ``ep`` mesh axis under expert parallelism, dijax.parallel)."""
 
-    def __init__(self, cfg: ModelConfig, n_experts: int, stack: tuple[int, ...] = ()):
-        d, f, kind = cfg.dim, cfg.moe_inter_dim, cfg.expert_dtype
+    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
+        n_experts, d, f, kind = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.expert_dtype
         self.w1 = ExpertMatrix(n_experts, d, f, kind, stack)
         self.w2 = ExpertMatrix(n_experts, f, d, kind, stack)
         self.w3 = ExpertMatrix(n_experts, d, f, kind, stack)
@@ -104,10 +104,10 @@ class SharedExpert(nnx.Module):
 class MoE(nnx.Module):
     """The MoE sublayer (checkpoint ``ffn``): ``gate``, ``experts``, ``shared_experts``."""
 
-    def __init__(self, cfg: ModelConfig, n_experts: int, stack: tuple[int, ...] = ()):
+    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
         self.cfg = cfg
         self.gate = Gate(cfg, stack)
-        self.experts = RoutedExperts(cfg, n_experts, stack)
+        self.experts = RoutedExperts(cfg, stack)
         self.shared_experts = SharedExpert(cfg, stack)
 
     def __call__(self, x_TD: jax.Array, valid_T: jax.Array | None = None, **kernel_options) -> jax.Array:

@@ -72,22 +72,20 @@ class Block(nnx.Module):
     """One backbone layer built from its ``LayerRole``: optional ``engram``, then ``hc_attn`` / ``attn_norm`` /
     ``attn`` and ``hc_ffn`` / ``ffn_norm`` / ``ffn`` (checkpoint ``layers.L.*``; ``hc_attn_fn`` is ``hc_attn.fn``).
 
-    n_experts: routed experts held (all, or one device's share); engram_rows: Engram table rows held.
     stack: leading (period, layer) sizes when the block stands for several stacked layers.
     """
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, n_experts: int, engram_rows: int,
-                 stack: tuple[int, ...] = ()):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, stack: tuple[int, ...] = ()):
         self.role = role
         if role.engram:
-            self.engram = Engram(cfg, engram_rows, stack)
+            self.engram = Engram(cfg, cfg.engram_num_embeddings[role.engram_index], stack)
         hc_args = (cfg.dim, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, stack)
         self.hc_attn = HyperConnection(*hc_args)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, "embed", stack)
         self.attn = Attention(cfg, role, stack)
         self.hc_ffn = HyperConnection(*hc_args)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, "embed", stack)
-        self.ffn = MoE(cfg, n_experts, stack)
+        self.ffn = MoE(cfg, stack)
 
     def __call__(self, x_TCD: jax.Array, pre_TC: jax.Array, ctx: StepContext, cache: dict, shared: dict,
                  inject_TN: jax.Array | None) -> tuple[jax.Array, jax.Array, dict, dict]:
@@ -119,13 +117,12 @@ class Stage(nnx.Module):
     """The blocks of one planned stage (dijax.model.plan): ``blocks[r]`` is run ``r`` of the period, its
     parameters stacked [repeats, run length, ...]."""
 
-    def __init__(self, cfg: ModelConfig, plan: StagePlan, n_experts: int, engram_rows: dict[int, int]):
+    def __init__(self, cfg: ModelConfig, plan: StagePlan):
         self.plan = plan
         blocks = []
         for r in range(plan.num_runs):
             role = cfg.roles[plan.layers[0][r][0]]
-            rows = engram_rows.get(role.layer, 0) if role.engram else 0
-            blocks.append(Block(cfg, role, n_experts, rows, plan.stack(r)))
+            blocks.append(Block(cfg, role, plan.stack(r)))
         self.blocks = nnx.List(blocks)
 
 
@@ -260,19 +257,16 @@ def _run_stage(cfg: ModelConfig, stage: Stage, ctx: StepContext, x_TCD, pre_TC, 
 class Transformer(nnx.Module):
     """The V4.1 text model: ``embed``, the backbone ``stages`` (see the module docstring), ``norm``, ``head``.
 
-    n_experts: routed experts held per layer (default all); engram_rows: {Engram layer: table rows held} (default
-    all); fold: stack and scan repeated layers (False: one stage per layer, the plain loop).
+    Parameters have their global shapes (every expert, every Engram row); under expert parallelism they are
+    global arrays sharded by their logical axes (dijax.parallel). fold: stack and scan repeated layers (False: one
+    stage per layer, the plain loop).
     """
 
-    def __init__(self, cfg: ModelConfig, n_experts: int | None = None, engram_rows: dict[int, int] | None = None,
-                 fold: bool = True):
+    def __init__(self, cfg: ModelConfig, fold: bool = True):
         self.cfg = cfg
         self.plan = plan_layers(cfg, fold)
-        rows = {layer: cfg.engram_num_embeddings[i] for i, layer in enumerate(cfg.engram_layer_ids)}
-        rows.update(engram_rows or {})
-        experts = cfg.n_routed_experts if n_experts is None else n_experts
         self.embed = Embed(cfg.vocab_size, cfg.dim)
-        self.stages = nnx.List([Stage(cfg, plan, experts, rows) for plan in self.plan])
+        self.stages = nnx.List([Stage(cfg, plan) for plan in self.plan])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, "embed")
         self.head = QuantLinear(cfg.dim, cfg.vocab_size, "bf16", ("vocab", "embed"), upcast=True)
 
@@ -314,10 +308,9 @@ def graphdef(cfg: ModelConfig, fold: bool = True) -> nnx.GraphDef:
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, fold=fold)))[0]
 
 
-def abstract_state(cfg: ModelConfig, n_experts: int | None = None, engram_rows: dict[int, int] | None = None,
-                   fold: bool = True) -> nnx.State:
+def abstract_state(cfg: ModelConfig, fold: bool = True) -> nnx.State:
     """The model's parameters as ``ShapeDtypeStruct`` leaves (with their metadata), allocating nothing."""
-    return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, n_experts, engram_rows, fold)))
+    return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, fold)))
 
 
 def forward_step(params: nnx.State, cache: dict, batch: StepBatch, consts: dict, cfg: ModelConfig,
