@@ -1,30 +1,48 @@
 #!/usr/bin/env bash
-# Everything a GPU session should run before turning a kernel on by default (dijax/kernels AUTO_ON_GPU), in one
-# device call (~8 minutes on an H200): the GPU kernel tests, the tiny benchmark with kernels off and on (with a
-# profiler trace and its summary), then `dijax parity` with every kernel on for tiny-nodrop, tiny, chunked and the
-# engine, the four parity runs side by side (each compiles its own buckets; compilation is mostly single-threaded
-# and takes most of a run). Output goes to $OUT (or ./gpu-out); each command has its own time limit.
-#   device: bash tools/gpu_validate.sh
+# Everything a GPU session should run before turning a kernel on by default (dijax/kernels AUTO_ON_GPU), in stages
+# that each fit one device call (600 s): `tests` (the GPU kernel tests and the kernels' micro-benchmarks), `bench`
+# (the tiny step with kernels off and on, a profiler trace and its summary), `parity` (`dijax parity --kernels on`
+# on tiny-nodrop, its engine run and tiny, side by side), `parity2` (tiny-nodrop --chunk 7 and tiny's tier 2 again
+# alone: four runs side by side no longer finish in one call since the fp8 linear and indexer kernels add Pallas
+# compiles to every bucket). Compilation is mostly single-threaded and takes most of a parity run. Output goes
+# to $OUT (or ./gpu-out); each command has its own time limit; the summary is printed last.
+#   device: bash tools/gpu_validate.sh tests     (then bench, parity, parity2: one device call each)
 set -uo pipefail
+stage=${1:?usage: tools/gpu_validate.sh tests|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 fixtures=tests/fixtures/parity
-log="$out/gpu_validate.log"
+log="$out/gpu_validate-$stage.log"
 run() { local limit=$1; shift; echo "== $*" | tee -a "$log"; timeout "$limit" "$@" >> "$log" 2>&1 || echo "   (exit $?)" >> "$log"; }
-run 120 python3 -m pytest -q -s tests/gpu
-for kernels in off on; do
-  run 150 python3 tools/bench.py --kernels "$kernels" --decode-batch 1,32 --context 256 --prefill 256 --block-size 16 \
-    --dump "$out/dump-$kernels"
-done
-run 30 python3 tools/trace_summary.py "$out"/dump-on/*/ --top 15
-# side by side: no preallocation, so the processes share the GPU's memory
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-parity() { local name=$1; shift; timeout 400 python3 -m dijax.cli.main parity "$@" --kernels on > "$out/parity-$name.txt" 2>&1; }
-parity tiny-nodrop "$fixtures/tiny-nodrop" &
-parity tiny "$fixtures/tiny" &
-parity chunk7 "$fixtures/tiny-nodrop" --chunk 7 &
-parity engine "$fixtures/tiny-nodrop" --engine &
-wait
-for f in "$out"/parity-*.txt; do echo "== $f"; tail -8 "$f"; done >> "$log"
-cat "$log"
+parity() {  # name, time limit, arguments of dijax parity
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m dijax.cli.main parity "$@" --kernels on > "$out/parity-$name.txt" 2>&1
+  echo "parity $name: exit $?" >> "$log"
+}
+case "$stage" in
+  tests)
+    run 240 python3 -m pytest -q -ra tests/gpu
+    run 330 python3 tools/bench_kernels.py --iters 10 --repeats 3 ;;
+  bench)
+    for kernels in off on; do
+      run 150 python3 tools/bench.py --kernels "$kernels" --decode-batch 1,32 --context 256 --prefill 256 \
+        --block-size 16 --engine off --warmup 5 --iters 20 --dump "$out/dump-$kernels"
+    done
+    run 30 python3 tools/trace_summary.py "$out"/dump-on/*/ --top 15 ;;
+  parity|parity2)
+    # side by side: no preallocation, so the processes share the GPU's memory
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    if [ "$stage" = parity ]; then
+      parity tiny-nodrop 540 "$fixtures/tiny-nodrop" &
+      parity engine 540 "$fixtures/tiny-nodrop" --engine &
+      parity tiny 540 "$fixtures/tiny" &
+    else
+      parity chunk7 540 "$fixtures/tiny-nodrop" --chunk 7 &
+      parity tiny 540 "$fixtures/tiny" &
+    fi
+    wait
+    for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
+  *) echo "unknown stage $stage (tests, bench, parity, parity2)" >&2; exit 2 ;;
+esac
+grep -E "^(==|   \(exit|\||parity|.*passed|.*failed|  (decode|prefill))" "$log" | tail -120
