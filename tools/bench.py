@@ -307,8 +307,17 @@ def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int, k
     return time.perf_counter() - start, sum(len(o.token_ids) for o in outputs)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+def _ints(text: str, minimum: int = 0) -> list[int]:
+    """A comma list of integers >= ``minimum`` ('' is the empty list): the argparse type of the list options."""
+    values = [int(v) for v in text.split(",") if v]
+    if any(v < minimum for v in values):
+        raise argparse.ArgumentTypeError(f"every value must be >= {minimum} (an empty string for none), got {text!r}")
+    return values
+
+
+def _counts(text: str) -> list[int]:
+    """``_ints`` of values >= 1 (batch sizes, prefill lengths, max_model_len)."""
+    return _ints(text, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,11 +325,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="tiny | flash-slice")
     parser.add_argument("--experts", type=int, default=384, help="flash-slice: routed experts per layer")
-    parser.add_argument("--decode-batch", type=_ints, default=[1, 8], help="comma list of decode batch sizes")
+    parser.add_argument("--decode-batch", type=_counts, default=[1, 8], help="comma list of decode batch sizes")
     parser.add_argument("--context", type=_ints, default=[256], help="comma list of cached tokens per sequence")
-    parser.add_argument("--prefill", type=_ints, default=[128], help="comma list of prefill lengths (one sequence)")
+    parser.add_argument("--prefill", type=_counts, default=[128], help="comma list of prefill lengths (one sequence)")
     parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--max-model-len", type=_ints, default=[],
+    parser.add_argument("--max-model-len", type=_counts, default=[],
                         help="comma list: time each case at each of these runner max_model_len values (default: the "
                              "case's longest sequence); the step must not depend on it")
     parser.add_argument("--warmup", type=int, default=3)
