@@ -6,11 +6,14 @@ sequence capacity), so decode steps (T = S) waste nothing and no (T, S) product 
 W to a power of four covering the longest sequence of the step (capped at ``max_model_len``'s blocks), so the
 step's indexer and attention work follow the context the step's sequences really have, not ``max_model_len``.
 Padding tokens are routed to no expert. The kernel choice (``kernels``: auto / on / off, dijax.kernels) is part of
-the jit key. Sampling runs inside the step. Under zero-overhead
-scheduling a decode whose input token is still in flight carries ``FROM_DEVICE``; the step gathers it from the
-previous step's sampled-token array through ``remap_T`` (token t reads row ``remap_T[t]``) without a host round
-trip. Launching runs under ``jax.transfer_guard_device_to_host("disallow")``: an accidental device read there
-raises instead of silently serialising. ``StepHandle.wait()`` is the only place that reads device results.
+the jit key. Sampling runs inside the step, in the sampler mode (dijax.runtime.sampler.MODES: ``greedy`` when
+every sampled row has temperature 0, with no sort; else ``sample``) picked on the host from the step's
+SamplingParams and part of the jit key too: the engine step has ``len(buckets()) * len(MODES)`` executables.
+Under zero-overhead scheduling a decode whose input token is still in flight carries ``FROM_DEVICE``; the step
+gathers it from the previous step's sampled-token array through ``remap_T`` (token t reads row ``remap_T[t]``)
+without a host round trip. Launching runs under ``jax.transfer_guard_device_to_host("disallow")``: an accidental
+device read there raises instead of silently serialising. ``StepHandle.wait()`` is the only place that reads
+device results.
 
 ``forward`` is the same step, teacher-forced, for the parity checker, tests and diagnostics: the caller's chunks
 (slots and blocks are the caller's), every logit row a chunk asks for, the index sets every index source selected,
@@ -33,7 +36,7 @@ from dijax.kernels import kernel_options
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, params_mesh
-from dijax.runtime.sampler import sample, sampling_inputs
+from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, step_sampling
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
 
 
@@ -84,11 +87,12 @@ def _compiled_step(cfg: ModelConfig, max_rows: int, with_logits: bool, kernels: 
     runner: step(params, cache, batch, consts, prev_tokens_R, remap_T, sampling, inject_topk=None) -> (outputs,
     new cache), the cache donated.
 
-    The engine step (``sampling`` given, ``inject_topk`` None): in-flight tokens gathered through ``remap_T`` from
-    ``prev_tokens_R`` [max_rows], the rows sampled; outputs (tokens int32 [max_rows], logits_RV float32 or None).
+    The engine step (``sampling`` a ``StepSampling``, ``inject_topk`` None): in-flight tokens gathered through
+    ``remap_T`` from ``prev_tokens_R`` [max_rows], the rows sampled in ``sampling.mode`` (static: one trace per
+    mode); outputs (tokens int32 [max_rows], logits_RV float32 or None).
     The teacher-forced step (``prev_tokens_R``, ``remap_T``, ``sampling`` None): outputs (logits_RV float32 of every
     row of ``batch.logit_rows_R``, {index-source layer: selected compressed positions int32 [T, N]}). The two
-    modes are two traces of one function (None is an empty pytree), so they share the jit cache and its count.
+    steps are traces of one function (None is an empty pytree), so they share the jit cache and its count.
     """
 
     def step(params, cache, batch, consts, prev_tokens_R, remap_T, sampling, inject_topk=None):
@@ -99,7 +103,7 @@ def _compiled_step(cfg: ModelConfig, max_rows: int, with_logits: bool, kernels: 
         logits, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **dict(kernels))
         if sampling is None:
             return (logits, topk), cache
-        tokens = sample(logits, *sampling)
+        tokens = sample(logits, *sampling.columns, mode=sampling.mode)
         tokens = jnp.zeros(max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens)
         return (tokens, logits if with_logits else None), cache
 
@@ -138,12 +142,16 @@ class ModelRunner:
         return [(t, w) for t in tokens for w in widths]
 
     def warmup(self) -> None:
-        """Compile every bucket (``buckets``) with empty steps (they write nothing)."""
+        """Compile the engine step of every bucket (``buckets``) in every sampler mode (``MODES``: any bucket can
+        hit either) with empty steps (they write nothing): ``len(buckets()) * len(MODES)`` executables. The
+        teacher-forced step of ``forward`` compiles on first use."""
         for num_tokens, width in self.buckets():
             num_seqs = min(num_tokens, self.max_rows)
             batch, _ = build_step([], num_tokens, num_seqs, width, num_seqs)
-            _, self.cache = self._step(self.params, self.cache, batch, self.consts, self._no_previous,
-                                       np.zeros(num_tokens, np.int32), sampling_inputs([], num_seqs))
+            for mode in MODES:
+                sampling = StepSampling(sampling_inputs([], num_seqs), mode)
+                _, self.cache = self._step(self.params, self.cache, batch, self.consts, self._no_previous,
+                                           np.zeros(num_tokens, np.int32), sampling)
 
     def _batch(self, chunks: list[SeqChunk], all_rows: bool = False):
         """(batch, rows_per_chunk, T, S) of ``chunks`` padded to the runner's buckets: T tokens, S = min(T, the
@@ -157,7 +165,8 @@ class ModelRunner:
 
     def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None) -> tuple:
         """The engine step's arguments after (params, cache) for ``output``: (batch, consts, prev_tokens_R,
-        remap_T int32 [T], sampling); host arrays except the previous step's device tokens."""
+        remap_T int32 [T], sampling: a ``StepSampling`` whose mode the sampling chunks' SamplingParams pick); host
+        arrays except the previous step's device tokens."""
         chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids,
                            logits="last" if c.sample else "none") for c in output.chunks]
         batch, _, num_tokens, num_seqs = self._batch(chunks)
@@ -169,13 +178,14 @@ class ModelRunner:
                 remap[t] = prev_rows[c.request_id]
             t += c.num_tokens
         # host arrays throughout: the jitted call transfers them together with the batch
-        sampling = sampling_inputs([c for c in output.chunks if c.sample], num_seqs)
+        sampling = step_sampling([c for c in output.chunks if c.sample], num_seqs)
         prev_tokens = previous.tokens_R if previous is not None else self._no_previous
         return batch, self.consts, prev_tokens, remap, sampling
 
     def lower(self, inputs: tuple) -> jax.stages.Lowered:
         """The engine step lowered for ``inputs`` (``step_inputs``) under the runner's mesh: ``.compile()`` is the
-        executable ``execute`` launches for that bucket (tools/bench.py reads its HLO and memory, and times it)."""
+        executable ``execute`` launches for that bucket and sampler mode (tools/bench.py reads its HLO and memory,
+        and times it)."""
         with mesh_context(self._mesh):
             return self._jit.lower(self.params, self.cache, *inputs)
 
