@@ -1,17 +1,26 @@
-"""The runner's bucket plan: the block-table width follows the step's longest sequence, not max_model_len, and
-padding tokens are routed to no expert."""
+"""The runner's bucket plan: the block-table width follows the step's longest sequence, not max_model_len,
+padding tokens are routed to no expert, and the sampler mode the step's rows pick is part of the step's key."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import dijax.model.moe as moe_module
 from dijax.io.loader import load
 from dijax.model.moe import moe
 from dijax.model.param_map import checkpoint_tree
-from dijax.runtime.model_runner import width_bucket
+from dijax.runtime.model_runner import ModelRunner, width_bucket
+from dijax.runtime.sampling_params import SamplingParams
+from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(config, params, Engram constants, tokenizer) of the embedded tiny model."""
+    return load(None)
 
 
 def test_width_follows_the_context_not_the_capacity():
@@ -21,8 +30,8 @@ def test_width_follows_the_context_not_the_capacity():
     assert width_bucket(4096 // 128, 4096 // 128) == 32 and width_bucket(4096 // 128, 2 ** 20 // 128) == 64
 
 
-def test_padding_tokens_reach_no_expert(monkeypatch):
-    cfg, params, _, _ = load(None)
+def test_padding_tokens_reach_no_expert(monkeypatch, tiny):
+    cfg, params, _, _ = tiny
     layer = checkpoint_tree(cfg, params)["layers"][0]["ffn"]
     x_TD = jax.random.normal(jax.random.key(0), (6, cfg.dim), jnp.float32).astype(jnp.bfloat16)
     valid_T = jnp.array([True, True, True, False, False, False])
@@ -38,3 +47,24 @@ def test_padding_tokens_reach_no_expert(monkeypatch):
     assert (seen["experts_TX"][3:] == -1).all() and (seen["experts_TX"][:3] >= 0).all()
     y_all = moe(layer, x_TD, cfg)
     np.testing.assert_array_equal(np.asarray(y_masked[:3]), np.asarray(y_all[:3]))
+
+
+def _decodes(*temperatures: float) -> SchedulerOutput:
+    """One decode step of a sequence per temperature, each 3 tokens into its own block."""
+    chunks = tuple(ScheduledChunk(request_id=str(i), slot=i, block_table=(i,), start=3, num_tokens=1,
+                                  token_ids=(5 + i,), sample=True, epoch=0, seed=i, output_position=0,
+                                  params=SamplingParams(temperature=t, top_p=0.9)) for i, t in enumerate(temperatures))
+    return SchedulerOutput(step=0, chunks=chunks, num_tokens=len(chunks), preempted=())
+
+
+def test_the_step_key_carries_the_sampler_mode_its_rows_pick(tiny):
+    cfg, params, consts, _ = tiny
+    runner = ModelRunner(cfg, params, consts, num_blocks=4, num_slots=4, block_size=16, max_model_len=64,
+                         max_num_seqs=4, max_num_batched_tokens=8)
+    greedy_inputs, mixed_inputs = runner.step_inputs(_decodes(0.0, 0.0), None), runner.step_inputs(
+        _decodes(0.0, 0.8, 0.0), None)
+    assert greedy_inputs[-1].mode == "greedy" and mixed_inputs[-1].mode == "sample"
+    # the same bucket, two executables: only the sample one sorts the vocabulary and draws noise
+    greedy, mixed = (runner.lower(inputs).as_text() for inputs in (greedy_inputs, mixed_inputs))
+    assert "threefry" in mixed and "threefry" not in greedy
+    assert greedy.count("stablehlo.sort") < mixed.count("stablehlo.sort")
