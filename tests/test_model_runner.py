@@ -1,5 +1,6 @@
 """The runner's bucket plan: the block-table width follows the step's longest sequence, not max_model_len,
-padding tokens are routed to no expert, and the sampler mode the step's rows pick is part of the step's key."""
+padding tokens are routed to no expert, and the sampler mode the step's rows pick keys the sampler executable, not
+the model step's."""
 
 from __future__ import annotations
 
@@ -57,14 +58,19 @@ def _decodes(*temperatures: float) -> SchedulerOutput:
     return SchedulerOutput(step=0, chunks=chunks, num_tokens=len(chunks), preempted=())
 
 
-def test_the_step_key_carries_the_sampler_mode_its_rows_pick(tiny):
+def test_the_sampler_mode_keys_the_sampler_not_the_model_step(tiny):
     cfg, params, consts, _ = tiny
     runner = ModelRunner(cfg, params, consts, num_blocks=4, num_slots=4, block_size=16, max_model_len=64,
                          max_num_seqs=4, max_num_batched_tokens=8)
-    greedy_inputs, mixed_inputs = runner.step_inputs(_decodes(0.0, 0.0), None), runner.step_inputs(
-        _decodes(0.0, 0.8, 0.0), None)
-    assert greedy_inputs[-1].mode == "greedy" and mixed_inputs[-1].mode == "sample"
-    # the same bucket, two executables: only the sample one sorts the vocabulary and draws noise
-    greedy, mixed = (runner.lower(inputs).as_text() for inputs in (greedy_inputs, mixed_inputs))
-    assert "threefry" in mixed and "threefry" not in greedy
-    assert greedy.count("stablehlo.sort") < mixed.count("stablehlo.sort")
+    (greedy_inputs, greedy), (mixed_inputs, mixed) = (runner.step_inputs(_decodes(*temperatures), None)
+                                                      for temperatures in ((0.0, 0.0), (0.0, 0.8, 0.0)))
+    assert greedy.mode == "greedy" and mixed.mode == "sample"
+    # the same bucket, one model step whatever the mode: it returns the logits of the bucket's 4 rows
+    step = runner.lower(greedy_inputs)
+    assert step.as_text() == runner.lower(mixed_inputs).as_text()
+    logits_RV = step.out_info[0]
+    assert logits_RV.shape == (4, cfg.vocab_size) and logits_RV.dtype == jnp.float32
+    # two sampler executables for those rows: only the sample one sorts the vocabulary and draws noise
+    greedy_text, mixed_text = (runner.lower_sampler(logits_RV, sampling).as_text() for sampling in (greedy, mixed))
+    assert "stablehlo.sort" in mixed_text and "threefry" in mixed_text
+    assert "stablehlo.sort" not in greedy_text and "threefry" not in greedy_text

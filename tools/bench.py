@@ -224,12 +224,15 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
               warmup: int, iters: int, kernels: str, dump: str | None = None,
               label: str = "step") -> tuple[float, float, int, int]:
     """(compile + first run seconds, median seconds, kernel launches per step, XLA temporary bytes) of the engine's
-    step: ``ModelRunner``'s jitted step with the ZOS remap and the sampler inside, at the runner's buckets, every
-    sequence sampling one token. Sequence i has ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off.
-    ``max_model_len`` is the longest sequence, so the block-table width is that sequence's blocks. The runner's
-    debug logits are on so the first run can check them finite. With ``dump``, the optimised HLO goes to
-    ``dump/<label>.hlo.txt`` and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with xprof /
-    Perfetto, or summarise it with ``tools/trace_summary.py``)."""
+    step: ``ModelRunner``'s two executables launched back to back, as ``execute`` does, at the runner's buckets:
+    the model step (the ZOS remap and ``forward_step``) and the sampler on its logits, every sequence sampling one
+    token in the ``sample`` mode (the ``greedy`` mode's sampler has no sort: cheaper). Compile time, launches and
+    temporary bytes are the sums over both executables. Sequence i has ``lengths[i] = (cached, new)``;
+    ``kernels``: auto / on / off. ``max_model_len`` is the longest sequence, so the block-table width is that
+    sequence's blocks. The runner's debug logits are on so the first run can check them finite. With ``dump``, the
+    optimised HLO of the model step goes to ``dump/<label>.hlo.txt``, the sampler's to
+    ``dump/<label>.sampler.hlo.txt``, and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with
+    xprof / Perfetto, or summarise it with ``tools/trace_summary.py``)."""
     from dijax.runtime.model_runner import ModelRunner
     from dijax.runtime.sampling_params import SamplingParams
     from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
@@ -249,21 +252,26 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
         chunks.append(ScheduledChunk(request_id=str(i), slot=i, block_table=blocks, start=c, num_tokens=n,
                                      token_ids=token_ids, sample=True, epoch=0, seed=i, output_position=0,
                                      params=sampling))
-    inputs = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total, preempted=()),
-                                None)
+    inputs, sampler_inputs = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total,
+                                                                preempted=()), None)
     start = time.perf_counter()
     step = runner.lower(inputs).compile()
-    launches, temp_bytes = kernel_launches(step.as_text()), step.memory_analysis().temp_size_in_bytes
+    sampler = runner.lower_sampler(step.out_info[0], sampler_inputs).compile()  # the step's logits, their sharding
+    executables = {"": step, ".sampler": sampler}
+    launches = sum(kernel_launches(e.as_text()) for e in executables.values())
+    temp_bytes = sum(e.memory_analysis().temp_size_in_bytes for e in executables.values())
     name = re.sub(r"[^\w]+", "_", label).strip("_")
     if dump:
         os.makedirs(dump, exist_ok=True)
-        with open(os.path.join(dump, f"{name}.hlo.txt"), "w") as f:
-            f.write(step.as_text())
+        for suffix, executable in executables.items():
+            with open(os.path.join(dump, f"{name}{suffix}.hlo.txt"), "w") as f:
+                f.write(executable.as_text())
 
     def run():
-        """One launch of the step: (sampled tokens [R], logits_RV)."""
-        outputs, runner.cache = step(runner.params, runner.cache, *inputs)
-        return outputs
+        """One engine step: the model step, then the sampler on its logits: (sampled tokens [max rows],
+        logits_RV)."""
+        logits_RV, runner.cache = step(runner.params, runner.cache, *inputs)
+        return sampler(logits_RV, sampler_inputs), logits_RV
 
     tokens_R, logits_RV = run()
     jax.block_until_ready(logits_RV)

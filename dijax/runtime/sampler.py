@@ -6,18 +6,18 @@ recomputed (preempted) request draws the same tokens (DESIGN.md promise 3), and 
 different noise.
 
 A step samples in one of two static modes (``MODES``), picked on the host from its rows' SamplingParams
-(``sampling_mode``) and carried in the step's jit key (``StepSampling.mode``), so the choice costs the device
-nothing (a ``lax.cond`` would read its predicate back to the host mid-step on GPU):
+(``sampling_mode``) and carried in the jit key of the runner's sampler executable (``StepSampling.mode``; the
+model step before it is the same in both), so the choice costs the device nothing (a ``lax.cond`` would read its
+predicate back to the host mid-step on GPU):
 
 * ``greedy``: every row has temperature 0 (a step that samples no row included): each row's argmax, with no sort,
   no softmax and no noise.
 * ``sample``: one descending sort per row serves both top-k and top-p; a temperature-0 row takes the same argmax
   as in ``greedy``, so a row's token never depends on the mode its step took.
 
-There is no third, temperature-only mode (a Gumbel argmax without the sort when no row uses top-k / top-p): each
-mode is one more executable of the whole step per bucket, and it would not draw the ``sample`` mode's tokens,
-because top_p = 1 there is not an exact no-op (the float32 cumulative sum over a large vocabulary can reach 1 before
-its tail, dropping tokens of ~1e-7 total mass).
+There is no third, temperature-only mode (a Gumbel argmax without the sort when no row uses top-k / top-p): it
+would not draw the ``sample`` mode's tokens, because top_p = 1 there is not an exact no-op (the float32 cumulative
+sum over a large vocabulary can reach 1 before its tail, dropping tokens of ~1e-7 total mass).
 
 Letters: R rows to sample, V vocab.
 """
@@ -99,7 +99,8 @@ def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
 @dataclass(frozen=True)
 class StepSampling:
     """An engine step's sampling arguments, as one pytree: ``columns`` (``sampling_inputs``'s arrays, each [R]) are
-    its leaves and ``mode`` (one of ``MODES``) its static part, so a jitted step taking it compiles once per mode."""
+    its leaves and ``mode`` (one of ``MODES``) its static part, so a jitted sampler taking it compiles once per
+    mode."""
 
     columns: tuple[np.ndarray, ...]
     mode: str
