@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import pytest
 
 import dijax.runtime.model_runner as model_runner
@@ -65,30 +66,36 @@ def test_cancelling_one_request_leaves_the_others_unchanged(reference):
 
 @pytest.fixture(scope="module")
 def warm():
-    """(an LLM whose runner has warmed up, the executables its warm-up compiled)."""
+    """(an LLM whose runner has warmed up, the model-step and the sampler executables its warm-up compiled)."""
     llm = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)  # 4 blocks: widths 1 and 4
-    before = llm.engine.runner.compiles
-    llm.engine.runner.warmup()
-    return llm, llm.engine.runner.compiles - before
+    runner = llm.engine.runner
+    jax.clear_caches()  # the runners of the tests before shared these executables: count every one
+    steps, samplers = runner.compiles, runner.sampler_compiles
+    runner.warmup()
+    return llm, runner.compiles - steps, runner.sampler_compiles - samplers
+
+
+def _counts(llm: LLM) -> tuple[int, int]:
+    return llm.engine.runner.compiles, llm.engine.runner.sampler_compiles
 
 
 def test_no_new_compilations_after_warm_up(warm):
-    llm, compiled = warm
+    llm, steps, samplers = warm
     work = [_params(i) for i in range(3)]
     assert llm.engine.runner.buckets() == [(t, w) for t in (8, 16, 32) for w in (1, 4)]
-    # one executable per bucket and sampler mode (fewer if another runner of this model compiled some)
-    assert 0 < compiled <= 6 * len(MODES)
-    warm_count = llm.engine.runner.compiles
+    # one model step per bucket, one sampler per mode for the one row bucket (min(T, 4 sequences) = 4 rows)
+    assert (steps, samplers) == (6, len(MODES))
+    warm_counts = _counts(llm)
     llm.generate(PROMPTS[::-1], work, use_tqdm=False)
     llm.generate(PROMPTS, work, use_tqdm=False)
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # greedy-mode steps
-    assert llm.engine.runner.compiles == warm_count
+    assert _counts(llm) == warm_counts
 
 
 def test_a_mixed_workload_gives_the_same_tokens_with_or_without_greedy_steps(warm, monkeypatch):
     """Two greedy requests beside a sampled one that finishes first: the run takes both sampler modes, and forcing
     every step through the sample mode changes no token."""
-    llm, _ = warm
+    llm, _, _ = warm
     work = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
             dataclasses.replace(_params(1), max_tokens=3),
             SamplingParams(temperature=0.0, top_k=5, top_p=0.5, max_tokens=8, ignore_eos=True)]
