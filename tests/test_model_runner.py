@@ -15,7 +15,7 @@ from dijax.model.moe import moe
 from dijax.model.param_map import checkpoint_tree
 from dijax.runtime.model_runner import ModelRunner, width_bucket
 from dijax.runtime.sampling_params import SamplingParams
-from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
+from dijax.runtime.scheduler import FROM_DEVICE, ScheduledChunk, SchedulerOutput
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +50,12 @@ def test_padding_tokens_reach_no_expert(monkeypatch, tiny):
     np.testing.assert_array_equal(np.asarray(y_masked[:3]), np.asarray(y_all[:3]))
 
 
-def _decodes(*temperatures: float) -> SchedulerOutput:
-    """One decode step of a sequence per temperature, each 3 tokens into its own block."""
-    chunks = tuple(ScheduledChunk(request_id=str(i), slot=i, block_table=(i,), start=3, num_tokens=1,
-                                  token_ids=(5 + i,), sample=True, epoch=0, seed=i, output_position=0,
+def _decodes(*temperatures: float, start: int = 3, tokens: tuple[int, ...] | None = None) -> SchedulerOutput:
+    """One decode step of a sequence per temperature, each ``start`` tokens into its own block; sequence i's input
+    token is ``tokens[i]`` (default 5 + i)."""
+    tokens = tokens or tuple(5 + i for i in range(len(temperatures)))
+    chunks = tuple(ScheduledChunk(request_id=str(i), slot=i, block_table=(i,), start=start, num_tokens=1,
+                                  token_ids=(tokens[i],), sample=True, epoch=0, seed=i, output_position=0,
                                   params=SamplingParams(temperature=t, top_p=0.9)) for i, t in enumerate(temperatures))
     return SchedulerOutput(step=0, chunks=chunks, num_tokens=len(chunks), preempted=())
 
@@ -74,3 +76,24 @@ def test_the_sampler_mode_keys_the_sampler_not_the_model_step(tiny):
     greedy_text, mixed_text = (runner.lower_sampler(logits_RV, sampling).as_text() for sampling in (greedy, mixed))
     assert "stablehlo.sort" in mixed_text and "threefry" in mixed_text
     assert "stablehlo.sort" not in greedy_text and "threefry" not in greedy_text
+
+
+def test_the_sampler_feeds_the_next_model_step_on_the_device(tiny):
+    """``execute`` (device reads disallowed) samples the model step's logits: greedy rows take the debug logits'
+    argmax, in the runner's [max rows] token array; a decode whose token is in flight (FROM_DEVICE) reads it from
+    that array and gets the logits a second runner gets with the token given."""
+    cfg, params, consts, _ = tiny
+    zos, given = (ModelRunner(cfg, params, consts, num_blocks=4, num_slots=4, block_size=16, max_model_len=64,
+                              max_num_seqs=4, max_num_batched_tokens=8, debug_logits=True) for _ in range(2))
+    first = zos.execute(_decodes(0.0, 0.0), None)
+    sampled = first.wait()
+    tokens = tuple(sampled[rid][1] for rid in ("0", "1"))
+    assert tokens == tuple(int(np.argmax(first.logits[rid])) for rid in ("0", "1"))
+    assert first.tokens_R.shape == (zos.max_rows,) and first.tokens_R.dtype == jnp.int32
+    in_flight = zos.execute(_decodes(0.0, 0.0, start=4, tokens=(FROM_DEVICE, FROM_DEVICE)), first)
+    in_flight.wait()
+    given.execute(_decodes(0.0, 0.0), None).wait()
+    second = given.execute(_decodes(0.0, 0.0, start=4, tokens=tokens), None)
+    second.wait()
+    for rid in ("0", "1"):
+        np.testing.assert_array_equal(in_flight.logits[rid], second.logits[rid])
