@@ -1,11 +1,17 @@
 """The engine on the embedded tiny model: ZOS on/off, preemption, batch composition, cancellation, compilation
-count, bad input. Tokens must not depend on how requests were batched, scheduled, preempted or overlapped."""
+count, sampler modes, bad input. Tokens must not depend on how requests were batched, scheduled, preempted or
+overlapped, nor on the sampler mode a step took."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import pytest
 
+import dijax.runtime.model_runner as model_runner
 from dijax.runtime.llm import LLM
+from dijax.runtime.sampler import MODES, StepSampling, sampling_inputs, step_sampling
 from dijax.runtime.sampling_params import SamplingParams
 
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
@@ -58,17 +64,55 @@ def test_cancelling_one_request_leaves_the_others_unchanged(reference):
     assert engine.scheduler.block_manager.num_free == engine.scheduler.block_manager.num_blocks
 
 
-def test_no_new_compilations_after_warm_up():
+@pytest.fixture(scope="module")
+def warm():
+    """(an LLM whose runner has warmed up, the model-step and the sampler executables its warm-up compiled)."""
     llm = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)  # 4 blocks: widths 1 and 4
+    runner = llm.engine.runner
+    jax.clear_caches()  # the runners of the tests before shared these executables: count every one
+    steps, samplers = runner.compiles, runner.sampler_compiles
+    runner.warmup()
+    return llm, runner.compiles - steps, runner.sampler_compiles - samplers
+
+
+def _counts(llm: LLM) -> tuple[int, int]:
+    return llm.engine.runner.compiles, llm.engine.runner.sampler_compiles
+
+
+def test_no_new_compilations_after_warm_up(warm):
+    llm, steps, samplers = warm
     work = [_params(i) for i in range(3)]
     assert llm.engine.runner.buckets() == [(t, w) for t in (8, 16, 32) for w in (1, 4)]
-    before = llm.engine.runner.compiles
-    llm.engine.runner.warmup()
-    warm = llm.engine.runner.compiles
-    assert warm - before <= 6  # one executable per bucket (fewer if another runner of this model compiled some)
+    # one model step per bucket, one sampler per mode for the one row bucket (min(T, 4 sequences) = 4 rows)
+    assert (steps, samplers) == (6, len(MODES))
+    warm_counts = _counts(llm)
     llm.generate(PROMPTS[::-1], work, use_tqdm=False)
     llm.generate(PROMPTS, work, use_tqdm=False)
-    assert llm.engine.runner.compiles == warm
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # greedy-mode steps
+    assert _counts(llm) == warm_counts
+
+
+def test_a_mixed_workload_gives_the_same_tokens_with_or_without_greedy_steps(warm, monkeypatch):
+    """Two greedy requests beside a sampled one that finishes first: the run takes both sampler modes, and forcing
+    every step through the sample mode changes no token."""
+    llm, _, _ = warm
+    work = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+            dataclasses.replace(_params(1), max_tokens=3),
+            SamplingParams(temperature=0.0, top_k=5, top_p=0.5, max_tokens=8, ignore_eos=True)]
+    modes = []
+
+    def picked(chunks, num_rows):
+        sampling = step_sampling(chunks, num_rows)
+        modes.append(sampling.mode)
+        return sampling
+
+    monkeypatch.setattr(model_runner, "step_sampling", picked)
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, work, use_tqdm=False)]
+    assert "greedy" in modes and "sample" in modes
+    monkeypatch.setattr(model_runner, "step_sampling",
+                        lambda chunks, num_rows: StepSampling(sampling_inputs(chunks, num_rows), "sample"))
+    assert [o.token_ids for o in llm.generate(PROMPTS, work, use_tqdm=False)] == tokens
+    assert [len(t) for t in tokens] == [10, 3, 8]
 
 
 def test_bad_requests_are_rejected_before_anything_is_queued(reference):

@@ -1,17 +1,27 @@
-"""The runner's bucket plan: the block-table width follows the step's longest sequence, not max_model_len, and
-padding tokens are routed to no expert."""
+"""The runner's bucket plan: the block-table width follows the step's longest sequence, not max_model_len,
+padding tokens are routed to no expert, and the sampler mode the step's rows pick keys the sampler executable, not
+the model step's."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import dijax.model.moe as moe_module
 from dijax.io.loader import load
 from dijax.model.moe import moe
 from dijax.model.param_map import checkpoint_tree
-from dijax.runtime.model_runner import width_bucket
+from dijax.runtime.model_runner import ModelRunner, width_bucket
+from dijax.runtime.sampling_params import SamplingParams
+from dijax.runtime.scheduler import FROM_DEVICE, ScheduledChunk, SchedulerOutput
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(config, params, Engram constants, tokenizer) of the embedded tiny model."""
+    return load(None)
 
 
 def test_width_follows_the_context_not_the_capacity():
@@ -21,8 +31,8 @@ def test_width_follows_the_context_not_the_capacity():
     assert width_bucket(4096 // 128, 4096 // 128) == 32 and width_bucket(4096 // 128, 2 ** 20 // 128) == 64
 
 
-def test_padding_tokens_reach_no_expert(monkeypatch):
-    cfg, params, _, _ = load(None)
+def test_padding_tokens_reach_no_expert(monkeypatch, tiny):
+    cfg, params, _, _ = tiny
     layer = checkpoint_tree(cfg, params)["layers"][0]["ffn"]
     x_TD = jax.random.normal(jax.random.key(0), (6, cfg.dim), jnp.float32).astype(jnp.bfloat16)
     valid_T = jnp.array([True, True, True, False, False, False])
@@ -38,3 +48,52 @@ def test_padding_tokens_reach_no_expert(monkeypatch):
     assert (seen["experts_TX"][3:] == -1).all() and (seen["experts_TX"][:3] >= 0).all()
     y_all = moe(layer, x_TD, cfg)
     np.testing.assert_array_equal(np.asarray(y_masked[:3]), np.asarray(y_all[:3]))
+
+
+def _decodes(*temperatures: float, start: int = 3, tokens: tuple[int, ...] | None = None) -> SchedulerOutput:
+    """One decode step of a sequence per temperature, each ``start`` tokens into its own block; sequence i's input
+    token is ``tokens[i]`` (default 5 + i)."""
+    tokens = tokens or tuple(5 + i for i in range(len(temperatures)))
+    chunks = tuple(ScheduledChunk(request_id=str(i), slot=i, block_table=(i,), start=start, num_tokens=1,
+                                  token_ids=(tokens[i],), sample=True, epoch=0, seed=i, output_position=0,
+                                  params=SamplingParams(temperature=t, top_p=0.9)) for i, t in enumerate(temperatures))
+    return SchedulerOutput(step=0, chunks=chunks, num_tokens=len(chunks), preempted=())
+
+
+def test_the_sampler_mode_keys_the_sampler_not_the_model_step(tiny):
+    cfg, params, consts, _ = tiny
+    runner = ModelRunner(cfg, params, consts, num_blocks=4, num_slots=4, block_size=16, max_model_len=64,
+                         max_num_seqs=4, max_num_batched_tokens=8)
+    (greedy_inputs, greedy), (mixed_inputs, mixed) = (runner.step_inputs(_decodes(*temperatures), None)
+                                                      for temperatures in ((0.0, 0.0), (0.0, 0.8, 0.0)))
+    assert greedy.mode == "greedy" and mixed.mode == "sample"
+    # the same bucket, one model step whatever the mode: it returns the logits of the bucket's 4 rows
+    step = runner.lower(greedy_inputs)
+    assert step.as_text() == runner.lower(mixed_inputs).as_text()
+    logits_RV = step.out_info[0]
+    assert logits_RV.shape == (4, cfg.vocab_size) and logits_RV.dtype == jnp.float32
+    # two sampler executables for those rows: only the sample one sorts the vocabulary and draws noise
+    greedy_text, mixed_text = (runner.lower_sampler(logits_RV, sampling).as_text() for sampling in (greedy, mixed))
+    assert "stablehlo.sort" in mixed_text and "threefry" in mixed_text
+    assert "stablehlo.sort" not in greedy_text and "threefry" not in greedy_text
+
+
+def test_the_sampler_feeds_the_next_model_step_on_the_device(tiny):
+    """``execute`` (device reads disallowed) samples the model step's logits: greedy rows take the debug logits'
+    argmax, in the runner's [max rows] token array; a decode whose token is in flight (FROM_DEVICE) reads it from
+    that array and gets the logits a second runner gets with the token given."""
+    cfg, params, consts, _ = tiny
+    zos, given = (ModelRunner(cfg, params, consts, num_blocks=4, num_slots=4, block_size=16, max_model_len=64,
+                              max_num_seqs=4, max_num_batched_tokens=8, debug_logits=True) for _ in range(2))
+    first = zos.execute(_decodes(0.0, 0.0), None)
+    sampled = first.wait()
+    tokens = tuple(sampled[rid][1] for rid in ("0", "1"))
+    assert tokens == tuple(int(np.argmax(first.logits[rid])) for rid in ("0", "1"))
+    assert first.tokens_R.shape == (zos.max_rows,) and first.tokens_R.dtype == jnp.int32
+    in_flight = zos.execute(_decodes(0.0, 0.0, start=4, tokens=(FROM_DEVICE, FROM_DEVICE)), first)
+    in_flight.wait()
+    given.execute(_decodes(0.0, 0.0), None).wait()
+    second = given.execute(_decodes(0.0, 0.0, start=4, tokens=tokens), None)
+    second.wait()
+    for rid in ("0", "1"):
+        np.testing.assert_array_equal(in_flight.logits[rid], second.logits[rid])

@@ -1,28 +1,40 @@
-"""Device sampling: greedy ties, top-k / top-p limits, and noise keyed only by (seed, output position)."""
+"""Device sampling: greedy ties, top-k / top-p limits, noise keyed only by (seed, output position), and the static
+greedy / sample modes: how a step's rows pick one, and that a row's token does not depend on it."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from dijax.runtime.sampler import sample
+from dijax.runtime.sampler import MODES, sample, sampling_mode, step_sampling
+from dijax.runtime.sampling_params import SamplingParams
 
 
-def _sample(logits, temperature=1.0, top_k=0, top_p=1.0, seeds=None, positions=None):
+def _sample(logits, temperature=1.0, top_k=0, top_p=1.0, seeds=None, positions=None, mode="sample"):
     r = logits.shape[0]
     seeds = np.arange(r, dtype=np.uint64) if seeds is None else np.asarray(seeds, np.uint64)
     positions = np.zeros(r, np.int32) if positions is None else np.asarray(positions, np.int32)
     temperature = np.broadcast_to(np.asarray(temperature, np.float32), (r,))
-    return np.asarray(sample(jnp.asarray(logits, jnp.float32), jnp.asarray(temperature),
-                             jnp.full(r, top_k, jnp.int32), jnp.full(r, top_p, jnp.float32),
-                             jnp.asarray((seeds >> np.uint64(32)).astype(np.uint32)),
-                             jnp.asarray((seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)), jnp.asarray(positions)))
+    top_k, top_p = np.broadcast_to(np.asarray(top_k, np.int32), (r,)), np.broadcast_to(np.float32(top_p), (r,))
+    return np.asarray(sample(jnp.asarray(logits, jnp.float32), jnp.asarray(temperature), jnp.asarray(top_k),
+                             jnp.asarray(top_p), jnp.asarray((seeds >> np.uint64(32)).astype(np.uint32)),
+                             jnp.asarray((seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)), jnp.asarray(positions),
+                             mode=mode))
+
+
+class _Row:
+    """What the sampler reads of a ScheduledChunk."""
+
+    def __init__(self, params: SamplingParams, seed: int = 0, output_position: int = 0):
+        self.params, self.seed, self.output_position = params, seed, output_position
 
 
 def test_greedy_takes_the_lowest_index_among_ties():
     logits = np.array([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0]], np.float32)
-    assert _sample(logits, temperature=0.0).tolist() == [1, 0]
+    for mode in MODES:
+        assert _sample(logits, temperature=0.0, mode=mode).tolist() == [1, 0], mode
 
 
 def test_noise_depends_only_on_seed_and_position():
@@ -105,3 +117,48 @@ def test_all_64_bits_of_the_seed_key_the_noise():
 def test_a_top_p_below_float32_resolution_keeps_the_most_likely_token():
     logits = np.array([[0.0, 2.0, 1.0, -1.0]], np.float32)
     assert all(_sample(logits, top_p=1e-50, positions=[p])[0] == 1 for p in range(20))
+
+
+def test_a_step_is_greedy_only_when_every_sampled_row_is():
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
+    filtered_greedy = SamplingParams(temperature=0.0, top_k=5, top_p=0.5)  # filters do not matter at temperature 0
+    assert sampling_mode([]) == "greedy"  # a step that samples nothing (prefill chunks only)
+    assert sampling_mode([_Row(greedy), _Row(filtered_greedy)]) == "greedy"
+    assert sampling_mode([_Row(greedy), _Row(sampled), _Row(greedy)]) == "sample"
+    assert sampling_mode([_Row(SamplingParams(temperature=1e-30))]) == "sample"
+    # padding rows are greedy: they neither change the mode nor count as sampled rows
+    step = step_sampling([_Row(greedy, seed=2**40 + 3, output_position=5)], 4)
+    assert step.mode == "greedy" and step.columns[0].tolist() == [0.0] * 4 and step.columns[5].tolist() == [5, 0, 0, 0]
+    assert step_sampling([_Row(greedy), _Row(sampled)], 4).mode == "sample"
+
+
+def test_greedy_mode_takes_what_sample_mode_takes_for_temperature_0_rows():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0, 1, (16, 300)).astype(np.float32)
+    logits[2, [7, 150, 299]] = logits[2].max() + 0.5  # a three-way tie at the top
+    logits[5] = 1.0  # a flat row
+    top_k, top_p = rng.integers(0, 400, 16), rng.choice([1.0, 0.9, 0.3, 1e-9], 16).astype(np.float32)
+    seeds, positions = rng.integers(0, 2**63, 16, dtype=np.uint64), rng.integers(0, 1000, 16)
+    args = dict(top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
+    greedy = _sample(logits, temperature=0.0, mode="greedy", **args)
+    assert greedy.tolist() == logits.argmax(-1).tolist() and greedy[2] == 7 and greedy[5] == 0
+    assert _sample(logits, temperature=0.0, mode="sample", **args).tolist() == greedy.tolist()
+    # in a mixed step the temperature-0 rows still take greedy's tokens, the others are sampled
+    temperature = np.where(np.arange(16) % 3 == 0, 0.0, 1.5).astype(np.float32)
+    mixed = _sample(logits, temperature=temperature, mode="sample", **args)
+    assert mixed[temperature == 0].tolist() == greedy[temperature == 0].tolist()
+    assert mixed[temperature > 0].tolist() != greedy[temperature > 0].tolist()
+
+
+def test_greedy_mode_compiles_no_sort_and_no_noise():
+    r, v = 4, 64
+    args = (jnp.zeros((r, v)), jnp.zeros(r), jnp.zeros(r, jnp.int32), jnp.ones(r), jnp.zeros(r, jnp.uint32),
+            jnp.zeros(r, jnp.uint32), jnp.zeros(r, jnp.int32))
+    greedy, full = (sample.lower(*args, mode=mode).as_text() for mode in ("greedy", "sample"))
+    assert "sort" in full and "threefry" in full
+    assert "sort" not in greedy and "threefry" not in greedy and "exponential" not in greedy
+
+
+def test_an_unknown_mode_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"sampling mode must be one of \('greedy', 'sample'\), got 'temperature'"):
+        _sample(np.zeros((1, 4), np.float32), mode="temperature")

@@ -4,8 +4,8 @@
     python tools/bench.py --model flash-slice --decode-batch 1,16,64 --context 4096 --prefill 2048
     python tools/bench.py --ep 2                            # experts and Engram rows split over 2 devices
 
-Step rows: the step the engine runs (``ModelRunner``'s jitted step: ``forward_step``, the ZOS remap and the sampler;
-no scheduler), a decode step of B sequences at context C or one prefill of P tokens, median wall time over
+Step rows: the step the engine runs (``ModelRunner``'s two executables: the model step with ``forward_step`` and the
+ZOS remap, then the sampler; no scheduler), a decode step of B sequences at context C or one prefill of P tokens, median wall time over
 ``--iters`` runs after ``--warmup`` runs (each run ends in ``jax.block_until_ready``), on a cache filled with random
 values. Beside it, the step's floor: the larger of bytes / bandwidth and FLOPs / matrix rate, counted from the
 parameter shapes and the cache rows the step must read (``step_cost``), and the fraction of that floor reached.
@@ -224,13 +224,16 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
               warmup: int, iters: int, kernels: str, dump: str | None = None,
               label: str = "step", max_model_len: int | None = None) -> tuple[float, float, int, int]:
     """(compile + first run seconds, median seconds, kernel launches per step, XLA temporary bytes) of the engine's
-    step: ``ModelRunner``'s jitted step with the ZOS remap and the sampler inside, at the runner's buckets, every
-    sequence sampling one token. Sequence i has ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off.
-    ``max_model_len`` defaults to the longest sequence's blocks; a larger one must not change the step (the block
-    table's width follows the step's sequences, not ``max_model_len``: issue 9's row). The runner's
-    debug logits are on so the first run can check them finite. With ``dump``, the optimised HLO goes to
-    ``dump/<label>.hlo.txt`` and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with xprof /
-    Perfetto, or summarise it with ``tools/trace_summary.py``)."""
+    step: ``ModelRunner``'s two executables launched back to back, as ``execute`` does, at the runner's buckets:
+    the model step (the ZOS remap and ``forward_step``) and the sampler on its logits, every sequence sampling one
+    token in the ``sample`` mode (the ``greedy`` mode's sampler has no sort: cheaper). Compile time, launches and
+    temporary bytes are the sums over both executables. Sequence i has ``lengths[i] = (cached, new)``;
+    ``kernels``: auto / on / off. ``max_model_len`` defaults to the longest sequence's blocks; a larger one must
+    not change the step (the block table's width follows the step's sequences, not ``max_model_len``: issue 9's
+    row). The runner's debug logits are on so the first run can check them finite. With ``dump``, the optimised
+    HLO of the model step goes to ``dump/<label>.hlo.txt``, the sampler's to ``dump/<label>.sampler.hlo.txt``,
+    and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with xprof / Perfetto, or summarise
+    it with ``tools/trace_summary.py``)."""
     from dijax.runtime.model_runner import ModelRunner
     from dijax.runtime.sampling_params import SamplingParams
     from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
@@ -251,21 +254,26 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
         chunks.append(ScheduledChunk(request_id=str(i), slot=i, block_table=blocks, start=c, num_tokens=n,
                                      token_ids=token_ids, sample=True, epoch=0, seed=i, output_position=0,
                                      params=sampling))
-    inputs = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total, preempted=()),
-                                None)
+    inputs, sampler_inputs = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total,
+                                                                preempted=()), None)
     start = time.perf_counter()
     step = runner.lower(inputs).compile()
-    launches, temp_bytes = kernel_launches(step.as_text()), step.memory_analysis().temp_size_in_bytes
+    sampler = runner.lower_sampler(step.out_info[0], sampler_inputs).compile()  # the step's logits, their sharding
+    executables = {"": step, ".sampler": sampler}
+    launches = sum(kernel_launches(e.as_text()) for e in executables.values())
+    temp_bytes = sum(e.memory_analysis().temp_size_in_bytes for e in executables.values())
     name = re.sub(r"[^\w]+", "_", label).strip("_")
     if dump:
         os.makedirs(dump, exist_ok=True)
-        with open(os.path.join(dump, f"{name}.hlo.txt"), "w") as f:
-            f.write(step.as_text())
+        for suffix, executable in executables.items():
+            with open(os.path.join(dump, f"{name}{suffix}.hlo.txt"), "w") as f:
+                f.write(executable.as_text())
 
     def run():
-        """One launch of the step: (sampled tokens [R], logits_RV)."""
-        outputs, runner.cache = step(runner.params, runner.cache, *inputs)
-        return outputs
+        """One engine step: the model step, then the sampler on its logits: (sampled tokens [max rows],
+        logits_RV)."""
+        logits_RV, runner.cache = step(runner.params, runner.cache, *inputs)
+        return sampler(logits_RV, sampler_inputs), logits_RV
 
     tokens_R, logits_RV = run()
     jax.block_until_ready(logits_RV)

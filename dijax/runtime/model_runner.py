@@ -1,18 +1,30 @@
-"""The model runner: turns a ``SchedulerOutput`` into one padded, jitted step and returns a ``StepHandle`` at once.
+"""The model runner: turns a ``SchedulerOutput`` into two padded, jitted launches and returns a ``StepHandle`` at once.
 
-Each step is padded to a bucket, so the number of compiled executables is bounded and known (``compiles`` counts
-them, ``warmup`` compiles them all): tokens T to a power of two (at least 8); sequence rows S to min(T, the
-sequence capacity), so decode steps (T = S) waste nothing and no (T, S) product is compiled; the block-table width
-W to a power of four covering the longest sequence of the step (capped at ``max_model_len``'s blocks), so the
-step's indexer and attention work follow the context the step's sequences really have, not ``max_model_len``.
-Padding tokens are routed to no expert. The kernel choice (``kernels``: auto / on / off, dijax.kernels) is part of
-the jit key. Sampling runs inside the step. Under zero-overhead
-scheduling a decode whose input token is still in flight carries ``FROM_DEVICE``; the step gathers it from the
-previous step's sampled-token array through ``remap_T`` (token t reads row ``remap_T[t]``) without a host round
-trip. Launching runs under ``jax.transfer_guard_device_to_host("disallow")``: an accidental device read there
-raises instead of silently serialising. ``StepHandle.wait()`` is the only place that reads device results.
+Each step is padded to a bucket, so the number of compiled executables is bounded and known (``compiles`` and
+``sampler_compiles`` count them, ``warmup`` compiles them all): tokens T to a power of two (at least 8); sequence
+rows S to min(T, the sequence capacity), so decode steps (T = S) waste nothing and no (T, S) product is compiled;
+the block-table width W to a power of four covering the longest sequence of the step (capped at
+``max_model_len``'s blocks), so the step's indexer and attention work follow the context the step's sequences
+really have, not ``max_model_len``. Padding tokens are routed to no expert.
 
-``forward`` is the same step, teacher-forced, for the parity checker, tests and diagnostics: the caller's chunks
+An engine step is two executables launched back to back, with no host read between them:
+
+* the model step, one per (T, W) bucket, the kernel choice (``kernels``: auto / on / off, dijax.kernels) static:
+  the forward of the step's tokens, returning the float32 logits of its S sampling rows;
+* the sampler, one per (S, sampler mode): the mode (dijax.runtime.sampler.MODES: ``greedy`` when every sampled row
+  has temperature 0, with no sort; else ``sample``) is picked on the host from the step's SamplingParams. It
+  returns the tokens int32 [max rows], padded to the runner's row capacity so that every bucket's model step
+  takes the same token array. A sampler executable is small (XLA:CPU compiles one for 64 rows of V4.1-Flash's
+  vocabulary in under a second on a loaded 2-core host; a real-model step takes ~54 s per bucket on the H200), so
+  the mode costs no model-step executable.
+
+Under zero-overhead scheduling a decode whose input token is still in flight carries ``FROM_DEVICE``; the model
+step gathers it from the previous step's sampled-token array through ``remap_T`` (token t reads row
+``remap_T[t]``) without a host round trip. Launching runs under ``jax.transfer_guard_device_to_host("disallow")``:
+an accidental device read there raises instead of silently serialising. ``StepHandle.wait()`` is the only place
+that reads device results.
+
+``forward`` is the model step, teacher-forced, for the parity checker, tests and diagnostics: the caller's chunks
 (slots and blocks are the caller's), every logit row a chunk asks for, the index sets every index source selected,
 optionally injected ones; no sampling. It blocks until the step is done.
 
@@ -33,12 +45,13 @@ from dijax.kernels import kernel_options
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, params_mesh
-from dijax.runtime.sampler import sample, sampling_inputs
+from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, step_sampling
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
 
 
 class StepHandle:
-    """A launched step: its plan and its device outputs (sampled tokens [R_max], not yet read)."""
+    """A launched step: its plan and its device outputs (the sampler's tokens [max rows] and, with debug logits on,
+    the model step's logits_RV; not yet read)."""
 
     def __init__(self, output: SchedulerOutput, tokens_R: jax.Array, logits_RV: jax.Array | None = None):
         self.output = output
@@ -57,7 +70,8 @@ class StepHandle:
         return {c.request_id: (c.epoch, int(tokens[i])) for i, c in enumerate(rows)}
 
 
-_COMPILES: dict[ModelConfig, int] = {}
+_COMPILES: dict[ModelConfig, int] = {}  # model-step traces per model
+_SAMPLER_COMPILES: dict[ModelConfig, int] = {}  # sampler traces per model
 MIN_TOKENS = 8
 
 
@@ -79,31 +93,43 @@ def width_bucket(blocks: int, max_blocks: int) -> int:
 
 
 @lru_cache(maxsize=8)
-def _compiled_step(cfg: ModelConfig, max_rows: int, with_logits: bool, kernels: tuple[tuple[str, str], ...]):
-    """One jitted step function per (config, sampled-row capacity, debug logits, kernel choice), shared by every
-    runner: step(params, cache, batch, consts, prev_tokens_R, remap_T, sampling, inject_topk=None) -> (outputs,
-    new cache), the cache donated.
+def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...]):
+    """One jitted model step per (config, kernel choice), shared by every runner: step(params, cache, batch, consts,
+    prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new cache), the cache donated.
 
-    The engine step (``sampling`` given, ``inject_topk`` None): in-flight tokens gathered through ``remap_T`` from
-    ``prev_tokens_R`` [max_rows], the rows sampled; outputs (tokens int32 [max_rows], logits_RV float32 or None).
-    The teacher-forced step (``prev_tokens_R``, ``remap_T``, ``sampling`` None): outputs (logits_RV float32 of every
-    row of ``batch.logit_rows_R``, {index-source layer: selected compressed positions int32 [T, N]}). The two
-    modes are two traces of one function (None is an empty pytree), so they share the jit cache and its count.
+    The engine step (``prev_tokens_R`` [max rows] and ``remap_T`` [T] given, ``inject_topk`` None): in-flight tokens
+    gathered through ``remap_T`` from ``prev_tokens_R`` (the previous step's sampler output); outputs logits_RV
+    float32 of the S sampling rows, what ``_compiled_sampler``'s sampler takes.
+    The teacher-forced step (``prev_tokens_R``, ``remap_T`` None): outputs (logits_RV float32 of every row of
+    ``batch.logit_rows_R``, {index-source layer: selected compressed positions int32 [T, N]}). The two steps are
+    traces of one function (None is an empty pytree), so they share the jit cache and its count.
     """
 
-    def step(params, cache, batch, consts, prev_tokens_R, remap_T, sampling, inject_topk=None):
+    def step(params, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None):
         _COMPILES[cfg] = _COMPILES.get(cfg, 0) + 1  # Python side effect: runs once per trace (= per bucket)
-        if remap_T is not None:
-            tokens_T = jnp.where(batch.tokens_T == FROM_DEVICE, prev_tokens_R[remap_T], batch.tokens_T)
-            batch = dataclasses.replace(batch, tokens_T=tokens_T)
-        logits, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **dict(kernels))
-        if sampling is None:
-            return (logits, topk), cache
-        tokens = sample(logits, *sampling)
-        tokens = jnp.zeros(max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens)
-        return (tokens, logits if with_logits else None), cache
+        if remap_T is None:
+            logits_RV, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **dict(kernels))
+            return (logits_RV, topk), cache
+        tokens_T = jnp.where(batch.tokens_T == FROM_DEVICE, prev_tokens_R[remap_T], batch.tokens_T)
+        batch = dataclasses.replace(batch, tokens_T=tokens_T)
+        logits_RV, cache, _ = forward_step(params, cache, batch, consts, cfg, None, **dict(kernels))
+        return logits_RV, cache
 
     return jax.jit(step, donate_argnums=(1,))
+
+
+@lru_cache(maxsize=8)
+def _compiled_sampler(cfg: ModelConfig, max_rows: int):
+    """One jitted sampler per (config, sampled-row capacity), shared by every runner: sampler(logits_RV float32
+    [S, V], sampling: a ``StepSampling`` of S rows) -> tokens int32 [max_rows], row r < S the token of logits row r,
+    the rest 0. One executable per (S, ``sampling.mode``)."""
+
+    def sampler(logits_RV, sampling):
+        _SAMPLER_COMPILES[cfg] = _SAMPLER_COMPILES.get(cfg, 0) + 1  # once per trace (= per rows and mode)
+        tokens_S = sample(logits_RV, *sampling.columns, mode=sampling.mode)
+        return jnp.zeros(max_rows, jnp.int32).at[:tokens_S.shape[0]].set(tokens_S)
+
+    return jax.jit(sampler)
 
 
 class ModelRunner:
@@ -120,7 +146,9 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)
         self.max_rows = bucket(max_num_seqs, 1)
         self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)
-        self._jit = _compiled_step(cfg, self.max_rows, debug_logits, tuple(sorted(self.kernel_options.items())))
+        self.debug_logits = debug_logits
+        self._jit = _compiled_step(cfg, tuple(sorted(self.kernel_options.items())))
+        self._sample = _compiled_sampler(cfg, self.max_rows)  # no mesh: it has no collective
         self._no_previous = jnp.zeros(self.max_rows, jnp.int32)  # prev_tokens_R of a step with no predecessor
         # experts split by dijax.parallel.mesh.place_params: every launch traces the MoE's shard_map on that mesh
         self._mesh = params_mesh(params)
@@ -128,8 +156,13 @@ class ModelRunner:
 
     @property
     def compiles(self) -> int:
-        """Step executables compiled so far for this model (shared by all its runners)."""
+        """Model-step executables compiled so far for this model (shared by all its runners)."""
         return _COMPILES.get(self.cfg, 0)
+
+    @property
+    def sampler_compiles(self) -> int:
+        """Sampler executables compiled so far for this model (shared by all its runners)."""
+        return _SAMPLER_COMPILES.get(self.cfg, 0)
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (tokens, block-table width) bucket a step can take."""
@@ -138,12 +171,18 @@ class ModelRunner:
         return [(t, w) for t in tokens for w in widths]
 
     def warmup(self) -> None:
-        """Compile every bucket (``buckets``) with empty steps (they write nothing)."""
+        """Compile the engine step's executables with empty steps (they write nothing): the model step of every
+        bucket (``buckets``: ``len(buckets())`` executables) and, on its logits, the sampler in every mode
+        (``MODES``: any step can take either) for every row bucket S = min(T, max rows) of the buckets
+        (``len({S}) * len(MODES)`` small executables). The teacher-forced step of ``forward`` compiles on first
+        use."""
         for num_tokens, width in self.buckets():
             num_seqs = min(num_tokens, self.max_rows)
             batch, _ = build_step([], num_tokens, num_seqs, width, num_seqs)
-            _, self.cache = self._step(self.params, self.cache, batch, self.consts, self._no_previous,
-                                       np.zeros(num_tokens, np.int32), sampling_inputs([], num_seqs))
+            logits_RV, self.cache = self._step(self.params, self.cache, batch, self.consts, self._no_previous,
+                                               np.zeros(num_tokens, np.int32))
+            for mode in MODES:  # compiled for the first bucket of each S, found in the jit cache after that
+                self._sample(logits_RV, StepSampling(sampling_inputs([], num_seqs), mode))
 
     def _batch(self, chunks: list[SeqChunk], all_rows: bool = False):
         """(batch, rows_per_chunk, T, S) of ``chunks`` padded to the runner's buckets: T tokens, S = min(T, the
@@ -155,9 +194,10 @@ class ModelRunner:
         batch, rows_per_chunk = build_step(chunks, num_tokens, num_seqs, width, num_tokens if all_rows else num_seqs)
         return batch, rows_per_chunk, num_tokens, num_seqs
 
-    def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None) -> tuple:
-        """The engine step's arguments after (params, cache) for ``output``: (batch, consts, prev_tokens_R,
-        remap_T int32 [T], sampling); host arrays except the previous step's device tokens."""
+    def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None) -> tuple[tuple, StepSampling]:
+        """The engine step's arguments for ``output``: (the model step's after (params, cache): (batch, consts,
+        prev_tokens_R, remap_T int32 [T]), the sampler's after the logits: a ``StepSampling`` of S rows whose mode
+        the sampling chunks' SamplingParams pick); host arrays except the previous step's device tokens."""
         chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids,
                            logits="last" if c.sample else "none") for c in output.chunks]
         batch, _, num_tokens, num_seqs = self._batch(chunks)
@@ -169,22 +209,33 @@ class ModelRunner:
                 remap[t] = prev_rows[c.request_id]
             t += c.num_tokens
         # host arrays throughout: the jitted call transfers them together with the batch
-        sampling = sampling_inputs([c for c in output.chunks if c.sample], num_seqs)
+        sampling = step_sampling([c for c in output.chunks if c.sample], num_seqs)
         prev_tokens = previous.tokens_R if previous is not None else self._no_previous
-        return batch, self.consts, prev_tokens, remap, sampling
+        return (batch, self.consts, prev_tokens, remap), sampling
 
     def lower(self, inputs: tuple) -> jax.stages.Lowered:
-        """The engine step lowered for ``inputs`` (``step_inputs``) under the runner's mesh: ``.compile()`` is the
-        executable ``execute`` launches for that bucket (tools/bench.py reads its HLO and memory, and times it)."""
+        """The model step lowered for ``inputs`` (the first of ``step_inputs``) under the runner's mesh:
+        ``.compile()`` is the executable ``execute`` launches for that bucket, whatever the sampler mode
+        (tools/bench.py reads its HLO and memory, and times it with ``lower_sampler``'s)."""
         with mesh_context(self._mesh):
             return self._jit.lower(self.params, self.cache, *inputs)
 
+    def lower_sampler(self, logits_RV: jax.Array | jax.ShapeDtypeStruct, sampling: StepSampling
+                      ) -> jax.stages.Lowered:
+        """The sampler lowered for ``logits_RV`` float32 [S, V] (the model step's output: an array, or its
+        ``jax.ShapeDtypeStruct``, e.g. a compiled model step's ``out_info[0]``, which carries its sharding) and
+        ``sampling`` (the second of ``step_inputs``): ``.compile()`` is the executable ``execute`` launches after
+        the model step for that row bucket and sampler mode."""
+        return self._sample.lower(logits_RV, sampling)
+
     def execute(self, output: SchedulerOutput, previous: StepHandle | None) -> StepHandle:
-        """Launch ``output``'s step; returns immediately (JAX dispatch is asynchronous)."""
-        inputs = self.step_inputs(output, previous)
+        """Launch ``output``'s model step and its sampler on the step's logits; returns immediately (JAX dispatch is
+        asynchronous)."""
+        inputs, sampling = self.step_inputs(output, previous)
         with jax.transfer_guard_device_to_host("disallow"):
-            (tokens, logits), self.cache = self._step(self.params, self.cache, *inputs)
-        return StepHandle(output, tokens, logits)
+            logits_RV, self.cache = self._step(self.params, self.cache, *inputs)
+            tokens_R = self._sample(logits_RV, sampling)
+        return StepHandle(output, tokens_R, logits_RV if self.debug_logits else None)
 
     def forward(self, chunks: list[SeqChunk], inject_topk: dict[int, np.ndarray] | None = None
                 ) -> tuple[list[np.ndarray], dict[int, list[np.ndarray]]]:
@@ -219,8 +270,7 @@ class ModelRunner:
                                      f"({sum(lengths)}, {self.cfg.index_topk})")
             inject = {layer: np.pad(np.asarray(v, np.int32), ((0, num_tokens - v.shape[0]), (0, 0)),
                                     constant_values=-1) for layer, v in inject_topk.items()}
-        (logits_RV, topk), self.cache = self._step(self.params, self.cache, batch, self.consts, None, None, None,
-                                                   inject)
+        (logits_RV, topk), self.cache = self._step(self.params, self.cache, batch, self.consts, None, None, inject)
         logits_RV = np.asarray(logits_RV)
         starts = np.cumsum([0] + lengths)
         per_layer = {layer: [np.asarray(v)[a:b] for a, b in zip(starts[:-1], starts[1:])]

@@ -3,9 +3,21 @@
 The noise of a row is ``gumbel(fold_in(fold_in(key(seed_lo), seed_hi), position))`` with the full 64-bit seed split
 into two uint32 halves: it does not depend on the batch row, the batch size or any global RNG history, so a
 recomputed (preempted) request draws the same tokens (DESIGN.md promise 3), and seeds differing in any bit draw
-different noise. One descending sort per row serves both top-k and top-p. (Greedy rows still pay for it: skipping
-it for an all-greedy step needs a static flag in the runner's jit key; a ``lax.cond`` would read its predicate
-back to the host mid-step on GPU.)
+different noise.
+
+A step samples in one of two static modes (``MODES``), picked on the host from its rows' SamplingParams
+(``sampling_mode``) and carried in the jit key of the runner's sampler executable (``StepSampling.mode``; the
+model step before it is the same in both), so the choice costs the device nothing (a ``lax.cond`` would read its
+predicate back to the host mid-step on GPU):
+
+* ``greedy``: every row has temperature 0 (a step that samples no row included): each row's argmax, with no sort,
+  no softmax and no noise.
+* ``sample``: one descending sort per row serves both top-k and top-p; a temperature-0 row takes the same argmax
+  as in ``greedy``, so a row's token never depends on the mode its step took.
+
+There is no third, temperature-only mode (a Gumbel argmax without the sort when no row uses top-k / top-p): it
+would not draw the ``sample`` mode's tokens, because top_p = 1 there is not an exact no-op (the float32 cumulative
+sum over a large vocabulary can reach 1 before its tail, dropping tokens of ~1e-7 total mass).
 
 Letters: R rows to sample, V vocab.
 """
@@ -13,14 +25,23 @@ Letters: R rows to sample, V vocab.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+MODES = ("greedy", "sample")
+
+
+def _argmax(logits_xV: jax.Array) -> jax.Array:
+    """int32 argmax over the last (vocab) axis; the lowest index wins ties."""
+    return jnp.argmax(logits_xV, axis=-1).astype(jnp.int32)
+
 
 def _one(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position):
-    greedy = jnp.argmax(logits_V).astype(jnp.int32)  # lowest index wins ties
+    greedy = _argmax(logits_V)
     scaled = logits_V.astype(jnp.float32) / jnp.maximum(temperature, 1e-5)
     # one descending sort serves both filters: masking the values below the k-th of a sorted row leaves it sorted
     ordered_V = jnp.sort(scaled)[::-1]
@@ -37,17 +58,28 @@ def _one(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position):
     scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_lo), seed_hi), position)
     noisy = scaled + jax.random.gumbel(key, scaled.shape, jnp.float32)
-    sampled = jnp.argmax(noisy).astype(jnp.int32)
+    sampled = _argmax(noisy)
     return jnp.where(temperature == 0, greedy, sampled)
 
 
-@jax.jit
+@partial(jax.jit, static_argnames="mode")
 def sample(logits_RV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
-           seed_hi_R: jax.Array, seed_lo_R: jax.Array, position_R: jax.Array) -> jax.Array:
+           seed_hi_R: jax.Array, seed_lo_R: jax.Array, position_R: jax.Array, *, mode: str) -> jax.Array:
     """One token per row. temperature float32 (0 = greedy), top_k int32 (0 = off), top_p float32 in (0, 1],
     seed_hi / seed_lo uint32 (the high and low halves of the 64-bit seed), position int32 (index of the token in
-    the request's output). -> int32 [R]. The arrays are what ``sampling_inputs`` builds."""
-    return jax.vmap(_one)(logits_RV, temperature_R, top_k_R, top_p_R, seed_hi_R, seed_lo_R, position_R)
+    the request's output). -> int32 [R]. The arrays are what ``sampling_inputs`` builds; ``mode`` (static, one of
+    ``MODES``) is what ``sampling_mode`` picks for them: in ``greedy`` the row arguments are not read."""
+    if mode == "greedy":
+        return _argmax(logits_RV)
+    if mode == "sample":
+        return jax.vmap(_one)(logits_RV, temperature_R, top_k_R, top_p_R, seed_hi_R, seed_lo_R, position_R)
+    raise ValueError(f"sampling mode must be one of {MODES}, got {mode!r}")
+
+
+def sampling_mode(chunks: Sequence) -> str:
+    """The mode of a step sampling ``chunks`` (each with ``params``, a SamplingParams): "greedy" when every row
+    has temperature 0 (or there is none), else "sample"."""
+    return "greedy" if all(c.params.greedy for c in chunks) else "sample"
 
 
 def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
@@ -61,3 +93,20 @@ def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
             np.array([c.seed >> 32 for c in chunks] + [0] * pad, np.uint32),
             np.array([c.seed & 0xFFFFFFFF for c in chunks] + [0] * pad, np.uint32),
             np.array([c.output_position for c in chunks] + [0] * pad, np.int32))
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["columns"], meta_fields=["mode"])
+@dataclass(frozen=True)
+class StepSampling:
+    """An engine step's sampling arguments, as one pytree: ``columns`` (``sampling_inputs``'s arrays, each [R]) are
+    its leaves and ``mode`` (one of ``MODES``) its static part, so a jitted sampler taking it compiles once per
+    mode."""
+
+    columns: tuple[np.ndarray, ...]
+    mode: str
+
+
+def step_sampling(chunks: Sequence, num_rows: int) -> StepSampling:
+    """``sampling_inputs(chunks, num_rows)`` with the mode ``sampling_mode`` picks for ``chunks`` (padding rows are
+    greedy and do not change it)."""
+    return StepSampling(sampling_inputs(chunks, num_rows), sampling_mode(chunks))
