@@ -39,6 +39,7 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dijax.config import ModelConfig
 from dijax.kernels import kernel_options
@@ -149,10 +150,20 @@ class ModelRunner:
         self.debug_logits = debug_logits
         self._jit = _compiled_step(cfg, tuple(sorted(self.kernel_options.items())))
         self._sample = _compiled_sampler(cfg, self.max_rows)  # no mesh: it has no collective
-        self._no_previous = jnp.zeros(self.max_rows, jnp.int32)  # prev_tokens_R of a step with no predecessor
         # experts split by dijax.parallel.mesh.place_params: every launch traces the MoE's shard_map on that mesh
         self._mesh = params_mesh(params)
+        # the cache and prev_tokens_R of a step with no predecessor placed as the step and the sampler return them
+        # (replicated on the mesh): an executable is keyed on its inputs' shardings, so a first step with another
+        # placement would compile every bucket twice
+        self._no_previous = self._replicated(jnp.zeros(self.max_rows, jnp.int32))
+        self.cache = self._replicated(self.cache)
         self._step = on_mesh(self._jit, self._mesh)
+
+    def _replicated(self, tree):
+        """``tree`` replicated over the runner's mesh (unchanged without one)."""
+        if self._mesh is None:
+            return tree
+        return jax.device_put(tree, NamedSharding(self._mesh, PartitionSpec()))
 
     @property
     def compiles(self) -> int:
