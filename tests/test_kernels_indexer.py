@@ -34,10 +34,7 @@ def problem(seq_T, visible_T, width: int, *, heads: int = HEADS, dim: int = DIM,
 
 
 def run_both(args, config=None):
-    # the reference runs op by op: jitted on XLA:CPU, its YNNPACK fusion of the bf16 chain with the head sum
-    # drops roundings (~40% of scores off by a bf16 ulp or more, jax 0.12; --xla_cpu_experimental_ynn_fusion_type=
-    # or an optimization barrier before the sum restores the definition)
-    want = np.asarray(index_scores_reference(*args))
+    want = np.asarray(jax.jit(index_scores_reference)(*args))
     got = np.asarray(index_scores_pallas(*args, config=config))
     return got, want
 
@@ -161,3 +158,13 @@ def test_lowers_to_triton_without_a_gpu(lower_for_cuda):
     for config in (IndexerConfig(), IndexerConfig(block_p=64, blocks=1, poison=True)):
         assert "triton" in lower_for_cuda(lambda *a, c=config: index_scores_pallas(*a, config=c, interpret=False),
                                           *args)
+
+
+
+def test_jitted_reference_keeps_every_bf16_rounding():
+    """Jitted (as in the model) the reference equals its op-by-op run bit for bit: XLA:CPU must not fuse the
+    weighted terms' bf16 rounding away into the head sum (it did at 24+ heads before the optimization barrier)."""
+    args = problem(np.arange(16) % 2, [150] * 16, 150, heads=24, dim=64)
+    with jax.disable_jit():
+        eager = np.asarray(index_scores_reference(*args))
+    np.testing.assert_array_equal(np.asarray(jax.jit(index_scores_reference)(*args)), eager)

@@ -19,10 +19,9 @@ small fraction of entries with random inputs, none when the sums are exact (fq4-
 model's case, usually are). The -inf mask is identical. A zero score is +0.0 in both: the sign of a sum whose
 every head gives -0.0 (ReLU'd to zero, negative weight) depends on the backend's reduction (XLA's reduce starts
 from +0.0 but drops a one-head reduce; Triton's tree sum of -0.0 terms is -0.0), and the top-k orders -0.0 below
-+0.0, so both implementations make every zero score +0.0. XLA:CPU caveat (jax 0.12): jitted, the reference's
-chain and head sum become one YNNPACK fusion that misses bf16 roundings (~40% of scores a bf16 ulp or more off
-the definition); op by op, with ``--xla_cpu_experimental_ynn_fusion_type=`` or with an optimization barrier
-before the sum it follows the definition. The tests compare against it op by op.
++0.0, so both implementations make every zero score +0.0. XLA:CPU (jax 0.12) would fuse the reference's
+weighted terms into the head sum as one YNNPACK fusion that drops their bf16 rounding (~40 % of scores a bf16 ulp
+or more off the definition at 24+ heads); an optimization barrier before the sum keeps them.
 
 The kernel: grid (T, chunks of ``blocks * block_p`` positions); program (t, c) reads t's sequence and visible
 length, and if its chunk holds a visible position it loads t's queries [I, J] and weights [I] once, then for each
@@ -66,6 +65,10 @@ def index_scores_reference(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array
                    precision=HIGHEST).astype(jnp.bfloat16)
     s = jnp.maximum(s, 0)
     s = (s.astype(jnp.float32) * w_TI.astype(jnp.float32)[..., None]).astype(jnp.bfloat16)
+    # XLA:CPU (jax 0.12) fuses this product into the head sum as one YNNPACK fusion that drops the bf16 rounding
+    # (--xla_allow_excess_precision=false notwithstanding: ~40 % of scores moved at 24+ heads); the barrier keeps
+    # the rounded terms
+    s = jax.lax.optimization_barrier(s)
     score = jnp.sum(s.astype(jnp.float32), axis=1).astype(jnp.bfloat16).astype(jnp.float32)
     visible = jnp.arange(rows_SP.shape[1], dtype=jnp.int32)[None, :] < visible_T[:, None]
     return jnp.where(visible, jnp.where(score == 0, 0.0, score), NEG_INF)
