@@ -79,7 +79,7 @@ def decode_e4m3(codes_u8: jax.Array) -> jax.Array:
 
 def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
     """ue8m0 bytes s -> float32 ``2^(s - 127 + 8)``, undoing ``decode_e4m3``'s 2^-8 (exact for s <= 246)."""
-    return jax.lax.bitcast_convert_type((scale_u8.astype(jnp.int32) + _F16_BIAS_FIX) << 23, jnp.float32)
+    return quant.ue8m0_pow2(scale_u8, _F16_BIAS_FIX)
 
 
 def fq8_tile(x_TK: jax.Array) -> jax.Array:
@@ -90,10 +90,8 @@ def fq8_tile(x_TK: jax.Array) -> jax.Array:
     t, k = x_TK.shape
     xg = x_TK.reshape(t, k // QUANT_BLOCK, QUANT_BLOCK)
     amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), np.float32(1e-4))
-    bits = jax.lax.bitcast_convert_type(amax * np.float32(1.0 / quant.FP8_MAX), jnp.int32)
-    log2_ceil = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
-    scale = jax.lax.bitcast_convert_type((log2_ceil + 127) << 23, jnp.float32)
-    inverse = jax.lax.bitcast_convert_type((127 - log2_ceil) << 23, jnp.float32)
+    scale = quant.pow2_scale(amax, np.float32(1.0 / quant.FP8_MAX))
+    inverse = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(scale, jnp.int32), jnp.float32)
     q = quant.e4m3_round_arith(xg * inverse[:, :, None])
     return (q * scale[:, :, None]).reshape(t, k).astype(jnp.bfloat16)
 

@@ -44,6 +44,12 @@ def pow2_scale(amax_f32: jax.Array, inv_max: np.float32) -> jax.Array:
     return jax.lax.bitcast_convert_type((log2_ceil + 127) << 23, jnp.float32)
 
 
+def ue8m0_pow2(scale_u8: jax.Array, shift: int = 0) -> jax.Array:
+    """ue8m0 bytes s -> float32 ``2^(s - 127 + shift)`` straight from the bits (kernels fold a decode factor into
+    ``shift``); exact while s + shift is in [1, 254]."""
+    return jax.lax.bitcast_convert_type((scale_u8.astype(jnp.int32) + shift) << 23, jnp.float32)
+
+
 def e4m3_round(x_f32: jax.Array) -> jax.Array:
     """Round float32 to the nearest e4m3 value (ties to even), saturating at +-448. Returns float32."""
     clipped = jnp.clip(x_f32.astype(jnp.float32), -FP8_MAX, FP8_MAX)

@@ -223,7 +223,7 @@ def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
 
     Exact for s in [1, 240]: real MXFP4 scales sit near 2^-8, far inside.
     """
-    return jax.lax.bitcast_convert_type((scale_u8.astype(jnp.int32) + _F16_BIAS_FIX) << 23, jnp.float32)
+    return quant.ue8m0_pow2(scale_u8, _F16_BIAS_FIX)
 
 
 def _compiler_params(warps: int, stages: int):
