@@ -9,6 +9,10 @@ from dijax.runtime.llm import LLM
 from dijax.runtime.sampling_params import SamplingParams
 
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
+# One engine size for every test here but the preemption one: its step buckets (tokens 8 / 16 / 32 x block-table
+# widths 1 / 4, test_no_new_compilations_after_warm_up) are compiled once for the whole module, each a whole-model
+# compile on CPU. The preemption test's pool has its own shapes (4 blocks) and a one-bucket token budget.
+SIZES = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
 
 
 def _params(i: int) -> SamplingParams:
@@ -17,33 +21,47 @@ def _params(i: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def reference():
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, zos=False)
+    llm = LLM(**SIZES, zos=False)
     return [o.token_ids for o in llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)]
 
 
+def test_no_new_compilations_after_warm_up():
+    """First in this file: the warm-up compiles every bucket itself, before the other tests (same sizes) do."""
+    llm = LLM(**SIZES)  # 4 blocks: widths 1 and 4
+    work = [_params(i) for i in range(3)]
+    assert llm.engine.runner.buckets() == [(t, w) for t in (8, 16, 32) for w in (1, 4)]
+    before = llm.engine.runner.compiles
+    llm.engine.runner.warmup()
+    warm = llm.engine.runner.compiles
+    assert warm - before <= 6  # one executable per bucket (fewer if another runner of this model compiled some)
+    llm.generate(PROMPTS[::-1], work, use_tqdm=False)
+    llm.generate(PROMPTS, work, use_tqdm=False)
+    assert llm.engine.runner.compiles == warm
+
+
 def test_zos_matches_synchronous_scheduling(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, zos=True)
+    llm = LLM(**SIZES, zos=True)
     outs = llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)
     assert [o.token_ids for o in outs] == reference
     assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
 
 
 def test_preemption_recomputes_the_same_tokens(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=4, block_size=16, max_model_len=48, zos=True)
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=8, num_blocks=4, block_size=16, max_model_len=48, zos=True)
     outs = llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)
     assert llm.engine.num_preemptions > 0
     assert [o.token_ids for o in outs] == reference
 
 
 def test_one_row_and_reversed_order_give_the_same_tokens(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64)
+    llm = LLM(**SIZES)
     alone = [llm.generate([PROMPTS[i]], _params(i), use_tqdm=False)[0].token_ids for i in range(3)]
     reverse = llm.generate(PROMPTS[::-1], [_params(i) for i in (2, 1, 0)], use_tqdm=False)
     assert alone == reference and [o.token_ids for o in reverse][::-1] == reference
 
 
 def test_cancelling_one_request_leaves_the_others_unchanged(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64)
+    llm = LLM(**SIZES)
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, _params(i))
@@ -58,21 +76,8 @@ def test_cancelling_one_request_leaves_the_others_unchanged(reference):
     assert engine.scheduler.block_manager.num_free == engine.scheduler.block_manager.num_blocks
 
 
-def test_no_new_compilations_after_warm_up():
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)  # 4 blocks: widths 1 and 4
-    work = [_params(i) for i in range(3)]
-    assert llm.engine.runner.buckets() == [(t, w) for t in (8, 16, 32) for w in (1, 4)]
-    before = llm.engine.runner.compiles
-    llm.engine.runner.warmup()
-    warm = llm.engine.runner.compiles
-    assert warm - before <= 6  # one executable per bucket (fewer if another runner of this model compiled some)
-    llm.generate(PROMPTS[::-1], work, use_tqdm=False)
-    llm.generate(PROMPTS, work, use_tqdm=False)
-    assert llm.engine.runner.compiles == warm
-
-
 def test_bad_requests_are_rejected_before_anything_is_queued(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    llm = LLM(**SIZES)
     good = [_params(i) for i in range(3)]
     cases = [([""] * 1, ValueError, "empty"), ([[1, 2, 9999]], ValueError, r"\[0, 512\)"),
              ([list(range(1, 80))], ValueError, "max_model_len=64"), ([3.5], TypeError, "prompt must be")]
@@ -86,7 +91,7 @@ def test_bad_requests_are_rejected_before_anything_is_queued(reference):
 
 
 def test_stop_strings_end_the_request_and_are_cut_from_the_text():
-    llm = LLM(max_num_seqs=2, max_num_batched_tokens=32)
+    llm = LLM(**SIZES)
     free = llm.generate(["The license"], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
     stop = free.text[len(free.text) // 2:][:4]  # a piece of what greedy decoding will produce
     out = llm.generate(["The license"], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]),
