@@ -8,6 +8,8 @@ import pytest
 from dijax.runtime.llm import LLM
 from dijax.runtime.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.cost(150)  # CI seconds, a scheduling hint (tests/conftest.py)
+
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
 # One engine size for every test here but the preemption one: its step buckets (tokens 8 / 16 / 32 x block-table
 # widths 1 / 4, test_no_new_compilations_after_warm_up) are compiled once for the whole module, each a whole-model

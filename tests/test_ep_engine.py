@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cost(150)  # CI seconds, a scheduling hint (tests/conftest.py)
+
 DEVICES = 4
 
 

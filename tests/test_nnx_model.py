@@ -25,6 +25,8 @@ from dijax.model.transformer import Block, Transformer, abstract_state, graphdef
 from dijax.runtime.model_runner import ModelRunner
 from tests.conftest import parity_path
 
+pytestmark = pytest.mark.cost(70)  # CI seconds, a scheduling hint (tests/conftest.py)
+
 
 def _tiny_with(**text_config) -> ModelConfig:
     with open(os.path.join(ASSETS, "config.json")) as f:
