@@ -25,6 +25,25 @@ PARITY_DIR = os.environ.get("DIJAX_PARITY_DIR", FIXTURE_COPY)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
+def pytest_configure(config):
+    """Under pytest-xdist's --dist loadfile / loadgroup, hand the files out in collection order (the heaviest first,
+    pytest_collection_modifyitems below) rather than xdist's default, most tests first."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the modules marked ``cost(seconds)`` first, the costliest first (the rest keep their order), so that on
+    two workers the long files start at once and the short ones fill in behind them instead of one long file
+    starting last. The mark is a scheduling hint, measured on the CI machine; it changes nothing else."""
+    cost: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("cost")
+        cost.setdefault(getattr(item, "module", None), mark.args[0] if mark else 0)
+    order = {module: i for i, module in enumerate(sorted(cost, key=lambda m: -cost[m]))}
+    items.sort(key=lambda item: order[getattr(item, "module", None)])  # stable: a module's tests keep their order
+
+
 def parity_path(*parts: str) -> str:
     """A path inside the parity folder; a missing one fails the test (a skip would hide it)."""
     path = os.path.join(PARITY_DIR, *parts)

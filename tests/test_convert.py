@@ -160,16 +160,7 @@ def test_existing_output_and_bad_expert_dtype(tmp_path):
         convert(parity_path("tiny", "hf"), str(tmp_path / "new"), expert_dtype="nvfp4", progress=False)
 
 
-def test_cli_convert_then_parity_on_the_result(tmp_path):
-    from dijax.cli.main import main
-    from tests.test_parity import _one_case_fixture, manifest_check
-
-    out = tmp_path / "converted"
-    assert main(["convert", parity_path("tiny", "hf"), str(out)]) == 0
-    assert main(["convert", parity_path("tiny", "hf"), str(out)]) == 2  # exists: a clear error, exit 2
-    (tmp_path / "fx").mkdir()
-    folder = _one_case_fixture(tmp_path / "fx", "tiny", "case_L5", [manifest_check("tiny", "tier1-injected")])
-    assert main(["parity", folder, "--weights", str(out)]) == 0
+# `dijax convert` then `dijax parity` on its output: tests/test_parity_tiny.py (it reuses that file's compiled steps)
 
 
 _RSS_CHILD = """

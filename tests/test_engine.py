@@ -14,7 +14,13 @@ from dijax.runtime.llm import LLM
 from dijax.runtime.sampler import MODES, StepSampling, sampling_inputs, step_sampling
 from dijax.runtime.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.cost(150)  # CI seconds, a scheduling hint (tests/conftest.py)
+
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
+# One engine size for every test here but the preemption one: its step buckets (tokens 8 / 16 / 32 x block-table
+# widths 1 / 4, test_no_new_compilations_after_warm_up) are compiled once for the whole module, each a whole-model
+# compile on CPU. The preemption test's pool has its own shapes (4 blocks) and a one-bucket token budget.
+SIZES = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
 
 
 def _params(i: int) -> SamplingParams:
@@ -23,51 +29,14 @@ def _params(i: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def reference():
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, zos=False)
+    llm = LLM(**SIZES, zos=False)
     return [o.token_ids for o in llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)]
-
-
-def test_zos_matches_synchronous_scheduling(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, zos=True)
-    outs = llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)
-    assert [o.token_ids for o in outs] == reference
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
-
-
-def test_preemption_recomputes_the_same_tokens(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=4, block_size=16, max_model_len=48, zos=True)
-    outs = llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)
-    assert llm.engine.num_preemptions > 0
-    assert [o.token_ids for o in outs] == reference
-
-
-def test_one_row_and_reversed_order_give_the_same_tokens(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64)
-    alone = [llm.generate([PROMPTS[i]], _params(i), use_tqdm=False)[0].token_ids for i in range(3)]
-    reverse = llm.generate(PROMPTS[::-1], [_params(i) for i in (2, 1, 0)], use_tqdm=False)
-    assert alone == reference and [o.token_ids for o in reverse][::-1] == reference
-
-
-def test_cancelling_one_request_leaves_the_others_unchanged(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64)
-    engine = llm.engine
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", prompt, _params(i))
-    results = {}
-    for _ in range(3):
-        results.update({o.request_id: o for o in engine.step()})
-    assert engine.abort("r1") and not engine.abort("r1")  # the second call: already finishing, a no-op
-    while engine.has_unfinished():
-        results.update({o.request_id: o for o in engine.step()})
-    assert results["r1"].finish_reason == "abort"
-    assert results["r0"].token_ids == reference[0] and results["r2"].token_ids == reference[2]
-    assert engine.scheduler.block_manager.num_free == engine.scheduler.block_manager.num_blocks
 
 
 @pytest.fixture(scope="module")
 def warm():
-    """(an LLM whose runner has warmed up, the model-step and the sampler executables its warm-up compiled)."""
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)  # 4 blocks: widths 1 and 4
+    """(an LLM whose runner warmed up first in this file, the model-step and the sampler executables it compiled)."""
+    llm = LLM(**SIZES)  # 4 blocks: widths 1 and 4
     runner = llm.engine.runner
     jax.clear_caches()  # the runners of the tests before shared these executables: count every one
     steps, samplers = runner.compiles, runner.sampler_compiles
@@ -115,8 +84,45 @@ def test_a_mixed_workload_gives_the_same_tokens_with_or_without_greedy_steps(war
     assert [len(t) for t in tokens] == [10, 3, 8]
 
 
+def test_zos_matches_synchronous_scheduling(reference):
+    llm = LLM(**SIZES, zos=True)
+    outs = llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
+
+
+def test_preemption_recomputes_the_same_tokens(reference):
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=8, num_blocks=4, block_size=16, max_model_len=48, zos=True)
+    outs = llm.generate(PROMPTS, [_params(i) for i in range(3)], use_tqdm=False)
+    assert llm.engine.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_one_row_and_reversed_order_give_the_same_tokens(reference):
+    llm = LLM(**SIZES)
+    alone = [llm.generate([PROMPTS[i]], _params(i), use_tqdm=False)[0].token_ids for i in range(3)]
+    reverse = llm.generate(PROMPTS[::-1], [_params(i) for i in (2, 1, 0)], use_tqdm=False)
+    assert alone == reference and [o.token_ids for o in reverse][::-1] == reference
+
+
+def test_cancelling_one_request_leaves_the_others_unchanged(reference):
+    llm = LLM(**SIZES)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, _params(i))
+    results = {}
+    for _ in range(3):
+        results.update({o.request_id: o for o in engine.step()})
+    assert engine.abort("r1") and not engine.abort("r1")  # the second call: already finishing, a no-op
+    while engine.has_unfinished():
+        results.update({o.request_id: o for o in engine.step()})
+    assert results["r1"].finish_reason == "abort"
+    assert results["r0"].token_ids == reference[0] and results["r2"].token_ids == reference[2]
+    assert engine.scheduler.block_manager.num_free == engine.scheduler.block_manager.num_blocks
+
+
 def test_bad_requests_are_rejected_before_anything_is_queued(reference):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    llm = LLM(**SIZES)
     good = [_params(i) for i in range(3)]
     cases = [([""] * 1, ValueError, "empty"), ([[1, 2, 9999]], ValueError, r"\[0, 512\)"),
              ([list(range(1, 80))], ValueError, "max_model_len=64"), ([3.5], TypeError, "prompt must be")]
@@ -130,7 +136,7 @@ def test_bad_requests_are_rejected_before_anything_is_queued(reference):
 
 
 def test_stop_strings_end_the_request_and_are_cut_from_the_text():
-    llm = LLM(max_num_seqs=2, max_num_batched_tokens=32)
+    llm = LLM(**SIZES)
     free = llm.generate(["The license"], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
     stop = free.text[len(free.text) // 2:][:4]  # a piece of what greedy decoding will produce
     out = llm.generate(["The license"], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]),

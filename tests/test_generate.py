@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dijax.cli.main import main
+
+pytestmark = pytest.mark.cost(45)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 def test_generate_on_the_embedded_default(capsys, tmp_path):

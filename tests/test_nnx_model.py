@@ -25,6 +25,8 @@ from dijax.model.transformer import Block, Transformer, abstract_state, graphdef
 from dijax.runtime.model_runner import ModelRunner
 from tests.conftest import parity_path
 
+pytestmark = pytest.mark.cost(65)  # CI seconds, a scheduling hint (tests/conftest.py)
+
 
 def _tiny_with(**text_config) -> ModelConfig:
     with open(os.path.join(ASSETS, "config.json")) as f:
@@ -164,13 +166,14 @@ def test_scanned_stages_compute_what_the_plain_layer_loop_computes():
                          max_num_seqs=2, max_num_batched_tokens=32)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (21, 6)]
-    # (chunks, logit-row bucket of the runner: its token bucket for "all" rows, else its sequence-row bucket)
-    steps = [([SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=prompts[0], logits="all"),
-               SeqChunk(slot=1, block_table=[2], start=0, tokens=prompts[1], logits="all")], 32),
-             ([SeqChunk(slot=0, block_table=[0, 1], start=21, tokens=[5]),
-               SeqChunk(slot=1, block_table=[2], start=6, tokens=[9])], 2)]
-    for chunks, num_rows in steps:
-        batch, rows_per_chunk = build_step(chunks, 32, 2, 2, num_rows)
+    # a prefill of every row and a decode step; the plain loop takes both with one shape (32 tokens, 32 logit rows:
+    # one compile of its unrolled ten layers), the runner each with its own buckets
+    steps = [[SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=prompts[0], logits="all"),
+              SeqChunk(slot=1, block_table=[2], start=0, tokens=prompts[1], logits="all")],
+             [SeqChunk(slot=0, block_table=[0, 1], start=21, tokens=[5]),
+              SeqChunk(slot=1, block_table=[2], start=6, tokens=[9])]]
+    for chunks in steps:
+        batch, rows_per_chunk = build_step(chunks, 32, 2, 2, 32)
         a, cache_plain, topk_a = step_plain(plain, cache_plain, batch)
         b, topk_b = runner.forward(chunks)
         for rows, got in zip(rows_per_chunk, b):
@@ -180,7 +183,7 @@ def test_scanned_stages_compute_what_the_plain_layer_loop_computes():
         for layer in topk_a:
             assert np.array_equal(np.asarray(topk_a[layer])[:num_tokens], np.concatenate(topk_b[layer]))
     with pytest.raises(ValueError, match="all or none"):
-        runner.forward(steps[1][0], {1: np.zeros((2, cfg.index_topk), np.int32)})
+        runner.forward(steps[1], {1: np.zeros((2, cfg.index_topk), np.int32)})
 
 
 def test_accelerator_placement_writes_each_tensor_into_its_stacked_slot(monkeypatch):

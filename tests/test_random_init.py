@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dijax.config import ModelConfig
 from dijax.io.loader import ASSETS, load
@@ -14,6 +15,8 @@ from dijax.model.param_map import checkpoint_tree
 from dijax.io.random_init import random_codes_params, random_params
 from dijax.model.step import SeqChunk
 from dijax.runtime.model_runner import ModelRunner
+
+pytestmark = pytest.mark.cost(40)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 def test_random_codes_match_the_recipe_layout_and_give_finite_logits():
