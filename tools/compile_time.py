@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dijax.config import ModelConfig  # noqa: E402
+from dijax.kernels import KERNEL_CHOICES, kernel_options  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
 
 FLASH = {
@@ -61,8 +62,8 @@ def _abstract(tree):
 
 
 def compile_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_blocks: int, num_blocks: int,
-                   block_size: int, fold: bool) -> tuple[float, float]:
-    """(lower seconds, compile seconds) of one (tokens x sequences) bucket."""
+                   block_size: int, fold: bool, options: dict[str, str]) -> tuple[float, float]:
+    """(lower seconds, compile seconds) of one (tokens x sequences) bucket with the step's kernel ``options``."""
     from flax import nnx
 
     from dijax.model.step import CacheSpec, StepBatch, init_cache
@@ -77,7 +78,7 @@ def compile_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max
                       qstart_S=s, block_table_SB=jax.ShapeDtypeStruct((seqs, max_blocks), i32), logit_rows_R=s)
 
     def step(params, cache, batch, consts):
-        return nnx.merge(graphdef(cfg, fold), params)(cache, batch, consts)
+        return nnx.merge(graphdef(cfg, fold), params)(cache, batch, consts, None, **options)
 
     start = time.perf_counter()
     lowered = jax.jit(step, donate_argnums=(1,)).lower(params, cache, batch, consts)
@@ -94,7 +95,10 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=4096, help="paged pool size in blocks")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--plain", action="store_true", help="unrolled layer loop instead of stacked stages")
+    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                        help="step kernels as the engine's option: on (Pallas, GPU only), off (jnp), auto")
     args = parser.parse_args()
+    options = kernel_options(args.kernels, jax.default_backend())
 
     from dijax.model.engram import EngramTables
     from dijax.model.plan import plan_layers
@@ -104,7 +108,8 @@ def main() -> None:
     fold = not args.plain
     stages = plan_layers(cfg, fold)
     print(f"dijax compile time: V4.1-Flash, {cfg.n_layers} layers in {len(stages)} stages "
-          f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}; "
+          f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}, "
+          f"kernels {args.kernels}; "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     params = abstract_state(cfg, fold=fold)
     size = cfg.engram_compressed_vocab_size
@@ -114,7 +119,7 @@ def main() -> None:
     for spec in args.buckets.split(","):
         tokens, seqs = (int(v) for v in spec.split("x"))
         lower_s, compile_s = compile_bucket(cfg, params, consts, tokens, seqs, args.max_blocks, args.num_blocks,
-                                            args.block_size, fold)
+                                            args.block_size, fold, options)
         total += lower_s + compile_s
         print(f"bucket {tokens:>5} tokens x {seqs:>3} sequences: lower {lower_s:6.1f} s, compile {compile_s:6.1f} s",
               flush=True)
