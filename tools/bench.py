@@ -360,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
 
         routed_experts.routed_path = lambda n_assignments, n_experts: args.moe_path
     device = jax.devices()[0]
+    longest = max([c + 1 for c in args.context] + args.prefill)
+    if args.max_model_len and min(args.max_model_len) < longest:
+        raise SystemExit(f"--max-model-len {min(args.max_model_len)} is below the longest sequence of the cases "
+                         f"({longest} tokens: context + 1 for decode, the prompt for prefill); allowed: >= {longest}")
     header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
               f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels}"
               f" | ep {args.ep} | warm-up {args.warmup}, median of {args.iters}"
