@@ -34,12 +34,15 @@ Letters: T tokens, S sequence rows, R logit rows (sampled rows: the sequence-row
 from __future__ import annotations
 
 import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
 
 from dijax.config import ModelConfig
 from dijax.kernels import kernel_options
@@ -181,19 +184,40 @@ class ModelRunner:
         widths = sorted({width_bucket(4 ** i, self.max_blocks) for i in range(self.max_blocks.bit_length())})
         return [(t, w) for t in tokens for w in widths]
 
-    def warmup(self) -> None:
-        """Compile the engine step's executables with empty steps (they write nothing): the model step of every
-        bucket (``buckets``: ``len(buckets())`` executables) and, on its logits, the sampler in every mode
+    def warmup(self, threads: int | None = None, progress: bool = False) -> None:
+        """Compile the engine step's executables ahead of time, without running them: the model step of every
+        bucket (``buckets``: ``len(buckets())`` executables) and, for its logits, the sampler in every mode
         (``MODES``: any step can take either) for every row bucket S = min(T, max rows) of the buckets
         (``len({S}) * len(MODES)`` small executables). The teacher-forced step of ``forward`` compiles on first
-        use."""
+        use.
+
+        Buckets compile in ``threads`` parallel threads (default: one per CPU core, at most one per bucket): XLA
+        compiles without holding the GIL, so on a many-core host the warm-up takes about the longest bucket's
+        compile plus every bucket's trace, not the sum of the compiles. An ahead-of-time compile fills the same
+        executable cache that ``execute`` looks up, so no step traces or compiles again. Under an ``ep`` mesh the
+        buckets compile one at a time (the mesh context of a trace is process-wide Flax state). ``progress``
+        shows a progress bar.
+        """
+        jobs = []
         for num_tokens, width in self.buckets():
             num_seqs = min(num_tokens, self.max_rows)
             batch, _ = build_step([], num_tokens, num_seqs, width, num_seqs)
-            logits_RV, self.cache = self._step(self.params, self.cache, batch, self.consts, self._no_previous,
-                                               np.zeros(num_tokens, np.int32))
-            for mode in MODES:  # compiled for the first bucket of each S, found in the jit cache after that
-                self._sample(logits_RV, StepSampling(sampling_inputs([], num_seqs), mode))
+            jobs.append(((batch, self.consts, self._no_previous, np.zeros(num_tokens, np.int32)), num_seqs))
+        first_of_rows = {num_seqs: i for i, (_, num_seqs) in reversed(list(enumerate(jobs)))}
+
+        def compile_bucket(i: int) -> None:
+            inputs, num_seqs = jobs[i]
+            logits_RV = self.lower(inputs).compile().out_info[0]
+            if first_of_rows[num_seqs] == i:  # the sampler's executables depend on S only
+                for mode in MODES:
+                    self.lower_sampler(logits_RV, StepSampling(sampling_inputs([], num_seqs), mode)).compile()
+
+        workers = 1 if self._mesh is not None else max(1, min(threads or os.cpu_count() or 1, len(jobs)))
+        with ThreadPoolExecutor(workers) as pool, tqdm(total=len(jobs), desc="compile step buckets",
+                                                       disable=not progress) as bar:
+            for future in as_completed([pool.submit(compile_bucket, i) for i in range(len(jobs))]):
+                future.result()  # re-raises a failed compile here
+                bar.update()
 
     def _batch(self, chunks: list[SeqChunk], all_rows: bool = False):
         """(batch, rows_per_chunk, T, S) of ``chunks`` padded to the runner's buckets: T tokens, S = min(T, the
