@@ -48,6 +48,7 @@ from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, params_mesh
 from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, step_sampling
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
+from dijax.runtime.step_timeline import StepRecord
 
 
 class StepHandle:
@@ -239,13 +240,28 @@ class ModelRunner:
         the model step for that row bucket and sampler mode."""
         return self._sample.lower(logits_RV, sampling)
 
-    def execute(self, output: SchedulerOutput, previous: StepHandle | None) -> StepHandle:
+    def execute(self, output: SchedulerOutput, previous: StepHandle | None,
+                record: StepRecord | None = None) -> StepHandle:
         """Launch ``output``'s model step and its sampler on the step's logits; returns immediately (JAX dispatch is
-        asynchronous)."""
+        asynchronous). ``record``: the engine step's timeline record, given its inputs, model and sampler phases."""
         inputs, sampling = self.step_inputs(output, previous)
+        if record is not None:
+            record.lap("inputs", output.step)
+        return self.launch(output, inputs, sampling, record)
+
+    def launch(self, output: SchedulerOutput, inputs: tuple, sampling: StepSampling,
+               record: StepRecord | None = None) -> StepHandle:
+        """Dispatch the model step on ``inputs`` and the sampler on its logits with ``sampling`` (``step_inputs``'s
+        two parts for ``output``); no device read: it runs under ``transfer_guard_device_to_host("disallow")``, and
+        the only transfers it makes are the host arrays of ``inputs`` and ``sampling`` (tests/test_step_timeline.py
+        runs it under ``jax.transfer_guard("disallow")`` with those placed first)."""
         with jax.transfer_guard_device_to_host("disallow"):
             logits_RV, self.cache = self._step(self.params, self.cache, *inputs)
+            if record is not None:
+                record.lap("model", output.step)
             tokens_R = self._sample(logits_RV, sampling)
+            if record is not None:
+                record.lap("sampler", output.step)
         return StepHandle(output, tokens_R, logits_RV if self.debug_logits else None)
 
     def forward(self, chunks: list[SeqChunk], inject_topk: dict[int, np.ndarray] | None = None
