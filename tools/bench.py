@@ -275,7 +275,7 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     def run():
         """One engine step: the model step, then the sampler on its logits: (sampled tokens [max rows],
         logits_RV)."""
-        logits_RV, runner.cache = step(runner.params, runner.cache, *inputs)
+        logits_RV, runner.cache = step(runner.param_leaves, runner.cache, *inputs)
         return sampler(logits_RV, sampler_inputs), logits_RV
 
     tokens_R, logits_RV = run()

@@ -95,9 +95,12 @@ def width_bucket(blocks: int, max_blocks: int) -> int:
 
 
 @lru_cache(maxsize=8)
-def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...]):
-    """One jitted model step per (config, kernel choice), shared by every runner: step(params, cache, batch, consts,
-    prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new cache), the cache donated.
+def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef):
+    """One jitted model step per (config, kernel choice, parameter structure), shared by every runner:
+    step(param_leaves, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new cache), the
+    cache donated. ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the parameters,
+    whose structure is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree (~340
+    variables for the tiny model) costs ~0.5 ms of Python per call on a 2-core host, every engine step.
 
     The engine step (``prev_tokens_R`` [max rows] and ``remap_T`` [T] given, ``inject_topk`` None): in-flight tokens
     gathered through ``remap_T`` from ``prev_tokens_R`` (the previous step's sampler output); outputs logits_RV
@@ -107,8 +110,9 @@ def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...]):
     traces of one function (None is an empty pytree), so they share the jit cache and its count.
     """
 
-    def step(params, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None):
+    def step(param_leaves, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None):
         _COMPILES[cfg] = _COMPILES.get(cfg, 0) + 1  # Python side effect: runs once per trace (= per bucket)
+        params = jax.tree.unflatten(params_tree, param_leaves)
         if remap_T is None:
             logits_RV, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **dict(kernels))
             return (logits_RV, topk), cache
@@ -142,6 +146,7 @@ class ModelRunner:
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  debug_logits: bool = False, kernels: str = "auto"):
         self.cfg, self.params, self.consts = cfg, params, consts
+        self.param_leaves, params_tree = jax.tree.flatten(params)  # what the model step takes (_compiled_step)
         self.kernel_options = kernel_options(kernels, jax.default_backend())
         self.cache = init_cache(cfg, CacheSpec(num_blocks=num_blocks, num_slots=num_slots, block_size=block_size))
         self.block_size = block_size
@@ -149,7 +154,7 @@ class ModelRunner:
         self.max_rows = bucket(max_num_seqs, 1)
         self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)
         self.debug_logits = debug_logits
-        self._jit = _compiled_step(cfg, tuple(sorted(self.kernel_options.items())))
+        self._jit = _compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree)
         self._sample = _compiled_sampler(cfg, self.max_rows)  # no mesh: it has no collective
         # experts split by dijax.parallel.mesh.place_params: every launch traces the MoE's shard_map on that mesh
         self._mesh = params_mesh(params)
@@ -191,7 +196,7 @@ class ModelRunner:
         for num_tokens, width in self.buckets():
             num_seqs = min(num_tokens, self.max_rows)
             batch, _ = build_step([], num_tokens, num_seqs, width, num_seqs)
-            logits_RV, self.cache = self._step(self.params, self.cache, batch, self.consts, self._no_previous,
+            logits_RV, self.cache = self._step(self.param_leaves, self.cache, batch, self.consts, self._no_previous,
                                                np.zeros(num_tokens, np.int32))
             for mode in MODES:  # compiled for the first bucket of each S, found in the jit cache after that
                 self._sample(logits_RV, StepSampling(sampling_inputs([], num_seqs), mode))
@@ -207,7 +212,7 @@ class ModelRunner:
         return batch, rows_per_chunk, num_tokens, num_seqs
 
     def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None) -> tuple[tuple, StepSampling]:
-        """The engine step's arguments for ``output``: (the model step's after (params, cache): (batch, consts,
+        """The engine step's arguments for ``output``: (the model step's after (param_leaves, cache): (batch, consts,
         prev_tokens_R, remap_T int32 [T]), the sampler's after the logits: a ``StepSampling`` of S rows whose mode
         the sampling chunks' SamplingParams pick); host arrays except the previous step's device tokens."""
         chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids,
@@ -230,7 +235,7 @@ class ModelRunner:
         ``.compile()`` is the executable ``execute`` launches for that bucket, whatever the sampler mode
         (tools/bench.py reads its HLO and memory, and times it with ``lower_sampler``'s)."""
         with mesh_context(self._mesh):
-            return self._jit.lower(self.params, self.cache, *inputs)
+            return self._jit.lower(self.param_leaves, self.cache, *inputs)
 
     def lower_sampler(self, logits_RV: jax.Array | jax.ShapeDtypeStruct, sampling: StepSampling
                       ) -> jax.stages.Lowered:
@@ -256,7 +261,7 @@ class ModelRunner:
         the only transfers it makes are the host arrays of ``inputs`` and ``sampling`` (tests/test_step_timeline.py
         runs it under ``jax.transfer_guard("disallow")`` with those placed first)."""
         with jax.transfer_guard_device_to_host("disallow"):
-            logits_RV, self.cache = self._step(self.params, self.cache, *inputs)
+            logits_RV, self.cache = self._step(self.param_leaves, self.cache, *inputs)
             if record is not None:
                 record.lap("model", output.step)
             tokens_R = self._sample(logits_RV, sampling)
@@ -297,7 +302,8 @@ class ModelRunner:
                                      f"({sum(lengths)}, {self.cfg.index_topk})")
             inject = {layer: np.pad(np.asarray(v, np.int32), ((0, num_tokens - v.shape[0]), (0, 0)),
                                     constant_values=-1) for layer, v in inject_topk.items()}
-        (logits_RV, topk), self.cache = self._step(self.params, self.cache, batch, self.consts, None, None, inject)
+        (logits_RV, topk), self.cache = self._step(self.param_leaves, self.cache, batch, self.consts, None, None,
+                                                   inject)
         logits_RV = np.asarray(logits_RV)
         starts = np.cumsum([0] + lengths)
         per_layer = {layer: [np.asarray(v)[a:b] for a, b in zip(starts[:-1], starts[1:])]
