@@ -48,6 +48,10 @@ from dijax.config import ModelConfig  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
 from dijax.kernels import kernel_options  # noqa: E402
 from dijax.parallel.mesh import make_mesh, place_params  # noqa: E402
+from dijax.runtime.llm import LLM  # noqa: E402
+from dijax.runtime.llm_engine import LLMEngine  # noqa: E402
+from dijax.runtime.sampling_params import SamplingParams  # noqa: E402
+from dijax.runtime.step_timeline import PHASES, summarize  # noqa: E402
 
 FLASH_SLICE = {  # v41_spec §1 values; layer roles 0-6 mirror layers 0, 1, 2, 3, 20, 24, 25 of the release
     "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_hidden_layers": 7,
@@ -235,7 +239,6 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with xprof / Perfetto, or summarise
     it with ``tools/trace_summary.py``)."""
     from dijax.runtime.model_runner import ModelRunner
-    from dijax.runtime.sampling_params import SamplingParams
     from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
 
     rng = np.random.default_rng(0)
@@ -272,7 +275,7 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     def run():
         """One engine step: the model step, then the sampler on its logits: (sampled tokens [max rows],
         logits_RV)."""
-        logits_RV, runner.cache = step(runner.params, runner.cache, *inputs)
+        logits_RV, runner.cache = step(runner.param_leaves, runner.cache, *inputs)
         return sampler(logits_RV, sampler_inputs), logits_RV
 
     tokens_R, logits_RV = run()
@@ -298,21 +301,35 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
 
 
 def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int, kernels: str,
-                ep: int = 1) -> tuple[float, int]:
-    """(seconds, output tokens) of ``LLM.generate`` on the embedded tiny model at ``ep``; a first identical run
-    warms up."""
-    from dijax.runtime.llm import LLM
-    from dijax.runtime.sampling_params import SamplingParams
-
-    llm = LLM(max_num_seqs=num_prompts, max_num_batched_tokens=max(64, prompt_len), zos=zos, kernels=kernels, ep=ep)
+                ep: int = 1) -> tuple[float, int, LLMEngine]:
+    """(seconds, output tokens, the engine) of ``LLM.generate`` on the embedded tiny model at ``ep``; a first
+    identical run warms up. The engine's step timeline (``trace_steps``: a few clock reads per step) holds the
+    timed run."""
+    llm = LLM(max_num_seqs=num_prompts, max_num_batched_tokens=max(64, prompt_len), zos=zos, kernels=kernels, ep=ep,
+              trace_steps=True)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, llm.engine.cfg.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=i)
               for i in range(num_prompts)]
     llm.generate(prompts, params, use_tqdm=False)  # warm (host paths, transfers)
+    llm.engine.timeline.clear()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, sum(len(o.token_ids) for o in outputs)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outputs), llm.engine
+
+
+def timeline_table(rows: list[dict]) -> list[str]:
+    """Markdown lines of the engine rows' step timelines (``time_engine``'s summary under ``"timeline"``, the
+    device-only decode step under ``"device_step_ms"``): per-phase median ms of a decode step, the end-to-end decode
+    step against the device-only one, and the share of the run the host spent blocked in ``wait``."""
+    lines = ["| engine | " + " | ".join(PHASES) + " | e2e decode step | device-only step | e2e / device "
+             "| host blocked in wait |", "|---" * (len(PHASES) + 5) + "|"]
+    for r in rows:
+        t = r["timeline"]
+        phases = " | ".join(f"{t[f'{name}_ms']:.3f}" for name in PHASES)
+        lines.append(f"| {r['case']} | {phases} | {t['step_ms']:.3f} | {r['device_step_ms']:.3f} | "
+                     f"{t['step_ms'] / r['device_step_ms']:.2f} | {t['wait_share']:.0%} |")
+    return lines
 
 
 def _ints(text: str, minimum: int = 0) -> list[int]:
@@ -393,13 +410,31 @@ def main(argv: list[str] | None = None) -> int:
                      "GFLOP": cost.flops / 1e9, "launches": launches, "temp_GB": temp_bytes / 1e9})
         print(f"  {label}: {median * 1e3:.2f} ms (first run {first:.1f} s, {launches} kernel launches, "
               f"{temp_bytes / 1e9:.3f} GB temporaries)", flush=True)
+    engine_rows = []
     if args.engine == "on":
+        num_prompts, prompt_len, max_tokens = 8, 32, 64
         for zos in (True, False):
-            seconds, tokens = time_engine(zos, num_prompts=8, prompt_len=32, max_tokens=64, kernels=args.kernels,
-                                          ep=args.ep)
-            rows.append({"case": f"engine tiny 8x(32+64) zos {'on' if zos else 'off'}", "tokens": tokens,
-                         "median_ms": seconds * 1e3, "tokens_per_s": tokens / seconds})
-            print(f"  engine zos {'on' if zos else 'off'}: {tokens / seconds:.0f} output tok/s", flush=True)
+            seconds, tokens, engine = time_engine(zos, num_prompts, prompt_len, max_tokens, kernels=args.kernels,
+                                                  ep=args.ep)
+            timeline = summarize(list(engine.timeline.records))
+            row = {"case": f"engine tiny {num_prompts}x({prompt_len}+{max_tokens}) zos {'on' if zos else 'off'}",
+                   "tokens": tokens, "median_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
+                   "timeline": timeline}
+            rows.append(row)
+            engine_rows.append(row)
+            print(f"  engine zos {'on' if zos else 'off'}: {tokens / seconds:.0f} output tok/s, decode step "
+                  f"{timeline['step_ms']:.2f} ms", flush=True)
+        if args.model == "tiny":  # the engine runs the tiny model: its decode step alone, mid-run context
+            context = prompt_len + max_tokens // 2
+            block_size = engine.scheduler.block_manager.block_size
+            _, device_step, _, _ = time_step(cfg, params, consts, [(context, 1)] * num_prompts, block_size,
+                                             args.warmup, args.iters, args.kernels,
+                                             label=f"engine decode B={num_prompts} ctx={context}",
+                                             max_model_len=engine.scheduler.max_model_len)
+            print(f"  device-only decode B={num_prompts} ctx={context} (block size {block_size}): "
+                  f"{device_step * 1e3:.2f} ms", flush=True)
+            for row in engine_rows:
+                row["device_step_ms"] = device_step * 1e3
     print()
     print(header)
     print("| case | ms (median) | tokens/s | floor ms (bound) | of floor | GB moved | GFLOP | launches | temp GB |")
@@ -411,6 +446,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['launches']} | {r['temp_GB']:.3f} |")
         else:
             print(f"| {r['case']} | {r['median_ms']:.0f} (whole run) | {r['tokens_per_s']:.0f} | | | | | | |")
+    if engine_rows and "device_step_ms" in engine_rows[0]:
+        print()
+        print("Engine step timeline (median ms per decode step; the device-only step is ``time_step``'s, same "
+              "kernels):")
+        print("\n".join(timeline_table(engine_rows)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": rows}, f, indent=1)

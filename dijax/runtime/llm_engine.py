@@ -23,6 +23,7 @@ from dijax.runtime.sampling_params import SamplingParams
 from dijax.runtime.scheduler import Scheduler, SchedulerOutput
 from dijax.runtime.sequence import Sequence
 from dijax.runtime.state_manager import StateManager
+from dijax.runtime.step_timeline import StepTimeline
 
 
 def _check_size(name: str, value: object) -> int:
@@ -50,12 +51,14 @@ class LLMEngine:
                             1: one device, no mesh).
     kernels                 'auto' (the Pallas kernels on a GPU, the jnp references elsewhere), 'on' or 'off'
                             (dijax.kernels.kernel_options).
+    trace_steps             keep a host timeline of every ``step()`` in ``timeline`` (a ``StepTimeline``:
+                            dijax.runtime.step_timeline); off (``timeline`` None, no stamp taken) by default.
     """
 
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None, ep: int = 1,
                  zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", trace_steps: bool = False):
         from dijax.io.loader import load
 
         # checked before the model is loaded: a bad size fails at once, naming itself
@@ -69,6 +72,8 @@ class LLMEngine:
         ep = _check_size("ep", ep)
         if not isinstance(zos, bool):
             raise TypeError(f"zos must be a bool, got {type(zos).__name__} {zos!r}")
+        if not isinstance(trace_steps, bool):
+            raise TypeError(f"trace_steps must be a bool, got {type(trace_steps).__name__} {trace_steps!r}")
         # ``loaded``: an already loaded (config, params, Engram constants, tokenizer), e.g. a parity fixture, placed
         # on the mesh below; a model loaded here goes straight onto the mesh, each device reading only its share
         self.cfg, params, consts, self.tokenizer = loaded or load(model, weights_seed, ep)
@@ -92,6 +97,7 @@ class LLMEngine:
         self._prompts: dict[str, str | list[int]] = {}  # every request not yet returned by step()
         self._released: list[Sequence] = []  # finished outside step() (abort, failures): returned by the next step
         self.num_preemptions = 0
+        self.timeline = StepTimeline() if trace_steps else None
 
     def validate(self, prompts: list, params: list) -> None:
         """Check every request (prompt type, token ids, lengths, params) without queueing anything."""
@@ -166,13 +172,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, process what is due; return the requests that finished."""
+        record = None if self.timeline is None else self.timeline.begin()
         output = self.scheduler.schedule()
+        if record is not None:
+            record.lap("schedule", output.step)
+            record.launched = None if output.is_empty else output.step
+            record.decode_only = not output.is_empty and all(c.num_tokens == 1 for c in output.chunks)
         self.num_preemptions += len(output.preempted)
         previous = next((h for _, h in reversed(self._unprocessed) if h is not None), None)
         finished, self._released = self._released, []
         handle = None
         try:
-            handle = None if output.is_empty else self.runner.execute(output, previous)
+            handle = None if output.is_empty else self.runner.execute(output, previous, record)
         except Exception as error:  # noqa: BLE001  (whatever broke the launch, the step's requests end with it)
             finished += self.scheduler.fail(output, _describe(error))
         else:
@@ -185,6 +196,9 @@ class LLMEngine:
             except Exception as error:  # noqa: BLE001  (the step failed while running)
                 finished += self.scheduler.fail(done, _describe(error))
                 continue
+            finally:
+                if record is not None:
+                    record.lap("wait", done.step)
             if done_handle is not None and done_handle.logits:
                 for chunk in done.chunks:
                     if chunk.sample:
@@ -192,7 +206,13 @@ class LLMEngine:
                         rows[chunk.output_position] = done_handle.logits[chunk.request_id]
             finished += self.scheduler.process(done, sampled)
             finished += self._match_stop_strings(done)
-        return [self._output(seq) for seq in finished]
+            if record is not None:
+                record.lap("process", done.step)
+        outputs = [self._output(seq) for seq in finished]
+        if record is not None:
+            record.lap("output", None)
+            record.end = record.phases[-1].end
+        return outputs
 
     def _match_stop_strings(self, done: SchedulerOutput) -> list[Sequence]:
         """Finish (reason 'stop') every sequence of ``done`` whose detokenized output now contains a stop string."""

@@ -51,6 +51,7 @@ from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, params_mesh
 from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, step_sampling
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
+from dijax.runtime.step_timeline import StepRecord
 
 
 class StepHandle:
@@ -97,9 +98,12 @@ def width_bucket(blocks: int, max_blocks: int) -> int:
 
 
 @lru_cache(maxsize=8)
-def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...]):
-    """One jitted model step per (config, kernel choice), shared by every runner: step(params, cache, batch, consts,
-    prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new cache), the cache donated.
+def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef):
+    """One jitted model step per (config, kernel choice, parameter structure), shared by every runner:
+    step(param_leaves, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new cache), the
+    cache donated. ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the parameters,
+    whose structure is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree (~340
+    variables for the tiny model) costs ~0.5 ms of Python per call on a 2-core host, every engine step.
 
     The engine step (``prev_tokens_R`` [max rows] and ``remap_T`` [T] given, ``inject_topk`` None): in-flight tokens
     gathered through ``remap_T`` from ``prev_tokens_R`` (the previous step's sampler output); outputs logits_RV
@@ -109,8 +113,9 @@ def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...]):
     traces of one function (None is an empty pytree), so they share the jit cache and its count.
     """
 
-    def step(params, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None):
+    def step(param_leaves, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None):
         _COMPILES[cfg] = _COMPILES.get(cfg, 0) + 1  # Python side effect: runs once per trace (= per bucket)
+        params = jax.tree.unflatten(params_tree, param_leaves)
         if remap_T is None:
             logits_RV, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **dict(kernels))
             return (logits_RV, topk), cache
@@ -144,6 +149,7 @@ class ModelRunner:
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  debug_logits: bool = False, kernels: str = "auto"):
         self.cfg, self.params, self.consts = cfg, params, consts
+        self.param_leaves, params_tree = jax.tree.flatten(params)  # what the model step takes (_compiled_step)
         self.kernel_options = kernel_options(kernels, jax.default_backend())
         self.cache = init_cache(cfg, CacheSpec(num_blocks=num_blocks, num_slots=num_slots, block_size=block_size))
         self.block_size = block_size
@@ -151,7 +157,7 @@ class ModelRunner:
         self.max_rows = bucket(max_num_seqs, 1)
         self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)
         self.debug_logits = debug_logits
-        self._jit = _compiled_step(cfg, tuple(sorted(self.kernel_options.items())))
+        self._jit = _compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree)
         self._sample = _compiled_sampler(cfg, self.max_rows)  # no mesh: it has no collective
         # experts split by dijax.parallel.mesh.place_params: every launch traces the MoE's shard_map on that mesh
         self._mesh = params_mesh(params)
@@ -230,7 +236,7 @@ class ModelRunner:
         return batch, rows_per_chunk, num_tokens, num_seqs
 
     def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None) -> tuple[tuple, StepSampling]:
-        """The engine step's arguments for ``output``: (the model step's after (params, cache): (batch, consts,
+        """The engine step's arguments for ``output``: (the model step's after (param_leaves, cache): (batch, consts,
         prev_tokens_R, remap_T int32 [T]), the sampler's after the logits: a ``StepSampling`` of S rows whose mode
         the sampling chunks' SamplingParams pick); host arrays except the previous step's device tokens."""
         chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids,
@@ -253,7 +259,7 @@ class ModelRunner:
         ``.compile()`` is the executable ``execute`` launches for that bucket, whatever the sampler mode
         (tools/bench.py reads its HLO and memory, and times it with ``lower_sampler``'s)."""
         with mesh_context(self._mesh):
-            return self._jit.lower(self.params, self.cache, *inputs)
+            return self._jit.lower(self.param_leaves, self.cache, *inputs)
 
     def lower_sampler(self, logits_RV: jax.Array | jax.ShapeDtypeStruct, sampling: StepSampling
                       ) -> jax.stages.Lowered:
@@ -263,13 +269,28 @@ class ModelRunner:
         the model step for that row bucket and sampler mode."""
         return self._sample.lower(logits_RV, sampling)
 
-    def execute(self, output: SchedulerOutput, previous: StepHandle | None) -> StepHandle:
+    def execute(self, output: SchedulerOutput, previous: StepHandle | None,
+                record: StepRecord | None = None) -> StepHandle:
         """Launch ``output``'s model step and its sampler on the step's logits; returns immediately (JAX dispatch is
-        asynchronous)."""
+        asynchronous). ``record``: the engine step's timeline record, given its inputs, model and sampler phases."""
         inputs, sampling = self.step_inputs(output, previous)
+        if record is not None:
+            record.lap("inputs", output.step)
+        return self.launch(output, inputs, sampling, record)
+
+    def launch(self, output: SchedulerOutput, inputs: tuple, sampling: StepSampling,
+               record: StepRecord | None = None) -> StepHandle:
+        """Dispatch the model step on ``inputs`` and the sampler on its logits with ``sampling`` (``step_inputs``'s
+        two parts for ``output``); no device read: it runs under ``transfer_guard_device_to_host("disallow")``, and
+        the only transfers it makes are the host arrays of ``inputs`` and ``sampling`` (tests/test_step_timeline.py
+        runs it under ``jax.transfer_guard("disallow")`` with those placed first)."""
         with jax.transfer_guard_device_to_host("disallow"):
-            logits_RV, self.cache = self._step(self.params, self.cache, *inputs)
+            logits_RV, self.cache = self._step(self.param_leaves, self.cache, *inputs)
+            if record is not None:
+                record.lap("model", output.step)
             tokens_R = self._sample(logits_RV, sampling)
+            if record is not None:
+                record.lap("sampler", output.step)
         return StepHandle(output, tokens_R, logits_RV if self.debug_logits else None)
 
     def forward(self, chunks: list[SeqChunk], inject_topk: dict[int, np.ndarray] | None = None
@@ -305,7 +326,8 @@ class ModelRunner:
                                      f"({sum(lengths)}, {self.cfg.index_topk})")
             inject = {layer: np.pad(np.asarray(v, np.int32), ((0, num_tokens - v.shape[0]), (0, 0)),
                                     constant_values=-1) for layer, v in inject_topk.items()}
-        (logits_RV, topk), self.cache = self._step(self.params, self.cache, batch, self.consts, None, None, inject)
+        (logits_RV, topk), self.cache = self._step(self.param_leaves, self.cache, batch, self.consts, None, None,
+                                                   inject)
         logits_RV = np.asarray(logits_RV)
         starts = np.cumsum([0] + lengths)
         per_layer = {layer: [np.asarray(v)[a:b] for a, b in zip(starts[:-1], starts[1:])]
