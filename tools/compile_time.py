@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 tools/compile_time.py                      # decode and prefill buckets, stacked layers
     PYTHONPATH=. python3 tools/compile_time.py --plain --buckets 8x8 # the unrolled layer loop, one small bucket
+    PYTHONPATH=. python3 tools/compile_time.py --engine 8192,256,1048576 --threads 16 --limit 16
+                                        # the engine warm-up's buckets (the first 16 of them), 16 at a time
 
 No weights are read or allocated: parameters, cache, batch and Engram constants are ``ShapeDtypeStruct``s, and each
 bucket is ``jax.jit(step).lower(...).compile()``. The config is v41_spec §1 (40 backbone layers; the 3 DSpark
@@ -17,6 +19,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from dijax.config import ModelConfig  # noqa: E402
 from dijax.kernels import KERNEL_CHOICES, kernel_options  # noqa: E402
+from dijax.runtime.model_runner import MIN_TOKENS, bucket, step_buckets  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
 
 FLASH = {
@@ -95,6 +99,12 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=4096, help="paged pool size in blocks")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--plain", action="store_true", help="unrolled layer loop instead of stacked stages")
+    parser.add_argument("--engine", metavar="MAX_TOKENS,MAX_SEQS,MAX_MODEL_LEN",
+                        help="instead of --buckets and --max-blocks: the (tokens, sequences, width) buckets the "
+                             "engine's warm-up compiles for these engine sizes (ModelRunner.buckets)")
+    parser.add_argument("--limit", type=int, help="compile only the first LIMIT buckets")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="compile this many buckets at once, as the engine's warm-up does (one per core)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="step kernels as the engine's option: on (Pallas, GPU only), off (jnp), auto")
     args = parser.parse_args()
@@ -115,16 +125,29 @@ def main() -> None:
     size = cfg.engram_compressed_vocab_size
     token_map = (np.arange(cfg.vocab_size) % size).astype(np.int32)
     consts = _abstract(EngramTables.from_token_map(cfg, token_map, size).step_consts())
-    total = 0.0
-    for spec in args.buckets.split(","):
-        tokens, seqs = (int(v) for v in spec.split("x"))
-        lower_s, compile_s = compile_bucket(cfg, params, consts, tokens, seqs, args.max_blocks, args.num_blocks,
-                                            args.block_size, fold, options)
-        total += lower_s + compile_s
-        print(f"bucket {tokens:>5} tokens x {seqs:>3} sequences: lower {lower_s:6.1f} s, compile {compile_s:6.1f} s",
-              flush=True)
-    print(f"total {total:.1f} s")
+    if args.engine:
+        max_tokens, max_seqs, max_model_len = (int(v) for v in args.engine.split(","))
+        max_rows = bucket(max_seqs, 1)
+        plan = [(t, min(t, max_rows), w) for t, w in
+                step_buckets(bucket(max_tokens, MIN_TOKENS), -(-max_model_len // args.block_size))]
+    else:
+        plan = [(*(int(v) for v in spec.split("x")), args.max_blocks) for spec in args.buckets.split(",")]
+    print(f"{len(plan)} buckets{f', compiling the first {args.limit}' if args.limit else ''}, "
+          f"{args.threads} at a time", flush=True)
+    plan = plan[:args.limit]
 
+    def one(bucket_spec: tuple[int, int, int]) -> float:
+        tokens, seqs, width = bucket_spec
+        lower_s, compile_s = compile_bucket(cfg, params, consts, tokens, seqs, width, args.num_blocks,
+                                            args.block_size, fold, options)
+        print(f"bucket {tokens:>5} tokens x {seqs:>3} sequences x {width:>5} blocks: lower {lower_s:6.1f} s, "
+              f"compile {compile_s:6.1f} s", flush=True)
+        return lower_s + compile_s
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.threads) as pool:
+        total = sum(pool.map(one, plan))
+    print(f"total {total:.1f} s of lowering and compiling; wall {time.perf_counter() - start:.1f} s")
 
 if __name__ == "__main__":
     main()

@@ -97,6 +97,15 @@ def width_bucket(blocks: int, max_blocks: int) -> int:
     return min(width, max_blocks)
 
 
+def step_buckets(max_tokens: int, max_blocks: int) -> list[tuple[int, int]]:
+    """Every (tokens, block-table width) bucket of a runner whose token bucket is at most ``max_tokens`` (a power of
+    two >= MIN_TOKENS) and whose block tables hold at most ``max_blocks`` blocks: tokens the powers of two from
+    MIN_TOKENS, widths the powers of four below ``max_blocks`` and ``max_blocks`` itself."""
+    tokens = [MIN_TOKENS * 2 ** i for i in range((max_tokens // MIN_TOKENS).bit_length())]
+    widths = sorted({width_bucket(4 ** i, max_blocks) for i in range(max_blocks.bit_length())})
+    return [(t, w) for t in tokens for w in widths]
+
+
 @lru_cache(maxsize=8)
 def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef):
     """One jitted model step per (config, kernel choice, parameter structure), shared by every runner:
@@ -185,10 +194,8 @@ class ModelRunner:
         return _SAMPLER_COMPILES.get(self.cfg, 0)
 
     def buckets(self) -> list[tuple[int, int]]:
-        """Every (tokens, block-table width) bucket a step can take."""
-        tokens = [MIN_TOKENS * 2 ** i for i in range((self.max_tokens // MIN_TOKENS).bit_length())]
-        widths = sorted({width_bucket(4 ** i, self.max_blocks) for i in range(self.max_blocks.bit_length())})
-        return [(t, w) for t in tokens for w in widths]
+        """Every (tokens, block-table width) bucket a step can take (``step_buckets``)."""
+        return step_buckets(self.max_tokens, self.max_blocks)
 
     def warmup(self, threads: int | None = None, progress: bool = False) -> None:
         """Compile the engine step's executables ahead of time, without running them: the model step of every
