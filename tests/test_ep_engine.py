@@ -50,10 +50,7 @@ def workload(ep: int) -> dict:
         for out in engine.step():
             results[out.request_id] = [out.finish_reason, out.token_ids]
         step += 1
-    sched = engine.scheduler
-    all_free = (sched.block_manager.num_free == sched.block_manager.num_blocks
-                and sched.state_manager.num_free == sched.state_manager.num_slots)
-    return {"results": results, "preemptions": engine.num_preemptions, "all_free": all_free}
+    return {"results": results, "preemptions": engine.num_preemptions, "all_free": engine.scheduler.all_free()}
 
 
 def parity_exit_codes(tmp: str) -> dict:

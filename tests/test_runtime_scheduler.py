@@ -60,7 +60,7 @@ class FakeDevice:
 
 def make_scheduler(num_blocks=8, block_size=4, num_slots=4, max_num_seqs=4, max_num_batched_tokens=8,
                    max_model_len=32, eos_token_id=None) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), StateManager(num_slots), max_num_seqs,
+    return Scheduler([BlockManager(num_blocks, block_size)], [StateManager(num_slots)], max_num_seqs,
                      max_num_batched_tokens, max_model_len, eos_token_id=eos_token_id)
 
 
@@ -82,7 +82,7 @@ def ids(out: SchedulerOutput) -> list[str]:
 
 
 def all_free(sched: Scheduler) -> bool:
-    bm, sm = sched.block_manager, sched.state_manager
+    (bm,), (sm,) = sched.block_managers, sched.state_managers
     return bm.num_free == bm.num_blocks and sm.num_free == sm.num_slots
 
 
@@ -264,7 +264,7 @@ def test_preemption_picks_longest_output_and_puts_it_at_the_head():
     sched.add(c)
     step(sched, device)  # b, c admitted: all 4 blocks owned
     sched.add(make_seq("d", 1))
-    assert sched.block_manager.num_free == 0
+    assert sched.block_managers[0].num_free == 0
     while True:
         before = {s.request_id: len(s.output_token_ids) for s in sched.running}
         old_epoch = a.epoch
