@@ -10,10 +10,10 @@ one JSON line of results:
     preempt), prompts prefilled in chunks next to running decodes, ZOS on. ep = 2 is a (dp 2, ep 2) mesh: 4
     attention ranks, the experts split over 2. Per request the finish reason and tokens, and the ranks it ran on;
     the preemption count, and whether every block and slot of every rank is free at the end. Attention DP changes
-    the schedule (per-rank budgets and pools), so equal tokens rest on each sequence's computation not depending on
-    its batch neighbours (docs/scaling.md: where the logits are bit-exact). The engine's sizes keep its bucket plan
-    to one token bucket (8) and two block-table widths (1, 3): each (ep, bucket) is a whole-model compile, the bulk
-    of this file's time;
+    the schedule (per-rank budgets and pools: other batches, no preemption), yet every sampled logits row (debug
+    logits) equals ep 1's bit for bit: a token's computation does not depend on its batch neighbours
+    (docs/scaling.md, "Bit-exactness"). The engine's sizes keep its bucket plan to one token bucket (8) and two
+    block-table widths (1, 3): each (ep, bucket) is a whole-model compile, the bulk of this file's time;
   * ``dijax parity --ep 4 --engine`` (attention DP on, 4 ranks) through the CLI (exit status) on a one-case copy of
     tiny-nodrop, its token budget also one bucket (8 tokens: the prompts are prefilled in chunks). The model mode
     at ep 4 gives ep 1's logits bit for bit (tests/test_expert_parallel.py), so its parity is ep 1's; the
@@ -29,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.cost(300)  # CI seconds, a scheduling hint (tests/conftest.py)
@@ -38,12 +39,12 @@ DEVICES = 4
 
 def workload(ep: int) -> dict:
     """Run the scripted workload at ``ep`` (attention DP on when ep > 1); {request id: [finish reason, tokens]},
-    {request id: the ranks it ran on}, preemptions, all_free."""
+    {request id: the ranks it ran on}, preemptions, all_free, the sampled logits rows."""
     from dijax.runtime.llm_engine import LLMEngine
     from dijax.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(None, max_num_seqs=4, max_num_batched_tokens=8, block_size=16, num_blocks=4,
-                       max_model_len=48, ep=ep)
+                       max_model_len=48, ep=ep, debug_logits=True)
     prompts = {f"r{i}": [(7 * i + 3 * j) % 400 + 3 for j in range(5 + 4 * i)] for i in range(6)}
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5)
     arrivals = {0: ["r0", "r1", "r2"], 2: ["r3"], 5: ["r4"], 7: ["r5"]}
@@ -60,7 +61,13 @@ def workload(ep: int) -> dict:
         step += 1
     return {"results": results, "ranks": {rid: sorted(r) for rid, r in ranks.items()},
             "num_ranks": engine.scheduler.num_ranks, "preemptions": engine.num_preemptions,
-            "all_free": engine.scheduler.all_free()}
+            "all_free": engine.scheduler.all_free(), "logits": engine.step_logits}
+
+
+def logits_difference(one: dict, other: dict) -> dict:
+    """The sampled logits rows (``step_logits``) of two runs compared: rows compared, max |difference|."""
+    pairs = [(one[rid][k], other[rid][k]) for rid in one for k in one[rid] if k in other.get(rid, {})]
+    return {"rows": len(pairs), "max_abs": max(float(np.max(np.abs(a - b))) for a, b in pairs)}
 
 
 def parity_exit_codes(tmp: str) -> dict:
@@ -105,6 +112,8 @@ def test_mixed_workload_with_attention_dp_equals_ep1_and_frees_everything(result
     assert len({r for ranks in many["ranks"].values() for r in ranks}) > 1, many["ranks"]
     if many["preemptions"] == 0:
         assert all(len(ranks) == 1 for ranks in many["ranks"].values()), many["ranks"]
+    # every output position of every request (r1: until its abort) sampled from the same logits, bit for bit
+    assert many["logits"]["rows"] > 5 * 12 and many["logits"]["max_abs"] == 0.0, many["logits"]
 
 
 def test_parity_cli_at_ep4(results):
@@ -116,4 +125,7 @@ if __name__ == "__main__":
 
     assert len(jax.devices()) == DEVICES, jax.devices()
     engine = {str(ep): workload(ep) for ep in (1, 2, DEVICES)}
+    for ep in ("2", str(DEVICES)):
+        engine[ep]["logits"] = logits_difference(engine["1"]["logits"], engine[ep]["logits"])
+    del engine["1"]["logits"]
     print(json.dumps({"engine": engine, "parity": parity_exit_codes(sys.argv[1])}))
