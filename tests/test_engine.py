@@ -118,7 +118,7 @@ def test_cancelling_one_request_leaves_the_others_unchanged(reference):
         results.update({o.request_id: o for o in engine.step()})
     assert results["r1"].finish_reason == "abort"
     assert results["r0"].token_ids == reference[0] and results["r2"].token_ids == reference[2]
-    assert engine.scheduler.block_manager.num_free == engine.scheduler.block_manager.num_blocks
+    assert engine.scheduler.all_free()
 
 
 def test_bad_requests_are_rejected_before_anything_is_queued(reference):

@@ -5,15 +5,21 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (this file run as a 
 of results that the tests assert on. What is checked there:
   * the tiny model (dijax.io.loader.load(None), E = 8, X = 2), one step of two prompts (10 and 4 tokens, every
     position's logits; the step's 16 tokens take the kernel's ragged path): ep = 2 and ep = 4 logits equal ep = 1
-    (no mesh) exactly. One step per ep keeps the compile time (most of this file's ~2 minutes) down; the
+    (no mesh) exactly. One step per ep keeps the compile time (most of this file's ~3 minutes) down; the
     gathered path (decode-sized steps) is covered by the routed-experts check below;
+  * the same step with attention data parallelism (dijax.parallel.ranks), the two prompts on two of the 4 ranks:
+    ep = 2 (a dp 2 x ep 2 mesh, ranks 0 and 3: two ep groups) and ep = 4 (ranks 1 and 2: one group). Logits equal
+    ep = 1 exactly, and the ranks without a sequence keep a pristine cache (each rank holds and writes only its
+    own pool);
   * the routed experts alone with X = 6 of the 8 experts (as V4.1-Flash's 6 of 384, so a token's experts span
-    every rank), on the gathered (T = 1) and ragged (T = 24) paths: the 'exact' combine equals one device bit for
+    every rank), on the gathered (T = 1) and ragged (T = 24) paths, with replicated tokens, and with T = 24 split
+    over the ranks (the rank-local layout of the attention-DP step): the 'exact' combine equals one device bit for
     bit; the 'partial' combine (psum of fp32 partial sums) re-associates the sum and is only within a few fp32
     ulps of the output's magnitude (stated bound PARTIAL_BOUND, relative to max |y|);
   * placement: routed-expert matrices split on ``ep``, the router, shared experts and dense weights replicated (the
     Engram tables' row split: tests/test_ep_loading.py);
-  * errors: ep not dividing the device count, and an expert count not divisible by ep, are ValueErrors naming them.
+  * errors: ep not dividing the device count, an expert count not divisible by ep, and a chunk's rank outside the
+    ranks are ValueErrors naming them.
 """
 
 from __future__ import annotations
@@ -53,6 +59,14 @@ def test_model_logits_equal_one_device(results):
     assert results["devices"] == DEVICES
     for ep in ("2", "4"):
         assert results["model"][ep] == {"equal": True, "max_abs": 0.0}, ep
+
+
+def test_attention_dp_logits_equal_one_device_and_ranks_hold_only_their_sequences(results):
+    for ep, untouched in (("2", [1, 2]), ("4", [0, 3])):
+        got = results["attention_dp"][ep]
+        assert (got["equal"], got["max_abs"]) == (True, 0.0), ep
+        assert got["untouched"] == untouched, ep
+    assert "ranks must give each of the 2 chunks a rank in [0, 4), got [0, 4]" in results["errors"]["ranks"]
 
 
 def test_routed_experts_exact_combine_bit_identical(results):
@@ -119,7 +133,7 @@ def _run_checks() -> dict:
     from dijax.io.loader import load
     from dijax.kernels.routed_experts import routed_experts
     from dijax.model.moe import gate
-    from dijax.model.step import SeqChunk
+    from dijax.model.step import CacheSpec, SeqChunk, init_cache
     from dijax.parallel.moe import routed_experts_ep
     from dijax.runtime.model_runner import ModelRunner
 
@@ -141,6 +155,28 @@ def _run_checks() -> dict:
         model[str(ep)] = {"equal": all(np.array_equal(a, b) for a, b in zip(one, got)),
                           "max_abs": max(float(np.max(np.abs(a - b))) for a, b in zip(one, got))}
 
+    errors = {}
+    attention_dp = {}
+    fresh = jax.tree.leaves(init_cache(cfg, CacheSpec(num_blocks=4, num_slots=2, block_size=16)))
+    for ep, ranks in ((2, [0, 3]), (4, [1, 2])):
+        runner = ModelRunner(cfg, place_params(params, make_mesh(ep, cfg.n_routed_experts)), consts, num_blocks=4,
+                             num_slots=2, block_size=16, max_model_len=32, max_num_seqs=2,
+                             max_num_batched_tokens=16, attention_dp=True)
+        chunks = [SeqChunk(slot=i, block_table=[2 * i], start=0, tokens=p, logits="all")
+                  for i, p in enumerate(prompts)]
+        if ep == 4:
+            try:
+                runner.forward(chunks, ranks=[0, 4])
+            except ValueError as error:
+                errors["ranks"] = str(error)
+        got = [np.asarray(x, np.float32) for x in runner.forward(chunks, ranks=ranks)[0]]
+        leaves = [np.asarray(a) for a in jax.tree.leaves(runner.cache)]
+        attention_dp[str(ep)] = {
+            "equal": all(np.array_equal(a, b) for a, b in zip(one, got)),
+            "max_abs": max(float(np.max(np.abs(a - b))) for a, b in zip(one, got)),
+            "untouched": [r for r in range(runner.num_ranks)
+                          if all(np.array_equal(a[r], b) for a, b in zip(leaves, fresh))]}
+
     layer = jax.tree.map(lambda a: a[0, 0], nnx.to_pure_dict(params)["stages"][2]["blocks"][0]["ffn"])
     experts_ref = layer["experts"]
     n_per_token = 6
@@ -160,6 +196,18 @@ def _run_checks() -> dict:
             checks[f"T{t}_ep{ep}"] = {
                 "exact_equal": bool(np.array_equal(out["exact"], one_TD)),
                 "partial_rel": float(np.max(np.abs(out["partial"] - one_TD)) / np.max(np.abs(one_TD)))}
+            if t % ep:
+                continue
+            # the rank-local layout (inside a shard_map manual over ep, as in the attention-DP step): each rank
+            # its T / ep tokens, all_gather in, psum_scatter out
+            with jax.set_mesh(mesh):
+                out = {combine: np.asarray(jax.jit(jax.shard_map(
+                    lambda e, x, w, i, c=combine: routed_experts_ep(e, x, w, i, cfg.swiglu_limit, combine=c),
+                    mesh=mesh, in_specs=jax.P("ep"), out_specs=jax.P("ep"), check_vma=False))(
+                        experts, x_TD, weights_TX, experts_TX)) for combine in ("exact", "partial")}
+            checks[f"T{t}_ep{ep}_rank_local"] = {
+                "exact_equal": bool(np.array_equal(out["exact"], one_TD)),
+                "partial_rel": float(np.max(np.abs(out["partial"] - one_TD)) / np.max(np.abs(one_TD)))}
 
     mesh = make_mesh(2, cfg.n_routed_experts)
     placed_all = place_params(params, mesh)
@@ -169,13 +217,13 @@ def _run_checks() -> dict:
                  for name, leaf in (("experts.w1.weight", placed["experts"]["w1"]["weight"]),
                                     ("gate.weight", placed["gate"]["weight"]), ("gate.bias", placed["gate"]["bias"]),
                                     ("shared_experts.w1.weight", placed["shared_experts"]["w1"]["weight"]))}
-    errors = {}
     for key, args in (("devices", (3,)), ("experts", (4, 6))):
         try:
             make_mesh(*args)
         except ValueError as error:
             errors[key] = str(error)
-    return {"devices": jax.device_count(), "model": model, "experts": checks, "placement": placement,
+    return {"devices": jax.device_count(), "model": model, "attention_dp": attention_dp, "experts": checks,
+            "placement": placement,
             "errors": errors, "params_mesh": [params_mesh(placed_all) is mesh, params_mesh(params) is None]}
 
 

@@ -64,7 +64,7 @@ def test_the_sampler_mode_keys_the_sampler_not_the_model_step(tiny):
     cfg, params, consts, _ = tiny
     runner = ModelRunner(cfg, params, consts, num_blocks=4, num_slots=4, block_size=16, max_model_len=64,
                          max_num_seqs=4, max_num_batched_tokens=8)
-    (greedy_inputs, greedy), (mixed_inputs, mixed) = (runner.step_inputs(_decodes(*temperatures), None)
+    (greedy_inputs, greedy, _), (mixed_inputs, mixed, _) = (runner.step_inputs(_decodes(*temperatures), None)
                                                       for temperatures in ((0.0, 0.0), (0.0, 0.8, 0.0)))
     assert greedy.mode == "greedy" and mixed.mode == "sample"
     # the same bucket, one model step whatever the mode: it returns the logits of the bucket's 4 rows

@@ -90,12 +90,6 @@ def _check_output(out, params: SamplingParams, prompt_len: int, max_model_len: i
         assert out.finish_reason == "abort" and out.error is None
 
 
-def _all_free(engine) -> bool:
-    sched = engine.scheduler
-    return (sched.block_manager.num_free == sched.block_manager.num_blocks
-            and sched.state_manager.num_free == sched.state_manager.num_slots)
-
-
 @pytest.fixture(scope="module")
 def fake_llm():
     llm = LLM(max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_blocks=20, max_model_len=64)
@@ -160,7 +154,7 @@ def test_randomized_abort_and_failure_interleaving(fake_llm):
             counts["step"] += 1
             continue
         check([])
-    assert set(finished) == set(requests) and _all_free(engine)
+    assert set(finished) == set(requests) and engine.scheduler.all_free()
     assert ops >= 2200 and all(counts.values()), counts
     engine.zos = True
 
@@ -207,7 +201,7 @@ def test_abort_from_another_thread_during_generate(fake_llm):
             done_ids += [o.request_id for o in outs]
             aborted_live += len(returned_true)
             llm.engine.scheduler.check_invariants()
-            assert not llm.engine.has_unfinished() and _all_free(llm.engine)
+            assert not llm.engine.has_unfinished() and llm.engine.scheduler.all_free()
     finally:
         llm.engine.runner.delay = 0.0
         sys.setswitchinterval(switch)
@@ -256,7 +250,7 @@ def test_real_engine_survives_bad_aborts_and_a_failed_launch(real_llm):
         assert out.token_ids == want[:len(out.token_ids)]
         assert out.finish_reason == ("error" if out.error else "length")
     engine.scheduler.check_invariants()
-    assert _all_free(engine) and not engine.has_unfinished()
+    assert engine.scheduler.all_free() and not engine.has_unfinished()
     again = llm.generate(PROMPTS, [_params(i) for i in range(4)], use_tqdm=False)
     assert [o.token_ids for o in again] == reference
 
@@ -285,7 +279,7 @@ def test_real_engine_random_interleaving_keeps_tokens(real_llm):
         engine.scheduler.check_invariants()
     while engine.has_unfinished():
         results.update({o.request_id: o for o in engine.step()})
-    assert set(results) == set(added) and _all_free(engine)
+    assert set(results) == set(added) and engine.scheduler.all_free()
     for rid, i in added.items():
         out = results[rid]
         assert out.token_ids == reference[i][:len(out.token_ids)]

@@ -59,9 +59,11 @@ class FakeDevice:
 
 
 def make_scheduler(num_blocks=8, block_size=4, num_slots=4, max_num_seqs=4, max_num_batched_tokens=8,
-                   max_model_len=32, eos_token_id=None) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), StateManager(num_slots), max_num_seqs,
-                     max_num_batched_tokens, max_model_len, eos_token_id=eos_token_id)
+                   max_model_len=32, eos_token_id=None, ranks=1) -> Scheduler:
+    """A scheduler with ``ranks`` attention ranks, each with pools of the given sizes."""
+    return Scheduler([BlockManager(num_blocks, block_size) for _ in range(ranks)],
+                     [StateManager(num_slots) for _ in range(ranks)], max_num_seqs, max_num_batched_tokens,
+                     max_model_len, eos_token_id=eos_token_id)
 
 
 def make_seq(request_id: str, prompt_len: int, max_tokens: int = 4, **kwargs) -> Sequence:
@@ -79,11 +81,6 @@ def step(sched: Scheduler, device: FakeDevice) -> tuple[SchedulerOutput, list[Se
 
 def ids(out: SchedulerOutput) -> list[str]:
     return [c.request_id for c in out.chunks]
-
-
-def all_free(sched: Scheduler) -> bool:
-    bm, sm = sched.block_manager, sched.state_manager
-    return bm.num_free == bm.num_blocks and sm.num_free == sm.num_slots
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -109,6 +106,12 @@ def test_constructor_validation():
         make_scheduler(num_blocks=2, block_size=4, max_model_len=9)
     with pytest.raises(TypeError, match="max_num_seqs"):
         make_scheduler(max_num_seqs=True)
+    with pytest.raises(ValueError, match="one block manager and one state manager per rank"):
+        Scheduler([BlockManager(8, 4)] * 2, [StateManager(4)], 4, 8, 32)
+    with pytest.raises(ValueError, match=r"block_managers must all have the same sizes, got \[\(8, 4\), \(6, 4\)\]"):
+        Scheduler([BlockManager(8, 4), BlockManager(6, 4)], [StateManager(4)] * 2, 4, 8, 32)
+    with pytest.raises(TypeError, match="block_managers must be a non-empty list of BlockManager"):
+        Scheduler(BlockManager(8, 4), [StateManager(4)], 4, 8, 32)
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(4, 0)
     with pytest.raises(ValueError, match="num_slots"):
@@ -230,7 +233,7 @@ def test_decode_advances_every_running_sequence_until_length():
         step(sched, device)
     assert a.finish_reason == "length" and a.output_token_ids == reference_output(a, 4)
     assert a.status is SequenceStatus.FINISHED and a.slot is None and a.block_table == []
-    assert all_free(sched)
+    assert sched.all_free()
 
 
 def test_stop_reasons():
@@ -264,7 +267,7 @@ def test_preemption_picks_longest_output_and_puts_it_at_the_head():
     sched.add(c)
     step(sched, device)  # b, c admitted: all 4 blocks owned
     sched.add(make_seq("d", 1))
-    assert sched.block_manager.num_free == 0
+    assert sched.block_managers[0].num_free == 0
     while True:
         before = {s.request_id: len(s.output_token_ids) for s in sched.running}
         old_epoch = a.epoch
@@ -286,7 +289,7 @@ def test_preemption_picks_longest_output_and_puts_it_at_the_head():
     assert generated < len(a.output_token_ids) == 12
     for seq in (a, b, c):
         assert seq.output_token_ids == reference_output(seq, len(seq.output_token_ids))
-    assert all_free(sched)
+    assert sched.all_free()
 
 
 def test_stale_epoch_result_is_dropped():
@@ -307,7 +310,7 @@ def test_stale_epoch_result_is_dropped():
     sched.process(out2, device.run(out2))
     while sched.has_unfinished():
         step(sched, device)
-    assert b.output_token_ids == reference_output(b, 4) and all_free(sched)
+    assert b.output_token_ids == reference_output(b, 4) and sched.all_free()
 
 
 # --------------------------------------------------------------------------------------------------- abort
@@ -341,7 +344,7 @@ def test_abort_in_flight_waits_for_the_step_then_releases_everything():
     sched.check_invariants()
     assert sched.abort("b") is not None  # nothing in flight: immediate
     assert b.finish_reason == "abort" and b.output_token_ids == reference_output(b, 1)
-    assert not sched.has_unfinished() and all_free(sched)
+    assert not sched.has_unfinished() and sched.all_free()
 
 
 def test_abort_leaves_others_unchanged():
@@ -357,7 +360,7 @@ def test_abort_leaves_others_unchanged():
         while sched.has_unfinished():
             step(sched, device)
         results[abort] = {s.request_id: s.output_token_ids for s in seqs}
-        assert all_free(sched)
+        assert sched.all_free()
     assert results[True]["a"] == results[False]["a"] and results[True]["c"] == results[False]["c"]
 
 
@@ -387,6 +390,7 @@ def test_zos_double_schedule_before_process():
 
 
 def run_to_completion(zos: bool, seqs: list[Sequence], **kwargs) -> dict[str, list[int]]:
+    """Every request of ``seqs`` to its end (ZOS: processing one step behind); their output tokens."""
     sched, device = make_scheduler(**kwargs), FakeDevice()
     for s in seqs:
         sched.add(s)
@@ -399,7 +403,7 @@ def run_to_completion(zos: bool, seqs: list[Sequence], **kwargs) -> dict[str, li
         sched.check_invariants()
     while inflight:
         sched.process(*inflight.popleft())
-    assert all_free(sched)
+    assert sched.all_free()
     return {s.request_id: s.output_token_ids for s in seqs}
 
 
@@ -411,6 +415,30 @@ def test_zos_on_and_off_give_the_same_tokens():
     assert off == on
     for seq in requests():
         assert on[seq.request_id] == reference_output(seq, seq.params.max_tokens)
+
+
+def test_ranks_spread_admissions_keep_their_sequences_and_give_the_same_tokens():
+    """Two attention ranks: admission goes to the least loaded rank (tokens planned in the step, then blocks held,
+    then the lower rank), a sequence keeps its rank and draws blocks and a slot from that rank's pools only, and
+    the tokens are the one-rank ones, with ZOS on and off."""
+    sched = make_scheduler(max_num_batched_tokens=8, ranks=2)
+    for name in "abc":
+        sched.add(make_seq(name, 3))
+    out = sched.schedule()
+    # a: both ranks empty -> 0; b: rank 1 has no tokens planned; c: 3 tokens planned on each, 1 block each -> 0
+    assert [(c.request_id, c.rank) for c in out.chunks] == [("a", 0), ("b", 1), ("c", 0)]
+    a, b, c = (sched.get(name) for name in "abc")
+    assert sched.block_managers[1].owner[b.block_table[0]] == "b" and sched.state_managers[1].owner[b.slot] == "b"
+    assert a.slot == 0 and b.slot == 0 and c.slot == 1  # slots (and blocks) are numbered per rank
+    sched.check_invariants()
+
+    def requests():
+        return [make_seq(f"r{i}", 2 + 3 * i, max_tokens=3 + i) for i in range(6)]
+    one = run_to_completion(True, requests(), num_blocks=6, block_size=4, num_slots=3, max_num_seqs=3,
+                            max_model_len=24)
+    for zos in (True, False):
+        kwargs = dict(num_blocks=6, block_size=4, num_slots=2, max_num_seqs=2, max_model_len=24, ranks=2)
+        assert run_to_completion(zos, requests(), **kwargs) == one
 
 
 def test_a_failed_step_finishes_its_requests_with_error_and_frees_them():
@@ -426,7 +454,7 @@ def test_a_failed_step_finishes_its_requests_with_error_and_frees_them():
     assert b.finish_reason == "error" and b.error == "RuntimeError: boom" and sched.is_aborting("a")
     assert sched.process(out1, res1) == [a] and a.finish_reason == "error" and a.output_token_ids == []
     sched.check_invariants()
-    assert all_free(sched) and not sched.has_unfinished()
+    assert sched.all_free() and not sched.has_unfinished()
     with pytest.raises(ValueError, match="not an unprocessed step"):
         sched.fail(out2, "again")
     c = make_seq("c", 2, max_tokens=3)
@@ -442,12 +470,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Random arrivals, lengths, budgets, aborts and failed steps on tiny pools, with and without ZOS."""
 
     @initialize(num_blocks=st.integers(6, 12), num_slots=st.integers(2, 3), max_num_seqs=st.integers(1, 4),
-                max_model_len=st.integers(6, 48), zos=st.booleans())
-    def setup(self, num_blocks, num_slots, max_num_seqs, max_model_len, zos):
+                max_model_len=st.integers(6, 48), zos=st.booleans(), ranks=st.integers(1, 3))
+    def setup(self, num_blocks, num_slots, max_num_seqs, max_model_len, zos, ranks):
         self.max_model_len = min(max_model_len, num_blocks * 4)
         self.sched = make_scheduler(num_blocks=num_blocks, block_size=4, num_slots=num_slots,
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=8,
-                                    max_model_len=self.max_model_len, eos_token_id=EOS)
+                                    max_model_len=self.max_model_len, eos_token_id=EOS, ranks=ranks)
         self.device = FakeDevice()
         self.zos = zos
         self.inflight: deque = deque()
@@ -461,12 +489,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.finished[seq.request_id] = seq.finish_reason
 
     def _check_output(self, out: SchedulerOutput):
-        assert 0 <= out.num_tokens <= 8 and len(out.chunks) <= self.sched.max_num_seqs
         assert out.num_tokens == sum(c.num_tokens for c in out.chunks)
-        slots = [c.slot for c in out.chunks]
-        assert len(set(slots)) == len(slots)
-        blocks = [b for c in out.chunks for b in c.block_table]
-        assert len(set(blocks)) == len(blocks), "two chunks share a block"
+        for rank in range(self.sched.num_ranks):  # every limit and pool is per rank
+            chunks = [c for c in out.chunks if c.rank == rank]
+            assert sum(c.num_tokens for c in chunks) <= 8 and len(chunks) <= self.sched.max_num_seqs
+            slots = [c.slot for c in chunks]
+            assert len(set(slots)) == len(slots)
+            blocks = [b for c in chunks for b in c.block_table]
+            assert len(set(blocks)) == len(blocks), "two chunks share a block"
         for c in out.chunks:
             assert c.num_tokens >= 1 and len(c.block_table) * 4 >= c.start + c.num_tokens
             assert c.output_position < c.params.max_tokens
@@ -520,7 +550,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.check_invariants()
         else:
             raise AssertionError(f"no progress: running {self.sched.running}, waiting {list(self.sched.waiting)}")
-        assert all_free(self.sched), "blocks or slots leaked"
+        assert self.sched.all_free(), "blocks or slots leaked"
         assert set(self.finished) == set(self.seqs), f"unfinished: {set(self.seqs) - set(self.finished)}"
         for rid, seq in self.seqs.items():
             reason, out = seq.finish_reason, seq.output_token_ids

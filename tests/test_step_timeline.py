@@ -88,13 +88,13 @@ def test_a_zos_launch_makes_no_transfer_but_its_host_inputs(monkeypatch):
         assert not launching, "a launch waited for a device array"
         return block(array)
 
-    def guarded(output, inputs, sampling, record=None):
+    def guarded(output, inputs, sampling, rows, record=None):
         from_device.append(any(c.token_ids == (FROM_DEVICE,) for c in output.chunks))
         inputs, sampling = jax.device_put((inputs, sampling))  # the intended host -> device copies, made explicit
         launching.append(output.step)
         try:
             with jax.transfer_guard("disallow"):
-                return launch(output, inputs, sampling, record)
+                return launch(output, inputs, sampling, rows, record)
         finally:
             launching.clear()
 

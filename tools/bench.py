@@ -257,7 +257,7 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
         chunks.append(ScheduledChunk(request_id=str(i), slot=i, block_table=blocks, start=c, num_tokens=n,
                                      token_ids=token_ids, sample=True, epoch=0, seed=i, output_position=0,
                                      params=sampling))
-    inputs, sampler_inputs = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total,
+    inputs, sampler_inputs, _ = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total,
                                                                 preempted=()), None)
     start = time.perf_counter()
     step = runner.lower(inputs).compile()

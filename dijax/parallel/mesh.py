@@ -1,8 +1,8 @@
 """The device mesh of expert parallelism and the placement of the model's parameters on it.
 
-The mesh has two axes: ``dp`` (attention data-parallel ranks; until the scheduler assigns sequences to ranks, every
-``dp`` rank runs the whole batch) and ``ep`` (each rank holds 1 / ep of the routed experts and of every Engram
-table's rows). Placement reads each parameter's logical axis names (``out_sharding`` metadata,
+The mesh has two axes: ``dp`` and ``ep``; each ``ep`` rank holds 1 / ep of the routed experts and of every Engram
+table's rows, replicated over ``dp``. With attention data parallelism (dijax.parallel.ranks) every device is also
+an attention rank holding its own sequences; without it every device runs the whole batch. Placement reads each parameter's logical axis names (``out_sharding`` metadata,
 dijax.model.layers.LOGICAL_AXES) and maps them by ``RULES``; everything else is replicated. A split axis is
 ceil-split: its size is rounded up to a multiple of the mesh axis (``padded_shape``) with zeros, which only Engram
 tables need (an expert count must divide by ep, ``make_mesh`` checks; a table's row count need not).
@@ -85,6 +85,14 @@ def partition_spec(names: tuple[str, ...] | None) -> PartitionSpec:
 def param_sharding(names: tuple[str, ...] | None, mesh: Mesh) -> NamedSharding:
     """The ``NamedSharding`` on ``mesh`` of a parameter with logical axis ``names`` (``partition_spec``)."""
     return NamedSharding(mesh, partition_spec(names))
+
+
+def param_specs(params: nnx.State) -> nnx.State:
+    """``params`` (an ``nnx.State`` of ``nnx.Param``, placed or traced) with each parameter replaced by its
+    ``partition_spec``: the ``in_specs`` of a ``shard_map`` that takes the parameters as placed (each device its
+    own experts and Engram rows, every other parameter whole)."""
+    return jax.tree.map(lambda variable: partition_spec(variable.get_metadata().get("out_sharding")), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def padded_shape(shape: tuple[int, ...], names: tuple[str, ...] | None, mesh: Mesh) -> tuple[int, ...]:

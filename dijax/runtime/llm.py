@@ -49,7 +49,9 @@ def _params_list(sampling_params: object, count: int) -> list:
 class LLM:
     """Offline generation. ``model``: a dijax or Hugging Face checkpoint, or None for the embedded tiny default.
     ``engine_args`` go to ``LLMEngine`` (max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-    max_model_len, zos, trace_steps: a host timeline of every engine step, dijax.runtime.step_timeline).
+    max_model_len, zos, ep, attention_dp: ``LLM(..., ep=N)`` splits the experts over N devices and, by default,
+    makes every device an attention rank with its own sequences and pools of the given sizes; trace_steps: a host
+    timeline of every engine step, dijax.runtime.step_timeline).
 
     ``generate`` names its requests ``req-0``, ``req-1``, ... in prompt order, counting on over the LLM's life;
     ``abort`` takes those ids. One lock guards the engine, so ``abort`` is safe from any thread while another runs

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numbers
 from collections import deque
 
-from dijax.parallel.mesh import make_mesh, place_params
+from dijax.parallel.mesh import make_mesh, params_mesh, place_params
+from dijax.parallel.ranks import num_ranks
 from dijax.runtime.block_manager import BlockManager
 from dijax.runtime.model_runner import ModelRunner, StepHandle
 from dijax.runtime.outputs import RequestOutput
@@ -41,14 +42,20 @@ def _describe(error: Exception) -> str:
 class LLMEngine:
     """Engine over a loaded model. ``model``: a checkpoint path, or None for the embedded tiny default.
 
-    max_num_seqs            requests running at once (state slots), >= 1.
-    max_num_batched_tokens  query tokens per step, >= max_num_seqs.
+    max_num_seqs            requests running at once (state slots), >= 1; per attention rank.
+    max_num_batched_tokens  query tokens per step, >= max_num_seqs; per attention rank.
     block_size              tokens per KV block, >= 1.
-    num_blocks              KV blocks in the pool (default: enough for max_num_seqs requests of max_model_len).
+    num_blocks              KV blocks in the pool (default: enough for max_num_seqs requests of max_model_len);
+                            per attention rank.
     max_model_len           longest request (prompt + output), 1 .. the config's max_seq_len (default: that).
     zos                     zero-overhead scheduling (plan step N while step N-1 runs).
     ep                      expert-parallel ranks: the routed experts split over ep devices (dijax.parallel;
                             1: one device, no mesh).
+    attention_dp            attention data parallelism (dijax.parallel.ranks): with ep > 1 every device of the
+                            mesh is an attention rank with its own pools of the sizes above, holding and computing
+                            only the sequences the scheduler assigns it. None (default): on when ep > 1. False
+                            keeps every device running the whole batch on one replicated cache. Without a mesh
+                            (ep = 1) there is one rank either way.
     kernels                 'auto' (the Pallas kernels on a GPU, the jnp references elsewhere), 'on' or 'off'
                             (dijax.kernels.kernel_options).
     trace_steps             keep a host timeline of every ``step()`` in ``timeline`` (a ``StepTimeline``:
@@ -58,7 +65,7 @@ class LLMEngine:
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None, ep: int = 1,
                  zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False,
-                 kernels: str = "auto", trace_steps: bool = False):
+                 kernels: str = "auto", attention_dp: bool | None = None, trace_steps: bool = False):
         from dijax.io.loader import load
 
         # checked before the model is loaded: a bad size fails at once, naming itself
@@ -74,6 +81,10 @@ class LLMEngine:
             raise TypeError(f"zos must be a bool, got {type(zos).__name__} {zos!r}")
         if not isinstance(trace_steps, bool):
             raise TypeError(f"trace_steps must be a bool, got {type(trace_steps).__name__} {trace_steps!r}")
+        if attention_dp is not None and not isinstance(attention_dp, bool):
+            raise TypeError(f"attention_dp must be a bool or None, got {type(attention_dp).__name__} "
+                            f"{attention_dp!r}")
+        attention_dp = ep > 1 and attention_dp is not False
         # ``loaded``: an already loaded (config, params, Engram constants, tokenizer), e.g. a parity fixture, placed
         # on the mesh below; a model loaded here goes straight onto the mesh, each device reading only its share
         self.cfg, params, consts, self.tokenizer = loaded or load(model, weights_seed, ep)
@@ -85,10 +96,12 @@ class LLMEngine:
         max_model_len = max_model_len or self.cfg.max_seq_len
         if num_blocks is None:
             num_blocks = max_num_seqs * -(-max_model_len // block_size)
-        self.scheduler = Scheduler(BlockManager(num_blocks, block_size), StateManager(max_num_seqs), max_num_seqs,
+        ranks = range(num_ranks(params_mesh(params) if attention_dp else None))
+        self.scheduler = Scheduler([BlockManager(num_blocks, block_size) for _ in ranks],
+                                   [StateManager(max_num_seqs) for _ in ranks], max_num_seqs,
                                    max_num_batched_tokens, max_model_len, eos_token_id=self.cfg.eos_token_id)
         self.runner = ModelRunner(self.cfg, params, consts, num_blocks, max_num_seqs, block_size, max_model_len,
-                                  max_num_seqs, max_num_batched_tokens, debug_logits, kernels)
+                                  max_num_seqs, max_num_batched_tokens, debug_logits, kernels, attention_dp)
         # debug: request id -> {output position: logits row that sampled it} (the last computation wins, so a
         # preempted-and-recomputed position keeps the recomputed row)
         self.step_logits: dict[str, dict[int, object]] = {}

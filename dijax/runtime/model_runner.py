@@ -24,11 +24,21 @@ step gathers it from the previous step's sampled-token array through ``remap_T``
 an accidental device read there raises instead of silently serialising. ``StepHandle.wait()`` is the only place
 that reads device results.
 
+Attention data parallelism (``attention_dp``, with parameters on a mesh; dijax.parallel.ranks): every device is an
+attention rank with its own cache (the pool sizes given to the runner are per rank: each rank has ``num_blocks``
+blocks and ``num_slots`` slots) and each scheduled chunk names its rank. Every rank takes the same (T, W) bucket,
+T the max over ranks of their query tokens, each rank's part padded to it, so one executable serves all ranks; the
+step's inputs and the cache carry a leading rank axis [R, ...] split over the devices, and the whole model step runs
+under one ``shard_map``. The sampler then sees the ranks' sampling rows end to end (rank r's S rows at [r S,
+(r + 1) S)) and samples them as on one device; the sampled-token array, replicated, holds R times the row capacity.
+Without a mesh there is no rank axis: the one-device path is the same as without attention DP.
+
 ``forward`` is the model step, teacher-forced, for the parity checker, tests and diagnostics: the caller's chunks
 (slots and blocks are the caller's), every logit row a chunk asks for, the index sets every index source selected,
 optionally injected ones; no sampling. It blocks until the step is done.
 
-Letters: T tokens, S sequence rows, R logit rows (sampled rows: the sequence-row bucket), V vocab.
+Letters: T tokens, S sequence rows, R logit rows (sampled rows: the sequence-row bucket), V vocab; in
+attention-DP mode the batch fields and the cache have a leading rank axis (dijax.parallel.ranks).
 """
 
 from __future__ import annotations
@@ -41,25 +51,29 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from dijax.config import ModelConfig
 from dijax.kernels import kernel_options
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
-from dijax.parallel.mesh import mesh_context, on_mesh, params_mesh
+from dijax.parallel.mesh import mesh_context, on_mesh, param_specs, params_mesh
+from dijax.parallel.ranks import RANKS, num_ranks, over_ranks, stack_ranks
 from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, step_sampling
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
 from dijax.runtime.step_timeline import StepRecord
 
 
 class StepHandle:
-    """A launched step: its plan and its device outputs (the sampler's tokens [max rows] and, with debug logits on,
-    the model step's logits_RV; not yet read)."""
+    """A launched step: its plan, the row of each sampling chunk in the step's outputs (``rows``: request id ->
+    row) and its device outputs (the sampler's tokens [max rows] and, with debug logits on, the model step's
+    logits_RV; not yet read)."""
 
-    def __init__(self, output: SchedulerOutput, tokens_R: jax.Array, logits_RV: jax.Array | None = None):
+    def __init__(self, output: SchedulerOutput, rows: dict[str, int], tokens_R: jax.Array,
+                 logits_RV: jax.Array | None = None):
         self.output = output
+        self.rows = rows
         self.tokens_R = tokens_R
         self.logits_RV = logits_RV
         self.logits: dict[str, np.ndarray] = {}
@@ -71,8 +85,8 @@ class StepHandle:
         rows = [c for c in self.output.chunks if c.sample]
         if self.logits_RV is not None:
             logits = np.asarray(self.logits_RV)
-            self.logits = {c.request_id: logits[i] for i, c in enumerate(rows)}
-        return {c.request_id: (c.epoch, int(tokens[i])) for i, c in enumerate(rows)}
+            self.logits = {c.request_id: logits[self.rows[c.request_id]] for c in rows}
+        return {c.request_id: (c.epoch, int(tokens[self.rows[c.request_id]])) for c in rows}
 
 
 _COMPILES: dict[ModelConfig, int] = {}  # model-step traces per model
@@ -107,12 +121,13 @@ def step_buckets(max_tokens: int, max_blocks: int) -> list[tuple[int, int]]:
 
 
 @lru_cache(maxsize=8)
-def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef):
-    """One jitted model step per (config, kernel choice, parameter structure), shared by every runner:
-    step(param_leaves, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new cache), the
-    cache donated. ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the parameters,
-    whose structure is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree (~340
-    variables for the tiny model) costs ~0.5 ms of Python per call on a 2-core host, every engine step.
+def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef,
+                   ranks_mesh: Mesh | None = None):
+    """One jitted model step per (config, kernel choice, parameter structure, attention-DP mesh), shared by every
+    runner: step(param_leaves, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new
+    cache), the cache donated. ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the
+    parameters, whose structure is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree
+    (~340 variables for the tiny model) costs ~0.5 ms of Python per call on a 2-core host, every engine step.
 
     The engine step (``prev_tokens_R`` [max rows] and ``remap_T`` [T] given, ``inject_topk`` None): in-flight tokens
     gathered through ``remap_T`` from ``prev_tokens_R`` (the previous step's sampler output); outputs logits_RV
@@ -120,11 +135,26 @@ def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], param
     The teacher-forced step (``prev_tokens_R``, ``remap_T`` None): outputs (logits_RV float32 of every row of
     ``batch.logit_rows_R``, {index-source layer: selected compressed positions int32 [T, N]}). The two steps are
     traces of one function (None is an empty pytree), so they share the jit cache and its count.
+
+    With ``ranks_mesh`` (attention data parallelism) the cache, the batch, ``remap_T`` and ``inject_topk`` carry a
+    leading rank axis and the step runs per rank under one ``shard_map`` (``prev_tokens_R`` and ``consts``
+    replicated, every parameter as placed); the outputs get the rank axis too, the engine step's logits flattened
+    to [R * S, V] (rank r's rows at [r S, (r + 1) S)).
     """
 
     def step(param_leaves, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None):
         _COMPILES[cfg] = _COMPILES.get(cfg, 0) + 1  # Python side effect: runs once per trace (= per bucket)
         params = jax.tree.unflatten(params_tree, param_leaves)
+        if ranks_mesh is None:
+            return rank_step(params, cache, batch, consts, prev_tokens_R, remap_T, inject_topk)
+        specs = (param_specs(params), RANKS, RANKS, PartitionSpec(), PartitionSpec(), RANKS, RANKS)
+        outputs, cache = over_ranks(rank_step, ranks_mesh, specs)(params, cache, batch, consts, prev_tokens_R,
+                                                                  remap_T, inject_topk)
+        if remap_T is not None:
+            outputs = outputs.reshape(-1, outputs.shape[-1])
+        return outputs, cache
+
+    def rank_step(params, cache, batch, consts, prev_tokens_R, remap_T, inject_topk):
         if remap_T is None:
             logits_RV, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **dict(kernels))
             return (logits_RV, topk), cache
@@ -137,44 +167,51 @@ def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], param
 
 
 @lru_cache(maxsize=8)
-def _compiled_sampler(cfg: ModelConfig, max_rows: int):
-    """One jitted sampler per (config, sampled-row capacity), shared by every runner: sampler(logits_RV float32
-    [S, V], sampling: a ``StepSampling`` of S rows) -> tokens int32 [max_rows], row r < S the token of logits row r,
-    the rest 0. One executable per (S, ``sampling.mode``)."""
+def _compiled_sampler(cfg: ModelConfig, max_rows: int, out_sharding: NamedSharding | None = None):
+    """One jitted sampler per (config, sampled-row capacity, output placement), shared by every runner:
+    sampler(logits_RV float32 [S, V], sampling: a ``StepSampling`` of S rows) -> tokens int32 [max_rows], row r < S
+    the token of logits row r, the rest 0, placed as ``out_sharding`` (None: where XLA puts it). One executable per
+    (S, ``sampling.mode``)."""
 
     def sampler(logits_RV, sampling):
         _SAMPLER_COMPILES[cfg] = _SAMPLER_COMPILES.get(cfg, 0) + 1  # once per trace (= per rows and mode)
         tokens_S = sample(logits_RV, *sampling.columns, mode=sampling.mode)
         return jnp.zeros(max_rows, jnp.int32).at[:tokens_S.shape[0]].set(tokens_S)
 
-    return jax.jit(sampler)
+    return jax.jit(sampler, out_shardings=out_sharding)
 
 
 class ModelRunner:
     """Owns the cache and launches the compiled steps. Pool sizes must match the scheduler's block / state
-    managers."""
+    managers (per rank with ``attention_dp``: module docstring; it has no effect without a mesh)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, consts: dict, num_blocks: int, num_slots: int,
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 debug_logits: bool = False, kernels: str = "auto"):
+                 debug_logits: bool = False, kernels: str = "auto", attention_dp: bool = False):
         self.cfg, self.params, self.consts = cfg, params, consts
         self.param_leaves, params_tree = jax.tree.flatten(params)  # what the model step takes (_compiled_step)
         self.kernel_options = kernel_options(kernels, jax.default_backend())
-        self.cache = init_cache(cfg, CacheSpec(num_blocks=num_blocks, num_slots=num_slots, block_size=block_size))
+        spec = CacheSpec(num_blocks=num_blocks, num_slots=num_slots, block_size=block_size)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
-        self.max_rows = bucket(max_num_seqs, 1)
-        self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)
+        self.max_rows = bucket(max_num_seqs, 1)  # per rank
+        self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)  # per rank
         self.debug_logits = debug_logits
-        self._jit = _compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree)
-        self._sample = _compiled_sampler(cfg, self.max_rows)  # no mesh: it has no collective
         # experts split by dijax.parallel.mesh.place_params: every launch traces the MoE's shard_map on that mesh
         self._mesh = params_mesh(params)
+        self._ranks_mesh = self._mesh if attention_dp else None
+        self.num_ranks = num_ranks(self._ranks_mesh)
+        self._jit = _compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree, self._ranks_mesh)
+        self._sample = _compiled_sampler(cfg, self.num_ranks * self.max_rows,
+                                         None if self._mesh is None else NamedSharding(self._mesh, PartitionSpec()))
         # the cache and prev_tokens_R of a step with no predecessor placed as the step and the sampler return them
-        # (replicated on the mesh): an executable is keyed on its inputs' shardings, so a first step with another
-        # placement would compile every bucket twice
-        self._no_previous = self._replicated(jnp.zeros(self.max_rows, jnp.int32))
-        self.cache = self._replicated(self.cache)
+        # (the cache replicated on the mesh, or split by rank; the tokens replicated): an executable is keyed on its
+        # inputs' shardings, so a first step with another placement would compile every bucket twice
+        self._no_previous = self._replicated(jnp.zeros(self.num_ranks * self.max_rows, jnp.int32))
+        if self._ranks_mesh is None:
+            self.cache = self._replicated(init_cache(cfg, spec))
+        else:
+            self.cache = stack_ranks(lambda: init_cache(cfg, spec), self._ranks_mesh)
         self._step = on_mesh(self._jit, self._mesh)
 
     def _replicated(self, tree):
@@ -214,8 +251,9 @@ class ModelRunner:
         jobs = []
         for num_tokens, width in self.buckets():
             num_seqs = min(num_tokens, self.max_rows)
-            batch, _ = build_step([], num_tokens, num_seqs, width, num_seqs)
-            jobs.append(((batch, self.consts, self._no_previous, np.zeros(num_tokens, np.int32)), num_seqs))
+            batch = self._ranked([build_step([], num_tokens, num_seqs, width, num_seqs)[0]] * self.num_ranks)
+            remap = self._ranked([np.zeros(num_tokens, np.int32)] * self.num_ranks)
+            jobs.append(((batch, self.consts, self._no_previous, remap), num_seqs))
         first_of_rows = {num_seqs: i for i, (_, num_seqs) in reversed(list(enumerate(jobs)))}
 
         def compile_bucket(i: int) -> None:
@@ -223,7 +261,8 @@ class ModelRunner:
             logits_RV = self.lower(inputs).compile().out_info[0]
             if first_of_rows[num_seqs] == i:  # the sampler's executables depend on S only
                 for mode in MODES:
-                    self.lower_sampler(logits_RV, StepSampling(sampling_inputs([], num_seqs), mode)).compile()
+                    sampling = StepSampling(sampling_inputs([], self.num_ranks * num_seqs), mode)
+                    self.lower_sampler(logits_RV, sampling).compile()
 
         workers = 1 if self._mesh is not None else max(1, min(threads or os.cpu_count() or 1, len(jobs)))
         with ThreadPoolExecutor(workers) as pool, tqdm(total=len(jobs), desc="compile step buckets",
@@ -232,34 +271,58 @@ class ModelRunner:
                 future.result()  # re-raises a failed compile here
                 bar.update()
 
-    def _batch(self, chunks: list[SeqChunk], all_rows: bool = False):
-        """(batch, rows_per_chunk, T, S) of ``chunks`` padded to the runner's buckets: T tokens, S = min(T, the
-        sequence capacity) rows, the block-table width following the longest table; logit rows S, or T when
-        ``all_rows`` (a teacher-forced step asking for every position)."""
-        num_tokens = bucket(sum(len(c.tokens) for c in chunks), MIN_TOKENS)
+    def _ranked(self, per_rank: list):
+        """One step input from its per-rank parts (pytrees of host arrays): stacked on a leading rank axis in
+        attention-DP mode, else the one part itself."""
+        if self._ranks_mesh is None:
+            return per_rank[0]
+        return jax.tree.map(lambda *parts: np.stack(parts), *per_rank)
+
+    def _batch(self, chunks: list[SeqChunk], ranks: list[int], all_rows: bool = False):
+        """(batch, rows_per_chunk, offsets, T, S) of ``chunks`` (chunk i on rank ``ranks[i]``) padded to the
+        runner's buckets: T tokens, the max over ranks, S = min(T, the sequence capacity) rows, the block-table
+        width following the longest table; logit rows S, or T when ``all_rows`` (a teacher-forced step asking for
+        every position). ``rows_per_chunk``: each chunk's logit rows in the ranks' rows laid end to end (rank r's
+        at [r rows, (r + 1) rows)); ``offsets``: each chunk's first token in its rank's part."""
+        per_rank = [[i for i, r in enumerate(ranks) if r == k] for k in range(self.num_ranks)]
+        num_tokens = bucket(max(sum(len(chunks[i].tokens) for i in idx) for idx in per_rank), MIN_TOKENS)
         num_seqs = min(num_tokens, self.max_rows)
         width = width_bucket(max(len(c.block_table) for c in chunks), self.max_blocks)
-        batch, rows_per_chunk = build_step(chunks, num_tokens, num_seqs, width, num_tokens if all_rows else num_seqs)
-        return batch, rows_per_chunk, num_tokens, num_seqs
+        num_rows = num_tokens if all_rows else num_seqs
+        batches, rows_per_chunk, offsets = [], [[] for _ in chunks], [0] * len(chunks)
+        for k, idx in enumerate(per_rank):
+            batch, rows = build_step([chunks[i] for i in idx], num_tokens, num_seqs, width, num_rows)
+            batches.append(batch)
+            for i, chunk_rows in zip(idx, rows):
+                rows_per_chunk[i] = [k * num_rows + row for row in chunk_rows]
+            starts = np.cumsum([0] + [len(chunks[i].tokens) for i in idx])
+            for i, t in zip(idx, starts):
+                offsets[i] = int(t)
+        return self._ranked(batches), rows_per_chunk, offsets, num_tokens, num_seqs
 
-    def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None) -> tuple[tuple, StepSampling]:
+    def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None
+                    ) -> tuple[tuple, StepSampling, dict[str, int]]:
         """The engine step's arguments for ``output``: (the model step's after (param_leaves, cache): (batch, consts,
-        prev_tokens_R, remap_T int32 [T]), the sampler's after the logits: a ``StepSampling`` of S rows whose mode
-        the sampling chunks' SamplingParams pick); host arrays except the previous step's device tokens."""
+        prev_tokens_R, remap_T int32 [T]), the sampler's after the logits: a ``StepSampling`` of S rows per rank
+        whose mode the sampling chunks' SamplingParams pick, and each sampling chunk's row: request id -> row of
+        the step's logits and tokens); host arrays except the previous step's device tokens."""
         chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids,
                            logits="last" if c.sample else "none") for c in output.chunks]
-        batch, _, num_tokens, num_seqs = self._batch(chunks)
-        prev_rows = {rid: i for i, rid in enumerate(previous.output.sampled_request_ids)} if previous else {}
-        remap = np.zeros(num_tokens, np.int32)
-        t = 0
-        for c in output.chunks:
+        ranks = [c.rank for c in output.chunks]
+        batch, rows_per_chunk, offsets, num_tokens, num_seqs = self._batch(chunks, ranks)
+        remap_RT = np.zeros((self.num_ranks, num_tokens), np.int32)
+        layout = [None] * (self.num_ranks * num_seqs)  # the sampling chunks at their logits rows
+        rows = {}
+        for c, chunk_rows, offset in zip(output.chunks, rows_per_chunk, offsets):
             if c.token_ids[0] == FROM_DEVICE:
-                remap[t] = prev_rows[c.request_id]
-            t += c.num_tokens
+                remap_RT[c.rank, offset] = previous.rows[c.request_id]
+            if c.sample:
+                rows[c.request_id] = chunk_rows[0]
+                layout[chunk_rows[0]] = c
         # host arrays throughout: the jitted call transfers them together with the batch
-        sampling = step_sampling([c for c in output.chunks if c.sample], num_seqs)
+        sampling = step_sampling(layout, len(layout))
         prev_tokens = previous.tokens_R if previous is not None else self._no_previous
-        return (batch, self.consts, prev_tokens, remap), sampling
+        return (batch, self.consts, prev_tokens, self._ranked(list(remap_RT))), sampling, rows
 
     def lower(self, inputs: tuple) -> jax.stages.Lowered:
         """The model step lowered for ``inputs`` (the first of ``step_inputs``) under the runner's mesh:
@@ -280,17 +343,18 @@ class ModelRunner:
                 record: StepRecord | None = None) -> StepHandle:
         """Launch ``output``'s model step and its sampler on the step's logits; returns immediately (JAX dispatch is
         asynchronous). ``record``: the engine step's timeline record, given its inputs, model and sampler phases."""
-        inputs, sampling = self.step_inputs(output, previous)
+        inputs, sampling, rows = self.step_inputs(output, previous)
         if record is not None:
             record.lap("inputs", output.step)
-        return self.launch(output, inputs, sampling, record)
+        return self.launch(output, inputs, sampling, rows, record)
 
-    def launch(self, output: SchedulerOutput, inputs: tuple, sampling: StepSampling,
+    def launch(self, output: SchedulerOutput, inputs: tuple, sampling: StepSampling, rows: dict[str, int],
                record: StepRecord | None = None) -> StepHandle:
         """Dispatch the model step on ``inputs`` and the sampler on its logits with ``sampling`` (``step_inputs``'s
-        two parts for ``output``); no device read: it runs under ``transfer_guard_device_to_host("disallow")``, and
-        the only transfers it makes are the host arrays of ``inputs`` and ``sampling`` (tests/test_step_timeline.py
-        runs it under ``jax.transfer_guard("disallow")`` with those placed first)."""
+        parts for ``output``; ``rows``: each sampling chunk's row); no device read: it runs under
+        ``transfer_guard_device_to_host("disallow")``, and the only transfers it makes are the host arrays of
+        ``inputs`` and ``sampling`` (tests/test_step_timeline.py runs it under ``jax.transfer_guard("disallow")``
+        with those placed first)."""
         with jax.transfer_guard_device_to_host("disallow"):
             logits_RV, self.cache = self._step(self.param_leaves, self.cache, *inputs)
             if record is not None:
@@ -298,17 +362,19 @@ class ModelRunner:
             tokens_R = self._sample(logits_RV, sampling)
             if record is not None:
                 record.lap("sampler", output.step)
-        return StepHandle(output, tokens_R, logits_RV if self.debug_logits else None)
+        return StepHandle(output, rows, tokens_R, logits_RV if self.debug_logits else None)
 
-    def forward(self, chunks: list[SeqChunk], inject_topk: dict[int, np.ndarray] | None = None
-                ) -> tuple[list[np.ndarray], dict[int, list[np.ndarray]]]:
+    def forward(self, chunks: list[SeqChunk], inject_topk: dict[int, np.ndarray] | None = None,
+                ranks: list[int] | None = None) -> tuple[list[np.ndarray], dict[int, list[np.ndarray]]]:
         """Teacher-forced step: advance every chunk by its tokens and read back its logit rows and index sets.
 
-        chunks: one per sequence (at most ``max_num_seqs``, together at most ``max_num_batched_tokens`` tokens);
-        the caller owns their slots and blocks, and each block table covers ``start + len(tokens)`` positions.
+        chunks: one per sequence (at most ``max_num_seqs``, together at most ``max_num_batched_tokens`` tokens, per
+        rank); the caller owns their slots and blocks (of the chunk's rank's pool), and each block table covers
+        ``start + len(tokens)`` positions.
         inject_topk: optional {index-source layer: int32 [total tokens, index_topk]} compressed positions, rows in
         the chunks' token order, overriding that layer's selection. Same buckets as ``execute``; the logit rows
         take the sequence-row bucket, or the token bucket when a chunk asks for "all".
+        ranks: in attention-DP mode, each chunk's rank (default: all on rank 0); else None or all 0.
 
         Returns, per chunk, its logits float32 [rows, V] (rows: 1 for "last", len(tokens) for "all", 0 for
         "none"), and per index-source layer, per chunk, its selected compressed positions int32 [len(tokens),
@@ -316,27 +382,38 @@ class ModelRunner:
         """
         if not chunks:
             raise ValueError("forward needs at least one chunk")
+        ranks = [0] * len(chunks) if ranks is None else list(ranks)
+        if len(ranks) != len(chunks) or any(r not in range(self.num_ranks) for r in ranks):
+            raise ValueError(f"ranks must give each of the {len(chunks)} chunks a rank in [0, {self.num_ranks}), "
+                             f"got {ranks}")
         for c in chunks:
             if len(c.block_table) * self.block_size < c.start + len(c.tokens):
                 raise ValueError(f"block table of {len(c.block_table)} blocks of {self.block_size} does not cover "
                                  f"positions up to {c.start + len(c.tokens)}")
         lengths = [len(c.tokens) for c in chunks]
-        if bucket(sum(lengths), MIN_TOKENS) > self.max_tokens:
-            raise ValueError(f"step of {sum(lengths)} tokens exceeds max_num_batched_tokens "
+        busiest = max(sum(n for n, r in zip(lengths, ranks) if r == k) for k in range(self.num_ranks))
+        if bucket(busiest, MIN_TOKENS) > self.max_tokens:
+            raise ValueError(f"step of {busiest} tokens on one rank exceeds max_num_batched_tokens "
                              f"(bucket {self.max_tokens})")
-        batch, rows_per_chunk, num_tokens, _ = self._batch(chunks, all_rows=any(c.logits == "all" for c in chunks))
+        batch, rows_per_chunk, offsets, num_tokens, _ = self._batch(
+            chunks, ranks, all_rows=any(c.logits == "all" for c in chunks))
+        starts = np.cumsum([0] + lengths)
         inject = None
         if inject_topk is not None:
+            inject = {}
             for layer, v in inject_topk.items():
                 if v.shape != (sum(lengths), self.cfg.index_topk):
                     raise ValueError(f"inject_topk[{layer}] has shape {v.shape}, expected "
                                      f"({sum(lengths)}, {self.cfg.index_topk})")
-            inject = {layer: np.pad(np.asarray(v, np.int32), ((0, num_tokens - v.shape[0]), (0, 0)),
-                                    constant_values=-1) for layer, v in inject_topk.items()}
-        (logits_RV, topk), self.cache = self._step(self.param_leaves, self.cache, batch, self.consts, None, None,
-                                                   inject)
-        logits_RV = np.asarray(logits_RV)
-        starts = np.cumsum([0] + lengths)
-        per_layer = {layer: [np.asarray(v)[a:b] for a, b in zip(starts[:-1], starts[1:])]
-                     for layer, v in topk.items()}
+                v_RTN = np.full((self.num_ranks, num_tokens, v.shape[1]), -1, np.int32)
+                for r, t, a, b in zip(ranks, offsets, starts[:-1], starts[1:]):
+                    v_RTN[r, t:t + b - a] = v[a:b]
+                inject[layer] = self._ranked(list(v_RTN))
+        (logits, topk), self.cache = self._step(self.param_leaves, self.cache, batch, self.consts, None, None,
+                                                inject)
+        logits_RV = np.asarray(logits).reshape(-1, self.cfg.vocab_size)  # the ranks' rows end to end
+        per_layer = {}
+        for layer, v in topk.items():
+            v_RTN = np.asarray(v).reshape(self.num_ranks, num_tokens, -1)
+            per_layer[layer] = [v_RTN[r, t:t + n] for r, t, n in zip(ranks, offsets, lengths)]
         return [logits_RV[r] for r in rows_per_chunk], per_layer

@@ -77,22 +77,23 @@ def sample(logits_RV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, t
 
 
 def sampling_mode(chunks: Sequence) -> str:
-    """The mode of a step sampling ``chunks`` (each with ``params``, a SamplingParams): "greedy" when every row
-    has temperature 0 (or there is none), else "sample"."""
-    return "greedy" if all(c.params.greedy for c in chunks) else "sample"
+    """The mode of a step sampling ``chunks`` (each with ``params``, a SamplingParams, or None for a padding row):
+    "greedy" when every row has temperature 0 (or there is none), else "sample"."""
+    return "greedy" if all(c.params.greedy for c in chunks if c is not None) else "sample"
 
 
 def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
     """Host arrays of ``sample``'s per-row arguments (after the logits) for the sampling ``chunks``, padded with
     greedy rows to ``num_rows``. Each chunk has ``params`` (a SamplingParams), ``seed`` (int in [0, 2**63)) and
-    ``output_position`` (int), like a ``ScheduledChunk``. SamplingParams' limits guarantee every value fits."""
-    pad = num_rows - len(chunks)
-    return (np.array([c.params.temperature for c in chunks] + [0.0] * pad, np.float32),
-            np.array([c.params.top_k for c in chunks] + [0] * pad, np.int32),
-            np.array([c.params.top_p for c in chunks] + [1.0] * pad, np.float32),
-            np.array([c.seed >> 32 for c in chunks] + [0] * pad, np.uint32),
-            np.array([c.seed & 0xFFFFFFFF for c in chunks] + [0] * pad, np.uint32),
-            np.array([c.output_position for c in chunks] + [0] * pad, np.int32))
+    ``output_position`` (int), like a ``ScheduledChunk``; a None chunk is a padding row (the attention-DP runner
+    lays each rank's rows at its own offset). SamplingParams' limits guarantee every value fits."""
+    rows = list(chunks) + [None] * (num_rows - len(chunks))
+    return (np.array([0.0 if c is None else c.params.temperature for c in rows], np.float32),
+            np.array([0 if c is None else c.params.top_k for c in rows], np.int32),
+            np.array([1.0 if c is None else c.params.top_p for c in rows], np.float32),
+            np.array([0 if c is None else c.seed >> 32 for c in rows], np.uint32),
+            np.array([0 if c is None else c.seed & 0xFFFFFFFF for c in rows], np.uint32),
+            np.array([0 if c is None else c.output_position for c in rows], np.int32))
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["columns"], meta_fields=["mode"])

@@ -12,6 +12,13 @@ produce the same tokens. ``process`` must receive the outputs in the order ``sch
 Block and slot reuse across overlapping steps is safe because the device runs steps in order (the cache pytree
 is donated from each step to the next), so a block freed while step N is in flight is only written by a later
 step after step N is done with it.
+
+Attention ranks (attention data parallelism, dijax.parallel.ranks): the scheduler is given one block manager and
+one state manager per rank, all of the same sizes, and every limit (``max_num_seqs``, ``max_num_batched_tokens``)
+holds per rank. A sequence is assigned a rank when it is admitted and keeps it while it runs; its blocks and slot
+come from that rank's pools. Preemption releases the rank with the blocks and the slot (the recomputation starts
+from nothing anyway), so a preempted sequence is placed again, possibly elsewhere, when it is re-admitted. One
+rank is the one-device case.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class ScheduledChunk:
     """One sequence's part of a step.
 
     request_id       the request; also how the runner finds this sequence's row in the previous step (ZOS remap).
+    rank             the attention rank whose pools hold its blocks and slot (0 with one rank).
     slot             its state slot. A chunk with ``start == 0`` must initialise the slot state, not read it
                      (the slot may hold a previous owner's ring / tail / history).
     block_table      its KV blocks, in position order, covering at least ``start + num_tokens`` positions.
@@ -59,6 +67,7 @@ class ScheduledChunk:
     seed: int
     output_position: int
     params: SamplingParams
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,8 @@ class SchedulerOutput:
     """Everything one step does: its chunks in row order, its total query tokens, and who was preempted.
 
     step       a counter, increasing by one per ``schedule()`` call.
-    chunks     one per sequence in the step (at most ``max_num_seqs``), decodes first, then prefill chunks.
-    num_tokens sum of the chunks' ``num_tokens`` (<= ``max_num_batched_tokens``).
+    chunks     one per sequence in the step (at most ``max_num_seqs`` per rank), decodes first, then prefill chunks.
+    num_tokens sum of the chunks' ``num_tokens`` (<= ``max_num_batched_tokens`` per rank).
     preempted  request ids pushed back to the waiting queue while planning this step (their in-flight results,
                if any, are now stale).
     """
@@ -98,28 +107,40 @@ def _check_positive_int(name: str, value: object) -> int:
 class Scheduler:
     """FCFS scheduler with chunked prefill, recompute preemption, cancellation and zero-overhead scheduling.
 
-    Queues: ``waiting`` (FCFS deque; owns nothing), ``running`` (admission order; each owns a slot and the blocks
-    covering its cached tokens). A sequence being aborted (or failed) while a step that contains it is in flight
+    Queues: ``waiting`` (FCFS deque; owns nothing), ``running`` (admission order; each owns a rank, a slot and the
+    blocks covering its cached tokens, both from its rank's pools). A sequence being aborted (or failed) while a step that contains it is in flight
     sits in neither queue until that step is processed; it keeps its blocks and slot until then.
 
     Each step (``schedule``):
       1. every running sequence that is decoding (one token left to feed) gets one token;
       2. running sequences still prefilling (a chunked prompt, or a recompute) continue, in admission order,
          chunked to the remaining token budget;
-      3. waiting sequences are admitted FCFS, chunked to the remaining budget and free blocks; admission stops at
-         the first one that does not fit (no slot, no block, no budget, or ``max_num_seqs`` reached): no skipping.
-         No admission happens in a step that had to preempt (the freed blocks would only be fought over again).
-    When a running sequence needs a block and none is free, the running sequence with the longest output (ties:
-    the most recently admitted) is preempted to the head of the waiting queue and will recompute its prompt and
-    generated tokens; repeat until the sequence fits or is itself the one preempted.
+      3. waiting sequences are admitted FCFS, each on a rank (``_choose_rank``: the least loaded of the ranks it
+         fits on), chunked to that rank's remaining budget and free blocks; admission stops at the first one that
+         fits on no rank (no slot, no block, no budget, or ``max_num_seqs`` reached on each): no skipping. No
+         admission happens in a step that had to preempt (the freed blocks would only be fought over again).
+    When a running sequence needs a block and none is free on its rank, the running sequence of that rank with the
+    longest output (ties: the most recently admitted) is preempted to the head of the waiting queue and will
+    recompute its prompt and generated tokens; repeat until the sequence fits or is itself the one preempted.
     """
 
-    def __init__(self, block_manager: BlockManager, state_manager: StateManager, max_num_seqs: int,
+    def __init__(self, block_managers: list[BlockManager], state_managers: list[StateManager], max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_id: int | None = None):
-        if not isinstance(block_manager, BlockManager):
-            raise TypeError(f"Scheduler.block_manager must be a BlockManager, got {type(block_manager).__name__}")
-        if not isinstance(state_manager, StateManager):
-            raise TypeError(f"Scheduler.state_manager must be a StateManager, got {type(state_manager).__name__}")
+        """``block_managers`` / ``state_managers``: one per attention rank (a list of one without attention DP), all
+        of the same sizes; the other limits hold per rank."""
+        for name, managers, kind in (("block_managers", block_managers, BlockManager),
+                                     ("state_managers", state_managers, StateManager)):
+            if not isinstance(managers, (list, tuple)) or not managers or not all(
+                    isinstance(m, kind) for m in managers):
+                raise TypeError(f"Scheduler.{name} must be a non-empty list of {kind.__name__}, one per rank, got "
+                                f"{managers!r:.80}")
+        if len(block_managers) != len(state_managers):
+            raise ValueError(f"Scheduler needs one block manager and one state manager per rank, got "
+                             f"{len(block_managers)} block managers and {len(state_managers)} state managers")
+        for name, managers, sizes in (("block_managers", block_managers, lambda m: (m.num_blocks, m.block_size)),
+                                      ("state_managers", state_managers, lambda m: m.num_slots)):
+            if len({sizes(m) for m in managers}) > 1:
+                raise ValueError(f"Scheduler.{name} must all have the same sizes, got {[sizes(m) for m in managers]}")
         self.max_num_seqs = _check_positive_int("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.max_model_len = _check_positive_int("max_model_len", max_model_len)
@@ -129,13 +150,14 @@ class Scheduler:
             raise ValueError(f"Scheduler.max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({max_num_seqs}) so every running sequence can decode each step")
         # A sequence alone in the pool must always fit, or preempting it would loop forever.
-        if max_model_len > block_manager.capacity_tokens:
-            raise ValueError(f"Scheduler.max_model_len ({max_model_len}) must be <= the KV pool capacity "
-                             f"num_blocks * block_size = {block_manager.capacity_tokens}")
+        if max_model_len > block_managers[0].capacity_tokens:
+            raise ValueError(f"Scheduler.max_model_len ({max_model_len}) must be <= the KV pool capacity (of one "
+                             f"rank) num_blocks * block_size = {block_managers[0].capacity_tokens}")
         if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
             raise TypeError(f"Scheduler.eos_token_id must be an int or None, got {eos_token_id!r}")
-        self.block_manager = block_manager
-        self.state_manager = state_manager
+        self.block_managers = list(block_managers)
+        self.state_managers = list(state_managers)
+        self.num_ranks = len(block_managers)
         self.eos_token_id = eos_token_id
 
         self.waiting: deque[Sequence] = deque()
@@ -225,6 +247,11 @@ class Scheduler:
         """The live sequence with this id, or None."""
         return self._seqs.get(request_id)
 
+    def all_free(self) -> bool:
+        """Whether every block and every slot of every rank is free."""
+        return (all(m.num_free == m.num_blocks for m in self.block_managers)
+                and all(m.num_free == m.num_slots for m in self.state_managers))
+
     # --------------------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
@@ -232,8 +259,8 @@ class Scheduler:
         planned: dict[str, tuple[Sequence, int]] = {}  # request_id -> (sequence, query tokens), in row order
         preempted: list[str] = []
 
-        def budget() -> int:
-            return self.max_num_batched_tokens - sum(n for _, n in planned.values())
+        def budget(rank: int) -> int:
+            return self.max_num_batched_tokens - sum(n for seq, n in planned.values() if seq.rank == rank)
 
         # 1. Decodes: one token per running sequence that has exactly one token left to feed.
         for seq in list(self.running):
@@ -248,27 +275,25 @@ class Scheduler:
 
         # 2. Running prefills (chunked prompts and recomputes) continue, in admission order.
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill_done:
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill_done or budget(seq.rank) == 0:
                 continue
-            if budget() == 0:
-                break
-            n = min(seq.num_uncached, budget())
-            room = self.block_manager.room(seq, seq.num_cached)
+            n = min(seq.num_uncached, budget(seq.rank))
+            room = self.block_managers[seq.rank].room(seq, seq.num_cached)
             # Take what fits without preempting; with no room at all, ask for exactly one more block.
-            n = min(n, room) if room > 0 else min(n, self.block_manager.block_size)
+            n = min(n, room) if room > 0 else min(n, self.block_managers[seq.rank].block_size)
             if self._make_room(seq, n, planned, preempted):
                 planned[seq.request_id] = (seq, n)
 
         # 3. Admission, FCFS with no skipping.
-        while (not preempted and self.waiting and budget() > 0 and len(self.running) < self.max_num_seqs
-               and self.state_manager.can_allocate()):
+        while not preempted and self.waiting:
             seq = self.waiting[0]
-            n = min(seq.num_uncached, budget(), self.block_manager.room(seq, 0))
-            if n == 0:
+            placed = self._choose_rank(seq, budget)
+            if placed is None:
                 break
+            seq.rank, n = placed
             self.waiting.popleft()
-            self.state_manager.allocate(seq)
-            self.block_manager.allocate(seq, n)
+            self.state_managers[seq.rank].allocate(seq)
+            self.block_managers[seq.rank].allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             planned[seq.request_id] = (seq, n)
@@ -280,21 +305,44 @@ class Scheduler:
         self._pending.append(output)
         return output
 
+    def _choose_rank(self, seq: Sequence, budget) -> tuple[int, int] | None:
+        """Where to admit ``seq``: (rank, tokens of its first chunk there), or None when it fits on no rank.
+
+        A rank can take it with a free slot, fewer than ``max_num_seqs`` running, token budget (``budget(rank)``)
+        and block room left. Of those, the least loaded: the fewest query tokens already planned on it in this
+        step (its decodes and chunks: the step's token bucket is the busiest rank's), then the fewest blocks held,
+        then the lowest rank.
+        """
+        best = None
+        for rank in range(self.num_ranks):
+            blocks = self.block_managers[rank]
+            if (sum(s.rank == rank for s in self.running) >= self.max_num_seqs
+                    or not self.state_managers[rank].can_allocate()):
+                continue
+            n = min(seq.num_uncached, budget(rank), blocks.room(seq, 0))
+            load = (self.max_num_batched_tokens - budget(rank), blocks.num_blocks - blocks.num_free, rank)
+            if n > 0 and (best is None or load < best[0]):
+                best = (load, rank, n)
+        return None if best is None else best[1:]
+
     def _make_room(self, seq: Sequence, n: int, planned: dict, preempted: list[str]) -> bool:
-        """Make ``seq``'s table cover ``num_cached + n`` positions, preempting longest outputs while blocks lack.
+        """Make ``seq``'s table cover ``num_cached + n`` positions, preempting longest outputs of its rank while its
+        rank's blocks lack.
 
         Returns False when ``seq`` itself was preempted.
         """
         up_to = seq.num_cached + n
-        while not self.block_manager.can_allocate(seq, up_to):
+        blocks = self.block_managers[seq.rank]
+        while not blocks.can_allocate(seq, up_to):
             # Longest output first; ties go to the most recently admitted (the back of the running list).
-            victim = max(enumerate(self.running), key=lambda item: (len(item[1].output_token_ids), item[0]))[1]
+            victim = max(((i, s) for i, s in enumerate(self.running) if s.rank == seq.rank),
+                         key=lambda item: (len(item[1].output_token_ids), item[0]))[1]
             self._preempt(victim)
             planned.pop(victim.request_id, None)
             preempted.append(victim.request_id)
             if victim is seq:
                 return False
-        self.block_manager.allocate(seq, up_to)
+        blocks.allocate(seq, up_to)
         return True
 
     def _emit(self, seq: Sequence, n: int, previous: SchedulerOutput | None) -> ScheduledChunk:
@@ -312,7 +360,8 @@ class Scheduler:
         sample = start + n == seq.reserved_len
         chunk = ScheduledChunk(request_id=seq.request_id, slot=seq.slot, block_table=tuple(seq.block_table),
                                start=start, num_tokens=n, token_ids=token_ids, sample=sample, epoch=seq.epoch,
-                               seed=seq.seed, output_position=seq.output_position, params=seq.params)
+                               seed=seq.seed, output_position=seq.output_position, params=seq.params,
+                               rank=seq.rank)
         seq.num_cached += n
         if sample:
             seq.num_inflight += 1
@@ -373,9 +422,11 @@ class Scheduler:
     # ------------------------------------------------------------------------------------ resource lifetimes
 
     def _release(self, seq: Sequence) -> None:
-        """The one place blocks and slots are given back: always both, always together."""
-        self.block_manager.free(seq)
-        self.state_manager.free(seq)
+        """The one place blocks and slots are given back: always both, always together, with the rank."""
+        if seq.rank is not None:
+            self.block_managers[seq.rank].free(seq)
+            self.state_managers[seq.rank].free(seq)
+        seq.rank = None
 
     def _preempt(self, seq: Sequence) -> None:
         """Push a running sequence back to the head of the waiting queue; it will recompute all its tokens."""
@@ -410,20 +461,26 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Assert the resource and queue invariants (cheap enough for every step in tests / debug mode)."""
         live = list(self._seqs.values())
-        self.block_manager.check_invariants(live)
-        self.state_manager.check_invariants(live)
+        for seq in live:
+            assert seq.rank is not None or (not seq.block_table and seq.slot is None), (
+                f"{seq!r} holds blocks or a slot but no rank")
+        for rank in range(self.num_ranks):
+            mine = [seq for seq in live if seq.rank == rank]
+            self.block_managers[rank].check_invariants(mine)
+            self.state_managers[rank].check_invariants(mine)
+            running = sum(seq.rank == rank for seq in self.running)
+            assert running <= self.max_num_seqs, f"{running} running on rank {rank} > {self.max_num_seqs}"
         ids = [s.request_id for s in self.waiting] + [s.request_id for s in self.running] + list(self._aborting)
         assert len(ids) == len(set(ids)), f"a request is in two queues: {sorted(ids)}"
         assert set(ids) == set(self._seqs), f"queues {sorted(ids)} != live requests {sorted(self._seqs)}"
-        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > {self.max_num_seqs}"
         for seq in self.waiting:
             assert seq.status is SequenceStatus.WAITING, f"waiting {seq!r} has the wrong status"
-            assert not seq.block_table and seq.slot is None, f"waiting {seq!r} owns resources"
+            assert not seq.block_table and seq.slot is None and seq.rank is None, f"waiting {seq!r} owns resources"
             assert seq.num_cached == 0 and seq.num_inflight == 0, f"waiting {seq!r} has reservations"
         for seq in self.running:
             assert seq.status is SequenceStatus.RUNNING, f"running {seq!r} has the wrong status"
             assert seq.slot is not None, f"running {seq!r} has no slot"
             assert seq.num_uncached >= 1, f"running {seq!r} has nothing left to feed"
-            assert len(seq.block_table) == self.block_manager.blocks_for(seq.num_cached), (
+            assert len(seq.block_table) == self.block_managers[seq.rank].blocks_for(seq.num_cached), (
                 f"running {seq!r}: {len(seq.block_table)} blocks for {seq.num_cached} cached tokens")
             assert seq.reserved_len <= self.max_model_len + 1, f"running {seq!r} is past max_model_len"

@@ -41,6 +41,7 @@ class Sequence:
                   still reproduces its tokens).
     block_table   KV block ids, in position order (block i holds positions [i * block_size, (i + 1) * block_size)).
     slot          the state slot (window ring, compressor tail, Engram history), or None when not running.
+    rank          the attention rank whose pools hold its blocks and slot, or None when it holds none.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None):
@@ -67,6 +68,7 @@ class Sequence:
         self.seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.block_table: list[int] = []
         self.slot: int | None = None
+        self.rank: int | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None  # with finish reason "error": what failed
 
@@ -76,7 +78,7 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"output={len(self.output_token_ids)}, cached={self.num_cached}, inflight={self.num_inflight}, "
-                f"epoch={self.epoch}, slot={self.slot}, blocks={self.block_table}, finish={self.finish_reason})")
+                f"epoch={self.epoch}, rank={self.rank}, slot={self.slot}, blocks={self.block_table}, finish={self.finish_reason})")
 
     @property
     def token_ids(self) -> list[int]:
