@@ -35,13 +35,13 @@ def reference():
 
 @pytest.fixture(scope="module")
 def warm():
-    """(an LLM whose runner warmed up first in this file, the model-step and the sampler executables it compiled)."""
-    llm = LLM(**SIZES)  # 4 blocks: widths 1 and 4
-    runner = llm.engine.runner
+    """(an LLM built with ``warmup=True`` first in this file, the model-step and the sampler executables its warm-up
+    compiled)."""
     jax.clear_caches()  # the runners of the tests before shared these executables: count every one
-    steps, samplers = runner.compiles, runner.sampler_compiles
-    runner.warmup()
-    return llm, runner.compiles - steps, runner.sampler_compiles - samplers
+    steps, samplers = sum(model_runner._COMPILES.values()), sum(model_runner._SAMPLER_COMPILES.values())
+    llm = LLM(**SIZES, warmup=True)  # 4 blocks: widths 1 and 4
+    return (llm, sum(model_runner._COMPILES.values()) - steps,
+            sum(model_runner._SAMPLER_COMPILES.values()) - samplers)
 
 
 def _counts(llm: LLM) -> tuple[int, int]:

@@ -64,7 +64,7 @@ class FakeRunner:
         self.delay = delay
         self.launches = 0
 
-    def execute(self, output, previous):
+    def execute(self, output, previous, record=None):
         for c in output.chunks:
             if c.token_ids[0] == FROM_DEVICE:
                 assert previous is not None and previous.sampled[c.request_id][0] == c.epoch, c
@@ -224,10 +224,10 @@ def real_llm():
     llm = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     execute = llm.engine.runner.execute
 
-    def failing_execute(output, previous):  # the real runner, refusing steps that hold a poisoned request
+    def failing_execute(output, previous, record=None):  # the real runner, refusing steps that hold a poisoned request
         if any(c.seed & POISON for c in output.chunks):
             raise RuntimeError("cannot launch a poisoned request")
-        return execute(output, previous)
+        return execute(output, previous, record)
 
     llm.engine.runner.execute = failing_execute
     reference = [o.token_ids for o in llm.generate(PROMPTS, [_params(i) for i in range(4)], use_tqdm=False)]
@@ -342,6 +342,9 @@ def test_engine_arguments_are_checked_by_name():
             LLM(**kwargs)
     with pytest.raises(TypeError, match="max_num_batched_tokens must be an int"):
         LLM(max_num_batched_tokens=16.0)
+    for flag in ("zos", "trace_steps", "warmup"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got str 'yes'"):
+            LLM(**{flag: "yes"})
 
 
 # ------------------------------------------------------------------------------------------------ prompts file

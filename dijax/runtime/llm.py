@@ -51,7 +51,7 @@ class LLM:
     ``engine_args`` go to ``LLMEngine`` (max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
     max_model_len, zos, ep, attention_dp: ``LLM(..., ep=N)`` splits the experts over N devices and, by default,
     makes every device an attention rank with its own sequences and pools of the given sizes; trace_steps: a host
-    timeline of every engine step, dijax.runtime.step_timeline).
+    timeline of every engine step, dijax.runtime.step_timeline; warmup: compile every step bucket first).
 
     ``generate`` names its requests ``req-0``, ``req-1``, ... in prompt order, counting on over the LLM's life;
     ``abort`` takes those ids. One lock guards the engine, so ``abort`` is safe from any thread while another runs

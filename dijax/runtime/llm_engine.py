@@ -60,12 +60,16 @@ class LLMEngine:
                             (dijax.kernels.kernel_options).
     trace_steps             keep a host timeline of every ``step()`` in ``timeline`` (a ``StepTimeline``:
                             dijax.runtime.step_timeline); off (``timeline`` None, no stamp taken) by default.
+    warmup                  compile every step bucket before the first request (``ModelRunner.warmup``: in
+                            parallel threads, with a progress bar), so that no step waits for a compile; off by
+                            default (each bucket then compiles on its first use).
     """
 
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None, ep: int = 1,
                  zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False,
-                 kernels: str = "auto", attention_dp: bool | None = None, trace_steps: bool = False):
+                 kernels: str = "auto", attention_dp: bool | None = None, trace_steps: bool = False,
+                 warmup: bool = False):
         from dijax.io.loader import load
 
         # checked before the model is loaded: a bad size fails at once, naming itself
@@ -79,8 +83,9 @@ class LLMEngine:
         ep = _check_size("ep", ep)
         if not isinstance(zos, bool):
             raise TypeError(f"zos must be a bool, got {type(zos).__name__} {zos!r}")
-        if not isinstance(trace_steps, bool):
-            raise TypeError(f"trace_steps must be a bool, got {type(trace_steps).__name__} {trace_steps!r}")
+        for name, flag in (("trace_steps", trace_steps), ("warmup", warmup)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
         if attention_dp is not None and not isinstance(attention_dp, bool):
             raise TypeError(f"attention_dp must be a bool or None, got {type(attention_dp).__name__} "
                             f"{attention_dp!r}")
@@ -111,6 +116,8 @@ class LLMEngine:
         self._released: list[Sequence] = []  # finished outside step() (abort, failures): returned by the next step
         self.num_preemptions = 0
         self.timeline = StepTimeline() if trace_steps else None
+        if warmup:
+            self.runner.warmup(progress=True)
 
     def validate(self, prompts: list, params: list) -> None:
         """Check every request (prompt type, token ids, lengths, params) without queueing anything."""
