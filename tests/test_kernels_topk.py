@@ -29,9 +29,17 @@ def scores(kind: str, rows: int, width: int, seed: int) -> np.ndarray:
     x = rng.standard_normal((rows, width)).astype(np.float32)
     if kind == "ties":  # few distinct values: many ties at the k-th value
         x = np.round(x * 2) / 2
+    elif kind == "equal":  # every row one value (the first all zeros): the lowest positions win
+        x = np.broadcast_to(np.round(x[:, :1] * 4) / 4 * (np.arange(rows) > 0)[:, None], x.shape).copy()
     elif kind == "masked":  # most positions -inf, some rows entirely
         x[rng.random((rows, width)) < 0.9] = -np.inf
         x[0] = -np.inf
+    elif kind == "nan":  # NaN of both signs (and a payload) among values
+        pick = rng.random((rows, width)) < 0.05
+        x[pick] = rng.choice(np.array([0x7FC00000, 0xFFC00000, 0x7FC01234], np.uint32).view(np.float32),
+                             int(pick.sum()))
+    elif kind == "zeros":  # -0.0 against +0.0 around the k-th value
+        x = rng.choice(np.array([0.0, -0.0, 1.0, -1.0], np.float32), (rows, width))
     elif kind == "special":
         x = rng.choice(np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1.0, -1.0], np.float32),
                        (rows, width))
@@ -40,7 +48,7 @@ def scores(kind: str, rows: int, width: int, seed: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("kind", ["random", "ties", "masked", "special", "bf16"])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "masked", "nan", "zeros", "special", "bf16"])
 @pytest.mark.parametrize("width,k", [(100, 7), (37, 37), (300, 1), (1024, 8), (5000, 16)])
 def test_select_matches_lax_top_k(kind, width, k):
     assert_same(scores(kind, 4, width, seed=width * 31 + k), k)

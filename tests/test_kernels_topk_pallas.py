@@ -15,6 +15,7 @@ from dijax.kernels import topk as topk_module
 from dijax.kernels.topk import TopkConfig, chunk_length, topk, topk_pallas, topk_pallas_supports, topk_reference
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
+from tests.test_kernels_topk import scores
 
 pytestmark = pytest.mark.cost(75)  # CI seconds, a scheduling hint (tests/conftest.py)
 
@@ -30,31 +31,7 @@ def assert_same(score, k: int, config: TopkConfig | None = None) -> None:
                                   np.asarray(want_v).view(np.uint16 if want_v.dtype.itemsize == 2 else np.uint32))
 
 
-def scores(kind: str, rows: int, width: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, width)).astype(np.float32)
-    if kind == "ties":  # few distinct values: many ties at the k-th value
-        x = np.round(x * 2) / 2
-    elif kind == "equal":  # every row one value (the first all zeros): the lowest positions win
-        x = np.broadcast_to(np.round(x[:, :1] * 4) / 4 * (np.arange(rows) > 0)[:, None], x.shape).copy()
-    elif kind == "neginf":  # most positions -inf, the first row entirely
-        x[rng.random((rows, width)) < 0.9] = -np.inf
-        x[0] = -np.inf
-    elif kind == "nan":  # NaN of both signs (and a payload) among values
-        nans = np.array([0x7FC00000, 0xFFC00000, 0x7FC01234], np.uint32).view(np.float32)
-        pick = rng.random((rows, width)) < 0.05
-        x[pick] = rng.choice(nans, int(pick.sum()))
-    elif kind == "zeros":  # -0.0 against +0.0 around the k-th value
-        x = rng.choice(np.array([0.0, -0.0, 1.0, -1.0], np.float32), (rows, width))
-    elif kind == "special":
-        x = rng.choice(np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1.0, -1.0], np.float32),
-                       (rows, width))
-    elif kind == "bf16":  # the indexer's scores: bf16 values widened to float32
-        x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-    return x
-
-
-KINDS = ["random", "ties", "equal", "neginf", "nan", "zeros", "special", "bf16"]
+KINDS = ["random", "ties", "equal", "masked", "nan", "zeros", "special", "bf16"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -67,7 +44,7 @@ def test_matches_lax_top_k(kind, rows, width, k):
 def test_every_chunk_length(chunk):
     """The prefilter's chunk length changes the candidates, never the result; ragged last chunks included."""
     config = TopkConfig(chunk=chunk, max_lanes=1 << 16)
-    for seed, kind in enumerate(["ties", "neginf", "special"]):
+    for seed, kind in enumerate(["ties", "masked", "special"]):
         assert_same(scores(kind, 3, 1000 + 7 * chunk, seed), 24, config)
 
 
@@ -110,8 +87,9 @@ def test_empty_and_bad_arguments():
         topk_pallas(jnp.zeros((3, 10), jnp.int32), 2)
     with pytest.raises(ValueError, match="config.max_lanes=64"):
         topk_pallas(jnp.zeros((3, 10_000)), 8, config=TopkConfig(max_lanes=64))
-    with pytest.raises(ValueError, match="rank_tile"):
-        topk_pallas(jnp.zeros((3, 10)), 2, config=TopkConfig(rank_tile=3))
+    for field in ("chunk", "rank_tile", "block_values"):
+        with pytest.raises(ValueError, match=f"config.{field}=3 must be a power of two"):
+            topk_pallas(jnp.zeros((3, 10)), 2, config=TopkConfig(**{field: 3}))
     # V4.1-Flash's longest rows (262,144 compressed positions, k = 512) fit; four times as many do not
     assert chunk_length(262_144, 512, TopkConfig()) == 16
     assert topk_pallas_supports(262_144, 512) and not topk_pallas_supports(1 << 20, 512)

@@ -1,4 +1,4 @@
-"""Exact top-k over the last axis: ``jax.lax.top_k`` (the reference) and a threshold-selection version.
+"""Exact top-k over the last axis: ``jax.lax.top_k`` (the reference) and threshold selection in XLA and in Pallas.
 
 ``lax.top_k`` with k > 16 is a full sort on GPU, while the indexer needs the top 512 of up to ~260k compressed
 positions per token. ``topk_select`` finds the k-th largest value instead, then takes every value above it plus the
@@ -20,12 +20,20 @@ lowest-index ties at it, and returns exactly what ``lax.top_k`` returns, ties an
   count finds the position of every slot (no scatter). The k picks, in position order, are then stably sorted by
   descending key, which is ``lax.top_k``'s order.
 
+``topk_pallas`` runs the same selection as two Triton-lowered kernels instead of ~40 XLA launches (the radix
+passes, the prefilter, the compaction, the sort): a grid-wide chunk-maximum pass, then one program per row that
+holds its chunk maxima and then its candidates in registers. Triton has no sort, so it differs in three places:
+signed int32 keys (the unsigned key shifted by 2^31) with a bitwise descent of counts, compaction by a cumulative
+count and a scatter to per-row scratch (read back after a CTA barrier), and the final order as ranks (a pick's
+rank is the number of picks above it plus the equal ones at lower positions) instead of a sort.
+
 How dijax uses it (``model/attention.py``): ``topk_positions`` keeps the picks whose rank is below a per-row limit
 (rank = place in this order, so a limit below k keeps the lowest-index ties, as the reference's per-row
 ``k = min(index_topk, end // ratio)``) and re-sorts them by position; ``select_candidate_blocks`` keeps the picked
 blocks whose maximum is above -inf. Both see identical inputs from either implementation.
 
-Letters: R rows (all leading axes flattened), P values per row, N = k picks, C chunk length, M chunks.
+Letters: R rows (all leading axes flattened), P values per row, N = k picks, C chunk length, M chunks; in the
+kernel L the lanes of a program's vector and J a tile of picks.
 """
 
 from __future__ import annotations
@@ -323,15 +331,19 @@ def topk_pallas(score: jax.Array, k: int, *, config: TopkConfig | None = None,
     rows = score_RP.shape[0]
     if k == 0 or rows == 0:
         return (jnp.zeros((*lead, k), score.dtype), jnp.zeros((*lead, k), jnp.int32))
+    sizes = {"max_lanes": config.max_lanes, "block_values": config.block_values, "rank_tile": config.rank_tile}
+    if config.chunk is not None:
+        sizes["chunk"] = config.chunk
+    for field, value in sizes.items():
+        if not _power_of_two(value):
+            raise ValueError(f"topk_pallas: config.{field}={value!r} must be a power of two")
     chunk = chunk_length(width, k, config)
-    if chunk is None or not _power_of_two(chunk):
-        raise ValueError(f"topk_pallas: no power-of-two chunk keeps P={width} values and k={k} picks within "
+    if chunk is None:
+        raise ValueError(f"topk_pallas: no chunk length keeps P={width} values and k={k} picks within "
                          f"config.max_lanes={config.max_lanes} (config.chunk={config.chunk}); see "
                          f"topk_pallas_supports")
-    if not _power_of_two(config.rank_tile):
-        raise ValueError(f"topk_pallas: config.rank_tile={config.rank_tile} must be a power of two")
     lanes_m, slots = pl.next_power_of_2(-(-width // chunk)), pl.next_power_of_2(k)
-    if rows * max(width, lanes_m, slots * chunk) >= 2 ** 31:
+    if rows * max(width, lanes_m, slots) >= 2 ** 31:
         raise ValueError(f"topk_pallas: {rows} rows of {width} values need int32 offsets past 2^31")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     x_RP = score_RP.astype(jnp.float32)
