@@ -92,8 +92,10 @@ def test_empty_and_bad_arguments():
             topk_pallas(jnp.zeros((3, 10)), 2, config=TopkConfig(**{field: 3}))
     # V4.1-Flash's longest rows (262,144 compressed positions, k = 512) fit; four times as many do not
     assert chunk_length(262_144, 512, TopkConfig()) == 16
-    assert topk_pallas_supports(262_144, 512) and not topk_pallas_supports(1 << 20, 512)
-    assert not topk_pallas_supports(10, 0)
+    assert topk_pallas_supports((64, 262_144), 512) and not topk_pallas_supports((64, 1 << 20), 512)
+    assert not topk_pallas_supports((3, 10), 0)
+    # a prefill of 8192 tokens over such rows would need offsets past 2^31: the dispatcher takes the select
+    assert not topk_pallas_supports((8192, 262_144), 512)
 
 
 def test_dispatcher_hands_off_short_rows_and_unsupported_shapes(monkeypatch):
@@ -105,7 +107,7 @@ def test_dispatcher_hands_off_short_rows_and_unsupported_shapes(monkeypatch):
     monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", 0)
     topk(x, 9, impl="pallas")
     assert calls == [(2, 3000)]
-    monkeypatch.setattr(topk_module, "topk_pallas_supports", lambda width, k: False)
+    monkeypatch.setattr(topk_module, "topk_pallas_supports", lambda shape, k: False)
     np.testing.assert_array_equal(np.asarray(topk(x, 9, impl="pallas")[1]), np.asarray(jax.lax.top_k(x, 9)[1]))
     assert calls == [(2, 3000)]  # an unsupported shape takes topk_select
 

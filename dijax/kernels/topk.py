@@ -196,9 +196,20 @@ def chunk_length(width: int, k: int, config: TopkConfig) -> int | None:
     return min(fits, key=lambda c: sum(lanes(c))) if fits else None
 
 
-def topk_pallas_supports(width: int, k: int, config: TopkConfig | None = None) -> bool:
-    """Whether ``topk_pallas`` takes rows of ``width`` values with ``k`` picks (a chunk length fits the lanes)."""
-    return 0 < k <= width and chunk_length(width, k, config or TopkConfig()) is not None
+def _offsets_fit(rows: int, width: int, k: int, chunk: int) -> bool:
+    """Whether every array of ``topk_pallas`` (scores, chunk maxima, scratch) has fewer than 2^31 elements (Triton's
+    int32 offsets)."""
+    return rows * max(width, pl.next_power_of_2(-(-width // chunk)), pl.next_power_of_2(k)) < 2 ** 31
+
+
+def topk_pallas_supports(shape: tuple[int, ...], k: int, config: TopkConfig | None = None) -> bool:
+    """Whether ``topk_pallas`` takes a score array of ``shape`` [..., P] with ``k`` picks, 0 < k <= P: a chunk
+    length fits the lanes (``chunk_length``) and the int32 offsets fit."""
+    rows, width = int(np.prod(shape[:-1])), shape[-1]
+    if not 0 < k <= width:
+        return False
+    chunk = chunk_length(width, k, config or TopkConfig())
+    return chunk is not None and _offsets_fit(rows, width, k, chunk)
 
 
 def _signed_key(x: jax.Array) -> jax.Array:
@@ -306,7 +317,7 @@ def topk_pallas(score: jax.Array, k: int, *, config: TopkConfig | None = None,
                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Exact top-k in two Triton-lowered kernels, identical to ``topk_reference`` (values, order and ties).
 
-    score: float32 / bfloat16 / float16 [..., P] with 0 <= k <= P and ``topk_pallas_supports(P, k)``. Returns
+    score: float32 / bfloat16 / float16 [..., P] with 0 <= k <= P and ``topk_pallas_supports(score.shape, k)``. Returns
     (values [..., k] score.dtype, indices [..., k] int32).
 
     The selection of ``topk_select`` (module docstring) on int32 keys whose signed order is the float total order:
@@ -343,7 +354,7 @@ def topk_pallas(score: jax.Array, k: int, *, config: TopkConfig | None = None,
                          f"config.max_lanes={config.max_lanes} (config.chunk={config.chunk}); see "
                          f"topk_pallas_supports")
     lanes_m, slots = pl.next_power_of_2(-(-width // chunk)), pl.next_power_of_2(k)
-    if rows * max(width, lanes_m, slots) >= 2 ** 31:
+    if not _offsets_fit(rows, width, k, chunk):
         raise ValueError(f"topk_pallas: {rows} rows of {width} values need int32 offsets past 2^31")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     x_RP = score_RP.astype(jnp.float32)
@@ -388,6 +399,6 @@ def topk(score: jax.Array, k: int, *, impl: str = "reference") -> tuple[jax.Arra
         raise ValueError(f"topk: impl must be one of {IMPLS}, got {impl!r}")
     if score.shape[-1] < SELECT_MIN_VALUES:
         return topk_reference(score, k)
-    if impl == "pallas" and topk_pallas_supports(score.shape[-1], k):
+    if impl == "pallas" and topk_pallas_supports(score.shape, k):
         return topk_pallas(score, k)
     return topk_select(score, k)
