@@ -15,6 +15,12 @@ def test_choices():
     assert set(FAST) == set(REFERENCE)
 
 
+def test_topk_kernel_is_not_yet_automatic():
+    # the Pallas top-k runs with kernels='on' (the GPU validation path); 'auto' keeps the XLA select until then
+    assert FAST["topk_impl"] == "pallas"
+    assert kernel_options("auto", "gpu")["topk_impl"] == "select"
+
+
 def test_bad_choices_name_the_field():
     with pytest.raises(ValueError, match=r"kernels must be one of \('auto', 'on', 'off'\), got 'pallas'"):
         kernel_options("pallas", "gpu")

@@ -29,9 +29,17 @@ def scores(kind: str, rows: int, width: int, seed: int) -> np.ndarray:
     x = rng.standard_normal((rows, width)).astype(np.float32)
     if kind == "ties":  # few distinct values: many ties at the k-th value
         x = np.round(x * 2) / 2
+    elif kind == "equal":  # every row one value (the first all zeros): the lowest positions win
+        x = np.broadcast_to(np.round(x[:, :1] * 4) / 4 * (np.arange(rows) > 0)[:, None], x.shape).copy()
     elif kind == "masked":  # most positions -inf, some rows entirely
         x[rng.random((rows, width)) < 0.9] = -np.inf
         x[0] = -np.inf
+    elif kind == "nan":  # NaN of both signs (and a payload) among values
+        pick = rng.random((rows, width)) < 0.05
+        x[pick] = rng.choice(np.array([0x7FC00000, 0xFFC00000, 0x7FC01234], np.uint32).view(np.float32),
+                             int(pick.sum()))
+    elif kind == "zeros":  # -0.0 against +0.0 around the k-th value
+        x = rng.choice(np.array([0.0, -0.0, 1.0, -1.0], np.float32), (rows, width))
     elif kind == "special":
         x = rng.choice(np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1.0, -1.0], np.float32),
                        (rows, width))
@@ -40,7 +48,7 @@ def scores(kind: str, rows: int, width: int, seed: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("kind", ["random", "ties", "masked", "special", "bf16"])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "masked", "nan", "zeros", "special", "bf16"])
 @pytest.mark.parametrize("width,k", [(100, 7), (37, 37), (300, 1), (1024, 8), (5000, 16)])
 def test_select_matches_lax_top_k(kind, width, k):
     assert_same(scores(kind, 4, width, seed=width * 31 + k), k)
@@ -98,16 +106,16 @@ def test_dispatcher(monkeypatch):
     x = jnp.asarray(scores("ties", 2, 64, seed=1))
     for threshold in (0, topk_module.SELECT_MIN_VALUES):  # the select path, then the short-row hand-off
         monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", threshold)
-        for impl in ("reference", "select"):
+        for impl in ("reference", "select", "pallas"):
             v, i = topk(x, 9, impl=impl)
             np.testing.assert_array_equal(np.asarray(i), np.asarray(jax.lax.top_k(x, 9)[1]))
     with pytest.raises(ValueError, match="impl must be one of"):
         topk(x, 9, impl="sort")
 
 
-def test_attention_call_sites_identical_for_both_impls(monkeypatch):
-    # force the select path at these short widths (the dispatcher hands rows shorter than SELECT_MIN_VALUES to
-    # lax.top_k)
+def test_attention_call_sites_identical_for_every_impl(monkeypatch):
+    # force the select and Pallas paths at these short widths (the dispatcher hands rows shorter than
+    # SELECT_MIN_VALUES to lax.top_k)
     monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", 0)
     # the indexer's masked scores: bf16 ties, -inf beyond each query's visible prefix, ragged limits
     t, width, k = 6, 700, 16
@@ -117,12 +125,15 @@ def test_attention_call_sites_identical_for_both_impls(monkeypatch):
     score = np.where(np.arange(width)[None, :] < visible[:, None], score, -np.inf).astype(np.float32)
     limit = np.minimum(k, np.array([0, 1, 7, 16, 16, 16], np.int32))
     s, vis, lim = jnp.asarray(score), jnp.asarray(visible), jnp.asarray(limit)
-    pos = {impl: np.asarray(topk_positions(s, vis, lim, k, impl=impl)) for impl in ("reference", "select")}
+    impls = ("reference", "select", "pallas")
+    pos = {impl: np.asarray(topk_positions(s, vis, lim, k, impl=impl)) for impl in impls}
     np.testing.assert_array_equal(pos["select"], pos["reference"])
+    np.testing.assert_array_equal(pos["pallas"], pos["reference"])
     assert (pos["select"][0] == -1).all() and (pos["select"][2][7:] == -1).all()
-    cand = {impl: np.asarray(select_candidate_blocks(s, vis, 5, 8, impl=impl)) for impl in ("reference", "select")}
+    cand = {impl: np.asarray(select_candidate_blocks(s, vis, 5, 8, impl=impl)) for impl in impls}
     np.testing.assert_array_equal(cand["select"], cand["reference"])
-    # a width below k pads with -inf: both impls still agree
-    short = {impl: np.asarray(topk_positions(s[:, :10], jnp.minimum(vis, 10), lim, k, impl=impl))
-             for impl in ("reference", "select")}
+    np.testing.assert_array_equal(cand["pallas"], cand["reference"])
+    # a width below k pads with -inf: every impl still agrees
+    short = {impl: np.asarray(topk_positions(s[:, :10], jnp.minimum(vis, 10), lim, k, impl=impl)) for impl in impls}
     np.testing.assert_array_equal(short["select"], short["reference"])
+    np.testing.assert_array_equal(short["pallas"], short["reference"])

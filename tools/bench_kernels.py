@@ -51,36 +51,53 @@ def _timed_row(kernel: str, shape: str, impl: str, seconds: float, floor: float,
 
 
 def topk_rows(rows_list=(1, 4, 64), width: int = 262_144, k: int = 512, sweep: bool = False, **timing) -> list[dict]:
-    """Exact top-k of bf16-valued float32 score rows: ``lax.top_k`` against the threshold select.
+    """Exact top-k of bf16-valued float32 score rows: ``lax.top_k`` against the threshold select (XLA) and the
+    Pallas kernel. A row whose indices differ from ``lax.top_k``'s is marked MISMATCH.
 
-    Floor: one read of the scores (4 bytes a value). ``sweep`` adds select variants (radix digits, chunk length).
+    Floor: one read of the scores (4 bytes a value). ``sweep`` adds select variants (prefilter on / off), Pallas
+    tilings (chunk length, warps, rank tile), shorter rows (where the dispatcher's hand-off to ``lax.top_k``
+    belongs) and the select's stages alone.
     """
     from dijax.kernels import topk as topk_mod
 
-    variants = [("select", {})]
+    def pallas(config):
+        return lambda s: topk_mod.topk_pallas(s, k, config=config)
+
+    def select(s):
+        return topk_mod.topk_select(s, k)
+
+    variants = [("select", {}, select), ("pallas", {}, pallas(topk_mod.TopkConfig()))]
     if sweep:
-        variants += [("select no-prefilter", {"PREFILTER_FACTOR": 1 << 30}),
-                     ("select prefilter", {"PREFILTER_MIN_VALUES": 0})]
+        variants += [("select no-prefilter", {"PREFILTER_FACTOR": 1 << 30}, select),
+                     ("select prefilter", {"PREFILTER_MIN_VALUES": 0}, select)]
+        variants += [(f"pallas {label}", {}, pallas(topk_mod.TopkConfig(**fields))) for label, fields in (
+            ("chunk=32", {"chunk": 32}), ("select_warps=4", {"select_warps": 4}),
+            ("select_warps=16", {"select_warps": 16}), ("chunk=32 select_warps=16", {"chunk": 32, "select_warps": 16}),
+            ("rank_tile=64", {"rank_tile": 64}), ("block_values=16384 max_warps=8",
+                                                  {"block_values": 16_384, "max_warps": 8}))]
+    shapes = [(rows, width) for rows in rows_list]
+    if sweep:
+        shapes += [(rows, short) for short in (8192, 32_768) for rows in (1, 64)]
     out = []
-    for rows in rows_list:
-        score = jax.random.normal(jax.random.key(rows), (rows, width), jnp.bfloat16).astype(jnp.float32)
-        shape = f"{rows} x {width}, k={k}"
+    for rows, cols in shapes:
+        score = jax.random.normal(jax.random.key(rows), (rows, cols), jnp.bfloat16).astype(jnp.float32)
+        shape = f"{rows} x {cols}, k={k}"
         base = time_call(jax.jit(lambda s: topk_mod.topk_reference(s, k)), score, **timing)
-        out.append(_row("topk", shape, "lax.top_k", base, rows * width * 4, None))
-        for name, consts in variants:
+        out.append(_row("topk", shape, "lax.top_k", base, rows * cols * 4, None))
+        want = topk_mod.topk_reference(score, k)[1]
+        for name, consts, call in variants if cols == width else variants[:2]:
             saved = {c: getattr(topk_mod, c) for c in consts}
             for c, v in consts.items():
                 setattr(topk_mod, c, v)
             try:
-                fn = jax.jit(lambda s: topk_mod.topk_select(s, k))
-                want, got = topk_mod.topk_reference(score, k)[1], fn(score)[1]
-                exact = bool(jnp.array_equal(want, got))
+                fn = jax.jit(call)
+                exact = bool(jnp.array_equal(want, fn(score)[1]))
                 seconds = time_call(fn, score, **timing)
-                out.append(_row("topk", shape, name + ("" if exact else " MISMATCH"), seconds, rows * width * 4, base))
+                out.append(_row("topk", shape, name + ("" if exact else " MISMATCH"), seconds, rows * cols * 4, base))
             finally:
                 for c, v in saved.items():
                     setattr(topk_mod, c, v)
-        if sweep and rows == max(rows_list):
+        if sweep and (rows, cols) == (max(rows_list), width):
             out += _topk_stage_rows(score, k, **timing)
     return out
 

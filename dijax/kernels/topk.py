@@ -1,4 +1,4 @@
-"""Exact top-k over the last axis: ``jax.lax.top_k`` (the reference) and a threshold-selection version.
+"""Exact top-k over the last axis: ``jax.lax.top_k`` (the reference) and threshold selection in XLA and in Pallas.
 
 ``lax.top_k`` with k > 16 is a full sort on GPU, while the indexer needs the top 512 of up to ~260k compressed
 positions per token. ``topk_select`` finds the k-th largest value instead, then takes every value above it plus the
@@ -20,19 +20,32 @@ lowest-index ties at it, and returns exactly what ``lax.top_k`` returns, ties an
   count finds the position of every slot (no scatter). The k picks, in position order, are then stably sorted by
   descending key, which is ``lax.top_k``'s order.
 
+``topk_pallas`` runs the same selection as two Triton-lowered kernels instead of ~40 XLA launches (the radix
+passes, the prefilter, the compaction, the sort): a grid-wide chunk-maximum pass, then one program per row that
+holds its chunk maxima and then its candidates in registers. Triton has no sort, so it differs in three places:
+signed int32 keys (the unsigned key shifted by 2^31) with a bitwise descent of counts, compaction by a cumulative
+count and a scatter to per-row scratch (read back after a CTA barrier), and the final order as ranks (a pick's
+rank is the number of picks above it plus the equal ones at lower positions) instead of a sort.
+
 How dijax uses it (``model/attention.py``): ``topk_positions`` keeps the picks whose rank is below a per-row limit
 (rank = place in this order, so a limit below k keeps the lowest-index ties, as the reference's per-row
 ``k = min(index_topk, end // ratio)``) and re-sorts them by position; ``select_candidate_blocks`` keeps the picked
 blocks whose maximum is above -inf. Both see identical inputs from either implementation.
 
-Letters: R rows (all leading axes flattened), P values per row, N = k picks, C chunk length, M chunks.
+Letters: R rows (all leading axes flattened), P values per row, N = k picks, C chunk length, M chunks; in the
+kernel L the lanes of a program's vector and J a tile of picks.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 RADIX_BITS = 4
 CHUNK = 32
@@ -45,7 +58,7 @@ PREFILTER_MIN_VALUES = 1 << 22
 # kernel, while the radix descent is ~80 small kernels (counted in the tiny model's GPU step, where they were 80
 # of its 680 kernels: tools/hlo_kernels.py). The select measured faster at 262,144 values for 1, 4 and 64 rows.
 SELECT_MIN_VALUES = 1 << 16
-IMPLS = ("reference", "select")
+IMPLS = ("reference", "select", "pallas")
 
 
 def topk_reference(score: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -139,15 +152,253 @@ def topk_select(score: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return values_RN.reshape(*lead, k), pos_RN.reshape(*lead, k)
 
 
+INT32_MIN = np.int32(-(1 << 31))
+_LOW_BITS = np.int32(0x7FFFFFFF)
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """Tiling of ``topk_pallas``.
+
+    chunk: values per chunk of the prefilter (a power of two); None takes the one that needs the fewest lanes
+    (``chunk_length``). max_lanes: the most keys the select program holds at once (the row's chunk maxima, and the
+    chosen chunks' values); a shape that needs more is not supported (``topk_pallas_supports``). block_values:
+    values per program of the chunk-maximum pass. rank_tile: picks compared per step of the final ordering.
+    max_warps / select_warps: Triton warps of the two kernels. The defaults are reasoned, not yet measured
+    (``tools/bench_kernels.py --only topk --sweep`` times the alternatives).
+    """
+
+    chunk: int | None = None
+    max_lanes: int = 1 << 14
+    block_values: int = 4096
+    rank_tile: int = 32
+    max_warps: int = 4
+    select_warps: int = 8
+
+
+def _power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def chunk_length(width: int, k: int, config: TopkConfig) -> int | None:
+    """The prefilter's chunk length for rows of ``width`` values and ``k`` picks, or None when no power of two
+    keeps both the chunk maxima (``ceil(width / chunk)``) and the candidates (``k * chunk``), each padded to a power
+    of two, within ``config.max_lanes``. Without ``config.chunk``: the one with the fewest lanes, the shorter on a
+    tie."""
+    slots = pl.next_power_of_2(k)
+
+    def lanes(chunk: int) -> tuple[int, int]:
+        return pl.next_power_of_2(-(-width // chunk)), slots * chunk
+
+    if config.chunk is not None:
+        return config.chunk if max(lanes(config.chunk)) <= config.max_lanes else None
+    fits = [c for c in (1 << e for e in range(31)) if max(lanes(c)) <= config.max_lanes]
+    return min(fits, key=lambda c: sum(lanes(c))) if fits else None
+
+
+def _offsets_fit(rows: int, width: int, k: int, chunk: int) -> bool:
+    """Whether every array of ``topk_pallas`` (scores, chunk maxima, scratch) has fewer than 2^31 elements (Triton's
+    int32 offsets)."""
+    return rows * max(width, pl.next_power_of_2(-(-width // chunk)), pl.next_power_of_2(k)) < 2 ** 31
+
+
+def topk_pallas_supports(shape: tuple[int, ...], k: int, config: TopkConfig | None = None) -> bool:
+    """Whether ``topk_pallas`` takes a score array of ``shape`` [..., P] with ``k`` picks, 0 < k <= P: a chunk
+    length fits the lanes (``chunk_length``) and the int32 offsets fit."""
+    rows, width = int(np.prod(shape[:-1])), shape[-1]
+    if not 0 < k <= width:
+        return False
+    chunk = chunk_length(width, k, config or TopkConfig())
+    return chunk is not None and _offsets_fit(rows, width, k, chunk)
+
+
+def _signed_key(x: jax.Array) -> jax.Array:
+    """int32 keys whose signed order is the float total order of float32 ``x`` (``_order_key`` shifted by 2^31:
+    the low 31 bits of negatives flipped). Its own inverse on the bits (``_float_of_key``)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ _LOW_BITS, bits)
+
+
+def _float_of_key(key: jax.Array) -> jax.Array:
+    """The float32 whose ``_signed_key`` is ``key`` (bit for bit, NaN payloads included)."""
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ _LOW_BITS, key), jnp.float32)
+
+
+def _kth_largest_lanes(key_L: jax.Array, k: int) -> jax.Array:
+    """The k-th largest of int32 keys [L] with multiplicity (INT32_MIN when fewer than k lanes), a scalar.
+
+    Bit by bit from the top: the sign first (are k keys >= 0?), then each lower bit is kept when k keys still reach
+    the prefix with it set. Only counts (compares and a sum), which every Triton reduction lowers.
+    """
+    def count_at_least(cand):
+        return jnp.sum((key_L >= cand).astype(jnp.int32))
+
+    def step(b, prefix):
+        cand = prefix | jnp.left_shift(np.int32(1), 30 - b)
+        return jnp.where(count_at_least(cand) >= k, cand, prefix)
+
+    prefix = jnp.where(count_at_least(np.int32(0)) >= k, np.int32(0), INT32_MIN)
+    return jax.lax.fori_loop(0, 31, step, prefix)
+
+
+def _take_lanes(key_L: jax.Array, k: int) -> jax.Array:
+    """The k largest keys [L] (all lanes when fewer), ties at the k-th to the lowest lanes: bool [L]."""
+    thr = _kth_largest_lanes(key_L, k)
+    above_L, at_L = key_L > thr, key_L == thr
+    need = k - jnp.sum(above_L.astype(jnp.int32))
+    return above_L | (at_L & (jnp.cumsum(at_L.astype(jnp.int32)) <= need))
+
+
+def _store_compacted(ref, row, take_L: jax.Array, value_L: jax.Array) -> None:
+    """Write the taken lanes' values to ``ref[row, 0..]`` in lane order (slot = taken lanes before it)."""
+    lane_L = jnp.arange(take_L.shape[0], dtype=jnp.int32)
+    slot_L = jnp.cumsum(take_L.astype(jnp.int32)) - 1
+    # untaken lanes keep distinct out-of-range slots: interpret mode drops those writes, where a clamped or
+    # duplicate slot could overwrite a taken one
+    pltriton.store(ref.at[row, jnp.where(take_L, slot_L, ref.shape[1] + lane_L)], value_L, mask=take_L)
+
+
+def _chunk_max_kernel(score_ref, max_ref, *, width: int, chunk: int, block_m: int):
+    """Program (r, b): the maximum key of chunks [b * block_m, (b + 1) * block_m) of row r (INT32_MIN past the row).
+    """
+    r, m0 = pl.program_id(0), pl.program_id(1) * block_m
+    pos_MC = (m0 + jnp.arange(block_m, dtype=jnp.int32))[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)[None]
+    live_MC = pos_MC < width
+    x_MC = pltriton.load(score_ref.at[r, pos_MC], mask=live_MC, other=0.0)
+    key_MC = jnp.where(live_MC, _signed_key(x_MC), INT32_MIN)
+    max_ref[r, pl.ds(m0, block_m)] = jnp.max(key_MC, axis=1)
+
+
+def _select_kernel(score_ref, max_ref, value_ref, index_ref, chunk_ref, key_ref, pos_ref, *, k: int, width: int,
+                   chunk: int, lanes_m: int, slots: int, rank_tile: int, barrier: bool):
+    """Program r: the top k of row r. ``chunk_ref``, ``key_ref``, ``pos_ref`` [R, slots] are this row's scratch
+    (written, then read back by other threads after a CTA barrier: ``barrier``, off in interpret mode)."""
+    r = pl.program_id(0)
+    # level 1: the top-k chunks by maximum, ties to the lower chunk, in chunk order
+    max_M = max_ref[r, pl.ds(0, lanes_m)]
+    _store_compacted(chunk_ref, r, _take_lanes(max_M, k), jnp.arange(lanes_m, dtype=jnp.int32))
+    if barrier:
+        pltriton.debug_barrier()
+    # level 2: the top k of the chosen chunks' values; lanes in chunk order are in position order, and the padding
+    # (lowest key) comes after every real value, so it never wins a tie
+    lane_L = jnp.arange(slots * chunk, dtype=jnp.int32)
+    slot_L = lane_L // chunk
+    has_L = slot_L < min(k, lanes_m)
+    pos_L = pltriton.load(chunk_ref.at[r, slot_L], mask=has_L, other=0) * chunk + lane_L % chunk
+    live_L = has_L & (pos_L < width)
+    key_L = jnp.where(live_L, _signed_key(pltriton.load(score_ref.at[r, pos_L], mask=live_L, other=0.0)), INT32_MIN)
+    take_L = _take_lanes(key_L, k)
+    _store_compacted(key_ref, r, take_L, key_L)
+    _store_compacted(pos_ref, r, take_L, pos_L)
+    if barrier:
+        pltriton.debug_barrier()
+    # order: a pick's rank is the picks above it plus the equal ones at lower positions (stable, descending)
+    i_N = jnp.arange(slots, dtype=jnp.int32)
+    live_N = i_N < k
+    key_N = pltriton.load(key_ref.at[r, pl.ds(0, slots)], mask=live_N, other=INT32_MIN)
+    pos_N = pltriton.load(pos_ref.at[r, pl.ds(0, slots)], mask=live_N, other=0)
+
+    def count_before(t, rank_N):
+        j0 = t * rank_tile
+        j_J = j0 + jnp.arange(rank_tile, dtype=jnp.int32)
+        # lanes past k read INT32_MIN: never above a pick, and a tie needs j < i < k
+        key_J = pltriton.load(key_ref.at[r, pl.ds(j0, rank_tile)], mask=j_J < k, other=INT32_MIN)
+        before_NJ = (key_J[None, :] > key_N[:, None]) | ((key_J[None, :] == key_N[:, None])
+                                                          & (j_J[None, :] < i_N[:, None]))
+        return rank_N + jnp.sum(before_NJ.astype(jnp.int32), axis=1)
+
+    rank_N = jax.lax.fori_loop(0, slots // rank_tile, count_before, jnp.zeros((slots,), jnp.int32))
+    out_N = jnp.where(live_N, rank_N, k + i_N)
+    pltriton.store(index_ref.at[r, out_N], pos_N, mask=live_N)
+    pltriton.store(value_ref.at[r, out_N], _float_of_key(key_N), mask=live_N)
+
+
+def topk_pallas(score: jax.Array, k: int, *, config: TopkConfig | None = None,
+                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """Exact top-k in two Triton-lowered kernels, identical to ``topk_reference`` (values, order and ties).
+
+    score: float32 / bfloat16 / float16 [..., P] with 0 <= k <= P and ``topk_pallas_supports(score.shape, k)``. Returns
+    (values [..., k] score.dtype, indices [..., k] int32).
+
+    The selection of ``topk_select`` (module docstring) on int32 keys whose signed order is the float total order:
+      1. ``topk_chunk_max``, grid (R, chunk blocks): the maximum key of every ``chunk`` values;
+      2. ``topk_select``, one program per row: the k-th largest chunk maximum (a 32-step bitwise descent of
+         counts), the top-k chunks (ties to the lower chunk) compacted in chunk order by a cumulative count and a
+         scatter; their values gathered ([k * chunk] lanes, in position order), the k-th largest of those and the
+         top k (ties to the lower position), compacted the same way; then each pick's rank in the descending
+         stable order (picks above it plus equal ones at lower positions, [k, rank_tile] compares per step) and
+         a scatter of the values and indices to their ranks.
+    No sort: Triton has none. The compactions round-trip through per-row scratch outputs and a CTA barrier.
+    config: tiling (default ``TopkConfig()``); interpret: run in the Pallas interpreter (default: off a GPU).
+    """
+    config = config or TopkConfig()
+    if score.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise TypeError(f"topk_pallas: score must be float32, bfloat16 or float16, got dtype {score.dtype}")
+    width = score.shape[-1]
+    if not 0 <= k <= width:
+        raise ValueError(f"topk: k must be in [0, {width}] (the last axis of score), got {k}")
+    lead = score.shape[:-1]
+    score_RP = score.reshape(-1, width)
+    rows = score_RP.shape[0]
+    if k == 0 or rows == 0:
+        return (jnp.zeros((*lead, k), score.dtype), jnp.zeros((*lead, k), jnp.int32))
+    sizes = {"max_lanes": config.max_lanes, "block_values": config.block_values, "rank_tile": config.rank_tile}
+    if config.chunk is not None:
+        sizes["chunk"] = config.chunk
+    for field, value in sizes.items():
+        if not _power_of_two(value):
+            raise ValueError(f"topk_pallas: config.{field}={value!r} must be a power of two")
+    chunk = chunk_length(width, k, config)
+    if chunk is None:
+        raise ValueError(f"topk_pallas: no chunk length keeps P={width} values and k={k} picks within "
+                         f"config.max_lanes={config.max_lanes} (config.chunk={config.chunk}); see "
+                         f"topk_pallas_supports")
+    lanes_m, slots = pl.next_power_of_2(-(-width // chunk)), pl.next_power_of_2(k)
+    if not _offsets_fit(rows, width, k, chunk):
+        raise ValueError(f"topk_pallas: {rows} rows of {width} values need int32 offsets past 2^31")
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    x_RP = score_RP.astype(jnp.float32)
+    block_m = min(lanes_m, max(1, config.block_values // chunk))
+    max_RM = pl.pallas_call(
+        functools.partial(_chunk_max_kernel, width=width, chunk=chunk, block_m=block_m),
+        grid=(rows, lanes_m // block_m),
+        out_shape=jax.ShapeDtypeStruct((rows, lanes_m), jnp.int32),
+        compiler_params=pltriton.CompilerParams(num_warps=config.max_warps, num_stages=1),
+        interpret=interpret,
+        name="topk_chunk_max",
+    )(x_RP)
+    scratch = jax.ShapeDtypeStruct((rows, slots), jnp.int32)
+    kernel = functools.partial(_select_kernel, k=k, width=width, chunk=chunk, lanes_m=lanes_m, slots=slots,
+                               rank_tile=min(config.rank_tile, slots), barrier=not interpret)
+    values_RN, index_RN, *_ = pl.pallas_call(
+        kernel,
+        grid=(rows,),
+        out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, k), jnp.int32),
+                   scratch, scratch, scratch],
+        compiler_params=pltriton.CompilerParams(num_warps=config.select_warps, num_stages=1),
+        interpret=interpret,
+        name="topk_select",
+    )(x_RP, max_RM)
+    if score.dtype != jnp.float32:  # the values in their own dtype (and NaN payloads): gathered, not rounded
+        values_RN = jnp.take_along_axis(score_RP, index_RN, axis=1)
+    return values_RN.reshape(*lead, k), index_RN.reshape(*lead, k)
+
+
 def topk(score: jax.Array, k: int, *, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
     """Top-k over the last axis with the chosen implementation; every one returns ``lax.top_k``'s result.
 
-    score: float [..., P]; k: static int <= P; impl: "reference" (``lax.top_k``) or "select" (threshold
-    selection for rows of at least ``SELECT_MIN_VALUES`` values, ``lax.top_k`` for shorter ones). Returns
-    (values [..., k] score.dtype, indices [..., k] int32), values descending, ties lower index first.
+    score: float [..., P]; k: static int <= P; impl: "reference" (``lax.top_k``), "select" (threshold selection
+    for rows of at least ``SELECT_MIN_VALUES`` values, ``lax.top_k`` for shorter ones) or "pallas" (the Triton
+    kernel ``topk_pallas`` for rows of at least ``SELECT_MIN_VALUES`` values, ``lax.top_k`` for shorter ones and
+    ``topk_select`` for shapes the kernel does not take). Returns (values [..., k] score.dtype, indices [..., k]
+    int32), values descending, ties lower index first.
     """
     if impl == "reference":
         return topk_reference(score, k)
-    if impl == "select":
-        return topk_select(score, k) if score.shape[-1] >= SELECT_MIN_VALUES else topk_reference(score, k)
-    raise ValueError(f"topk: impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"topk: impl must be one of {IMPLS}, got {impl!r}")
+    if score.shape[-1] < SELECT_MIN_VALUES:
+        return topk_reference(score, k)
+    if impl == "pallas" and topk_pallas_supports(score.shape, k):
+        return topk_pallas(score, k)
+    return topk_select(score, k)

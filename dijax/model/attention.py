@@ -187,7 +187,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
 
     x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
     returned in the new cache dict); ``shared`` carries what sources publish to later layers in this step:
-    {"topk": {layer: [T, N]}, "candidates": [T, P]}. ``topk_impl`` ("reference" | "select") and
+    {"topk": {layer: [T, N]}, "candidates": [T, P]}. ``topk_impl`` ("reference" | "select" | "pallas") and
     ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and ``indexer_impl`` (the index scores), each
     "reference" | "pallas", pick the kernel implementations (static): the top-k picks are identical, the attention
     output, the linears and the index scores agree to bf16 rounding (``kernels.sparse_attn``,
