@@ -65,9 +65,10 @@ def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def compile_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_blocks: int, num_blocks: int,
-                   block_size: int, fold: bool, options: dict[str, str]) -> tuple[float, float]:
-    """(lower seconds, compile seconds) of one (tokens x sequences) bucket with the step's kernel ``options``."""
+def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_blocks: int, num_blocks: int,
+                 block_size: int, fold: bool, options: dict[str, str]) -> tuple[jax.stages.Lowered, float]:
+    """(the lowered step, lower seconds) of one (tokens x sequences x max_blocks) bucket with the step's kernel
+    ``options``."""
     from flax import nnx
 
     from dijax.model.step import CacheSpec, StepBatch, init_cache
@@ -86,9 +87,14 @@ def compile_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max
 
     start = time.perf_counter()
     lowered = jax.jit(step, donate_argnums=(1,)).lower(params, cache, batch, consts)
-    lowered_at = time.perf_counter()
+    return lowered, time.perf_counter() - start
+
+
+def compile_seconds(lowered: jax.stages.Lowered) -> float:
+    """Seconds to compile ``lowered`` (XLA runs without the GIL, so threads compile side by side)."""
+    start = time.perf_counter()
     lowered.compile()
-    return lowered_at - start, time.perf_counter() - lowered_at
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -104,7 +110,8 @@ def main() -> None:
                              "engine's warm-up compiles for these engine sizes (ModelRunner.buckets)")
     parser.add_argument("--limit", type=int, help="compile only the first LIMIT buckets")
     parser.add_argument("--threads", type=int, default=1,
-                        help="compile this many buckets at once, as the engine's warm-up does (one per core)")
+                        help="compile this many buckets at once, as the engine's warm-up does (one per core; "
+                             "the buckets are traced one at a time)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="step kernels as the engine's option: on (Pallas, GPU only), off (jnp), auto")
     args = parser.parse_args()
@@ -136,17 +143,20 @@ def main() -> None:
           f"{args.threads} at a time", flush=True)
     plan = plan[:args.limit]
 
-    def one(bucket_spec: tuple[int, int, int]) -> float:
-        tokens, seqs, width = bucket_spec
-        lower_s, compile_s = compile_bucket(cfg, params, consts, tokens, seqs, width, args.num_blocks,
-                                            args.block_size, fold, options)
-        print(f"bucket {tokens:>5} tokens x {seqs:>3} sequences x {width:>5} blocks: lower {lower_s:6.1f} s, "
-              f"compile {compile_s:6.1f} s", flush=True)
-        return lower_s + compile_s
-
+    # as ModelRunner.warmup: trace here, one bucket after another (tracing holds the GIL), compile in the threads
     start = time.perf_counter()
+    total = 0.0
     with ThreadPoolExecutor(args.threads) as pool:
-        total = sum(pool.map(one, plan))
+        pending = []
+        for tokens, seqs, width in plan:
+            lowered, lower_s = lower_bucket(cfg, params, consts, tokens, seqs, width, args.num_blocks,
+                                            args.block_size, fold, options)
+            pending.append((tokens, seqs, width, lower_s, pool.submit(compile_seconds, lowered)))
+        for tokens, seqs, width, lower_s, future in pending:
+            compile_s = future.result()
+            total += lower_s + compile_s
+            print(f"bucket {tokens:>5} tokens x {seqs:>3} sequences x {width:>5} blocks: lower {lower_s:6.1f} s, "
+                  f"compile {compile_s:6.1f} s", flush=True)
     print(f"total {total:.1f} s of lowering and compiling; wall {time.perf_counter() - start:.1f} s")
 
 if __name__ == "__main__":
