@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session should run before turning a kernel on by default (dijax/kernels AUTO_ON_GPU), in stages
-# that each fit one device call (600 s): `tests` (the GPU kernel tests and the kernels' micro-benchmarks), `bench`
+# that each fit one device call (600 s): `tests` (the GPU kernel tests, the engine's timeline and warm-up tests,
+# and the kernels' micro-benchmarks), `bench`
 # (the tiny step with kernels off and on, a profiler trace and its summary), `parity` (`dijax parity --kernels on`
 # on tiny-nodrop, its engine run and tiny, side by side), `parity2` (tiny-nodrop --chunk 7 and tiny's tier 2 again
 # alone: four runs side by side no longer finish in one call since the fp8 linear and indexer kernels add Pallas
@@ -23,6 +24,8 @@ parity() {  # name, time limit, arguments of dijax parity
 case "$stage" in
   tests)
     run 240 python3 -m pytest -q -ra tests/gpu
+    # the engine paths whose guards only mean something on a GPU (device-to-host reads) and the AOT warm-up
+    run 150 python3 -m pytest -q -ra tests/test_step_timeline.py "tests/test_engine.py::test_no_new_compilations_after_warm_up"
     run 330 python3 tools/bench_kernels.py --iters 10 --repeats 3 ;;
   bench)
     for kernels in off on; do
