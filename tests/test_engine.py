@@ -79,7 +79,7 @@ def test_a_mixed_workload_gives_the_same_tokens_with_or_without_greedy_steps(war
     tokens = [o.token_ids for o in llm.generate(PROMPTS, work, use_tqdm=False)]
     assert "greedy" in modes and "sample" in modes
     monkeypatch.setattr(model_runner, "step_sampling",
-                        lambda chunks, num_rows: StepSampling(sampling_inputs(chunks, num_rows), "sample"))
+                        lambda chunks, num_rows: StepSampling.of(sampling_inputs(chunks, num_rows), "sample"))
     assert [o.token_ids for o in llm.generate(PROMPTS, work, use_tqdm=False)] == tokens
     assert [len(t) for t in tokens] == [10, 3, 8]
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dijax.runtime.sampler import MODES, sample, sampling_mode, step_sampling
+from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, sampling_mode, step_sampling
 from dijax.runtime.sampling_params import SamplingParams
 
 
@@ -130,6 +130,33 @@ def test_a_step_is_greedy_only_when_every_sampled_row_is():
     step = step_sampling([_Row(greedy, seed=2**40 + 3, output_position=5)], 4)
     assert step.mode == "greedy" and step.columns[0].tolist() == [0.0] * 4 and step.columns[5].tolist() == [5, 0, 0, 0]
     assert step_sampling([_Row(greedy), _Row(sampled)], 4).mode == "sample"
+
+
+def test_the_sampling_columns_travel_as_one_array_and_come_back_exact():
+    rows = [_Row(SamplingParams(temperature=0.7, top_k=40, top_p=0.95), seed=2**63 - 1, output_position=9),
+            _Row(SamplingParams(temperature=1e-30, top_p=1e-30), seed=2**32 + 5, output_position=0)]
+    columns = sampling_inputs(rows, 3)
+    step = StepSampling.of(columns, "sample")
+    assert step.packed_6R.shape == (6, 3) and step.packed_6R.dtype == np.uint32
+    assert len(jax.tree.leaves(step)) == 1  # one host -> device copy per step
+    for host, packed in zip(columns, step.columns):  # host unpacking: the same dtypes and bits
+        assert packed.dtype == host.dtype and packed.tobytes() == host.tobytes()
+    on_device = jax.jit(lambda s: s.columns)(step)  # the sampler's unpacking, by bitcasts in the trace
+    for host, device in zip(columns, on_device):
+        assert device.dtype == host.dtype and np.asarray(device).tobytes() == host.tobytes()
+
+
+def test_a_greedy_sampler_copies_no_sampling_columns():
+    def sampler(logits_RV, sampling):
+        return sample(logits_RV, *sampling.columns, mode=sampling.mode)
+
+    logits = np.zeros((4, 16), np.float32)
+    greedy = jax.jit(sampler).lower(logits, step_sampling([], 4)).compile()
+    sampled = jax.jit(sampler).lower(logits, step_sampling([_Row(SamplingParams(temperature=0.5))], 4)).compile()
+    # jit drops arguments the computation never reads: the greedy executable takes the logits alone (the dropped
+    # leaf's sharding is None), the sampling one the logits and the packed columns
+    assert len(jax.tree.leaves(greedy.input_shardings[0])) == 1
+    assert len(jax.tree.leaves(sampled.input_shardings[0])) == 2
 
 
 def test_greedy_mode_takes_what_sample_mode_takes_for_temperature_0_rows():

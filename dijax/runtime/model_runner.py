@@ -261,7 +261,7 @@ class ModelRunner:
             num_seqs = jobs[i][1]
             if first_of_rows[num_seqs] == i:  # the sampler's executables depend on S only (small, traced here)
                 for mode in MODES:
-                    sampling = StepSampling(sampling_inputs([], self.num_ranks * num_seqs), mode)
+                    sampling = StepSampling.of(sampling_inputs([], self.num_ranks * num_seqs), mode)
                     self.lower_sampler(logits_RV, sampling).compile()
 
         workers = max(1, min(threads or os.cpu_count() or 1, len(jobs)))

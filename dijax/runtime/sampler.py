@@ -96,18 +96,36 @@ def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
             np.array([0 if c is None else c.output_position for c in rows], np.int32))
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["columns"], meta_fields=["mode"])
+# ``sampling_inputs``' column dtypes, all 4 bytes wide: packed as uint32 bits into one array per step
+COLUMN_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["packed_6R"], meta_fields=["mode"])
 @dataclass(frozen=True)
 class StepSampling:
-    """An engine step's sampling arguments, as one pytree: ``columns`` (``sampling_inputs``'s arrays, each [R]) are
-    its leaves and ``mode`` (one of ``MODES``) its static part, so a jitted sampler taking it compiles once per
-    mode."""
+    """An engine step's sampling arguments, as one pytree: ``packed_6R`` (``sampling_inputs``' six columns as
+    uint32 bits, [6, R]: one host -> device copy per step instead of six) is its leaf and ``mode`` (one of ``MODES``)
+    its static part, so a jitted sampler taking it compiles once per mode. A ``greedy`` sampler never reads
+    ``packed_6R``, so jit drops it and the step copies nothing for sampling."""
 
-    columns: tuple[np.ndarray, ...]
+    packed_6R: np.ndarray
     mode: str
+
+    @classmethod
+    def of(cls, columns: tuple[np.ndarray, ...], mode: str) -> StepSampling:
+        """``columns`` (``sampling_inputs``' host arrays, each [R], of ``COLUMN_DTYPES``) packed, with ``mode``."""
+        return cls(np.stack([np.asarray(c, d).view(np.uint32) for c, d in zip(columns, COLUMN_DTYPES)]), mode)
+
+    @property
+    def columns(self) -> tuple:
+        """The six columns back in their dtypes (host arrays, or device arrays inside a trace): ``sample``'s row
+        arguments."""
+        if isinstance(self.packed_6R, np.ndarray):
+            return tuple(row.view(d) for row, d in zip(self.packed_6R, COLUMN_DTYPES))
+        return tuple(jax.lax.bitcast_convert_type(row, d) for row, d in zip(self.packed_6R, COLUMN_DTYPES))
 
 
 def step_sampling(chunks: Sequence, num_rows: int) -> StepSampling:
     """``sampling_inputs(chunks, num_rows)`` with the mode ``sampling_mode`` picks for ``chunks`` (padding rows are
     greedy and do not change it)."""
-    return StepSampling(sampling_inputs(chunks, num_rows), sampling_mode(chunks))
+    return StepSampling.of(sampling_inputs(chunks, num_rows), sampling_mode(chunks))
