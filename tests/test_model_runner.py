@@ -4,6 +4,8 @@ the model step's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import dijax.model.moe as moe_module
 from dijax.io.loader import load
 from dijax.model.moe import moe
 from dijax.model.param_map import checkpoint_tree
+from dijax.model.step import PackedBatch, SeqChunk, StepBatch, build_step, unpack_batch
 from dijax.runtime.model_runner import ModelRunner, width_bucket
 from dijax.runtime.sampling_params import SamplingParams
 from dijax.runtime.scheduler import FROM_DEVICE, ScheduledChunk, SchedulerOutput
@@ -97,3 +100,20 @@ def test_the_sampler_feeds_the_next_model_step_on_the_device(tiny):
     second.wait()
     for rid in ("0", "1"):
         np.testing.assert_array_equal(in_flight.logits[rid], second.logits[rid])
+
+
+def test_the_step_inputs_travel_as_one_array_per_executable(tiny):
+    """The batch's ten fields reach the device as one int32 array and come back exact in the trace."""
+    cfg, params, consts, _ = tiny
+    runner = ModelRunner(cfg, params, consts, num_blocks=4, num_slots=4, block_size=16, max_model_len=64,
+                         max_num_seqs=4, max_num_batched_tokens=8)
+    (packed, *_), sampling, _ = runner.step_inputs(_decodes(0.0, 0.8), None)
+    assert isinstance(packed, PackedBatch) and len(jax.tree.leaves(packed)) == 1
+    assert len(jax.tree.leaves(sampling)) == 1
+    chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids)
+              for c in _decodes(0.0, 0.8).chunks]
+    batch, _ = build_step(chunks, 8, 4, 1, 4)
+    unpacked = jax.jit(unpack_batch)(packed)
+    for field in dataclasses.fields(StepBatch):
+        want, got = getattr(batch, field.name), np.asarray(getattr(unpacked, field.name))
+        assert got.dtype == (bool if field.name == "valid_T" else np.int32) and np.array_equal(got, want), field.name

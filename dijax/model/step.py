@@ -26,8 +26,11 @@ Letters: T tokens, S sequence rows, B blocks per sequence, R logit rows.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +59,36 @@ class StepBatch:
     qstart_S: jax.Array
     block_table_SB: jax.Array
     logit_rows_R: jax.Array
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["packed_N"], meta_fields=["shapes"])
+@dataclass(frozen=True)
+class PackedBatch:
+    """A ``StepBatch`` as one int32 array, for the trip to the device: one host -> device copy per step instead of
+    one per field (on a GPU each copy costs host time on the launch path). ``packed_N``: the fields flattened and
+    concatenated in ``StepBatch`` order (``valid_T`` as 0 / 1); ``shapes`` (static, part of the jit key like the
+    fields' shapes were): each field's shape. ``pack_batch`` / ``unpack_batch`` convert."""
+
+    packed_N: np.ndarray
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def pack_batch(batch: StepBatch) -> PackedBatch:
+    """``batch`` (host numpy arrays) as a ``PackedBatch``."""
+    fields = [getattr(batch, f.name) for f in dataclasses.fields(StepBatch)]
+    return PackedBatch(np.concatenate([np.asarray(a, np.int32).ravel() for a in fields]),
+                       tuple(np.shape(a) for a in fields))
+
+
+def unpack_batch(packed: PackedBatch) -> StepBatch:
+    """The ``StepBatch`` of ``packed`` (inside the jitted step: slices of the one device array)."""
+    fields, offset = {}, 0
+    for field, shape in zip(dataclasses.fields(StepBatch), packed.shapes):
+        size = math.prod(shape)
+        value = packed.packed_N[offset:offset + size].reshape(shape)
+        fields[field.name] = value != 0 if field.name == "valid_T" else value
+        offset += size
+    return StepBatch(**fields)
 
 
 @dataclass

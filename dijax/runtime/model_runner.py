@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from dijax.config import ModelConfig
 from dijax.kernels import kernel_options
-from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
+from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache, pack_batch, unpack_batch
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, param_specs, params_mesh
 from dijax.parallel.ranks import RANKS, num_ranks, over_ranks, stack_ranks
@@ -128,6 +128,8 @@ def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], param
     cache), the cache donated. ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the
     parameters, whose structure is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree
     (~340 variables for the tiny model) costs ~0.5 ms of Python per call on a 2-core host, every engine step.
+    ``batch``: the step's ``PackedBatch`` (dijax.model.step: its ten fields in one int32 array, one host -> device
+    copy), unpacked in the trace.
 
     The engine step (``prev_tokens_R`` [max rows] and ``remap_T`` [T] given, ``inject_topk`` None): in-flight tokens
     gathered through ``remap_T`` from ``prev_tokens_R`` (the previous step's sampler output); outputs logits_RV
@@ -154,7 +156,8 @@ def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], param
             outputs = outputs.reshape(-1, outputs.shape[-1])
         return outputs, cache
 
-    def rank_step(params, cache, batch, consts, prev_tokens_R, remap_T, inject_topk):
+    def rank_step(params, cache, packed, consts, prev_tokens_R, remap_T, inject_topk):
+        batch = unpack_batch(packed)
         if remap_T is None:
             logits_RV, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **dict(kernels))
             return (logits_RV, topk), cache
@@ -251,7 +254,8 @@ class ModelRunner:
         jobs = []
         for num_tokens, width in self.buckets():
             num_seqs = min(num_tokens, self.max_rows)
-            batch = self._ranked([build_step([], num_tokens, num_seqs, width, num_seqs)[0]] * self.num_ranks)
+            batch = self._ranked([pack_batch(build_step([], num_tokens, num_seqs, width, num_seqs)[0])]
+                                 * self.num_ranks)
             remap = self._ranked([np.zeros(num_tokens, np.int32)] * self.num_ranks)
             jobs.append(((batch, self.consts, self._no_previous, remap), num_seqs))
         first_of_rows = {num_seqs: i for i, (_, num_seqs) in reversed(list(enumerate(jobs)))}
@@ -280,10 +284,10 @@ class ModelRunner:
         return jax.tree.map(lambda *parts: np.stack(parts), *per_rank)
 
     def _batch(self, chunks: list[SeqChunk], ranks: list[int], all_rows: bool = False):
-        """(batch, rows_per_chunk, offsets, T, S) of ``chunks`` (chunk i on rank ``ranks[i]``) padded to the
-        runner's buckets: T tokens, the max over ranks, S = min(T, the sequence capacity) rows, the block-table
-        width following the longest table; logit rows S, or T when ``all_rows`` (a teacher-forced step asking for
-        every position). ``rows_per_chunk``: each chunk's logit rows in the ranks' rows laid end to end (rank r's
+        """(batch (a ``PackedBatch``), rows_per_chunk, offsets, T, S) of ``chunks`` (chunk i on rank ``ranks[i]``)
+        padded to the runner's buckets: T tokens, the max over ranks, S = min(T, the sequence capacity) rows, the
+        block-table width following the longest table; logit rows S, or T when ``all_rows`` (a teacher-forced step
+        asking for every position). ``rows_per_chunk``: each chunk's logit rows in the ranks' rows laid end to end (rank r's
         at [r rows, (r + 1) rows)); ``offsets``: each chunk's first token in its rank's part."""
         per_rank = [[i for i, r in enumerate(ranks) if r == k] for k in range(self.num_ranks)]
         num_tokens = bucket(max(sum(len(chunks[i].tokens) for i in idx) for idx in per_rank), MIN_TOKENS)
@@ -293,7 +297,7 @@ class ModelRunner:
         batches, rows_per_chunk, offsets = [], [[] for _ in chunks], [0] * len(chunks)
         for k, idx in enumerate(per_rank):
             batch, rows = build_step([chunks[i] for i in idx], num_tokens, num_seqs, width, num_rows)
-            batches.append(batch)
+            batches.append(pack_batch(batch))
             for i, chunk_rows in zip(idx, rows):
                 rows_per_chunk[i] = [k * num_rows + row for row in chunk_rows]
             starts = np.cumsum([0] + [len(chunks[i].tokens) for i in idx])
