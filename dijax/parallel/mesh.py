@@ -1,11 +1,12 @@
 """The device mesh of expert parallelism and the placement of the model's parameters on it.
 
 The mesh has two axes: ``dp`` and ``ep``; each ``ep`` rank holds 1 / ep of the routed experts and of every Engram
-table's rows, replicated over ``dp``. With attention data parallelism (dijax.parallel.ranks) every device is also
-an attention rank holding its own sequences; without it every device runs the whole batch. Placement reads each parameter's logical axis names (``out_sharding`` metadata,
-dijax.model.layers.LOGICAL_AXES) and maps them by ``RULES``; everything else is replicated. A split axis is
-ceil-split: its size is rounded up to a multiple of the mesh axis (``padded_shape``) with zeros, which only Engram
-tables need (an expert count must divide by ep, ``make_mesh`` checks; a table's row count need not).
+table's rows, replicated over ``dp``. With attention data parallelism (dijax.parallel.ranks) every device is also an
+attention rank holding its own sequences; without it every device runs the whole batch. Placement reads each
+parameter's logical axis names (``out_sharding`` metadata, dijax.model.layers.LOGICAL_AXES) and maps them by
+``RULES``; everything else is replicated. A split axis is ceil-split: its size is rounded up to a multiple of the
+mesh axis (``padded_shape``) with zeros, which only Engram tables need (an expert count must divide by ep,
+``make_mesh`` checks; a table's row count need not).
 
 Two ways onto the mesh: a checkpoint is loaded straight into its shards (dijax.io.checkpoint.load_params with
 ``mesh=``, each device reading only its experts and rows); parameters already on one device (random weights, a

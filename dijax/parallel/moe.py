@@ -15,15 +15,16 @@ zero output, no weights read) and runs the same ``routed_experts`` kernel on its
   experts run on them, and the combine is a ``psum_scatter`` over ``ep`` (tiled): each rank receives the outputs of
   its own tokens only. With ``dp`` > 1 the gather and scatter stay inside the ``ep`` group of the rank.
 
-Combining: every (token, slot) assignment belongs to exactly one rank, so the ranks' per-assignment outputs
-(bf16 values, zero on every other rank) are summed with ``psum`` / ``psum_scatter``: one non-zero term and zeros,
-which is exact in any order. Each token's X outputs are then summed in fp32 in expert-id order, exactly as on one
-device, so the result is bit-identical to one device for every ``ep`` and both layouts (measured with the reference
-kernels, whose gathered and ragged paths agree bit for bit: the rank-local layout hands the kernel the ``ep``
-group's tokens, and the path is chosen from those; docs/scaling.md, "Bit-exactness"). The cheaper combine (each rank sums its slots, then a ``psum`` / ``psum_scatter`` of the fp32 partial sums
-[T, D]) moves X / 2 times fewer bytes but re-associates the fp32 sum ((y0 + y1) + (y2 + y3) instead of
-((y0 + y1) + y2) + y3), so it is not bit-exact once a token's experts span two ranks; it is kept
-(``combine='partial'``) for that comparison and for prefill-sized steps where the bytes matter (docs/scaling.md).
+Combining: every (token, slot) assignment belongs to exactly one rank, so the ranks' per-assignment outputs (bf16
+values, zero on every other rank) are summed with ``psum`` / ``psum_scatter``: one non-zero term and zeros, which is
+exact in any order. Each token's X outputs are then summed in fp32 in expert-id order, exactly as on one device, so
+the result is bit-identical to one device for every ``ep`` and both layouts (measured with the reference kernels,
+whose gathered and ragged paths agree bit for bit: the rank-local layout hands the kernel the ``ep`` group's tokens,
+and the path is chosen from those; docs/scaling.md, "Bit-exactness"). The cheaper combine (each rank sums its slots,
+then a ``psum`` / ``psum_scatter`` of the fp32 partial sums [T, D]) moves X / 2 times fewer bytes but re-associates
+the fp32 sum ((y0 + y1) + (y2 + y3) instead of ((y0 + y1) + y2) + y3), so it is not bit-exact once a token's experts
+span two ranks; it is kept (``combine='partial'``) for that comparison and for prefill-sized steps where the bytes
+matter (docs/scaling.md).
 
 Letters: T tokens, D model dim, X experts per token, A = T * X assignments.
 """

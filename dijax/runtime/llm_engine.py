@@ -231,7 +231,6 @@ class LLMEngine:
         outputs = [self._output(seq) for seq in finished]
         if record is not None:
             record.lap("output", None)
-            record.end = record.phases[-1].end
         return outputs
 
     def _match_stop_strings(self, done: SchedulerOutput) -> list[Sequence]:

@@ -287,8 +287,8 @@ class ModelRunner:
         """(batch (a ``PackedBatch``), rows_per_chunk, offsets, T, S) of ``chunks`` (chunk i on rank ``ranks[i]``)
         padded to the runner's buckets: T tokens, the max over ranks, S = min(T, the sequence capacity) rows, the
         block-table width following the longest table; logit rows S, or T when ``all_rows`` (a teacher-forced step
-        asking for every position). ``rows_per_chunk``: each chunk's logit rows in the ranks' rows laid end to end (rank r's
-        at [r rows, (r + 1) rows)); ``offsets``: each chunk's first token in its rank's part."""
+        asking for every position). ``rows_per_chunk``: each chunk's logit rows in the ranks' rows laid end to end
+        (rank r's at [r rows, (r + 1) rows)); ``offsets``: each chunk's first token in its rank's part."""
         per_rank = [[i for i, r in enumerate(ranks) if r == k] for k in range(self.num_ranks)]
         num_tokens = bucket(max(sum(len(chunks[i].tokens) for i in idx) for idx in per_rank), MIN_TOKENS)
         num_seqs = min(num_tokens, self.max_rows)

@@ -117,11 +117,9 @@ class StepSampling:
         return cls(np.stack([np.asarray(c, d).view(np.uint32) for c, d in zip(columns, COLUMN_DTYPES)]), mode)
 
     @property
-    def columns(self) -> tuple:
-        """The six columns back in their dtypes (host arrays, or device arrays inside a trace): ``sample``'s row
+    def columns(self) -> tuple[jax.Array, ...]:
+        """The six columns back in their dtypes (bitcasts; inside the sampler's trace): ``sample``'s row
         arguments."""
-        if isinstance(self.packed_6R, np.ndarray):
-            return tuple(row.view(d) for row, d in zip(self.packed_6R, COLUMN_DTYPES))
         return tuple(jax.lax.bitcast_convert_type(row, d) for row, d in zip(self.packed_6R, COLUMN_DTYPES))
 
 

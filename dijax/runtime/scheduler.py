@@ -108,8 +108,9 @@ class Scheduler:
     """FCFS scheduler with chunked prefill, recompute preemption, cancellation and zero-overhead scheduling.
 
     Queues: ``waiting`` (FCFS deque; owns nothing), ``running`` (admission order; each owns a rank, a slot and the
-    blocks covering its cached tokens, both from its rank's pools). A sequence being aborted (or failed) while a step that contains it is in flight
-    sits in neither queue until that step is processed; it keeps its blocks and slot until then.
+    blocks covering its cached tokens, both from its rank's pools). A sequence being aborted (or failed) while a
+    step that contains it is in flight sits in neither queue until that step is processed; it keeps its blocks and
+    slot until then.
 
     Each step (``schedule``):
       1. every running sequence that is decoding (one token left to feed) gets one token;

@@ -78,7 +78,8 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"output={len(self.output_token_ids)}, cached={self.num_cached}, inflight={self.num_inflight}, "
-                f"epoch={self.epoch}, rank={self.rank}, slot={self.slot}, blocks={self.block_table}, finish={self.finish_reason})")
+                f"epoch={self.epoch}, rank={self.rank}, slot={self.slot}, blocks={self.block_table}, "
+                f"finish={self.finish_reason})")
 
     @property
     def token_ids(self) -> list[int]:

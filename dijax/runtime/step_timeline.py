@@ -50,10 +50,14 @@ class StepRecord:
     token)."""
 
     start: float
-    end: float = float("nan")
     launched: int | None = None
     decode_only: bool = False
     phases: list[Phase] = field(default_factory=list)
+
+    @property
+    def end(self) -> float:
+        """Where the call's last phase ended (NaN before its first)."""
+        return self.phases[-1].end if self.phases else float("nan")
 
     def lap(self, name: str, step: int | None) -> None:
         """Close phase ``name`` of scheduler step ``step`` now; it began where the last phase (or the call) ended."""
