@@ -224,11 +224,25 @@ def kernel_launches(hlo_text: str) -> int:
     return count(entry) if entry else 0
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """One step's timing (seconds): ``first`` = compile + first run; ``median`` = launch then wait, one step at a
+    time (the benchmark's step time); ``dispatch`` = the host time of the launch call alone (XLA enqueues every
+    kernel from the calling thread, so this grows with the step's launches); ``pipelined`` = steps launched back to
+    back, one wait at the end (max(host, device) per step: the device's own step time when the host keeps ahead).
+    ``launches`` = kernel launches in the compiled HLO, ``temp_bytes`` = XLA temporaries (both executables)."""
+    first: float
+    median: float
+    dispatch: float
+    pipelined: float
+    launches: int
+    temp_bytes: int
+
+
 def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
               warmup: int, iters: int, kernels: str, dump: str | None = None,
-              label: str = "step", max_model_len: int | None = None) -> tuple[float, float, int, int]:
-    """(compile + first run seconds, median seconds, kernel launches per step, XLA temporary bytes) of the engine's
-    step: ``ModelRunner``'s two executables launched back to back, as ``execute`` does, at the runner's buckets:
+              label: str = "step", max_model_len: int | None = None) -> StepTiming:
+    """The timing of the engine's step (``StepTiming``): ``ModelRunner``'s two executables launched back to back, as ``execute`` does, at the runner's buckets:
     the model step (the ZOS remap and ``forward_step``) and the sampler on its logits, every sequence sampling one
     token in the ``sample`` mode (the ``greedy`` mode's sampler has no sort: cheaper). Compile time, launches and
     temporary bytes are the sums over both executables. Sequence i has ``lengths[i] = (cached, new)``;
@@ -286,18 +300,24 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     for _ in range(warmup):
         tokens_R, _ = run()
     jax.block_until_ready((tokens_R, runner.cache))
-    times = []
+    times, dispatches = [], []
     for _ in range(iters):
         start = time.perf_counter()
         tokens_R, _ = run()
+        dispatches.append(time.perf_counter() - start)
         jax.block_until_ready((tokens_R, runner.cache))
         times.append(time.perf_counter() - start)
+    start = time.perf_counter()  # back to back: the host launches step n+1 while the device runs step n
+    for _ in range(iters):
+        tokens_R, _ = run()
+    jax.block_until_ready((tokens_R, runner.cache))
+    pipelined = (time.perf_counter() - start) / iters
     if dump:  # profiled separately so the profiler's overhead stays out of the timed runs
         with jax.profiler.trace(os.path.join(dump, name), create_perfetto_trace=True):
             for _ in range(3):
                 tokens_R, _ = run()
             jax.block_until_ready((tokens_R, runner.cache))
-    return first, float(np.median(times)), launches, temp_bytes
+    return StepTiming(first, float(np.median(times)), float(np.median(dispatches)), pipelined, launches, temp_bytes)
 
 
 def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int, kernels: str,
@@ -399,17 +419,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cases = [(label, lengths, None) for label, lengths in cases]
     for label, lengths, max_model_len in cases:
-        first, median, launches, temp_bytes = time_step(cfg, params, consts, lengths, args.block_size, args.warmup,
-                                                        args.iters, args.kernels, args.dump, label, max_model_len)
+        timing = time_step(cfg, params, consts, lengths, args.block_size, args.warmup, args.iters, args.kernels,
+                           args.dump, label, max_model_len)
+        median = timing.median
         tokens = sum(n for _, n in lengths)
         cost = step_cost(cfg, tokens, [c + n for c, n in lengths])
         floor, bound = cost.floor_s(args.bandwidth, args.flops)
-        rows.append({"case": label, "tokens": tokens, "first_s": first, "median_ms": median * 1e3,
+        rows.append({"case": label, "tokens": tokens, "first_s": timing.first, "median_ms": median * 1e3,
+                     "dispatch_ms": timing.dispatch * 1e3, "pipelined_ms": timing.pipelined * 1e3,
                      "tokens_per_s": tokens / median, "floor_ms": floor * 1e3, "bound": bound,
                      "of_floor": floor / median, "bytes_GB": (cost.weight_bytes + cost.kv_bytes) / 1e9,
-                     "GFLOP": cost.flops / 1e9, "launches": launches, "temp_GB": temp_bytes / 1e9})
-        print(f"  {label}: {median * 1e3:.2f} ms (first run {first:.1f} s, {launches} kernel launches, "
-              f"{temp_bytes / 1e9:.3f} GB temporaries)", flush=True)
+                     "GFLOP": cost.flops / 1e9, "launches": timing.launches, "temp_GB": timing.temp_bytes / 1e9})
+        print(f"  {label}: {median * 1e3:.2f} ms (host dispatch {timing.dispatch * 1e3:.2f} ms, back to back "
+              f"{timing.pipelined * 1e3:.2f} ms; first run {timing.first:.1f} s, {timing.launches} kernel launches, "
+              f"{timing.temp_bytes / 1e9:.3f} GB temporaries)", flush=True)
     engine_rows = []
     if args.engine == "on":
         num_prompts, prompt_len, max_tokens = 8, 32, 64
@@ -427,25 +450,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.model == "tiny":  # the engine runs the tiny model: its decode step alone, mid-run context
             context = prompt_len + max_tokens // 2
             block_size = engine.scheduler.block_manager.block_size
-            _, device_step, _, _ = time_step(cfg, params, consts, [(context, 1)] * num_prompts, block_size,
+            device_step = time_step(cfg, params, consts, [(context, 1)] * num_prompts, block_size,
                                              args.warmup, args.iters, args.kernels,
                                              label=f"engine decode B={num_prompts} ctx={context}",
-                                             max_model_len=engine.scheduler.max_model_len)
+                                             max_model_len=engine.scheduler.max_model_len).median
             print(f"  device-only decode B={num_prompts} ctx={context} (block size {block_size}): "
                   f"{device_step * 1e3:.2f} ms", flush=True)
             for row in engine_rows:
                 row["device_step_ms"] = device_step * 1e3
     print()
     print(header)
-    print("| case | ms (median) | tokens/s | floor ms (bound) | of floor | GB moved | GFLOP | launches | temp GB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | ms (median) | host dispatch ms | back-to-back ms | tokens/s | floor ms (bound) | of floor "
+          "| GB moved | GFLOP | launches | temp GB |")
+    print("|---" * 11 + "|")
     for r in rows:
         if "floor_ms" in r:
-            print(f"| {r['case']} | {r['median_ms']:.3f} | {r['tokens_per_s']:.0f} | {r['floor_ms']:.3f} "
+            print(f"| {r['case']} | {r['median_ms']:.3f} | {r['dispatch_ms']:.3f} | {r['pipelined_ms']:.3f} "
+                  f"| {r['tokens_per_s']:.0f} | {r['floor_ms']:.3f} "
                   f"({r['bound']}) | {r['of_floor']:.1%} | {r['bytes_GB']:.3f} | {r['GFLOP']:.1f} | "
                   f"{r['launches']} | {r['temp_GB']:.3f} |")
         else:
-            print(f"| {r['case']} | {r['median_ms']:.0f} (whole run) | {r['tokens_per_s']:.0f} | | | | | | |")
+            print(f"| {r['case']} | {r['median_ms']:.0f} (whole run) | | | {r['tokens_per_s']:.0f} |" + " |" * 6)
     if engine_rows and "device_step_ms" in engine_rows[0]:
         print()
         print("Engine step timeline (median ms per decode step; the device-only step is ``time_step``'s, same "
