@@ -321,10 +321,11 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
 
 
 def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int, kernels: str,
-                ep: int = 1) -> tuple[float, int, LLMEngine]:
+                ep: int = 1, dump: str | None = None) -> tuple[float, int, LLMEngine]:
     """(seconds, output tokens, the engine) of ``LLM.generate`` on the embedded tiny model at ``ep``; a first
     identical run warms up. The engine's step timeline (``trace_steps``: a few clock reads per step) holds the
-    timed run."""
+    timed run. With ``dump``, a third run goes under the JAX profiler into ``dump`` (host and device events:
+    ``tools/trace_summary.py --host``)."""
     llm = LLM(max_num_seqs=num_prompts, max_num_batched_tokens=max(64, prompt_len), zos=zos, kernels=kernels, ep=ep,
               trace_steps=True)
     rng = np.random.default_rng(0)
@@ -335,7 +336,11 @@ def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int, k
     llm.engine.timeline.clear()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, sum(len(o.token_ids) for o in outputs), llm.engine
+    seconds = time.perf_counter() - start
+    if dump:
+        with jax.profiler.trace(dump, create_perfetto_trace=True):
+            llm.generate(prompts, params, use_tqdm=False)
+    return seconds, sum(len(o.token_ids) for o in outputs), llm.engine
 
 
 def timeline_table(rows: list[dict]) -> list[str]:
@@ -437,8 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "on":
         num_prompts, prompt_len, max_tokens = 8, 32, 64
         for zos in (True, False):
-            seconds, tokens, engine = time_engine(zos, num_prompts, prompt_len, max_tokens, kernels=args.kernels,
-                                                  ep=args.ep)
+            seconds, tokens, engine = time_engine(
+                zos, num_prompts, prompt_len, max_tokens, kernels=args.kernels, ep=args.ep,
+                dump=os.path.join(args.dump, f"engine_zos_{'on' if zos else 'off'}") if args.dump else None)
             timeline = summarize(list(engine.timeline.records))
             row = {"case": f"engine tiny {num_prompts}x({prompt_len}+{max_tokens}) zos {'on' if zos else 'off'}",
                    "tokens": tokens, "median_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
@@ -446,10 +452,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             engine_rows.append(row)
             print(f"  engine zos {'on' if zos else 'off'}: {tokens / seconds:.0f} output tok/s, decode step "
-                  f"{timeline['step_ms']:.2f} ms", flush=True)
+                  f"{timeline['step_ms']:.2f} ms (" + ", ".join(f"{name} {timeline[f'{name}_ms']:.3f}"
+                                                               for name in PHASES) + ")", flush=True)
         if args.model == "tiny":  # the engine runs the tiny model: its decode step alone, mid-run context
             context = prompt_len + max_tokens // 2
-            block_size = engine.scheduler.block_manager.block_size
+            block_size = engine.scheduler.block_managers[0].block_size
             device_step = time_step(cfg, params, consts, [(context, 1)] * num_prompts, block_size,
                                              args.warmup, args.iters, args.kernels,
                                              label=f"engine decode B={num_prompts} ctx={context}",

@@ -1,8 +1,10 @@
 """Summarise a JAX profiler trace (``perfetto_trace.json.gz``, written by ``tools/bench.py --dump``): the GPU
 kernels by name (launches, total and mean device time), the device-busy time against the traced wall span, and so
-the share of the step that is launch gaps rather than work.
+the share of the step that is launch gaps rather than work. ``--host`` summarises the host threads' events
+instead (XLA's own trace annotations: executable launches, command-buffer records and updates, transfers).
 
     python tools/trace_summary.py gpu-out/dump/decode_B_1_ctx_256 [--steps 3] [--top 25]
+    python tools/trace_summary.py gpu-out/dump/engine_zos_on --host --steps 64
 """
 
 from __future__ import annotations
@@ -55,14 +57,30 @@ def summarise(folder: str, steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def summarise_host(folder: str, steps: int, top: int) -> str:
+    """The host events (every process that is not a GPU's) by name: count and time per step, mean duration."""
+    events, names = load_events(folder)
+    host = [e for e in events if "GPU" not in names.get(e["pid"], "") and "gpu" not in names.get(e["pid"], "")]
+    families: dict[str, list[float]] = collections.defaultdict(list)
+    for e in host:
+        families[kernel_family(e["name"])].append(e.get("dur", 0))
+    lines = [f"{folder}: host events per step ({steps} steps)", "| host event | per step | us per step | mean us |",
+             "|---|---|---|---|"]
+    for family, durs in sorted(families.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"| {family[:70]} | {len(durs) / steps:.1f} | {sum(durs) / steps:.0f} | "
+                     f"{sum(durs) / len(durs):.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", help="trace folders written by tools/bench.py --dump")
     parser.add_argument("--steps", type=int, default=3, help="steps in each trace")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--host", action="store_true", help="summarise the host threads' events instead")
     args = parser.parse_args(argv)
     for folder in args.folders:
-        print(summarise(folder, args.steps, args.top))
+        print((summarise_host if args.host else summarise)(folder, args.steps, args.top))
     return 0
 
 

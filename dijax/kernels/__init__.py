@@ -8,6 +8,7 @@
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |
 | the hyper-connection Sinkhorn rounds | ``sinkhorn`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
+| staging of the step's per-call inputs (a copy CUDA graphs need) | ``staging`` | reference (none), pallas |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
 
 The choice is static (part of the step's jit key) and made once per engine by ``kernel_options``.
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 KERNEL_CHOICES = ("auto", "on", "off")
 REFERENCE = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference",
-             "sinkhorn_impl": "reference", "linear_impl": "reference", "indexer_impl": "reference"}
+             "sinkhorn_impl": "reference", "linear_impl": "reference", "indexer_impl": "reference",
+             "stage_impl": "reference"}
 FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas", "sinkhorn_impl": "pallas",
-        "linear_impl": "pallas", "indexer_impl": "pallas"}
+        "linear_impl": "pallas", "indexer_impl": "pallas", "stage_impl": "pallas"}
 # The fast kernels 'auto' turns on for a GPU: a kernel joins once the whole model passes `dijax parity` on a GPU
 # with it (`--kernels on`, tools/gpu_validate.sh). All four have (H200, 2026-12-01, docs/parity.md "On the GPU"):
 # every statistical bound, tier 2, the engine's tokens; the one prefix row that misses is of the same kind as the

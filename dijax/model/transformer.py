@@ -101,7 +101,8 @@ class Block(nnx.Module):
         residual = x_TCD
         a_pre, a_post, a_comb = self.hc_attn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
         y = self.attn_norm(hc.pre(x_TCD, pre_TC))
-        attn_options = {k: v for k, v in ctx.kernel_options.items() if k not in ("moe_impl", "sinkhorn_impl")}
+        attn_options = {k: v for k, v in ctx.kernel_options.items()
+                        if k not in ("moe_impl", "sinkhorn_impl", "stage_impl")}  # staging: the runner's
         y, updates, shared = self.attn(y, ctx.geometry, cache, shared, inject_TN, **attn_options)
         x_TCD = hc.post(y, residual, a_post, a_comb)
         residual = x_TCD

@@ -57,6 +57,7 @@ from tqdm import tqdm
 from dijax.config import ModelConfig
 from dijax.kernels import kernel_options
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache, pack_batch, unpack_batch
+from dijax.kernels.staging import stage
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, param_specs, params_mesh
 from dijax.parallel.ranks import RANKS, num_ranks, over_ranks, stack_ranks
@@ -156,14 +157,21 @@ def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], param
             outputs = outputs.reshape(-1, outputs.shape[-1])
         return outputs, cache
 
+    options = dict(kernels)
+    stage_impl = options.pop("stage_impl")
+
     def rank_step(params, cache, packed, consts, prev_tokens_R, remap_T, inject_topk):
+        # the per-call host inputs, copied once: the step's CUDA graphs then never point at a per-call buffer
+        # (dijax.kernels.staging: with ZOS the buffers' addresses alternate and every node reading them was updated)
+        packed = dataclasses.replace(packed, packed_N=stage(packed.packed_N, impl=stage_impl))
         batch = unpack_batch(packed)
         if remap_T is None:
-            logits_RV, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **dict(kernels))
+            logits_RV, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **options)
             return (logits_RV, topk), cache
+        remap_T = stage(remap_T, impl=stage_impl)
         tokens_T = jnp.where(batch.tokens_T == FROM_DEVICE, prev_tokens_R[remap_T], batch.tokens_T)
         batch = dataclasses.replace(batch, tokens_T=tokens_T)
-        logits_RV, cache, _ = forward_step(params, cache, batch, consts, cfg, None, **dict(kernels))
+        logits_RV, cache, _ = forward_step(params, cache, batch, consts, cfg, None, **options)
         return logits_RV, cache
 
     return jax.jit(step, donate_argnums=(1,))
