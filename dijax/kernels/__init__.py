@@ -32,6 +32,8 @@ FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas
 # bit-equal to its reference at every benchmarked shape), and tiny-nodrop tier 1, its engine run and tiny
 # tier1-injected give the same verdicts and the same figures to three digits with them on; in the fourth session
 # tiny tier 2 (0.677 >= 0.6) and tiny-nodrop --chunk 7 passed with every kernel on too, docs/parity.md.
+# The staging copy (fifth session) only copies the step's inputs; the engine's GPU parity run with it on gave the
+# fourth session's figures exactly, and its GPU test checks that the copy is the staged argument's only reader.
 # The top-k Pallas kernel (issue 13) is on with `--kernels on` only, until its GPU test and a GPU parity run pass;
 # 'auto' keeps the XLA select, which did.
 AUTO_ON_GPU: dict[str, str] = dict(FAST, topk_impl="select")
