@@ -1,15 +1,19 @@
-"""Ahead-of-time compile time of the step for the full DeepSeek-V4.1-Flash layer schedule, from abstract shapes.
+"""Ahead-of-time compile time of the engine's step for the full DeepSeek-V4.1-Flash layer schedule, from abstract
+shapes.
 
     PYTHONPATH=. python3 tools/compile_time.py                      # decode and prefill buckets, stacked layers
-    PYTHONPATH=. python3 tools/compile_time.py --plain --buckets 8x8 # the unrolled layer loop, one small bucket
+    PYTHONPATH=. python3 tools/compile_time.py --plain --buckets 8x8 # the model alone, unrolled layer loop
     PYTHONPATH=. python3 tools/compile_time.py --engine 8192,256,1048576 --threads 16 --limit 16
                                         # the engine warm-up's buckets (the first 16 of them), 16 at a time
 
-No weights are read or allocated: parameters, cache, batch and Engram constants are ``ShapeDtypeStruct``s, and each
-bucket is ``jax.jit(step).lower(...).compile()``. The config is v41_spec §1 (40 backbone layers; the 3 DSpark
-stages are not part of the step) except ``engram_vocab_size``: the released 16,000,000 is above what the on-device
-hash supports (config validation), so the tables are sized from 100,000 as in tools/bench.py's flash-slice; table
-size does not change the compiled program's structure.
+No weights are read or allocated: parameters, cache, batch and Engram constants are ``ShapeDtypeStruct``s (the
+batch's host arrays are the warm-up's own), and each bucket is ``.lower(...).compile()`` of the program the engine
+runs: ``ModelRunner``'s model step (``compiled_step``: the packed batch, its staging copy, the ZOS token remap,
+the stacked layers), one device. ``--plain`` instead compiles the model's forward alone with its layers unrolled
+(an experiment on layer stacking; the engine never runs it). The config is v41_spec §1 (40 backbone layers; the
+3 DSpark stages are not part of the step) except ``engram_vocab_size``: the released 16,000,000 is above what the
+on-device hash supports (config validation), so the tables are sized from 100,000 as in tools/bench.py's
+flash-slice; table size does not change the compiled program's structure.
 """
 
 from __future__ import annotations
@@ -27,10 +31,15 @@ import dijax  # noqa: E402,F401  (sets XLA flags before JAX starts)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from dijax.config import ModelConfig  # noqa: E402
 from dijax.kernels import KERNEL_CHOICES, kernel_options  # noqa: E402
-from dijax.runtime.model_runner import MIN_TOKENS, bucket, step_buckets  # noqa: E402
+from dijax.model.engram import EngramTables, engram_primes  # noqa: E402
+from dijax.model.plan import plan_layers  # noqa: E402
+from dijax.model.step import CacheSpec, StepBatch, init_cache  # noqa: E402
+from dijax.model.transformer import abstract_state, graphdef  # noqa: E402
+from dijax.runtime.model_runner import MIN_TOKENS, bucket, bucket_inputs, compiled_step, step_buckets  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
 
 FLASH = {
@@ -51,8 +60,6 @@ FLASH = {
 
 def flash_config() -> ModelConfig:
     """The V4.1-Flash config above, with Engram table rows derived from its primes."""
-    from dijax.model.engram import engram_primes
-
     with open(os.path.join(ASSETS, "config.json")) as f:
         raw = json.load(f)
     raw["text_config"].update(FLASH, engram_num_embeddings=[1, 1])
@@ -68,14 +75,17 @@ def _abstract(tree):
 def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_blocks: int, num_blocks: int,
                  block_size: int, fold: bool, options: dict[str, str]) -> tuple[jax.stages.Lowered, float]:
     """(the lowered step, lower seconds) of one (tokens x sequences x max_blocks) bucket with the step's kernel
-    ``options``."""
-    from flax import nnx
-
-    from dijax.model.step import CacheSpec, StepBatch, init_cache
-    from dijax.model.transformer import graphdef
-
+    ``options``: the engine's model step (``compiled_step``) when ``fold``, else the unrolled model alone."""
     spec = CacheSpec(num_blocks=num_blocks, num_slots=seqs, block_size=block_size)
     cache = jax.eval_shape(lambda: init_cache(cfg, spec, fold=fold))
+    start = time.perf_counter()
+    if fold:
+        leaves, tree = jax.tree.flatten(params)
+        batch, remap_T = bucket_inputs(tokens, seqs, max_blocks)
+        prev_tokens_R = jax.ShapeDtypeStruct((seqs,), jnp.int32)
+        step = compiled_step(cfg, tuple(sorted(options.items())), tree)
+        lowered = step.lower(leaves, cache, batch, consts, prev_tokens_R, remap_T)
+        return lowered, time.perf_counter() - start
     i32 = jnp.int32
     t, s = jax.ShapeDtypeStruct((tokens,), i32), jax.ShapeDtypeStruct((seqs,), i32)
     batch = StepBatch(tokens_T=t, positions_T=t, seq_T=t, valid_T=jax.ShapeDtypeStruct((tokens,), bool),
@@ -85,7 +95,6 @@ def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_b
     def step(params, cache, batch, consts):
         return nnx.merge(graphdef(cfg, fold), params)(cache, batch, consts, None, **options)
 
-    start = time.perf_counter()
     lowered = jax.jit(step, donate_argnums=(1,)).lower(params, cache, batch, consts)
     return lowered, time.perf_counter() - start
 
@@ -116,10 +125,6 @@ def main() -> None:
                         help="step kernels as the engine's option: on (Pallas, GPU only), off (jnp), auto")
     args = parser.parse_args()
     options = kernel_options(args.kernels, jax.default_backend())
-
-    from dijax.model.engram import EngramTables
-    from dijax.model.plan import plan_layers
-    from dijax.model.transformer import abstract_state
 
     cfg = flash_config()
     fold = not args.plain

@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from dijax.config import ModelConfig
 from dijax.kernels import kernel_options
-from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache, pack_batch, unpack_batch
+from dijax.model.step import CacheSpec, PackedBatch, SeqChunk, build_step, init_cache, pack_batch, unpack_batch
 from dijax.kernels.staging import stage
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, param_specs, params_mesh
@@ -121,16 +121,23 @@ def step_buckets(max_tokens: int, max_blocks: int) -> list[tuple[int, int]]:
     return [(t, w) for t in tokens for w in widths]
 
 
+def bucket_inputs(num_tokens: int, num_seqs: int, width: int) -> tuple[PackedBatch, np.ndarray]:
+    """Host inputs of an empty engine step in the bucket (T = ``num_tokens``, S = ``num_seqs`` rows, block-table
+    ``width``): (its ``PackedBatch``, remap_T int32 [T] zeros). The warm-up compiles each bucket from these; the
+    values do not matter, the shapes are the bucket's."""
+    return pack_batch(build_step([], num_tokens, num_seqs, width, num_seqs)[0]), np.zeros(num_tokens, np.int32)
+
+
 @lru_cache(maxsize=8)
-def _compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef,
+def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef,
                    ranks_mesh: Mesh | None = None):
     """One jitted model step per (config, kernel choice, parameter structure, attention-DP mesh), shared by every
-    runner: step(param_leaves, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new
-    cache), the cache donated. ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the
-    parameters, whose structure is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree
-    (~340 variables for the tiny model) costs ~0.5 ms of Python per call on a 2-core host, every engine step.
-    ``batch``: the step's ``PackedBatch`` (dijax.model.step: its ten fields in one int32 array, one host -> device
-    copy), unpacked in the trace.
+    runner (and lowered from abstract shapes by tools/compile_time.py): step(param_leaves, cache, batch, consts,
+    prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new cache), the cache donated. ``param_leaves``: the
+    parameter arrays as one flat list (``jax.tree.leaves`` of the parameters, whose structure is ``params_tree``): a
+    call flattens a list in C++, where the nnx parameter tree (~340 variables for the tiny model) costs ~0.5 ms of
+    Python per call on a 2-core host, every engine step. ``batch``: the step's ``PackedBatch`` (dijax.model.step:
+    its ten fields in one int32 array, one host -> device copy), unpacked in the trace.
 
     The engine step (``prev_tokens_R`` [max rows] and ``remap_T`` [T] given, ``inject_topk`` None): in-flight tokens
     gathered through ``remap_T`` from ``prev_tokens_R`` (the previous step's sampler output); outputs logits_RV
@@ -212,7 +219,7 @@ class ModelRunner:
         self._mesh = params_mesh(params)
         self._ranks_mesh = self._mesh if attention_dp else None
         self.num_ranks = num_ranks(self._ranks_mesh)
-        self._jit = _compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree, self._ranks_mesh)
+        self._jit = compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree, self._ranks_mesh)
         self._sample = _compiled_sampler(cfg, self.num_ranks * self.max_rows,
                                          None if self._mesh is None else NamedSharding(self._mesh, PartitionSpec()))
         # the cache and prev_tokens_R of a step with no predecessor placed as the step and the sampler return them
@@ -262,10 +269,9 @@ class ModelRunner:
         jobs = []
         for num_tokens, width in self.buckets():
             num_seqs = min(num_tokens, self.max_rows)
-            batch = self._ranked([pack_batch(build_step([], num_tokens, num_seqs, width, num_seqs)[0])]
-                                 * self.num_ranks)
-            remap = self._ranked([np.zeros(num_tokens, np.int32)] * self.num_ranks)
-            jobs.append(((batch, self.consts, self._no_previous, remap), num_seqs))
+            batch, remap = bucket_inputs(num_tokens, num_seqs, width)
+            jobs.append(((self._ranked([batch] * self.num_ranks), self.consts, self._no_previous,
+                          self._ranked([remap] * self.num_ranks)), num_seqs))
         first_of_rows = {num_seqs: i for i, (_, num_seqs) in reversed(list(enumerate(jobs)))}
 
         def compile_bucket(i: int, lowered: jax.stages.Lowered) -> None:
