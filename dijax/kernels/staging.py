@@ -6,9 +6,11 @@ than last time, XLA updates every recorded node that points into it before the r
 path). A step's host inputs (the packed batch, the ZOS remap) are transferred into fresh buffers each call. With
 one step at a time the allocator hands back the buffer the last step freed, so the addresses repeat; with ZOS the
 previous step is still running and holds its inputs, the addresses alternate, and the dozens of nodes reading the
-batch (positions, slots, block tables in every layer) were updated on every step. Staged, only the copy's node
-points at the argument; everything else reads the copy, which lives in the step's scratch allocation (same
-address every call).
+batch (positions, slots, block tables in every layer) get updated on every step. Staged, only the copy's node
+points at the argument; everything else reads the copy, which lives in the step's scratch allocation.
+(The mechanism is XLA's ``CommandBufferThunk``, read in its source; the copy being the argument's only reader is
+checked on the GPU by tests/gpu/test_staging_gpu.py; a speed-up of the ZOS engine is not measured yet:
+docs/benchmarks.md, fifth session.)
 
 ``stage(x, impl=)``: 'reference' returns ``x`` (XLA elides any copy it could see through, and off the GPU there is
 no graph to protect), 'pallas' copies it in a Triton-lowered ``pl.pallas_call`` XLA cannot elide.
