@@ -8,10 +8,8 @@ dijax.model.param_map turns into the ``Transformer``'s ``nnx.State``.
 
 from __future__ import annotations
 
-import json
 import os
 
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 

@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import quant
+from dijax.kernels import poison, quant
 
 IMPLS = ("reference", "pallas")
 QUANT_BLOCK = 32
@@ -183,16 +183,8 @@ def fp8_linear_pallas(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array
     params = pltriton.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages)
     codes_OI = jax.lax.bitcast_convert_type(weight_OI, jnp.uint8)
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    if not cfg.poison:
-        y = pl.pallas_call(kernel, out_shape=out, grid=grid, compiler_params=params, name="fp8_linear",
-                           interpret=interpret)(x_TI, codes_OI, scale_BB)
-    else:
-        def poisoned(x_ref, w_ref, s_ref, _alias_ref, o_ref):
-            kernel(x_ref, w_ref, s_ref, o_ref)
-
-        y = pl.pallas_call(poisoned, out_shape=out, grid=grid, compiler_params=params, name="fp8_linear",
-                           input_output_aliases={3: 0}, interpret=interpret,
-                           )(x_TI, codes_OI, scale_BB, jnp.full(out.shape, np.nan, out.dtype))
+    y = poison.pallas_call(kernel, x_TI, codes_OI, scale_BB, out_shape=out, poison=cfg.poison, grid=grid,
+                           compiler_params=params, name="fp8_linear", interpret=interpret)
     return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
 
 

@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dijax.kernels import poison
+
 HIGHEST = jax.lax.Precision.HIGHEST
 IMPLS = ("reference", "pallas")
 MIN_DOT = 16  # Triton's dot needs every dimension >= 16: fewer heads (tiny test models) are padded
@@ -110,9 +112,8 @@ def blocks_per_program(config: IndexerConfig, tokens: int, width: int) -> int:
     return blocks
 
 
-def _score_kernel(seq_ref, visible_ref, rows_ref, q_ref, w_ref, keys_ref, *refs, block_p: int, blocks: int):
+def _score_kernel(seq_ref, visible_ref, rows_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, blocks: int):
     """Program (t, c): scores of token t at positions [c * blocks * block_p, (c + 1) * blocks * block_p)."""
-    out_ref = refs[-1]  # with poisoning, refs[0] is the NaN input aliased to the output
     t = pl.program_id(0)
     base = pl.program_id(1) * (blocks * block_p)
     visible = visible_ref[t]
@@ -206,22 +207,17 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
     in_specs = [pl.no_block_spec] * 3 + per_token + [pl.no_block_spec]
     args = [seq_T.astype(jnp.int32), visible_T, rows_SP.astype(jnp.int32), q_TIJ.astype(jnp.bfloat16),
             w_TI.astype(jnp.bfloat16), keys_NJ.astype(jnp.bfloat16)]
-    aliases = {}
-    if config.poison:
-        in_specs.append(out_spec)
-        args.append(jnp.full((t, padded), jnp.nan, jnp.float32))
-        aliases = {len(args) - 1: 0}
-    score_TP = pl.pallas_call(
-        kernel,
+    score_TP = poison.pallas_call(
+        kernel, *args,
+        out_shape=jax.ShapeDtypeStruct((t, padded), jnp.float32),
+        poison=config.poison,
         grid=(t, padded // chunk),
         in_specs=in_specs,
         out_specs=out_spec,
-        out_shape=jax.ShapeDtypeStruct((t, padded), jnp.float32),
-        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="index_scores",
-    )(*args)
+    )
     return score_TP[:, :width] if padded != width else score_TP
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import quant
+from dijax.kernels import poison, quant
 
 IMPLS = ("reference", "pallas")
 PATHS = ("gathered", "ragged")
@@ -473,19 +473,11 @@ def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array,
 
 
 def _call(kernel, out_shape: tuple[int, int], grid: tuple[int, int], params, name: str, *args) -> jax.Array:
-    """One bf16-output ``pallas_call`` (interpret mode off the GPU); with ``CONFIG.poison`` the output starts as a
-    NaN-filled buffer aliased into the kernel, so elements that no program writes stay NaN."""
-    out = jax.ShapeDtypeStruct(out_shape, jnp.bfloat16)
-    if not CONFIG.poison:
-        return pl.pallas_call(kernel, out_shape=out, grid=grid, compiler_params=params, name=name,
-                              interpret=_interpret())(*args)
-
-    def poisoned(*refs):
-        kernel(*refs[:-2], refs[-1])  # refs[-2] is the aliased poison input, the same buffer as the output
-
-    return pl.pallas_call(poisoned, out_shape=out, grid=grid, compiler_params=params, name=name,
-                          input_output_aliases={len(args): 0}, interpret=_interpret(),
-                          )(*args, jnp.full(out_shape, np.nan, jnp.bfloat16))
+    """One bf16-output ``pallas_call`` (interpret mode off the GPU); with ``CONFIG.poison`` the output starts
+    NaN-filled (dijax.kernels.poison), so elements that no program writes stay NaN."""
+    return poison.pallas_call(kernel, *args, out_shape=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
+                              poison=CONFIG.poison, grid=grid, compiler_params=params, name=name,
+                              interpret=_interpret())
 
 
 _IMPLEMENTATIONS = {"reference": routed_experts_reference, "pallas": routed_experts_pallas}

@@ -12,7 +12,6 @@ import numpy as np
 from flax import nnx
 
 from dijax.config import ModelConfig
-from dijax.kernels import quant
 from dijax.kernels.routed_experts import swiglu
 from dijax.model.layers import QuantLinear, linear, matmul_f32, param, values
 from dijax.parallel.moe import routed_experts_ep
