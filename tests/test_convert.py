@@ -13,14 +13,9 @@ import pytest
 
 from dijax.io.safetensors import SafetensorsFile
 from dijax.config import ModelConfig
-from dijax.io.convert import ConversionError, Output, _write_shard, convert
+from dijax.io.convert import ConversionError, Output, convert, write_shard
 from dijax.io.tensor_spec import backbone_spec
 from tests.conftest import parity_path
-
-
-class _NoBar:
-    def update(self, n):
-        pass
 
 
 def _hf_tensors(hf_dir: str) -> dict[str, tuple[str, tuple, bytes]]:
@@ -44,7 +39,7 @@ def _write_hf(folder, tensors: dict, shards: int = 3, config: dict | None = None
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         outs = [Output(n, tensors[n][0], tensors[n][1], len(tensors[n][2]), lambda b=tensors[n][2]: b)
                 for n in group]
-        _write_shard(os.path.join(folder, file), outs, _NoBar())
+        write_shard(os.path.join(folder, file), outs)
         weight_map.update({n: file for n in group})
     if drop_index_file:
         weight_map[names[0]] = drop_index_file

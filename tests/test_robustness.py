@@ -396,7 +396,7 @@ def test_cli_errors_are_one_line_with_the_path(tmp_path, capsys):
 
 def _model_dir(tmp_path, edit_config=None, drop: str | None = None) -> str:
     """A loadable checkpoint folder: the tiny reference weights (optionally without one tensor), config, tokenizer."""
-    from dijax.io.convert import Output, _write_shard
+    from dijax.io.convert import Output, write_shard
 
     folder = tmp_path / "model"
     folder.mkdir()
@@ -412,12 +412,7 @@ def _model_dir(tmp_path, edit_config=None, drop: str | None = None) -> str:
         st = SafetensorsFile(weights)
         outs = [Output(n, st.header[n]["dtype"], tuple(st.header[n]["shape"]), len(st.get(n).tobytes()),
                        lambda n=n: st.get(n).tobytes()) for n in st.names() if n != drop]
-
-        class NoBar:
-            def update(self, n):
-                pass
-
-        _write_shard(str(folder / "model.safetensors"), outs, NoBar())
+        write_shard(str(folder / "model.safetensors"), outs)
     return str(folder)
 
 
@@ -499,12 +494,12 @@ def test_conversion_cache_is_keyed_on_content(tmp_path, capsys):
 _SIGTERM_CHILD = """
 import os, signal, sys, time
 import dijax.io.convert as c
-write = c._write_shard
+write = c.write_shard
 def write_then_die(*args, **kwargs):
     write(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
-c._write_shard = write_then_die
+c.write_shard = write_then_die
 c.convert(sys.argv[1], sys.argv[2], max_shard_bytes=1 << 20, progress=False)
 """
 

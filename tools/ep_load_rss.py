@@ -48,7 +48,7 @@ def _status(field: str) -> int:
 def write_checkpoint(folder: str, experts: int, moe_inter: int, seed: int = 0) -> int:
     """Write the config and one safetensors file into ``folder``; returns the routed experts' bytes."""
     from dijax.config import ModelConfig
-    from dijax.io.convert import Output, _write_shard
+    from dijax.io.convert import Output, write_shard
     from dijax.io.random_init import random_codes
 
     with open(os.path.join(ASSETS, "config.json")) as f:
@@ -70,11 +70,7 @@ def write_checkpoint(folder: str, experts: int, moe_inter: int, seed: int = 0) -
                                   piece.tobytes))
             expert_bytes += piece.nbytes if stacked else 0
 
-    class NoBar:
-        def update(self, n):
-            pass
-
-    _write_shard(os.path.join(folder, "model.safetensors"), outputs, NoBar())
+    write_shard(os.path.join(folder, "model.safetensors"), outputs)
     return expert_bytes
 
 

@@ -240,7 +240,11 @@ def plan(cfg: ModelConfig, sources: dict[str, Source], expert_dtype: str) -> lis
     return outputs
 
 
-def _write_shard(path: str, outputs: list[Output], bar, done: list[int] | None = None, total: int = 0) -> None:
+def write_shard(path: str, outputs: list[Output], bar=None, done: list[int] | None = None, total: int = 0) -> None:
+    """Write ``outputs`` as one safetensors file at ``path``, each tensor's bytes produced as it is written (so a
+    shard never sits in memory whole). ``bar``: a tqdm bar advanced by the bytes written (None: no progress);
+    ``done`` / ``total``: the tensors written so far (a one-element list, updated) and in all, for its postfix.
+    ConversionError when a tensor produces another number of bytes than planned."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for out in outputs:
@@ -256,6 +260,8 @@ def _write_shard(path: str, outputs: list[Output], bar, done: list[int] | None =
             if len(data) != out.nbytes:
                 raise ConversionError(f"tensor {out.name!r}: produced {len(data)} bytes, planned {out.nbytes}")
             f.write(data)
+            if bar is None:
+                continue
             bar.update(len(data))
             if done is not None:
                 done[0] += 1
@@ -340,7 +346,7 @@ def _write_checkpoint(folder: str, hf_dir: str, shards: list[list[Output]], outp
     with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
         for i, shard in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_shard(os.path.join(folder, file), shard, bar, done, len(outputs))
+            write_shard(os.path.join(folder, file), shard, bar, done, len(outputs))
             weight_map.update({o.name: file for o in shard})
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
