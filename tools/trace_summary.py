@@ -28,6 +28,11 @@ def load_events(folder: str) -> tuple[list[dict], dict[int, str]]:
     return [e for e in events if e.get("ph") == "X"], names
 
 
+def _is_gpu(process: str) -> bool:
+    """Whether a trace process (by its name) is a GPU's."""
+    return "gpu" in process.lower()
+
+
 def kernel_family(name: str) -> str:
     """A kernel's name without XLA's numeric suffixes (``loop_add_fusion.12`` -> ``loop_add_fusion``)."""
     return re.sub(r"([._]\d+)+$", "", name)
@@ -35,7 +40,7 @@ def kernel_family(name: str) -> str:
 
 def summarise(folder: str, steps: int, top: int) -> str:
     events, names = load_events(folder)
-    gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
+    gpu = {pid for pid, name in names.items() if _is_gpu(name)}
     kernels = [e for e in events if e["pid"] in gpu and e.get("dur", 0) > 0]
     if not kernels:
         return f"{folder}: no GPU events in the trace (processes: {sorted(set(names.values()))})"
@@ -49,18 +54,20 @@ def summarise(folder: str, steps: int, top: int) -> str:
     for e in stream:
         families[kernel_family(e["name"])].append(e["dur"])
     lines = [f"{folder}: {len(stream) / steps:.0f} kernels per step, device busy {busy / steps:.0f} us of a "
-             f"{span / steps:.0f} us span per step ({100 * busy / span:.0f} %), mean kernel {busy / len(stream):.1f} us",
+             f"{span / steps:.0f} us span per step ({100 * busy / span:.0f} %), "
+             f"mean kernel {busy / len(stream):.1f} us",
              "| kernel | per step | us per step | mean us |", "|---|---|---|---|"]
     ranked = sorted(families.items(), key=lambda kv: -sum(kv[1]))
     for family, durs in ranked[:top]:
-        lines.append(f"| {family[:70]} | {len(durs) / steps:.0f} | {sum(durs) / steps:.0f} | {sum(durs) / len(durs):.1f} |")
+        lines.append(f"| {family[:70]} | {len(durs) / steps:.0f} | {sum(durs) / steps:.0f} | "
+                     f"{sum(durs) / len(durs):.1f} |")
     return "\n".join(lines)
 
 
 def summarise_host(folder: str, steps: int, top: int) -> str:
     """The host events (every process that is not a GPU's) by name: count and time per step, mean duration."""
     events, names = load_events(folder)
-    host = [e for e in events if "GPU" not in names.get(e["pid"], "") and "gpu" not in names.get(e["pid"], "")]
+    host = [e for e in events if not _is_gpu(names.get(e["pid"], ""))]
     families: dict[str, list[float]] = collections.defaultdict(list)
     for e in host:
         families[kernel_family(e["name"])].append(e.get("dur", 0))

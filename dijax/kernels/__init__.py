@@ -16,6 +16,8 @@ The choice is static (part of the step's jit key) and made once per engine by ``
 
 from __future__ import annotations
 
+import jax
+
 KERNEL_CHOICES = ("auto", "on", "off")
 REFERENCE = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference",
              "sinkhorn_impl": "reference", "linear_impl": "reference", "indexer_impl": "reference",
@@ -37,6 +39,12 @@ FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas
 # The top-k Pallas kernel (issue 13) is on with `--kernels on` only, until its GPU test and a GPU parity run pass;
 # 'auto' keeps the XLA select, which did.
 AUTO_ON_GPU: dict[str, str] = dict(FAST, topk_impl="select")
+
+
+def interpret_mode(requested: bool | None = None) -> bool:
+    """Whether a Pallas kernel runs interpreted: ``requested``, or when None, whether JAX's default backend is not a
+    GPU (the kernels' Triton lowering needs one; interpreted, they run anywhere, slowly)."""
+    return jax.default_backend() != "gpu" if requested is None else requested
 
 
 def kernel_options(kernels: str, platform: str) -> dict[str, str]:

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.config import FP8_BLOCK
-from dijax.kernels import poison, quant
+from dijax.kernels import interpret_mode, poison, quant
 
 IMPLS = ("reference", "pallas")
 MIN_DOT = 16  # Triton's dot needs every dimension >= 16
@@ -182,7 +182,7 @@ def fp8_linear_pallas(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array
                                jnp.bfloat16 if splits == 1 else jnp.float32)
     params = pltriton.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages)
     codes_OI = jax.lax.bitcast_convert_type(weight_OI, jnp.uint8)
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    interpret = interpret_mode(interpret)
     y = poison.pallas_call(kernel, x_TI, codes_OI, scale_BB, out_shape=out, poison=cfg.poison, grid=grid,
                            compiler_params=params, name="fp8_linear", interpret=interpret)
     return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)

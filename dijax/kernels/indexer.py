@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import poison
+from dijax.kernels import interpret_mode, poison
 
 HIGHEST = jax.lax.Precision.HIGHEST
 IMPLS = ("reference", "pallas")
@@ -198,8 +198,7 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
             raise ValueError(f"index_scores_pallas: {name} has {size} elements; the kernel's int32 offsets need "
                              f"fewer than 2^31")
     visible_T = jnp.minimum(visible_T.astype(jnp.int32), width)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpret_mode(interpret)
     kernel = functools.partial(_score_kernel, block_p=config.block_p, blocks=blocks)
     out_spec = pl.BlockSpec((None, chunk), lambda a, c: (a, c))
     per_token = [pl.BlockSpec((None, heads, j), lambda a, c: (a, 0, 0)),

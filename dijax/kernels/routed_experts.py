@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import poison, quant
+from dijax.kernels import interpret_mode, poison, quant
 
 IMPLS = ("reference", "pallas")
 PATHS = ("gathered", "ragged")
@@ -228,10 +228,6 @@ def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
 
 def _compiler_params(warps: int, stages: int):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
-
-
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
 
 
 def _matvec_partial(w_ref, s_ref, e, r0: int | jax.Array, w0, rows: int, words: int,
@@ -477,7 +473,7 @@ def _call(kernel, out_shape: tuple[int, int], grid: tuple[int, int], params, nam
     NaN-filled (dijax.kernels.poison), so elements that no program writes stay NaN."""
     return poison.pallas_call(kernel, *args, out_shape=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
                               poison=CONFIG.poison, grid=grid, compiler_params=params, name=name,
-                              interpret=_interpret())
+                              interpret=interpret_mode())
 
 
 _IMPLEMENTATIONS = {"reference": routed_experts_reference, "pallas": routed_experts_pallas}

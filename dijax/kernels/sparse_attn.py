@@ -30,6 +30,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dijax.kernels import interpret_mode
 from dijax.kernels.numerics import divide
 
 BLOCK = 64
@@ -185,8 +186,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpret_mode(interpret)
     kernel = functools.partial(_split_kernel, sizes=tuple(src.shape[0] for src in kv_sources), split_len=split_len,
                                list_len=list_len, scale=float(np.float32(softmax_scale)))
     acc_TShK, max_TSh, den_TSh = pl.pallas_call(

@@ -25,6 +25,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dijax.kernels import interpret_mode
+
 IMPLS = ("reference", "pallas")
 BLOCK = 128  # elements per program; arrays are staged in whole blocks (callers pad their packed inputs to it)
 
@@ -56,7 +58,7 @@ def stage(x_N: jax.Array, *, impl: str = "reference") -> jax.Array:
     if impl == "reference":
         return stage_reference(x_N)
     if impl == "pallas":
-        return stage_pallas(x_N, interpret=jax.default_backend() != "gpu")
+        return stage_pallas(x_N, interpret=interpret_mode())
     raise ValueError(f"stage impl must be one of {IMPLS}, got {impl!r}")
 
 

@@ -47,6 +47,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dijax.kernels import interpret_mode
+
 RADIX_BITS = 4
 CHUNK = 32
 # The prefilter's extra select stage costs a fixed ~0.15 ms of kernel launches on an H200; it pays once a row holds
@@ -356,7 +358,7 @@ def topk_pallas(score: jax.Array, k: int, *, config: TopkConfig | None = None,
     lanes_m, slots = pl.next_power_of_2(-(-width // chunk)), pl.next_power_of_2(k)
     if not _offsets_fit(rows, width, k, chunk):
         raise ValueError(f"topk_pallas: {rows} rows of {width} values need int32 offsets past 2^31")
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    interpret = interpret_mode(interpret)
     x_RP = score_RP.astype(jnp.float32)
     block_m = min(lanes_m, max(1, config.block_values // chunk))
     max_RM = pl.pallas_call(

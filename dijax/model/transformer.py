@@ -59,6 +59,9 @@ def _engram_rows(consts: dict, cfg: ModelConfig, batch: StepBatch, g: Geometry, 
     return rows, new_history
 
 
+ATTENTION_OPTIONS = ("topk_impl", "sparse_attn_impl", "linear_impl", "indexer_impl")  # the ones attention() takes
+
+
 @dataclass(frozen=True)
 class StepContext:
     """What every block of one step reads besides its own parameters and cache (built once per step)."""
@@ -101,8 +104,7 @@ class Block(nnx.Module):
         residual = x_TCD
         a_pre, a_post, a_comb = self.hc_attn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
         y = self.attn_norm(hc.pre(x_TCD, pre_TC))
-        attn_options = {k: v for k, v in ctx.kernel_options.items()
-                        if k not in ("moe_impl", "sinkhorn_impl", "stage_impl")}  # staging: the runner's
+        attn_options = {k: ctx.kernel_options[k] for k in ATTENTION_OPTIONS}
         y, updates, shared = self.attn(y, ctx.geometry, cache, shared, inject_TN, **attn_options)
         x_TCD = hc.post(y, residual, a_post, a_comb)
         residual = x_TCD

@@ -56,8 +56,8 @@ from tqdm import tqdm
 
 from dijax.config import ModelConfig
 from dijax.kernels import kernel_options
-from dijax.model.step import CacheSpec, PackedBatch, SeqChunk, build_step, init_cache, pack_batch, unpack_batch
 from dijax.kernels.staging import stage
+from dijax.model.step import CacheSpec, PackedBatch, SeqChunk, build_step, init_cache, pack_batch, unpack_batch
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, param_specs, params_mesh
 from dijax.parallel.ranks import RANKS, num_ranks, over_ranks, stack_ranks
@@ -207,7 +207,7 @@ class ModelRunner:
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  debug_logits: bool = False, kernels: str = "auto", attention_dp: bool = False):
         self.cfg, self.params, self.consts = cfg, params, consts
-        self.param_leaves, params_tree = jax.tree.flatten(params)  # what the model step takes (_compiled_step)
+        self.param_leaves, params_tree = jax.tree.flatten(params)  # what the model step takes (compiled_step)
         self.kernel_options = kernel_options(kernels, jax.default_backend())
         spec = CacheSpec(num_blocks=num_blocks, num_slots=num_slots, block_size=block_size)
         self.block_size = block_size
