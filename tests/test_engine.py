@@ -17,9 +17,9 @@ from dijax.runtime.sampling_params import SamplingParams
 pytestmark = pytest.mark.cost(150)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
-# One engine size for every test here but the preemption one: its step buckets (tokens 8 / 16 / 32 x block-table
-# widths 1 / 4, test_no_new_compilations_after_warm_up) are compiled once for the whole module, each a whole-model
-# compile on CPU. The preemption test's pool has its own shapes (4 blocks) and a one-bucket token budget.
+# One engine size for every test here but the preemption one: its step buckets (tokens 8 / 16 / 32 x the one
+# block-table width 4: max_model_len's blocks, below model_runner.min_width; test_no_new_compilations_after_warm_up)
+# are compiled once for the whole module, each a whole-model compile on CPU. The preemption test's pool has its own shapes (4 blocks) and a one-bucket token budget.
 SIZES = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
 
 
@@ -39,7 +39,7 @@ def warm():
     compiled)."""
     jax.clear_caches()  # the runners of the tests before shared these executables: count every one
     steps, samplers = sum(model_runner._COMPILES.values()), sum(model_runner._SAMPLER_COMPILES.values())
-    llm = LLM(**SIZES, warmup=True)  # 4 blocks: widths 1 and 4
+    llm = LLM(**SIZES, warmup=True)  # 4 blocks: width 4
     return (llm, sum(model_runner._COMPILES.values()) - steps,
             sum(model_runner._SAMPLER_COMPILES.values()) - samplers)
 
@@ -51,9 +51,9 @@ def _counts(llm: LLM) -> tuple[int, int]:
 def test_no_new_compilations_after_warm_up(warm):
     llm, steps, samplers = warm
     work = [_params(i) for i in range(3)]
-    assert llm.engine.runner.buckets() == [(t, w) for t in (8, 16, 32) for w in (1, 4)]
+    assert llm.engine.runner.buckets() == [(t, 4) for t in (8, 16, 32)]
     # one model step per bucket, one sampler per mode for the one row bucket (min(T, 4 sequences) = 4 rows)
-    assert (steps, samplers) == (6, len(MODES))
+    assert (steps, samplers) == (3, len(MODES))
     warm_counts = _counts(llm)
     llm.generate(PROMPTS[::-1], work, use_tqdm=False)
     llm.generate(PROMPTS, work, use_tqdm=False)

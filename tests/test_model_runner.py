@@ -16,7 +16,7 @@ from dijax.io.loader import load
 from dijax.model.moe import moe
 from dijax.model.param_map import checkpoint_tree
 from dijax.model.step import PackedBatch, SeqChunk, StepBatch, build_step, unpack_batch
-from dijax.runtime.model_runner import ModelRunner, width_bucket
+from dijax.runtime.model_runner import ModelRunner, min_width, step_buckets, width_bucket
 from dijax.runtime.sampling_params import SamplingParams
 from dijax.runtime.scheduler import FROM_DEVICE, ScheduledChunk, SchedulerOutput
 
@@ -32,6 +32,13 @@ def test_width_follows_the_context_not_the_capacity():
     assert width_bucket(30, 32) == 32 and width_bucket(3, 2) == 2  # capped by max_model_len's blocks
     # a 4k context in 128-token blocks: 32 blocks under max_model_len 4k, 64 (not 8192) under max_model_len 1M
     assert width_bucket(4096 // 128, 4096 // 128) == 32 and width_bucket(4096 // 128, 2 ** 20 // 128) == 64
+    # the engine's tables cover at least 8192 positions: 64 blocks of 128 (fewer under a smaller max_model_len)
+    assert min_width(128, 2 ** 20 // 128) == 64 and min_width(128, 32) == 32 and min_width(16, 4) == 4
+    assert [width_bucket(b, 8192, 64) for b in (1, 64, 65, 256, 257, 5000)] == [64, 64, 256, 256, 1024, 8192]
+    # a 1M-context engine of 8192-token steps: 11 token buckets x 5 widths (not 8: no width below 64 blocks)
+    buckets = step_buckets(8192, 2 ** 20 // 128, 64)
+    assert len(buckets) == 55 and sorted({w for _, w in buckets}) == [64, 256, 1024, 4096, 8192]
+    assert step_buckets(32, 4, 4) == [(8, 4), (16, 4), (32, 4)]
 
 
 def test_padding_tokens_reach_no_expert(monkeypatch, tiny):
@@ -112,7 +119,7 @@ def test_the_step_inputs_travel_as_one_array_per_executable(tiny):
     assert len(jax.tree.leaves(sampling)) == 1
     chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids)
               for c in _decodes(0.0, 0.8).chunks]
-    batch, _ = build_step(chunks, 8, 4, 1, 4)
+    batch, _ = build_step(chunks, 8, 4, runner.min_width, 4)  # width: max_model_len's 4 blocks
     unpacked = jax.jit(unpack_batch)(packed)
     for field in dataclasses.fields(StepBatch):
         want, got = getattr(batch, field.name), np.asarray(getattr(unpacked, field.name))

@@ -132,11 +132,13 @@ def _write_paged(pool_BPK: jax.Array, g: Geometry, group_T: jax.Array, emit_T: j
 
 def select_candidate_blocks(score_TP: jax.Array, visible_T: jax.Array, topk_blocks: int,
                             block_size: int, *, impl: str = "reference") -> jax.Array:
-    """Level one of the two-level top-k: keep the best ``topk_blocks`` blocks of ``block_size`` positions.
+    """Level one of the two-level top-k: the best ``topk_blocks`` blocks of ``block_size`` positions.
 
     score_TP: float32 masked scores (-inf unreachable). The block holding the newest visible position is pinned;
     picks with a -inf block score are dropped. ``impl`` picks the top-k implementation (``kernels.topk``; all give
-    the same picks). Returns a bool position mask [T, P].
+    the same picks). Returns the picked block numbers int32 [T, min(topk_blocks, blocks)], -1 where dropped
+    (``candidate_mask`` turns them into a position mask): [T, topk_blocks] instead of a [T, P] mask is what a step
+    publishes to the later index layers, whatever the context length.
     """
     t, width = score_TP.shape
     nb = -(-width // block_size)
@@ -145,21 +147,80 @@ def select_candidate_blocks(score_TP: jax.Array, visible_T: jax.Array, topk_bloc
     last = jnp.floor_divide(visible_T - 1, block_size)
     block_max = jnp.where(jnp.arange(nb)[None, :] == last[:, None], jnp.inf, block_max)
     values, picks = topk(block_max, min(topk_blocks, nb), impl=impl)
-    kept = jnp.any((picks[..., None] == jnp.arange(nb)) & (values > NEG_INF)[..., None], axis=1)
+    return jnp.where(values > NEG_INF, picks, -1).astype(jnp.int32)
+
+
+def candidate_mask(picks_TK: jax.Array, width: int, block_size: int) -> jax.Array:
+    """The positions of the picked candidate blocks (``select_candidate_blocks``' picks_TK, -1 = none) as a bool
+    mask [T, width]."""
+    t = picks_TK.shape[0]
+    nb = -(-width // block_size)
+    blocks_TK = jnp.where(picks_TK >= 0, picks_TK, nb)  # -1 lands in a spare column that is cut off
+    kept = jnp.zeros((t, nb + 1), bool).at[jnp.arange(t)[:, None], blocks_TK].set(True)[:, :nb]
     return jnp.repeat(kept, block_size, axis=1)[:, :width]
 
 
-def index_scores(p: dict, x_TD: jax.Array, qr_TQ: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array, g: Geometry,
-                 visible_T: jax.Array, freqs: np.ndarray, n_heads: int, head_dim: int, *,
-                 linear_impl: str = "reference", indexer_impl: str = "reference") -> jax.Array:
-    """Lightning-indexer scores in the reference's bf16 order over the paged key pool ``keys_NJ`` (pool row of each
-    sequence position: ``rows_SP``). -> float32 [T, P], -inf at positions >= visible_T. The queries and head
-    weights are computed here; the scores by ``kernels.indexer`` (``indexer_impl``: 'reference' or 'pallas')."""
+INDEX_CHUNK_ELEMENTS = 2 ** 26  # float32 index scores [tokens, positions] one selection chunk holds (256 MiB)
+
+
+def index_chunk(tokens: int, width: int) -> int:
+    """Tokens per index-selection chunk (``index_select``): all ``tokens`` when their [tokens, width] scores hold at
+    most INDEX_CHUNK_ELEMENTS, else the largest power of two that does (at least one)."""
+    if tokens * width <= INDEX_CHUNK_ELEMENTS:
+        return tokens
+    chunk = 1
+    while 2 * chunk * width <= INDEX_CHUNK_ELEMENTS:
+        chunk *= 2
+    return chunk
+
+
+def index_select(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, qr_TQ: jax.Array,
+                 keys_NJ: jax.Array, rows_SP: jax.Array, g: Geometry, visible_T: jax.Array, freqs: np.ndarray,
+                 candidates_TK: jax.Array | None, *, linear_impl: str = "reference", indexer_impl: str = "reference",
+                 topk_impl: str = "reference") -> tuple[jax.Array, jax.Array | None]:
+    """An index source's selection: lightning-indexer scores in the reference's bf16 order over the paged key pool
+    ``keys_NJ`` (pool row of each sequence position: ``rows_SP``), masked by the candidate blocks for a layer that
+    uses them, then the top-k positions (``topk_positions``).
+
+    The queries and head weights are computed here, the scores by ``kernels.indexer`` (``indexer_impl``). Every
+    token's selection is its own, so the tokens run in chunks of ``index_chunk`` (a loop only when the step's
+    [T, P] scores would exceed INDEX_CHUNK_ELEMENTS: a long prefill chunk at a long context): the scores never
+    take more than that much memory, whatever the context. candidates_TK: the candidate source's picks
+    (``select_candidate_blocks``), read when ``role.uses_candidates``. Returns (sel_TN int32 [T, index_topk],
+    ascending, -1 padded; the candidate picks [T, Kb] when ``role.candidate_source``, else ``candidates_TK``).
+    """
     t = x_TD.shape[0]
-    q = linear(qr_TQ, p["wq_b"], linear_impl).reshape(t, n_heads, head_dim)
-    q = quant.fq4_pow2(rope(q, g.pos_T, freqs), 32)
-    w = linear(x_TD, p["weights_proj"]).astype(jnp.float32) * np.float32(head_dim ** -0.5 * n_heads ** -0.5)
-    return indexer.index_scores(q, w.astype(jnp.bfloat16), keys_NJ, rows_SP, g.seq_T, visible_T, impl=indexer_impl)
+    n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
+    q_TIJ = linear(qr_TQ, p["wq_b"], linear_impl).reshape(t, n_heads, head_dim)
+    q_TIJ = quant.fq4_pow2(rope(q_TIJ, g.pos_T, freqs), 32)
+    w_TI = linear(x_TD, p["weights_proj"]).astype(jnp.float32) * np.float32(head_dim ** -0.5 * n_heads ** -0.5)
+    limit_T = jnp.minimum(cfg.index_topk, g.end_T // role.ratio)
+    width = rows_SP.shape[1]
+
+    def select(q_CIJ, w_CI, seq_C, visible_C, limit_C, cand_CK):
+        score_CP = indexer.index_scores(q_CIJ, w_CI, keys_NJ, rows_SP, seq_C, visible_C, impl=indexer_impl)
+        if role.candidate_source:
+            cand_CK = select_candidate_blocks(score_CP, visible_C, cfg.candidate_topk_blocks,
+                                              cfg.candidate_block_size, impl=topk_impl)
+        elif role.uses_candidates:
+            score_CP = jnp.where(candidate_mask(cand_CK, width, cfg.candidate_block_size), score_CP, NEG_INF)
+        return topk_positions(score_CP, visible_C, limit_C, cfg.index_topk, impl=topk_impl), cand_CK
+
+    cand_TK = candidates_TK if role.uses_candidates else jnp.zeros((t, 0), jnp.int32)
+    xs = (q_TIJ, w_TI.astype(jnp.bfloat16), g.seq_T, visible_T, limit_T, cand_TK)
+    chunk = index_chunk(t, width)
+    if chunk == t:
+        sel_TN, cand_TK = select(*xs)
+    else:  # padded tokens see no position: their picks are all -1, and they are cut off after
+        n = -(-t // chunk)
+
+        def chunks(a):
+            a = jnp.pad(a, [(0, n * chunk - t)] + [(0, 0)] * (a.ndim - 1))
+            return a.reshape(n, chunk, *a.shape[1:])
+
+        sel_TN, cand_TK = (a.reshape(n * chunk, -1)[:t] for a in jax.lax.map(lambda c: select(*c),
+                                                                             tuple(chunks(a) for a in xs)))
+    return sel_TN, (cand_TK if role.candidate_source else candidates_TK)
 
 
 def topk_positions(score_TP: jax.Array, visible_T: jax.Array, limit_T: jax.Array, k: int, *,
@@ -187,7 +248,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
 
     x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
     returned in the new cache dict); ``shared`` carries what sources publish to later layers in this step:
-    {"topk": {layer: [T, N]}, "candidates": [T, P]}. ``topk_impl`` ("reference" | "select" | "pallas") and
+    {"topk": {layer: [T, N]}, "candidates": picked blocks [T, Kb]}. ``topk_impl`` ("reference" | "select" | "pallas") and
     ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and ``indexer_impl`` (the index scores), each
     "reference" | "pallas", pick the kernel implementations (static): the top-k picks are identical, the attention
     output, the linears and the index scores agree to bf16 rounding (``kernels.sparse_attn``,
@@ -238,19 +299,12 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
             else:
                 ik_key = str(role.index_keys_from)
                 ik = updates["ik"][1] if role.owns_index_keys else cache["ik"][ik_key]
-                score = index_scores(p["indexer"], x_TD, qr, ik.reshape(-1, ik.shape[-1]), seq_rows_SP, g, visible,
-                                     freqs, cfg.index_n_heads, cfg.index_head_dim, linear_impl=linear_impl,
-                                     indexer_impl=indexer_impl)
-                if role.candidate_source:
-                    shared["candidates"] = select_candidate_blocks(score, visible, cfg.candidate_topk_blocks,
-                                                                   cfg.candidate_block_size, impl=topk_impl)
-                elif role.uses_candidates:
-                    score = jnp.where(shared["candidates"], score, NEG_INF)
-                limit = jnp.minimum(cfg.index_topk, g.end_T // r)
-                sel = topk_positions(score, visible, limit, cfg.index_topk, impl=topk_impl)
+                sel, shared["candidates"] = index_select(
+                    p["indexer"], role, cfg, x_TD, qr, ik.reshape(-1, ik.shape[-1]), seq_rows_SP, g, visible, freqs,
+                    shared["candidates"], linear_impl=linear_impl, indexer_impl=indexer_impl, topk_impl=topk_impl)
             shared["topk"][role.layer] = sel
         sel = shared["topk"][role.topk_from]
-        flat = jnp.take_along_axis(seq_rows_SP[g.seq_T], jnp.maximum(sel, 0), axis=1)
+        flat = seq_rows_SP[g.seq_T[:, None], jnp.maximum(sel, 0)]  # [T, N] (no [T, P] copy of the rows)
         comp_idx = jnp.where(sel >= 0, g.num_ring_rows + t + flat, -1)
         sources = sources + (ckv.reshape(-1, cfg.head_dim),)
         n = comp_idx.shape[1]

@@ -3,9 +3,9 @@
 Each step is padded to a bucket, so the number of compiled executables is bounded and known (``compiles`` and
 ``sampler_compiles`` count them, ``warmup`` compiles them all): tokens T to a power of two (at least 8); sequence
 rows S to min(T, the sequence capacity), so decode steps (T = S) waste nothing and no (T, S) product is compiled;
-the block-table width W to a power of four covering the longest sequence of the step (capped at
-``max_model_len``'s blocks), so the step's indexer and attention work follow the context the step's sequences
-really have, not ``max_model_len``. Padding tokens are routed to no expert.
+the block-table width W to a power of four times ``min_width`` (MIN_CONTEXT positions) covering the longest
+sequence of the step (capped at ``max_model_len``'s blocks), so the step's indexer and attention work follow the
+context the step's sequences really have, not ``max_model_len``. Padding tokens are routed to no expert.
 
 An engine step is two executables launched back to back, with no host read between them:
 
@@ -103,21 +103,32 @@ def bucket(n: int, minimum: int) -> int:
     return size
 
 
-def width_bucket(blocks: int, max_blocks: int) -> int:
+MIN_CONTEXT = 8192  # positions every step's block tables cover at least (``min_width``)
+
+
+def min_width(block_size: int, max_blocks: int) -> int:
+    """The narrowest block-table width a step takes: MIN_CONTEXT positions (at block size 128, 64 blocks), capped
+    at ``max_blocks``. Narrower tables would save index work that costs little next to the step (at 64 blocks,
+    V4.1-Flash's indexer scores ~4k positions per token: ~1 % of a token's FLOPs), and each width is one more
+    executable per token bucket to compile."""
+    return min(-(-MIN_CONTEXT // block_size), max_blocks)
+
+
+def width_bucket(blocks: int, max_blocks: int, minimum: int = 1) -> int:
     """Block-table width for a step whose longest sequence holds ``blocks`` blocks: the smallest power of four
-    >= blocks, capped at ``max_blocks`` (the capacity set by max_model_len)."""
-    width = 1
+    times ``minimum`` >= blocks, capped at ``max_blocks`` (the capacity set by max_model_len)."""
+    width = minimum
     while width < blocks:
         width *= 4
     return min(width, max_blocks)
 
 
-def step_buckets(max_tokens: int, max_blocks: int) -> list[tuple[int, int]]:
+def step_buckets(max_tokens: int, max_blocks: int, minimum: int = 1) -> list[tuple[int, int]]:
     """Every (tokens, block-table width) bucket of a runner whose token bucket is at most ``max_tokens`` (a power of
     two >= MIN_TOKENS) and whose block tables hold at most ``max_blocks`` blocks: tokens the powers of two from
-    MIN_TOKENS, widths the powers of four below ``max_blocks`` and ``max_blocks`` itself."""
+    MIN_TOKENS, widths ``minimum`` times the powers of four below ``max_blocks``, and ``max_blocks`` itself."""
     tokens = [MIN_TOKENS * 2 ** i for i in range((max_tokens // MIN_TOKENS).bit_length())]
-    widths = sorted({width_bucket(4 ** i, max_blocks) for i in range(max_blocks.bit_length())})
+    widths = sorted({width_bucket(minimum * 4 ** i, max_blocks, minimum) for i in range(max_blocks.bit_length())})
     return [(t, w) for t in tokens for w in widths]
 
 
@@ -212,6 +223,7 @@ class ModelRunner:
         spec = CacheSpec(num_blocks=num_blocks, num_slots=num_slots, block_size=block_size)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
+        self.min_width = min_width(block_size, self.max_blocks)
         self.max_rows = bucket(max_num_seqs, 1)  # per rank
         self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)  # per rank
         self.debug_logits = debug_logits
@@ -250,7 +262,7 @@ class ModelRunner:
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (tokens, block-table width) bucket a step can take (``step_buckets``)."""
-        return step_buckets(self.max_tokens, self.max_blocks)
+        return step_buckets(self.max_tokens, self.max_blocks, self.min_width)
 
     def warmup(self, threads: int | None = None, progress: bool = False) -> None:
         """Compile the engine step's executables ahead of time, without running them: the model step of every
@@ -306,7 +318,7 @@ class ModelRunner:
         per_rank = [[i for i, r in enumerate(ranks) if r == k] for k in range(self.num_ranks)]
         num_tokens = bucket(max(sum(len(chunks[i].tokens) for i in idx) for idx in per_rank), MIN_TOKENS)
         num_seqs = min(num_tokens, self.max_rows)
-        width = width_bucket(max(len(c.block_table) for c in chunks), self.max_blocks)
+        width = width_bucket(max(len(c.block_table) for c in chunks), self.max_blocks, self.min_width)
         num_rows = num_tokens if all_rows else num_seqs
         batches, rows_per_chunk, offsets = [], [[] for _ in chunks], [0] * len(chunks)
         for k, idx in enumerate(per_rank):
