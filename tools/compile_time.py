@@ -159,6 +159,7 @@ def main() -> None:
             lowered, lower_s = lower_bucket(cfg, params, consts, tokens, seqs, width, args.num_blocks,
                                             args.block_size, fold, options)
             pending.append((tokens, seqs, width, lower_s, pool.submit(compile_seconds, lowered)))
+            print(f"  traced {len(pending)}/{len(plan)} at {time.perf_counter() - start:6.1f} s", flush=True)
         for tokens, seqs, width, lower_s, future in pending:
             compile_s = future.result()
             total += lower_s + compile_s
