@@ -166,24 +166,30 @@ def fp8_linear_pallas(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array
     [O/32, I/32]. -> bf16 [T, O]. ``interpret``: run the kernel interpreted (default: off a GPU)."""
     if not pallas_supports(x_TI, weight_OI):
         return fp8_linear_reference(x_TI, weight_OI, scale_BB)
+    if x_TI.shape[0] == 0:
+        return jnp.zeros((0, weight_OI.shape[0]), jnp.bfloat16)
+    return _fp8_linear_call(x_TI, weight_OI, scale_BB, config=CONFIG, interpret=interpret_mode(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _fp8_linear_call(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array, *, config: KernelConfig,
+                     interpret: bool) -> jax.Array:
+    """The kernel launch of ``fp8_linear_pallas``, jitted: the linears of one shape (the same projection in every
+    layer) share one trace and lowering per step shape; ``config`` is part of the key."""
     t, in_dim = x_TI.shape
     out_dim = weight_OI.shape[0]
-    if t == 0:
-        return jnp.zeros((0, out_dim), jnp.bfloat16)
-    cfg = CONFIG
-    rows = int(min(cfg.rows_max, max(MIN_DOT, pl.next_power_of_2(max(t, 1)))))
-    cols, depth = _tile(out_dim, cfg.cols), _tile(in_dim, cfg.depth)
+    rows = int(min(config.rows_max, max(MIN_DOT, pl.next_power_of_2(max(t, 1)))))
+    cols, depth = _tile(out_dim, config.cols), _tile(in_dim, config.depth)
     tiles = (out_dim // cols) * -(-t // rows)
-    splits = k_splits(tiles, in_dim // depth, cfg.target_programs)
+    splits = k_splits(tiles, in_dim // depth, config.target_programs)
     kernel = functools.partial(_kernel, n_tokens=t, rows=rows, cols=cols, depth=depth,
                                n_depth=in_dim // depth // splits)
     grid = (out_dim // cols, -(-t // rows), splits)
     out = jax.ShapeDtypeStruct((t, out_dim) if splits == 1 else (splits, t, out_dim),
                                jnp.bfloat16 if splits == 1 else jnp.float32)
-    params = pltriton.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages)
+    params = pltriton.CompilerParams(num_warps=config.warps, num_stages=config.stages)
     codes_OI = jax.lax.bitcast_convert_type(weight_OI, jnp.uint8)
-    interpret = interpret_mode(interpret)
-    y = poison.pallas_call(kernel, x_TI, codes_OI, scale_BB, out_shape=out, poison=cfg.poison, grid=grid,
+    y = poison.pallas_call(kernel, x_TI, codes_OI, scale_BB, out_shape=out, poison=config.poison, grid=grid,
                            compiler_params=params, name="fp8_linear", interpret=interpret)
     return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
 

@@ -161,6 +161,7 @@ def _score_kernel(seq_ref, visible_ref, rows_ref, q_ref, w_ref, keys_ref, out_re
         jax.lax.fori_loop(0, blocks, block, 0)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array,
                         seq_T: jax.Array, visible_T: jax.Array, *, config: IndexerConfig | None = None,
                         interpret: bool | None = None) -> jax.Array:
@@ -173,7 +174,8 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
     (rows_SP copied with the padding, the scores sliced after). The pool, the padded rows_SP and the padded
     scores must each hold fewer than 2^31 elements (Triton's int32 offsets: N < 2^24 rows at J = 128).
     config: tiling (default ``IndexerConfig()``);
-    interpret: run in the Pallas interpreter (default: when the backend is not a GPU).
+    interpret: run in the Pallas interpreter (default: when the backend is not a GPU). Jitted: the index layers of one
+    shape share one trace and lowering.
     """
     config = config or IndexerConfig()
     t, i, j = q_TIJ.shape

@@ -421,13 +421,22 @@ def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array,
     """
     if experts["w1"]["weight"].dtype != jnp.uint8:
         return routed_experts_reference(experts, x_TD, weights_TX, experts_TX, limit, path)
+    path = path or pallas_path(experts_TX.size, CONFIG)
+    _check_path(path)
+    return _routed_experts_call(experts, x_TD, weights_TX, experts_TX, limit=limit, path=path, config=CONFIG,
+                                interpret=interpret_mode())
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "path", "config", "interpret"))
+def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array, *,
+                         limit: float, path: str, config: KernelConfig, interpret: bool) -> jax.Array:
+    """The kernel launches of ``routed_experts_pallas`` on ``path``, jitted: the MoE layers of one shape share one
+    trace and lowering per step shape; ``config`` is part of the key."""
     t, d = x_TD.shape
     n_per_token = experts_TX.shape[1]
     n_experts, f, _ = experts["w1"]["weight"].shape
     expert_A = experts_TX.reshape(-1).astype(jnp.int32)
     n_assign = expert_A.shape[0]
-    path = path or pallas_path(n_assign)
-    _check_path(path)
     for name, size in (("dim", d), ("moe_inter_dim", f)):
         if size % 32:
             raise ValueError(f"{name}={size} must be a multiple of 32 (the MXFP4 scale block)")
@@ -435,17 +444,18 @@ def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array,
     s1, s3, s2 = (experts[n]["scale"] for n in ("w1", "w3", "w2"))
     x_act_TD = quant.fq8(x_TD)
     weights_A = weights_TX.reshape(-1).astype(jnp.float32)
-    cfg = CONFIG
+    cfg = config
+    call = functools.partial(_call, poisoned=config.poison, interpret=interpret)
     if path == "gathered":
         rows_f, rows_d = _block(f, cfg.matvec_rows, "moe_inter_dim"), _block(d, cfg.matvec_rows, "dim")
         words_d = _block(d // 8, cfg.matvec_words, "dim/8", WORDS_PER_SCALE)
         words_f = _block(f // 8, cfg.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
         params = _compiler_params(cfg.matvec_warps, cfg.matvec_stages)
-        h_AF = _call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
+        h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
                                        words=words_d, n_words=d // 8),
                      (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
                      expert_A, weights_A, phase_major(x_act_TD), w1, s1, w3, s3)
-        y_AD = _call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8),
+        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8),
                      (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
                      expert_A, phase_major(quant.fq8(h_AF)), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
@@ -458,22 +468,22 @@ def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array,
     words_d = _block(d // 8, cfg.gemm_words, "dim/8", 2)
     words_f = _block(f // 8, cfg.gemm_words, "moe_inter_dim/8", 2)
     params = _compiler_params(cfg.gemm_warps, cfg.gemm_stages)
-    h_RF = _call(functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
+    h_RF = call(functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
                                    n_words=d // 8),
                  (n_rows, f), (n_tiles, f // cols_f), params, "routed_gate_up_gemm",
                  tile_expert_I, token_R, weight_R, x_act_TD, w1, s1, w3, s3)
-    y_RD = _call(functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8),
+    y_RD = call(functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8),
                  (n_rows, d), (n_tiles, d // cols_d), params, "routed_down_gemm",
                  tile_expert_I, quant.fq8(h_RF), w2, s2)
     return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
 
 
-def _call(kernel, out_shape: tuple[int, int], grid: tuple[int, int], params, name: str, *args) -> jax.Array:
-    """One bf16-output ``pallas_call`` (interpret mode off the GPU); with ``CONFIG.poison`` the output starts
-    NaN-filled (dijax.kernels.poison), so elements that no program writes stay NaN."""
+def _call(kernel, out_shape: tuple[int, int], grid: tuple[int, int], params, name: str, *args, poisoned: bool,
+          interpret: bool) -> jax.Array:
+    """One bf16-output ``pallas_call``; when ``poisoned`` the output starts NaN-filled (dijax.kernels.poison), so
+    elements that no program writes stay NaN."""
     return poison.pallas_call(kernel, *args, out_shape=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
-                              poison=CONFIG.poison, grid=grid, compiler_params=params, name=name,
-                              interpret=interpret_mode())
+                              poison=poisoned, grid=grid, compiler_params=params, name=name, interpret=interpret)
 
 
 _IMPLEMENTATIONS = {"reference": routed_experts_reference, "pallas": routed_experts_pallas}

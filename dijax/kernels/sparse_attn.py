@@ -159,6 +159,7 @@ def _num_splits(config: SparseAttnConfig, programs: int, blocks: int) -> int:
     return max(1, min(blocks, -(-config.target_programs // programs)))
 
 
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "config", "interpret"))
 def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                        softmax_scale: float, *, config: SparseAttnConfig | None = None,
                        interpret: bool | None = None) -> jax.Array:
@@ -166,7 +167,8 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
 
     q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
     [T, L] (-1 = none); sink_H: float32 [H]. config: tiling (default ``SparseAttnConfig()``); interpret: run the
-    kernel in the Pallas interpreter (default: when the backend is not a GPU). Returns bf16 [T, H, K].
+    kernel in the Pallas interpreter (default: when the backend is not a GPU). Returns bf16 [T, H, K]. Jitted:
+    the layers of one shape share one trace and lowering.
     """
     config = config or SparseAttnConfig()
     if not 1 <= len(kv_sources) <= MAX_SOURCES:
