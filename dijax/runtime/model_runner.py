@@ -273,8 +273,10 @@ class ModelRunner:
 
         Buckets are traced one after another here and compiled in ``threads`` parallel threads (default: one per
         CPU core, at most one per bucket): tracing holds the GIL (concurrent traces only slow each other down:
-        measured 3x on the H200 host), XLA compiles without it. On a many-core host the warm-up takes about every
-        bucket's trace plus the last compile, not the sum of the compiles. An ahead-of-time compile fills the same
+        measured 3x on the H200 host), XLA compiles without it. The warm-up takes the longer of the traces and the
+        compiles' share of the cores: for the real 40-layer config at 8192 tokens, 256 sequences and 1M context
+        (55 buckets) on the H200's 16-core host, the traces take ~3 s each and the compiles ~11 s of wall time per
+        bucket (docs/benchmarks.md, sixth session). An ahead-of-time compile fills the same
         executable cache that ``execute`` looks up, so no step traces or compiles again. ``progress`` shows a
         progress bar.
         """
