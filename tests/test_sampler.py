@@ -1,5 +1,5 @@
 """Device sampling: greedy ties, top-k / top-p limits, noise keyed only by (seed, output position), and the static
-greedy / sample modes: how a step's rows pick one, and that a row's token does not depend on it."""
+greedy / temperature / sample modes: how a step's rows pick one, and that a row's token does not depend on it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dijax.runtime import sampler
 from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, sampling_mode, step_sampling
 from dijax.runtime.sampling_params import SamplingParams
 
@@ -73,7 +74,7 @@ def _three_sort_reference(logits_V, temperature, top_k, top_p, seed, position):
     kth = jnp.sort(scaled)[::-1][jnp.clip(top_k - 1, 0, logits_V.shape[0] - 1)]
     scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
     probs = jax.nn.softmax(jnp.sort(scaled)[::-1])
-    keep = (jnp.cumsum(probs) - probs) < top_p
+    keep = ((jnp.cumsum(probs) - probs) < top_p) | (top_p >= 1)  # top_p = 1 is off (the first version's fix)
     scaled = jnp.where(scaled < jnp.min(jnp.where(keep, jnp.sort(scaled)[::-1], jnp.inf)), -jnp.inf, scaled)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32), position)
     sampled = jnp.argmax(scaled + jax.random.gumbel(key, scaled.shape, jnp.float32)).astype(jnp.int32)
@@ -124,12 +125,14 @@ def test_a_step_is_greedy_only_when_every_sampled_row_is():
     filtered_greedy = SamplingParams(temperature=0.0, top_k=5, top_p=0.5)  # filters do not matter at temperature 0
     assert sampling_mode([]) == "greedy"  # a step that samples nothing (prefill chunks only)
     assert sampling_mode([_Row(greedy), _Row(filtered_greedy)]) == "greedy"
-    assert sampling_mode([_Row(greedy), _Row(sampled), _Row(greedy)]) == "sample"
-    assert sampling_mode([_Row(SamplingParams(temperature=1e-30))]) == "sample"
+    assert sampling_mode([_Row(greedy), _Row(sampled), _Row(greedy)]) == "temperature"  # no sampled row filters
+    assert sampling_mode([_Row(SamplingParams(temperature=1e-30))]) == "temperature"
+    for filtering in (SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, top_p=0.99)):
+        assert sampling_mode([_Row(filtered_greedy), _Row(sampled), _Row(filtering)]) == "sample"
     # padding rows are greedy: they neither change the mode nor count as sampled rows
     step = step_sampling([_Row(greedy, seed=2**40 + 3, output_position=5)], 4)
     assert step.mode == "greedy" and step.columns[0].tolist() == [0.0] * 4 and step.columns[5].tolist() == [5, 0, 0, 0]
-    assert step_sampling([_Row(greedy), _Row(sampled)], 4).mode == "sample"
+    assert step_sampling([_Row(greedy), _Row(sampled)], 4).mode == "temperature"
 
 
 def test_the_sampling_columns_travel_as_one_array_and_come_back_exact():
@@ -177,15 +180,45 @@ def test_greedy_mode_takes_what_sample_mode_takes_for_temperature_0_rows():
     assert mixed[temperature > 0].tolist() != greedy[temperature > 0].tolist()
 
 
-def test_greedy_mode_compiles_no_sort_and_no_noise():
+def test_greedy_mode_compiles_no_sort_and_no_noise_and_temperature_mode_no_sort():
     r, v = 4, 64
     args = (jnp.zeros((r, v)), jnp.zeros(r), jnp.zeros(r, jnp.int32), jnp.ones(r), jnp.zeros(r, jnp.uint32),
             jnp.zeros(r, jnp.uint32), jnp.zeros(r, jnp.int32))
-    greedy, full = (sample.lower(*args, mode=mode).as_text() for mode in ("greedy", "sample"))
+    greedy, plain, full = (sample.lower(*args, mode=mode).as_text() for mode in ("greedy", "temperature", "sample"))
     assert "sort" in full and "threefry" in full
     assert "sort" not in greedy and "threefry" not in greedy and "exponential" not in greedy
+    assert "sort" not in plain and "threefry" in plain
 
 
 def test_an_unknown_mode_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"sampling mode must be one of \('greedy', 'sample'\), got 'temperature'"):
-        _sample(np.zeros((1, 4), np.float32), mode="temperature")
+    with pytest.raises(ValueError, match=r"sampling mode must be one of \('greedy', 'temperature', 'sample'\), "
+                                         r"got 'nucleus'"):
+        _sample(np.zeros((1, 4), np.float32), mode="nucleus")
+
+
+def test_top_p_1_is_an_exact_no_op_even_where_the_float32_mass_reaches_1_early():
+    # two tokens of mass 1/2 each, then 4094 of mass ~1e-12: the float32 cumulative sum is exactly 1 after the
+    # second token, so a `mass before < top_p` rule alone would drop the whole tail at top_p = 1
+    logits_V = np.full(4096, -27.6, np.float32)
+    logits_V[:2] = 0.0
+    scaled = jnp.asarray(logits_V)
+    probs = jax.nn.softmax(jnp.sort(scaled)[::-1])
+    assert float((jnp.cumsum(probs) - probs)[2]) >= 1.0  # the premise
+    kept = np.asarray(sampler._filter(scaled, jnp.int32(0), jnp.float32(1.0)))
+    np.testing.assert_array_equal(kept, logits_V)
+    assert np.isneginf(np.asarray(sampler._filter(scaled, jnp.int32(0), jnp.float32(0.999)))[2:]).all()
+
+
+def test_the_temperature_mode_draws_the_sample_modes_tokens():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0, 3, (16, 300)).astype(np.float32)
+    temperature = np.array([0.0, 0.3, 1.0, 1.7] * 4, np.float32)
+    for trial in range(3):
+        seeds, positions = rng.integers(0, 2**63, 16, dtype=np.uint64), rng.integers(0, 1000, 16)
+        fast = _sample(logits, temperature, seeds=seeds, positions=positions, mode="temperature")
+        full = _sample(logits, temperature, seeds=seeds, positions=positions, mode="sample")
+        assert fast.tolist() == full.tolist(), trial
+        assert fast[0] == logits[0].argmax()
+    # the mode never reads the filters: rows that filter must not be sent to it (sampling_mode)
+    assert len(set(_sample(np.zeros((64, 50), np.float32), seeds=np.full(64, 3), positions=np.arange(64),
+                           mode="temperature").tolist())) > 10

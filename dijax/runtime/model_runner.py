@@ -12,7 +12,8 @@ An engine step is two executables launched back to back, with no host read betwe
 * the model step, one per (T, W) bucket, the kernel choice (``kernels``: auto / on / off, dijax.kernels) static:
   the forward of the step's tokens, returning the float32 logits of its S sampling rows;
 * the sampler, one per (S, sampler mode): the mode (dijax.runtime.sampler.MODES: ``greedy`` when every sampled row
-  has temperature 0, with no sort; else ``sample``) is picked on the host from the step's SamplingParams. It
+  has temperature 0, ``temperature`` when none filters, both with no sort; else ``sample``) is picked on the host
+  from the step's SamplingParams. It
   returns the tokens int32 [max rows], padded to the runner's row capacity so that every bucket's model step
   takes the same token array. A sampler executable is small (XLA:CPU compiles one for 64 rows of V4.1-Flash's
   vocabulary in under a second on a loaded 2-core host; a real-model step takes ~54 s per bucket on the H200), so
@@ -267,7 +268,7 @@ class ModelRunner:
     def warmup(self, threads: int | None = None, progress: bool = False) -> None:
         """Compile the engine step's executables ahead of time, without running them: the model step of every
         bucket (``buckets``: ``len(buckets())`` executables) and, for its logits, the sampler in every mode
-        (``MODES``: any step can take either) for every row bucket S = min(T, max rows) of the buckets
+        (``MODES``: any step can take any of them) for every row bucket S = min(T, max rows) of the buckets
         (``len({S}) * len(MODES)`` small executables). The teacher-forced step of ``forward`` compiles on first
         use.
 

@@ -5,19 +5,18 @@ into two uint32 halves: it does not depend on the batch row, the batch size or a
 recomputed (preempted) request draws the same tokens (DESIGN.md promise 3), and seeds differing in any bit draw
 different noise.
 
-A step samples in one of two static modes (``MODES``), picked on the host from its rows' SamplingParams
+A step samples in one of three static modes (``MODES``), picked on the host from its rows' SamplingParams
 (``sampling_mode``) and carried in the jit key of the runner's sampler executable (``StepSampling.mode``; the
-model step before it is the same in both), so the choice costs the device nothing (a ``lax.cond`` would read its
+model step before it is the same in all), so the choice costs the device nothing (a ``lax.cond`` would read its
 predicate back to the host mid-step on GPU):
 
 * ``greedy``: every row has temperature 0 (a step that samples no row included): each row's argmax, with no sort,
   no softmax and no noise.
-* ``sample``: one descending sort per row serves both top-k and top-p; a temperature-0 row takes the same argmax
-  as in ``greedy``, so a row's token never depends on the mode its step took.
+* ``temperature``: no sampled row filters (top_k 0, top_p 1): the Gumbel argmax of the scaled logits, with no
+  sort. top_k 0 and top_p 1 are exact no-ops in ``sample`` (``_filter``), so a row draws the same token in both.
+* ``sample``: one descending sort per row serves both top-k and top-p.
 
-There is no third, temperature-only mode (a Gumbel argmax without the sort when no row uses top-k / top-p): it
-would not draw the ``sample`` mode's tokens, because top_p = 1 there is not an exact no-op (the float32 cumulative
-sum over a large vocabulary can reach 1 before its tail, dropping tokens of ~1e-7 total mass).
+A temperature-0 row takes the same argmax in every mode, so a row's token never depends on the mode its step took.
 
 Letters: R rows to sample, V vocab.
 """
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES = ("greedy", "sample")
+MODES = ("greedy", "temperature", "sample")
 
 
 def _argmax(logits_xV: jax.Array) -> jax.Array:
@@ -40,26 +39,44 @@ def _argmax(logits_xV: jax.Array) -> jax.Array:
     return jnp.argmax(logits_xV, axis=-1).astype(jnp.int32)
 
 
-def _one(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position):
-    greedy = _argmax(logits_V)
-    scaled = logits_V.astype(jnp.float32) / jnp.maximum(temperature, 1e-5)
+def _scaled(logits_V: jax.Array, temperature: jax.Array) -> jax.Array:
+    return logits_V.astype(jnp.float32) / jnp.maximum(temperature, 1e-5)
+
+
+def _filter(scaled_V: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``scaled_V`` with the entries top-k, then top-p, drop set to -inf. top_k 0 and top_p >= 1 leave it exactly
+    as it was (the float32 cumulative sum of a large vocabulary can reach 1 before its tail: top_p >= 1 does not
+    read it)."""
     # one descending sort serves both filters: masking the values below the k-th of a sorted row leaves it sorted
-    ordered_V = jnp.sort(scaled)[::-1]
-    kth = ordered_V[jnp.clip(top_k - 1, 0, logits_V.shape[0] - 1)]
+    ordered_V = jnp.sort(scaled_V)[::-1]
+    kth = ordered_V[jnp.clip(top_k - 1, 0, scaled_V.shape[0] - 1)]
     cut_k = top_k > 0
-    scaled = jnp.where(cut_k & (scaled < kth), -jnp.inf, scaled)
+    scaled_V = jnp.where(cut_k & (scaled_V < kth), -jnp.inf, scaled_V)
     ordered_V = jnp.where(cut_k & (ordered_V < kth), -jnp.inf, ordered_V)
     probs_V = jax.nn.softmax(ordered_V)
     # keep the smallest prefix whose mass reaches top_p; the first token always stays (a top_p that rounds to 0
     # in float32 still samples the most likely token)
     first_V = jnp.arange(ordered_V.shape[0]) == 0
-    keep_V = ((jnp.cumsum(probs_V) - probs_V) < top_p) | first_V
+    keep_V = ((jnp.cumsum(probs_V) - probs_V) < top_p) | first_V | (top_p >= 1)
     threshold = jnp.min(jnp.where(keep_V, ordered_V, jnp.inf))
-    scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
+    return jnp.where(scaled_V < threshold, -jnp.inf, scaled_V)
+
+
+def _draw(logits_V, scaled_V, temperature, seed_hi, seed_lo, position):
+    """The row's token: the argmax of ``logits_V`` at temperature 0, else the Gumbel argmax of ``scaled_V``."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_lo), seed_hi), position)
-    noisy = scaled + jax.random.gumbel(key, scaled.shape, jnp.float32)
-    sampled = _argmax(noisy)
-    return jnp.where(temperature == 0, greedy, sampled)
+    sampled = _argmax(scaled_V + jax.random.gumbel(key, scaled_V.shape, jnp.float32))
+    return jnp.where(temperature == 0, _argmax(logits_V), sampled)
+
+
+def _one(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position):
+    scaled_V = _filter(_scaled(logits_V, temperature), top_k, top_p)
+    return _draw(logits_V, scaled_V, temperature, seed_hi, seed_lo, position)
+
+
+def _unfiltered(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position):
+    del top_k, top_p  # the ``temperature`` mode: every sampled row has top_k 0 and top_p 1
+    return _draw(logits_V, _scaled(logits_V, temperature), temperature, seed_hi, seed_lo, position)
 
 
 @partial(jax.jit, static_argnames="mode")
@@ -71,15 +88,20 @@ def sample(logits_RV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, t
     ``MODES``) is what ``sampling_mode`` picks for them: in ``greedy`` the row arguments are not read."""
     if mode == "greedy":
         return _argmax(logits_RV)
-    if mode == "sample":
-        return jax.vmap(_one)(logits_RV, temperature_R, top_k_R, top_p_R, seed_hi_R, seed_lo_R, position_R)
+    if mode in ("temperature", "sample"):
+        row = _unfiltered if mode == "temperature" else _one
+        return jax.vmap(row)(logits_RV, temperature_R, top_k_R, top_p_R, seed_hi_R, seed_lo_R, position_R)
     raise ValueError(f"sampling mode must be one of {MODES}, got {mode!r}")
 
 
 def sampling_mode(chunks: Sequence) -> str:
     """The mode of a step sampling ``chunks`` (each with ``params``, a SamplingParams, or None for a padding row):
-    "greedy" when every row has temperature 0 (or there is none), else "sample"."""
-    return "greedy" if all(c.params.greedy for c in chunks if c is not None) else "sample"
+    "greedy" when every row has temperature 0 (or there is none), else "temperature" when no sampled row filters
+    (top_k 0, top_p 1), else "sample"."""
+    sampled = [c.params for c in chunks if c is not None and not c.params.greedy]
+    if not sampled:
+        return "greedy"
+    return "temperature" if all(p.top_k == 0 and p.top_p >= 1 for p in sampled) else "sample"
 
 
 def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
