@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Everything a GPU session should run before turning a kernel on by default (dijax/kernels AUTO_ON_GPU), in stages
 # that each fit one device call (600 s, about 100 s of it the machine's start): `tests` (the GPU kernel tests, then
-# the engine's timeline and warm-up tests: measured on the H200, 60 kernel tests take more than 280 s and the
-# timeline tests 170 s when the two share the machine, so they run one after the other here), `kernels` (the
+# the engine's timeline and warm-up tests: measured on the H200, the 60 kernel tests take 201 s alone and the
+# timeline tests 170 s, so they run one after the other here), `kernels` (the
 # kernels' micro-benchmarks), `engine` (the tiny engine's ZOS on / off timeline against the device-only step: its
-# first generate compiles every engine bucket, over 150 s), `bench` (the tiny step with kernels off and on, a
+# first generate compiles every engine bucket), `warmup` (the warm-up total of the real config's 1M-context engine,
+# tools/compile_time.py), `bench` (the tiny step with kernels off and on, a
 # profiler trace and its summary), `parity` (`dijax parity --kernels on` on tiny-nodrop, its engine run and tiny,
 # side by side), `parity2` (tiny-nodrop --chunk 7 and tiny's tier 2 again alone: four runs side by side no longer
 # finish in one call since the fp8 linear and indexer kernels add Pallas compiles to every bucket). Compilation is
 # mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each command has its
 # own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace of an engine
 # run) out of these stages: on the H200 it did not finish within 140 s.
-#   device: bash tools/gpu_validate.sh tests     (then kernels, engine, bench, parity, parity2: one call each)
+#   device: bash tools/gpu_validate.sh tests     (then kernels, warmup, engine, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|engine|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|warmup|engine|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -32,6 +33,10 @@ case "$stage" in
     run 200 python3 -m pytest -q -ra tests/test_step_timeline.py "tests/test_engine.py::test_no_new_compilations_after_warm_up" ;;
   kernels)
     run 450 python3 tools/bench_kernels.py --iters 10 --repeats 3 ;;
+  warmup)
+    # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
+    # sixth session: traced in 181 s, compiles ~11 s of wall time per bucket, so about 10 minutes: alone)
+    run 570 python3 tools/compile_time.py --engine 8192,256,1048576 --threads 16 ;;
   engine)
     run 450 python3 tools/bench.py --kernels auto --decode-batch 1 --context 256 --prefill "" --block-size 16 \
       --engine on --warmup 5 --iters 30 ;;
@@ -54,6 +59,6 @@ case "$stage" in
     fi
     wait
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, engine, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, warmup, engine, bench, parity, parity2)" >&2; exit 2 ;;
 esac
-grep -E "^(==|   \(exit|\||parity|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120
+grep -E "^(==|   \(exit|\||parity|bucket|total|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120
