@@ -17,9 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-FP8_BLOCK = 32  # one fp8 scale per 32x32 weight tile / per 32 activations (v41_spec §12)
-FP4_BLOCK = 32  # MXFP4 experts and the indexer's fp4 path: one scale per 32 values
-LATENT_FP4_BLOCK = 16  # compressed-KV latents: fp4 with one e4m3 scale per 16 values
+from dijax.kernels.quant import FP8_BLOCK, LATENT_FP4_BLOCK
+
 
 # ModelArgs key -> HF text_config key, where they differ (v41_spec §1).
 _HF_NAMES = {

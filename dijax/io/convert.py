@@ -36,9 +36,9 @@ import numpy as np
 from tqdm import tqdm
 
 from dijax.io.safetensors import DTYPES, SafetensorsFile
-from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
+from dijax.config import ModelConfig
 from dijax.io.tensor_spec import CheckpointError, backbone_spec, check_tensors, stored_shape
-from dijax.kernels.quant import FP4_TABLE
+from dijax.kernels.quant import FP4_BLOCK, FP4_TABLE, FP8_BLOCK
 
 MARKER = "dijax.json"
 FORMAT = {"format": "dijax-safetensors", "version": 1}

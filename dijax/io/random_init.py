@@ -14,10 +14,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
+from dijax.config import ModelConfig
 from dijax.io.checkpoint import params_from_tensors
 from dijax.io.tensor_spec import backbone_spec
-from dijax.kernels.quant import E2M1_GRID
+from dijax.kernels.quant import E2M1_GRID, FP4_BLOCK, FP8_BLOCK
 
 _GAINS = {"attn.wo_b": 0.4, ".w2": 0.2, "engram.wkv": 0.3, "ffn.gate": 3.0}
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import os
 
-from dijax.config import FP4_BLOCK, FP8_BLOCK, ModelConfig
+from dijax.config import ModelConfig
+from dijax.kernels.quant import FP4_BLOCK, FP8_BLOCK
 from dijax.io.safetensors import SafetensorsFile, checkpoint_files
 
 

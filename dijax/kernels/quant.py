@@ -20,6 +20,9 @@ import numpy as np
 
 from dijax.kernels.numerics import divide
 
+FP8_BLOCK = 32  # one fp8 scale per 32x32 weight tile / per 32 activations (v41_spec §12)
+FP4_BLOCK = 32  # MXFP4 experts and the indexer's fp4 path: one scale per 32 values
+LATENT_FP4_BLOCK = 16  # compressed-KV latents: fp4 with one e4m3 scale per 16 values
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 _FP8_MAX_INV = np.float32(1.0 / FP8_MAX)
@@ -86,7 +89,7 @@ def _groups(x: jax.Array, block: int) -> jax.Array:
     return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def fq8(x: jax.Array, block: int = 32) -> jax.Array:
+def fq8(x: jax.Array, block: int = FP8_BLOCK) -> jax.Array:
     """Fake-quantise activations to e4m3 with one ue8m0 scale per ``block`` values (``act_quant`` in place).
 
     x: [..., K] bf16. Returns [..., K] bf16 holding q * s exactly.
@@ -98,7 +101,7 @@ def fq8(x: jax.Array, block: int = 32) -> jax.Array:
     return (q * s).reshape(x.shape).astype(jnp.bfloat16)
 
 
-def fq4_pow2(x: jax.Array, block: int = 32) -> jax.Array:
+def fq4_pow2(x: jax.Array, block: int = FP4_BLOCK) -> jax.Array:
     """fp4 path A (index q and keys): e2m1 with one ue8m0 scale per ``block``. x: [..., K] bf16 -> bf16."""
     xg = _groups(x, block)
     amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1, keepdims=True), np.float32(6 * 2.0 ** -126))
@@ -107,7 +110,7 @@ def fq4_pow2(x: jax.Array, block: int = 32) -> jax.Array:
     return (e2m1_round(v) * s).reshape(x.shape).astype(jnp.bfloat16)
 
 
-def fq4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
+def fq4_e4m3(x: jax.Array, block: int = LATENT_FP4_BLOCK) -> jax.Array:
     """fp4 path B (compressed-KV latents): e2m1 with one e4m3 scale per ``block``. x: [..., K] bf16 -> bf16.
 
     The scale is ``e4m3(amax / 6)`` and values are divided by it (the fixtures were produced dividing).
@@ -127,7 +130,7 @@ def ue8m0_to_f32(exponent_u8: jax.Array) -> jax.Array:
     return jnp.where(e == 255, np.float32(np.nan), value)
 
 
-def dequant_fp8_weight(weight: jax.Array, scale_u8: jax.Array, block: int = 32) -> jax.Array:
+def dequant_fp8_weight(weight: jax.Array, scale_u8: jax.Array, block: int = FP8_BLOCK) -> jax.Array:
     """e4m3 [out, in] with ue8m0 [ceil(out/block), in/block] tile scales -> bf16 [out, in] (exact)."""
     out_dim, in_dim = weight.shape
     s = ue8m0_to_f32(scale_u8)
@@ -143,14 +146,14 @@ def unpack_fp4(packed_u8: jax.Array) -> jax.Array:
     return jnp.stack([low, high], axis=-1).reshape(*packed_u8.shape[:-1], packed_u8.shape[-1] * 2)
 
 
-def dequant_fp4_weight(packed_u8: jax.Array, scale_u8: jax.Array, block: int = 32) -> jax.Array:
+def dequant_fp4_weight(packed_u8: jax.Array, scale_u8: jax.Array, block: int = FP4_BLOCK) -> jax.Array:
     """MXFP4 uint8 [..., out, in/2] with ue8m0 [..., out, in/32] -> bf16 [..., out, in] (exact)."""
     values = unpack_fp4(packed_u8)
     s = jnp.repeat(ue8m0_to_f32(scale_u8), block, axis=-1)
     return (values * s).astype(jnp.bfloat16)
 
 
-def dequant_rows_fp8(rows: jax.Array, scale_u8: jax.Array, block: int = 32) -> jax.Array:
+def dequant_rows_fp8(rows: jax.Array, scale_u8: jax.Array, block: int = FP8_BLOCK) -> jax.Array:
     """e4m3 rows [..., W] with ue8m0 [..., W/block] -> bf16 [..., W] (Engram table lookup)."""
     s = jnp.repeat(ue8m0_to_f32(scale_u8), block, axis=-1)
     return (rows.astype(jnp.float32) * s).astype(jnp.bfloat16)

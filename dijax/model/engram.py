@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dijax.config import FP8_BLOCK, ModelConfig
+from dijax.config import ModelConfig
 from dijax.kernels import quant
+from dijax.kernels.quant import FP8_BLOCK
 from dijax.model.layers import QuantLinear, linear, param, values
 from dijax.kernels.numerics import mean
 from dijax.parallel.engram import table_rows

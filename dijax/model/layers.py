@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dijax.config import FP4_BLOCK, FP8_BLOCK
 from dijax.kernels import numerics, quant
 from dijax.kernels.fp8_linear import fp8_linear
+from dijax.kernels.quant import FP4_BLOCK, FP8_BLOCK
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
