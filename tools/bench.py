@@ -239,13 +239,18 @@ class StepTiming:
     temp_bytes: int
 
 
+# SamplingParams that put a step in each sampler mode (dijax.runtime.sampler.MODES)
+SAMPLING = {"greedy": SamplingParams(temperature=0.0), "temperature": SamplingParams(temperature=0.8),
+            "sample": SamplingParams(temperature=0.8, top_p=0.95)}
+
+
 def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
               warmup: int, iters: int, kernels: str, dump: str | None = None,
-              label: str = "step", max_model_len: int | None = None) -> StepTiming:
+              label: str = "step", max_model_len: int | None = None, sampling: str = "sample") -> StepTiming:
     """The timing of the engine's step (``StepTiming``): ``ModelRunner``'s two executables launched back to back, as
     ``execute`` does, at the runner's buckets: the model step (the ZOS remap and ``forward_step``) and the sampler
-    on its logits, every sequence sampling one token in the ``sample`` mode (the ``greedy`` mode's sampler has no
-    sort: cheaper). Compile time, launches and temporary bytes are the sums over both executables. Sequence i has
+    on its logits, every sequence sampling one token in the sampler mode ``sampling`` (``sampler.MODES``: 'sample'
+    sorts each row's logits, 'temperature' and 'greedy' do not). Compile time, launches and temporary bytes are the sums over both executables. Sequence i has
     ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off. ``max_model_len`` defaults to the longest
     sequence's blocks; a larger one must not change the step (the block table's width follows the step's sequences,
     not ``max_model_len``: issue 9's row). The runner's debug logits are on so the first run can check them finite.
@@ -263,14 +268,14 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
                          max_num_seqs=len(lengths),
                          max_num_batched_tokens=total, debug_logits=True, kernels=kernels)
     runner.cache = _randomised(runner.cache, seed=1)
-    sampling = SamplingParams(temperature=0.8, top_p=0.95)  # the sampler's cost does not depend on its values
+    sampling_params = SAMPLING[sampling]  # the sampler's cost depends on its mode only
     chunks = []
     for i, (c, n) in enumerate(lengths):
         blocks = tuple(range(i * max_blocks, (i + 1) * max_blocks))
         token_ids = tuple(rng.integers(3, cfg.vocab_size, n).tolist())
         chunks.append(ScheduledChunk(request_id=str(i), slot=i, block_table=blocks, start=c, num_tokens=n,
                                      token_ids=token_ids, sample=True, epoch=0, seed=i, output_position=0,
-                                     params=sampling))
+                                     params=sampling_params))
     inputs, sampler_inputs, _ = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total,
                                                                 preempted=()), None)
     start = time.perf_counter()
@@ -391,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-path", choices=("auto", "ragged", "gathered"), default="auto",
                         help="routed-experts path: auto (gathered when T*X < E) or forced, for A/B comparisons")
     add_model_options(parser)  # --kernels (run once with each to compare) and --ep
+    parser.add_argument("--sampling", choices=tuple(SAMPLING), default="sample",
+                        help="step rows: the sampler mode every sequence samples in (default: sample, one sort per "
+                             "row; temperature and greedy sort nothing)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dump", help="write each step's optimised HLO and a profiler trace of 3 steps here")
     args = parser.parse_args(argv)
@@ -408,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"({longest} tokens: context + 1 for decode, the prompt for prefill); allowed: >= {longest}")
     header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
               f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels}"
-              f" | ep {args.ep} | warm-up {args.warmup}, median of {args.iters}"
+              f" | ep {args.ep} | sampling {args.sampling} | warm-up {args.warmup}, median of {args.iters}"
               f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s")
     print(header, flush=True)
     start = time.perf_counter()
@@ -425,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(label, lengths, None) for label, lengths in cases]
     for label, lengths, max_model_len in cases:
         timing = time_step(cfg, params, consts, lengths, args.block_size, args.warmup, args.iters, args.kernels,
-                           args.dump, label, max_model_len)
+                           args.dump, label, max_model_len, args.sampling)
         median = timing.median
         tokens = sum(n for _, n in lengths)
         cost = step_cost(cfg, tokens, [c + n for c, n in lengths])
