@@ -100,11 +100,14 @@ def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_b
     return lowered, time.perf_counter() - start
 
 
-def compile_seconds(lowered: jax.stages.Lowered) -> float:
-    """Seconds to compile ``lowered`` (XLA runs without the GIL, so threads compile side by side)."""
+def compile_bucket(lowered: jax.stages.Lowered) -> tuple[float, float]:
+    """(seconds to compile ``lowered``, GB of XLA temporaries of the executable). XLA runs without the GIL, so
+    threads compile side by side. The temporaries show what the step allocates beside its parameters and cache,
+    for example a per-layer copy of a stacked weight that a scanned layer hands to a kernel."""
     start = time.perf_counter()
-    lowered.compile()
-    return time.perf_counter() - start
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    return seconds, compiled.memory_analysis().temp_size_in_bytes / 1e9
 
 
 def main() -> None:
@@ -158,13 +161,13 @@ def main() -> None:
         for tokens, seqs, width in plan:
             lowered, lower_s = lower_bucket(cfg, params, consts, tokens, seqs, width, args.num_blocks,
                                             args.block_size, fold, options)
-            pending.append((tokens, seqs, width, lower_s, pool.submit(compile_seconds, lowered)))
+            pending.append((tokens, seqs, width, lower_s, pool.submit(compile_bucket, lowered)))
             print(f"  traced {len(pending)}/{len(plan)} at {time.perf_counter() - start:6.1f} s", flush=True)
         for tokens, seqs, width, lower_s, future in pending:
-            compile_s = future.result()
+            compile_s, temp_gb = future.result()
             total += lower_s + compile_s
             print(f"bucket {tokens:>5} tokens x {seqs:>3} sequences x {width:>5} blocks: lower {lower_s:6.1f} s, "
-                  f"compile {compile_s:6.1f} s", flush=True)
+                  f"compile {compile_s:6.1f} s, temporaries {temp_gb:7.3f} GB", flush=True)
     print(f"total {total:.1f} s of lowering and compiling; wall {time.perf_counter() - start:.1f} s")
 
 if __name__ == "__main__":
