@@ -28,12 +28,14 @@ def test_index_chunk_bounds_the_scores():
     limit = attention.INDEX_CHUNK_ELEMENTS
     assert index_chunk(64, 4096) == 64  # decode and short prefill: one chunk, no loop
     assert index_chunk(8192, limit // 8192) == 8192
-    # an 8192-token chunk at 1M context (block 128, 64 positions per block): 64 tokens at a time
+    # an 8192-token step at 1M context (block 128, 64 positions per block), the kernel's [T, P] scores: 128 tokens
+    # at a time; the reference's [T, P, J] keys (J = 128, I = 32 heads): one token at a time
     assert index_chunk(8192, 8192 * 64) == limit // (8192 * 64) == 128
+    assert index_chunk(8192, 8192 * 64 * (128 + 32)) == 1
     assert index_chunk(3, 2 * limit) == 1  # never below one token
-    for tokens, width in ((8192, 8192 * 64), (1000, 99_999), (7, limit)):
-        chunk = index_chunk(tokens, width)
-        assert chunk * width <= max(limit, width) and chunk & (chunk - 1) == 0
+    for tokens, per_token in ((8192, 8192 * 64), (1000, 99_999), (7, limit)):
+        chunk = index_chunk(tokens, per_token)
+        assert chunk * per_token <= max(limit, per_token) and chunk & (chunk - 1) == 0
 
 
 def test_candidate_picks_and_their_mask():
@@ -90,9 +92,11 @@ def test_chunked_selection_computes_what_one_chunk_computes(monkeypatch):
         return out
 
     whole = run()
-    widest = 4 * spec.block_size  # positions in the widest index table: 4 blocks of 16 at ratio 1
-    monkeypatch.setattr(attention, "INDEX_CHUNK_ELEMENTS", 16 * widest)  # at most 16 tokens a chunk
-    assert index_chunk(80, widest) <= 16
+    # at most 16 tokens a chunk in every index layer: the widest table has 4 blocks of 16 positions (ratio 1), and
+    # the reference indexer that runs here holds J + I elements per token and position
+    per_token = 4 * spec.block_size * (cfg.index_head_dim + cfg.index_n_heads)
+    monkeypatch.setattr(attention, "INDEX_CHUNK_ELEMENTS", 16 * per_token)
+    assert index_chunk(80, per_token) == 16
     chunked = run()
     for (logits_a, topk_a), (logits_b, topk_b) in zip(whole, chunked):
         np.testing.assert_array_equal(logits_a, logits_b)

@@ -160,16 +160,16 @@ def candidate_mask(picks_TK: jax.Array, width: int, block_size: int) -> jax.Arra
     return jnp.repeat(kept, block_size, axis=1)[:, :width]
 
 
-INDEX_CHUNK_ELEMENTS = 2 ** 26  # float32 index scores [tokens, positions] one selection chunk holds (256 MiB)
+INDEX_CHUNK_ELEMENTS = 2 ** 26  # elements one index-selection chunk may hold per [tokens, ...] array (256 MiB fp32)
 
 
-def index_chunk(tokens: int, width: int) -> int:
-    """Tokens per index-selection chunk (``index_select``): all ``tokens`` when their [tokens, width] scores hold at
-    most INDEX_CHUNK_ELEMENTS, else the largest power of two that does (at least one)."""
-    if tokens * width <= INDEX_CHUNK_ELEMENTS:
+def index_chunk(tokens: int, per_token: int) -> int:
+    """Tokens per index-selection chunk (``index_select``): all ``tokens`` when ``tokens * per_token`` elements fit
+    INDEX_CHUNK_ELEMENTS, else the largest power of two of tokens that does (at least one)."""
+    if tokens * per_token <= INDEX_CHUNK_ELEMENTS:
         return tokens
     chunk = 1
-    while 2 * chunk * width <= INDEX_CHUNK_ELEMENTS:
+    while 2 * chunk * per_token <= INDEX_CHUNK_ELEMENTS:
         chunk *= 2
     return chunk
 
@@ -184,8 +184,9 @@ def index_select(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, qr
 
     The queries and head weights are computed here, the scores by ``kernels.indexer`` (``indexer_impl``). Every
     token's selection is its own, so the tokens run in chunks of ``index_chunk`` (a loop only when the step's
-    [T, P] scores would exceed INDEX_CHUNK_ELEMENTS: a long prefill chunk at a long context): the scores never
-    take more than that much memory, whatever the context. candidates_TK: the candidate source's picks
+    largest per-token array would exceed INDEX_CHUNK_ELEMENTS: a long prefill chunk at a long context; that array
+    is the [T, P] scores with the kernel, the reference's gathered keys and per-head scores, [T, P, J] and
+    [T, I, P], without it): the selection never takes more memory than that, whatever the context. candidates_TK: the candidate source's picks
     (``select_candidate_blocks``), read when ``role.uses_candidates``. Returns (sel_TN int32 [T, index_topk],
     ascending, -1 padded; the candidate picks [T, Kb] when ``role.candidate_source``, else ``candidates_TK``).
     """
@@ -208,7 +209,7 @@ def index_select(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, qr
 
     cand_TK = candidates_TK if role.uses_candidates else jnp.zeros((t, 0), jnp.int32)
     xs = (q_TIJ, w_TI.astype(jnp.bfloat16), g.seq_T, visible_T, limit_T, cand_TK)
-    chunk = index_chunk(t, width)
+    chunk = index_chunk(t, width if indexer_impl == "pallas" else width * (head_dim + n_heads))
     if chunk == t:
         sel_TN, cand_TK = select(*xs)
     else:  # padded tokens see no position: their picks are all -1, and they are cut off after
