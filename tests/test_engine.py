@@ -19,7 +19,8 @@ pytestmark = pytest.mark.cost(150)  # CI seconds, a scheduling hint (tests/conft
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
 # One engine size for every test here but the preemption one: its step buckets (tokens 8 / 16 / 32 x the one
 # block-table width 4: max_model_len's blocks, below model_runner.min_width; test_no_new_compilations_after_warm_up)
-# are compiled once for the whole module, each a whole-model compile on CPU. The preemption test's pool has its own shapes (4 blocks) and a one-bucket token budget.
+# are compiled once for the whole module, each a whole-model compile on CPU. The preemption test's pool has its own
+# shapes (4 blocks) and a one-bucket token budget.
 SIZES = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
 
 

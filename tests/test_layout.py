@@ -35,8 +35,9 @@ def _imports(module: str, path: str, modules: dict[str, str]) -> set[str]:
             found.update(alias.name for alias in node.names if alias.name in modules)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if node.level:  # relative: the package, less one level per dot beyond the first
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
             for alias in node.names:
                 name = f"{base}.{alias.name}"
                 found.add(name if name in modules else base)

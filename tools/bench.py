@@ -250,13 +250,14 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     """The timing of the engine's step (``StepTiming``): ``ModelRunner``'s two executables launched back to back, as
     ``execute`` does, at the runner's buckets: the model step (the ZOS remap and ``forward_step``) and the sampler
     on its logits, every sequence sampling one token in the sampler mode ``sampling`` (``sampler.MODES``: 'sample'
-    sorts each row's logits, 'temperature' and 'greedy' do not). Compile time, launches and temporary bytes are the sums over both executables. Sequence i has
-    ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off. ``max_model_len`` defaults to the longest
-    sequence's blocks; a larger one must not change the step (the block table's width follows the step's sequences,
-    not ``max_model_len``: issue 9's row). The runner's debug logits are on so the first run can check them finite.
-    With ``dump``, the optimised HLO of the model step goes to ``dump/<label>.hlo.txt``, the sampler's to
-    ``dump/<label>.sampler.hlo.txt``, and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with
-    xprof / Perfetto, or summarise it with ``tools/trace_summary.py``)."""
+    sorts each row's logits, 'temperature' and 'greedy' do not). Compile time, launches and temporary bytes are the
+    sums over both executables. Sequence i has ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off.
+    ``max_model_len`` defaults to the longest sequence's blocks; a larger one must not change the step (the block
+    table's width follows the step's sequences, not ``max_model_len``: issue 9's row). The runner's debug logits are
+    on so the first run can check them finite. With ``dump``, the optimised HLO of the model step goes to
+    ``dump/<label>.hlo.txt``, the sampler's to ``dump/<label>.sampler.hlo.txt``, and a JAX profiler trace of the
+    timed runs to ``dump/<label>/`` (open it with xprof / Perfetto, or summarise it with
+    ``tools/trace_summary.py``)."""
     from dijax.runtime.model_runner import ModelRunner
     from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
 

@@ -186,9 +186,11 @@ def index_select(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, qr
     token's selection is its own, so the tokens run in chunks of ``index_chunk`` (a loop only when the step's
     largest per-token array would exceed INDEX_CHUNK_ELEMENTS: a long prefill chunk at a long context; that array
     is the [T, P] scores with the kernel, the reference's gathered keys and per-head scores, [T, P, J] and
-    [T, I, P], without it): the selection never takes more memory than that, whatever the context. candidates_TK: the candidate source's picks
-    (``select_candidate_blocks``), read when ``role.uses_candidates``. Returns (sel_TN int32 [T, index_topk],
-    ascending, -1 padded; the candidate picks [T, Kb] when ``role.candidate_source``, else ``candidates_TK``).
+    [T, I, P], without it): the selection never takes more memory than that, whatever the context.
+
+    candidates_TK: the candidate source's picks (``select_candidate_blocks``), read when ``role.uses_candidates``.
+    Returns (sel_TN int32 [T, index_topk], ascending, -1 padded; the candidate picks [T, Kb] when
+    ``role.candidate_source``, else ``candidates_TK``).
     """
     t = x_TD.shape[0]
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
@@ -249,8 +251,8 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
 
     x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
     returned in the new cache dict); ``shared`` carries what sources publish to later layers in this step:
-    {"topk": {layer: [T, N]}, "candidates": picked blocks [T, Kb]}. ``topk_impl`` ("reference" | "select" | "pallas") and
-    ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and ``indexer_impl`` (the index scores), each
+    {"topk": {layer: [T, N]}, "candidates": picked blocks [T, Kb]}. ``topk_impl`` ("reference" | "select" |
+    "pallas") and ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and ``indexer_impl`` (the index scores), each
     "reference" | "pallas", pick the kernel implementations (static): the top-k picks are identical, the attention
     output, the linears and the index scores agree to bf16 rounding (``kernels.sparse_attn``,
     ``kernels.fp8_linear``, ``kernels.indexer``).
