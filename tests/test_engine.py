@@ -59,16 +59,19 @@ def test_no_new_compilations_after_warm_up(warm):
     llm.generate(PROMPTS[::-1], work, use_tqdm=False)
     llm.generate(PROMPTS, work, use_tqdm=False)
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # greedy-mode steps
+    llm.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=4, seed=1), use_tqdm=False)  # temperature mode
     assert _counts(llm) == warm_counts
 
 
-def test_a_mixed_workload_gives_the_same_tokens_with_or_without_greedy_steps(warm, monkeypatch):
-    """Two greedy requests beside a sampled one that finishes first: the run takes both sampler modes, and forcing
-    every step through the sample mode changes no token."""
+def test_a_mixed_workload_gives_the_same_tokens_in_every_sampler_mode(warm, monkeypatch):
+    """Two greedy requests beside a filtered sampled one that finishes first and an unfiltered one that finishes
+    next: the run takes all three sampler modes (sample, then temperature, then greedy), and forcing every step
+    through the sample mode changes no token."""
     llm, _, _ = warm
     work = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
             dataclasses.replace(_params(1), max_tokens=3),
-            SamplingParams(temperature=0.0, top_k=5, top_p=0.5, max_tokens=8, ignore_eos=True)]
+            SamplingParams(temperature=0.0, top_k=5, top_p=0.5, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=0.9, max_tokens=6, seed=7, ignore_eos=True)]
     modes = []
 
     def picked(chunks, num_rows):
@@ -77,12 +80,13 @@ def test_a_mixed_workload_gives_the_same_tokens_with_or_without_greedy_steps(war
         return sampling
 
     monkeypatch.setattr(model_runner, "step_sampling", picked)
-    tokens = [o.token_ids for o in llm.generate(PROMPTS, work, use_tqdm=False)]
-    assert "greedy" in modes and "sample" in modes
+    prompts = PROMPTS + PROMPTS[:1]
+    tokens = [o.token_ids for o in llm.generate(prompts, work, use_tqdm=False)]
+    assert set(modes) == set(MODES)
     monkeypatch.setattr(model_runner, "step_sampling",
                         lambda chunks, num_rows: StepSampling.of(sampling_inputs(chunks, num_rows), "sample"))
-    assert [o.token_ids for o in llm.generate(PROMPTS, work, use_tqdm=False)] == tokens
-    assert [len(t) for t in tokens] == [10, 3, 8]
+    assert [o.token_ids for o in llm.generate(prompts, work, use_tqdm=False)] == tokens
+    assert [len(t) for t in tokens] == [10, 3, 8, 6]
 
 
 def test_zos_matches_synchronous_scheduling(reference):
