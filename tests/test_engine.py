@@ -52,7 +52,7 @@ def _counts(llm: LLM) -> tuple[int, int]:
 def test_no_new_compilations_after_warm_up(warm):
     llm, steps, samplers = warm
     work = [_params(i) for i in range(3)]
-    assert llm.engine.runner.buckets() == [(t, 4) for t in (8, 16, 32)]
+    assert llm.engine.runner.buckets() == [(8, 4, 4), (16, 4, 4), (32, 4, 4)]  # S = min(T, 4 sequences)
     # one model step per bucket, one sampler per mode for the one row bucket (min(T, 4 sequences) = 4 rows)
     assert (steps, samplers) == (3, len(MODES))
     warm_counts = _counts(llm)

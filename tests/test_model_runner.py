@@ -16,7 +16,7 @@ from dijax.io.loader import load
 from dijax.model.moe import moe
 from dijax.model.param_map import checkpoint_tree
 from dijax.model.step import PackedBatch, SeqChunk, StepBatch, build_step, unpack_batch
-from dijax.runtime.model_runner import ModelRunner, min_width, step_buckets, width_bucket
+from dijax.runtime.model_runner import ModelRunner, engine_buckets, min_width, step_buckets, width_bucket
 from dijax.runtime.sampling_params import SamplingParams
 from dijax.runtime.scheduler import FROM_DEVICE, ScheduledChunk, SchedulerOutput
 
@@ -39,6 +39,10 @@ def test_width_follows_the_context_not_the_capacity():
     buckets = step_buckets(8192, 2 ** 20 // 128, 64)
     assert len(buckets) == 55 and sorted({w for _, w in buckets}) == [64, 256, 1024, 4096, 8192]
     assert step_buckets(32, 4, 4) == [(8, 4), (16, 4), (32, 4)]
+    # the engine's own plan: the same 55, rows tied to tokens up to the 256-sequence capacity
+    plan = engine_buckets(8192, 256, 2 ** 20, 128)
+    assert [(t, w) for t, _, w in plan] == buckets and {s for t, s, _ in plan if t >= 256} == {256}
+    assert all(s == min(t, 256) for t, s, _ in plan)
 
 
 def test_padding_tokens_reach_no_expert(monkeypatch, tiny):

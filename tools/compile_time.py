@@ -39,8 +39,7 @@ from dijax.model.engram import EngramTables, engram_primes  # noqa: E402
 from dijax.model.plan import plan_layers  # noqa: E402
 from dijax.model.step import CacheSpec, StepBatch, init_cache  # noqa: E402
 from dijax.model.transformer import abstract_state, graphdef  # noqa: E402
-from dijax.runtime.model_runner import (MIN_TOKENS, bucket, bucket_inputs, compiled_step, min_width,  # noqa: E402
-                                        step_buckets)
+from dijax.runtime.model_runner import bucket_inputs, compiled_step, engine_buckets  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
 
 FLASH = {
@@ -143,10 +142,7 @@ def main() -> None:
     consts = _abstract(EngramTables.from_token_map(cfg, token_map, size).step_consts())
     if args.engine:
         max_tokens, max_seqs, max_model_len = (int(v) for v in args.engine.split(","))
-        max_rows = bucket(max_seqs, 1)
-        max_blocks = -(-max_model_len // args.block_size)
-        plan = [(t, min(t, max_rows), w) for t, w in
-                step_buckets(bucket(max_tokens, MIN_TOKENS), max_blocks, min_width(args.block_size, max_blocks))]
+        plan = engine_buckets(max_tokens, max_seqs, max_model_len, args.block_size)
     else:
         plan = [(*(int(v) for v in spec.split("x")), args.max_blocks) for spec in args.buckets.split(",")]
     print(f"{len(plan)} buckets{f', compiling the first {args.limit}' if args.limit else ''}, "

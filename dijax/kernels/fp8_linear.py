@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode, poison, quant
+from dijax.kernels.quant import FP8_BLOCK
 
 IMPLS = ("reference", "pallas")
 MIN_DOT = 16  # Triton's dot needs every dimension >= 16
@@ -87,7 +88,7 @@ def fq8_tile(x_TK: jax.Array) -> jax.Array:
     The scale comes from the amax's bits as in ``quant.pow2_scale``; x / s is a multiplication by the exact power
     of two 1 / s; e4m3 rounding is ``quant.e4m3_round_arith``. Equal to ``quant.fq8`` bit for bit."""
     t, k = x_TK.shape
-    xg = x_TK.reshape(t, k // quant.FP8_BLOCK, quant.FP8_BLOCK)
+    xg = x_TK.reshape(t, k // FP8_BLOCK, FP8_BLOCK)
     amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), np.float32(1e-4))
     scale = quant.pow2_scale(amax, np.float32(1.0 / quant.FP8_MAX))
     inverse = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(scale, jnp.int32), jnp.float32)
@@ -98,8 +99,8 @@ def fq8_tile(x_TK: jax.Array) -> jax.Array:
 def _expand_scales(scale_BB: jax.Array, cols: int, depth: int) -> jax.Array:
     """Tile scales [cols/32, depth/32] -> one multiplier per weight element [cols, depth] (float32)."""
     rb, kb = scale_BB.shape
-    per_row = jnp.broadcast_to(scale_BB[:, None, :], (rb, quant.FP8_BLOCK, kb)).reshape(cols, kb)
-    return jnp.broadcast_to(per_row[:, :, None], (cols, kb, quant.FP8_BLOCK)).reshape(cols, depth)
+    per_row = jnp.broadcast_to(scale_BB[:, None, :], (rb, FP8_BLOCK, kb)).reshape(cols, kb)
+    return jnp.broadcast_to(per_row[:, :, None], (cols, kb, FP8_BLOCK)).reshape(cols, depth)
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int, n_depth: int):
@@ -118,8 +119,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, 
         x_RK = pltriton.load(x_ref.at[safe_R1, col_K[None, :]], mask=jnp.broadcast_to(live_R1, (rows, depth)),
                              other=0).astype(jnp.float32)
         codes_NK = w_ref[pl.ds(n0, cols), pl.ds(k0, depth)]
-        block = quant.FP8_BLOCK
-        scale_BB = s_ref[pl.ds(n0 // block, cols // block), pl.ds(k0 // block, depth // block)]
+        scale_BB = s_ref[pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK), pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]
         w_NK = (decode_e4m3(codes_NK) * _expand_scales(scale_multiplier(scale_BB), cols, depth)).astype(jnp.bfloat16)
         return acc + jax.lax.dot_general(fq8_tile(x_RK), w_NK, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)
@@ -137,9 +137,9 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, 
 def _tile(dim: int, preferred: int) -> int:
     """The largest power of two <= ``preferred`` dividing ``dim``, or 0 below the 32-wide scale block."""
     block = preferred
-    while block >= quant.FP8_BLOCK and dim % block:
+    while block >= FP8_BLOCK and dim % block:
         block //= 2
-    return block if block >= quant.FP8_BLOCK else 0
+    return block if block >= FP8_BLOCK else 0
 
 
 def k_splits(programs: int, n_slices: int, target: int) -> int:
@@ -154,7 +154,7 @@ def pallas_supports(x_TI: jax.Array, weight_OI: jax.Array) -> bool:
     """Shapes the kernel takes: O and I multiples of 32 (the scale tiles), fp8 weights, at most
     ``CONFIG.max_tokens`` rows of x."""
     out_dim, in_dim = weight_OI.shape
-    return (weight_OI.dtype == jnp.float8_e4m3fn and out_dim % quant.FP8_BLOCK == 0 and in_dim % quant.FP8_BLOCK == 0
+    return (weight_OI.dtype == jnp.float8_e4m3fn and out_dim % FP8_BLOCK == 0 and in_dim % FP8_BLOCK == 0
             and x_TI.shape[0] <= CONFIG.max_tokens)
 
 

@@ -66,16 +66,12 @@ def _sinkhorn_kernel(comb_ref, out_ref, *, c: int, rounds: int, eps: float, div)
             out_ref[i * c + j, :] = m[i][j]
 
 
+@functools.partial(jax.jit, static_argnames=("rounds", "eps", "interpret"))
 def sinkhorn_pallas(comb_TCC: jax.Array, rounds: int, eps: float, interpret: bool | None = None) -> jax.Array:
     """Same contract as ``sinkhorn_reference``, one kernel launch. comb_TCC: float32 [T, C, C]. ``interpret``: run
-    the kernel interpreted (default: off a GPU)."""
-    return _sinkhorn_call(comb_TCC, rounds=rounds, eps=eps, interpret=interpret_mode(interpret))
-
-
-@functools.partial(jax.jit, static_argnames=("rounds", "eps", "interpret"))
-def _sinkhorn_call(comb_TCC: jax.Array, *, rounds: int, eps: float, interpret: bool) -> jax.Array:
-    """The kernel launch of ``sinkhorn_pallas``, jitted (as every kernel's): a step makes this call twice per layer
-    with one shape, and the jit cache traces and lowers the kernel once per step shape instead of at every call."""
+    the kernel interpreted (default: off a GPU). Jitted, as every kernel's entry point: a step makes this call twice
+    per layer with one shape, and the jit cache traces and lowers the kernel once per step shape."""
+    interpret = interpret_mode(interpret)
     t, c, _ = comb_TCC.shape
     k = c * c
     padded = -(-t // BLOCK_T) * BLOCK_T

@@ -9,8 +9,9 @@ previous step is still running and holds its inputs, the addresses alternate, an
 batch (positions, slots, block tables in every layer) get updated on every step. Staged, only the copy's node
 points at the argument; everything else reads the copy, which lives in the step's scratch allocation.
 (The mechanism is XLA's ``CommandBufferThunk``, read in its source; the copy being the argument's only reader is
-checked on the GPU by tests/gpu/test_staging_gpu.py; a speed-up of the ZOS engine is not measured yet:
-docs/benchmarks.md, fifth session.)
+checked on the GPU by tests/gpu/test_staging_gpu.py. With it the tiny engine's ZOS decode step came within 3 % of
+the device-only step, docs/benchmarks.md, sixth session; that row does not separate staging from the other changes
+made since the last ZOS row.)
 
 ``stage(x, impl=)``: 'reference' returns ``x`` (XLA elides any copy it could see through, and off the GPU there is
 no graph to protect), 'pallas' copies it in a Triton-lowered ``pl.pallas_call`` XLA cannot elide.

@@ -133,6 +133,17 @@ def step_buckets(max_tokens: int, max_blocks: int, minimum: int = 1) -> list[tup
     return [(t, w) for t in tokens for w in widths]
 
 
+def engine_buckets(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                   block_size: int) -> list[tuple[int, int, int]]:
+    """Every (tokens T, sequence rows S, block-table width W) bucket of the model step of an engine of these sizes
+    (per rank): ``step_buckets`` of its token and block capacities with ``min_width``, S = min(T, its row
+    capacity). ``ModelRunner.warmup`` compiles these; tools/compile_time.py lowers them from abstract shapes."""
+    max_blocks = -(-max_model_len // block_size)
+    max_rows = bucket(max_num_seqs, 1)
+    return [(t, min(t, max_rows), w) for t, w in step_buckets(bucket(max_num_batched_tokens, MIN_TOKENS),
+                                                              max_blocks, min_width(block_size, max_blocks))]
+
+
 def bucket_inputs(num_tokens: int, num_seqs: int, width: int) -> tuple[PackedBatch, np.ndarray]:
     """Host inputs of an empty engine step in the bucket (T = ``num_tokens``, S = ``num_seqs`` rows, block-table
     ``width``): (its ``PackedBatch``, remap_T int32 [T] zeros). The warm-up compiles each bucket from these; the
@@ -225,6 +236,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.min_width = min_width(block_size, self.max_blocks)
+        self._buckets = engine_buckets(max_num_batched_tokens, max_num_seqs, max_model_len, block_size)
         self.max_rows = bucket(max_num_seqs, 1)  # per rank
         self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)  # per rank
         self.debug_logits = debug_logits
@@ -261,9 +273,9 @@ class ModelRunner:
         """Sampler executables compiled so far for this model (shared by all its runners)."""
         return _SAMPLER_COMPILES.get(self.cfg, 0)
 
-    def buckets(self) -> list[tuple[int, int]]:
-        """Every (tokens, block-table width) bucket a step can take (``step_buckets``)."""
-        return step_buckets(self.max_tokens, self.max_blocks, self.min_width)
+    def buckets(self) -> list[tuple[int, int, int]]:
+        """Every (tokens, sequence rows, block-table width) bucket a step can take (``engine_buckets``)."""
+        return self._buckets
 
     def warmup(self, threads: int | None = None, progress: bool = False) -> None:
         """Compile the engine step's executables ahead of time, without running them: the model step of every
@@ -282,8 +294,7 @@ class ModelRunner:
         progress bar.
         """
         jobs = []
-        for num_tokens, width in self.buckets():
-            num_seqs = min(num_tokens, self.max_rows)
+        for num_tokens, num_seqs, width in self.buckets():
             batch, remap = bucket_inputs(num_tokens, num_seqs, width)
             jobs.append(((self._ranked([batch] * self.num_ranks), self.consts, self._no_previous,
                           self._ranked([remap] * self.num_ranks)), num_seqs))

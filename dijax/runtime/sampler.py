@@ -39,10 +39,6 @@ def _argmax(logits_xV: jax.Array) -> jax.Array:
     return jnp.argmax(logits_xV, axis=-1).astype(jnp.int32)
 
 
-def _scaled(logits_V: jax.Array, temperature: jax.Array) -> jax.Array:
-    return logits_V.astype(jnp.float32) / jnp.maximum(temperature, 1e-5)
-
-
 def _filter(scaled_V: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """``scaled_V`` with the entries top-k, then top-p, drop set to -inf. top_k 0 and top_p >= 1 leave it exactly
     as it was (the float32 cumulative sum of a large vocabulary can reach 1 before its tail: top_p >= 1 does not
@@ -62,21 +58,15 @@ def _filter(scaled_V: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
     return jnp.where(scaled_V < threshold, -jnp.inf, scaled_V)
 
 
-def _draw(logits_V, scaled_V, temperature, seed_hi, seed_lo, position):
-    """The row's token: the argmax of ``logits_V`` at temperature 0, else the Gumbel argmax of ``scaled_V``."""
+def _row(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position, *, filtered: bool):
+    """One row's token: the argmax of ``logits_V`` at temperature 0, else the Gumbel argmax of the scaled logits,
+    after top-k / top-p (``_filter``) when ``filtered`` (the ``sample`` mode; the ``temperature`` mode has none)."""
+    scaled_V = logits_V.astype(jnp.float32) / jnp.maximum(temperature, 1e-5)
+    if filtered:
+        scaled_V = _filter(scaled_V, top_k, top_p)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_lo), seed_hi), position)
     sampled = _argmax(scaled_V + jax.random.gumbel(key, scaled_V.shape, jnp.float32))
     return jnp.where(temperature == 0, _argmax(logits_V), sampled)
-
-
-def _one(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position):
-    scaled_V = _filter(_scaled(logits_V, temperature), top_k, top_p)
-    return _draw(logits_V, scaled_V, temperature, seed_hi, seed_lo, position)
-
-
-def _unfiltered(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position):
-    del top_k, top_p  # the ``temperature`` mode: every sampled row has top_k 0 and top_p 1
-    return _draw(logits_V, _scaled(logits_V, temperature), temperature, seed_hi, seed_lo, position)
 
 
 @partial(jax.jit, static_argnames="mode")
@@ -89,7 +79,7 @@ def sample(logits_RV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, t
     if mode == "greedy":
         return _argmax(logits_RV)
     if mode in ("temperature", "sample"):
-        row = _unfiltered if mode == "temperature" else _one
+        row = partial(_row, filtered=mode == "sample")
         return jax.vmap(row)(logits_RV, temperature_R, top_k_R, top_p_R, seed_hi_R, seed_lo_R, position_R)
     raise ValueError(f"sampling mode must be one of {MODES}, got {mode!r}")
 
