@@ -99,12 +99,13 @@ def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_b
     return lowered, time.perf_counter() - start
 
 
-def compile_bucket(lowered: jax.stages.Lowered) -> tuple[float, float]:
-    """(seconds to compile ``lowered``, GB of XLA temporaries of the executable). XLA runs without the GIL, so
-    threads compile side by side. The temporaries show what the step allocates beside its parameters and cache,
-    for example a per-layer copy of a stacked weight that a scanned layer hands to a kernel."""
+def compile_bucket(lowered: jax.stages.Lowered, xla_options: dict[str, str]) -> tuple[float, float]:
+    """(seconds to compile ``lowered`` with the XLA debug options ``xla_options``, GB of XLA temporaries of the
+    executable). XLA runs without the GIL, so threads compile side by side. The temporaries show what the step
+    allocates beside its parameters and cache, for example a per-layer copy of a stacked weight that a scanned
+    layer hands to a kernel."""
     start = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(xla_options or None)
     seconds = time.perf_counter() - start
     return seconds, compiled.memory_analysis().temp_size_in_bytes / 1e9
 
@@ -126,7 +127,11 @@ def main() -> None:
                              "the buckets are traced one at a time)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="step kernels as the engine's option: on (Pallas, GPU only), off (jnp), auto")
+    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an XLA debug option for these compiles only (repeatable), e.g. "
+                             "xla_gpu_autotune_level=0: to see what a compile spends its time on")
     args = parser.parse_args()
+    xla_options = dict(opt.split("=", 1) for opt in args.xla_option)
     options = kernel_options(args.kernels, jax.default_backend())
 
     cfg = flash_config()
@@ -134,7 +139,7 @@ def main() -> None:
     stages = plan_layers(cfg, fold)
     print(f"dijax compile time: V4.1-Flash, {cfg.n_layers} layers in {len(stages)} stages "
           f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}, "
-          f"kernels {args.kernels}; "
+          f"kernels {args.kernels}, XLA options {xla_options or 'none'}; "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     params = abstract_state(cfg, fold=fold)
     size = cfg.engram_compressed_vocab_size
@@ -157,7 +162,7 @@ def main() -> None:
         for tokens, seqs, width in plan:
             lowered, lower_s = lower_bucket(cfg, params, consts, tokens, seqs, width, args.num_blocks,
                                             args.block_size, fold, options)
-            pending.append((tokens, seqs, width, lower_s, pool.submit(compile_bucket, lowered)))
+            pending.append((tokens, seqs, width, lower_s, pool.submit(compile_bucket, lowered, xla_options)))
             print(f"  traced {len(pending)}/{len(plan)} at {time.perf_counter() - start:6.1f} s", flush=True)
         for tokens, seqs, width, lower_s, future in pending:
             compile_s, temp_gb = future.result()
