@@ -373,6 +373,63 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
     return out
 
 
+def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **timing) -> list[dict]:
+    """The GEMMs the step leaves to XLA with every kernel on, compiled with XLA's autotuning (its default) and with
+    ``xla_gpu_autotune_level=0`` (what the engine's step compiles with on a GPU: dijax.runtime.model_runner
+    ``STEP_COMPILER_OPTIONS``), flash-slice dimensions: the fp8 linears past the Pallas kernel's token limit (XLA
+    dequantises, then multiplies), the fp32 head and router, the bf16 output projection. Same method as
+    ``fp8_linear_rows`` (``reps`` distinct weights per call); floor: weight + activation bytes / 4.3 TB/s or
+    FLOPs / 790 TFLOP/s. Beside each row, its first call (the compile)."""
+    from dijax.kernels import fp8_linear as fl
+    from dijax.model.layers import matmul_f32
+    from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS
+    from tools.bench import flash_slice_config
+
+    cfg = flash_slice_config(384)
+    d, q, hk = cfg.dim, cfg.q_lora_rank, cfg.n_heads * cfg.head_dim
+
+    def fp8(o, i, r):
+        k1, k2 = jax.random.split(jax.random.key(o + i + r))
+        bits = jax.random.bits(k1, (o, i), jnp.uint8)
+        codes = jax.lax.bitcast_convert_type(jnp.where((bits & 0x7F) == 0x7F, 0x38, bits).astype(jnp.uint8),
+                                             jnp.float8_e4m3fn)
+        return codes, jax.random.randint(k2, (o // 32, i // 32), 116, 121).astype(jnp.uint8)
+
+    def bf16(o, i, r):
+        return (jax.random.normal(jax.random.key(o + i + r), (o, i), jnp.float32) * 0.02).astype(jnp.bfloat16), None
+
+    def f32_linear(x, w, _):
+        return matmul_f32(x.astype(jnp.float32), w.astype(jnp.float32))
+
+    def bf16_linear(x, w, _):
+        return matmul_f32(x, w).astype(jnp.bfloat16)
+
+    cases = {"wq_b (fp8)": (hk, q, fp8, fl.fp8_linear_reference, 1),
+             "wo_b (fp8)": (d, cfg.o_groups * cfg.o_lora_rank, fp8, fl.fp8_linear_reference, 1),
+             "shared w1 (fp8)": (cfg.moe_inter_dim, d, fp8, fl.fp8_linear_reference, 1),
+             "router (fp32)": (cfg.n_routed_experts, d, bf16, f32_linear, 2),
+             "head (fp32)": (cfg.vocab_size, d, bf16, f32_linear, 2),
+             "compressor (bf16)": (cfg.head_dim, d, bf16, bf16_linear, 2)}
+    out = []
+    for name, (o, i, make, fn, item) in cases.items():
+        weights = [make(o, i, r) for r in range(reps if o * i < 1 << 28 else 1)]
+        ws, ss = [w for w, _ in weights], [s for _, s in weights]
+        for t in tokens:
+            x = (jax.random.normal(jax.random.key(t), (t, i), jnp.float32) * 3).astype(jnp.bfloat16)
+            floor = max((o * i * item + 2 * t * (i + o)) / BANDWIDTH, 2 * t * o * i / 7.9e14)
+            base = None
+            for label, options in (("autotuned", None), ("autotune level 0", STEP_COMPILER_OPTIONS)):
+                call = jax.jit(lambda x, ws, ss: [fn(x, w, s) for w, s in zip(ws, ss)], compiler_options=options)
+                start = time.perf_counter()
+                jax.block_until_ready(call(x, ws, ss))
+                first = time.perf_counter() - start
+                seconds = time_call(call, x, ws, ss, **timing) / len(ws)
+                out.append(_timed_row("xla gemm", f"{name} {o} x {i}, T={t}", f"{label} (first call {first:.1f} s)",
+                                      seconds, floor, base))
+                base = base or seconds
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     """Markdown table of benchmark rows."""
     print("| kernel | shape | impl | us | floor us | % of floor | x reference |")
@@ -383,7 +440,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
-           "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows}
+           "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "xla_gemm": xla_gemm_rows}
 
 
 def main() -> None:

@@ -39,7 +39,8 @@ from dijax.model.engram import EngramTables, engram_primes  # noqa: E402
 from dijax.model.plan import plan_layers  # noqa: E402
 from dijax.model.step import CacheSpec, StepBatch, init_cache  # noqa: E402
 from dijax.model.transformer import abstract_state, graphdef  # noqa: E402
-from dijax.runtime.model_runner import bucket_inputs, compiled_step, engine_buckets  # noqa: E402
+from dijax.runtime.model_runner import (STEP_COMPILER_OPTIONS, bucket_inputs, compiled_step,  # noqa: E402
+                                       engine_buckets)
 from dijax.io.loader import ASSETS  # noqa: E402
 
 FLASH = {
@@ -128,8 +129,8 @@ def main() -> None:
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="step kernels as the engine's option: on (Pallas, GPU only), off (jnp), auto")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="an XLA debug option for these compiles only (repeatable), e.g. "
-                             "xla_gpu_autotune_level=0: to see what a compile spends its time on")
+                        help="an XLA debug option for these compiles (repeatable), added to the engine's own "
+                             "(model_runner.STEP_COMPILER_OPTIONS), e.g. xla_gpu_autotune_level=4 (XLA's default)")
     args = parser.parse_args()
     xla_options = dict(opt.split("=", 1) for opt in args.xla_option)
     options = kernel_options(args.kernels, jax.default_backend())
@@ -139,7 +140,7 @@ def main() -> None:
     stages = plan_layers(cfg, fold)
     print(f"dijax compile time: V4.1-Flash, {cfg.n_layers} layers in {len(stages)} stages "
           f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}, "
-          f"kernels {args.kernels}, XLA options {xla_options or 'none'}; "
+          f"kernels {args.kernels}, XLA options {dict(STEP_COMPILER_OPTIONS, **xla_options)}; "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     params = abstract_state(cfg, fold=fold)
     size = cfg.engram_compressed_vocab_size

@@ -5,8 +5,8 @@
 # timeline tests 170 s, so they run one after the other here), `kernels` (the
 # kernels' micro-benchmarks), `engine` (the tiny engine's ZOS on / off timeline against the device-only step: its
 # first generate compiles every engine bucket), `warmup` (the warm-up total of the real config's 1M-context engine,
-# tools/compile_time.py), `compile` (where a bucket's compile time goes: two real-config buckets with XLA's
-# defaults, then with its GEMM autotuning off, then with its Triton GEMMs off), `bench` (the tiny step with kernels off and on, a
+# tools/compile_time.py), `compile` (where a bucket's compile time goes: two real-config buckets with the
+# engine's XLA options, then with XLA's GEMM autotuning back on), `bench` (the tiny step with kernels off and on, a
 # profiler trace and its summary), `parity` (`dijax parity --kernels on` on tiny-nodrop, its engine run and tiny,
 # side by side), `parity2` (tiny-nodrop --chunk 7 and tiny's tier 2 again alone: four runs side by side no longer
 # finish in one call since the fp8 linear and indexer kernels add Pallas compiles to every bucket). Compilation is
@@ -36,10 +36,10 @@ case "$stage" in
     run 450 python3 tools/bench_kernels.py --iters 10 --repeats 3 ;;
   warmup)
     # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
-    # sixth session: traced in 181 s, compiles ~11 s of wall time per bucket, so about 10 minutes: alone)
+    # seventh session: 6.0 min with GEMM autotuning off, as the engine compiles: alone)
     run 570 python3 tools/compile_time.py --engine 8192,256,1048576 --threads 16 ;;
   compile)
-    for option in "" --xla-option=xla_gpu_autotune_level=0 --xla-option=xla_gpu_enable_triton_gemm=false; do
+    for option in "" --xla-option=xla_gpu_autotune_level=4; do
       run 150 python3 tools/compile_time.py --buckets 64x64,8192x16 --max-blocks 1024 --threads 2 $option
     done ;;
   engine)

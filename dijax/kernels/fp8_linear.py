@@ -14,6 +14,10 @@ Numerics: every fake-quantised activation and every dequantised weight is a bf16
 fp32 and both implementations sum the same exact products in fp32; only the summation order differs (a bf16 ulp
 at rounding ties of the output). Weight scales are exact for ue8m0 exponents 0..246 (real scales sit near 2^-8).
 
+Stacked layers: ``weight`` and ``scale`` may be ``LayerSlice``s (dijax.kernels.stacked), one layer of a scanned
+stack of layers. The kernel then reads that layer's rows of the stack in place (the layer index is an operand), so
+the scan never copies the weight out of the stack; the reference takes the slice.
+
 Why integer decoding of the weight: Mosaic GPU's e4m3 -> bf16 needs PTX ISA 9.2 (the H200 image has 9.0), and the
 bit trick is two shifts, a mask and an or: the 7 magnitude bits of e4m3 land on float16's exponent / mantissa
 boundary, so the float16 equals the e4m3 value times 2^-8 for every code, subnormals included.
@@ -34,6 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode, poison, quant
 from dijax.kernels.quant import FP8_BLOCK
+from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
 MIN_DOT = 16  # Triton's dot needs every dimension >= 16
@@ -62,9 +67,12 @@ class KernelConfig:
 CONFIG = KernelConfig()
 
 
-def fp8_linear_reference(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array) -> jax.Array:
+Weight = jax.Array | LayerSlice
+
+
+def fp8_linear_reference(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight) -> jax.Array:
     """The reference: x [T, I] bf16, weight [O, I] float8_e4m3fn, scale uint8 [ceil(O/32), I/32] -> bf16 [T, O]."""
-    w_OI = quant.dequant_fp8_weight(weight_OI, scale_BB)
+    w_OI = quant.dequant_fp8_weight(materialize(weight_OI), materialize(scale_BB))
     y = jnp.einsum("ti,oi->to", quant.fq8(x_TI), w_OI, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST)
     return y.astype(jnp.bfloat16)
@@ -103,11 +111,14 @@ def _expand_scales(scale_BB: jax.Array, cols: int, depth: int) -> jax.Array:
     return jnp.broadcast_to(per_row[:, :, None], (cols, kb, FP8_BLOCK)).reshape(cols, depth)
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int, n_depth: int):
+def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int,
+            n_depth: int):
     """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...),
-    over K slices [k*n_depth, (k+1)*n_depth) of ``depth``. The output is bf16 [T, O], or with split K the fp32
+    over K slices [k*n_depth, (k+1)*n_depth) of ``depth``, reading layer ``layer_ref[0]`` of the weight stack
+    [L, O, I] and layer ``layer_ref[1]`` of the scale stack. The output is bf16 [T, O], or with split K the fp32
     partial sums [splits, T, O]."""
     n0, m0 = pl.program_id(0) * cols, pl.program_id(1) * rows
+    w_layer, s_layer = layer_ref[0], layer_ref[1]
     first = pl.program_id(2) * n_depth
     row_R = m0 + jnp.arange(rows)
     live_R1 = (row_R < n_tokens)[:, None]
@@ -118,8 +129,9 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, 
         col_K = k0 + jnp.arange(depth)
         x_RK = pltriton.load(x_ref.at[safe_R1, col_K[None, :]], mask=jnp.broadcast_to(live_R1, (rows, depth)),
                              other=0).astype(jnp.float32)
-        codes_NK = w_ref[pl.ds(n0, cols), pl.ds(k0, depth)]
-        scale_BB = s_ref[pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK), pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]
+        codes_NK = w_ref[w_layer, pl.ds(n0, cols), pl.ds(k0, depth)]
+        scale_BB = s_ref[s_layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK),
+                         pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]
         w_NK = (decode_e4m3(codes_NK) * _expand_scales(scale_multiplier(scale_BB), cols, depth)).astype(jnp.bfloat16)
         return acc + jax.lax.dot_general(fq8_tile(x_RK), w_NK, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)
@@ -150,7 +162,7 @@ def k_splits(programs: int, n_slices: int, target: int) -> int:
     return n_slices
 
 
-def pallas_supports(x_TI: jax.Array, weight_OI: jax.Array) -> bool:
+def pallas_supports(x_TI: jax.Array, weight_OI: Weight) -> bool:
     """Shapes the kernel takes: O and I multiples of 32 (the scale tiles), fp8 weights, at most
     ``CONFIG.max_tokens`` rows of x."""
     out_dim, in_dim = weight_OI.shape
@@ -158,12 +170,13 @@ def pallas_supports(x_TI: jax.Array, weight_OI: jax.Array) -> bool:
             and x_TI.shape[0] <= CONFIG.max_tokens)
 
 
-def fp8_linear_pallas(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array,
+def fp8_linear_pallas(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight,
                       interpret: bool | None = None) -> jax.Array:
     """``fp8_linear_reference`` in one Pallas kernel (module docstring); other shapes take the reference.
 
     x_TI bf16 [T, I] (any leading shape is flattened by ``fp8_linear``); weight [O, I] e4m3; scale uint8
-    [O/32, I/32]. -> bf16 [T, O]. ``interpret``: run the kernel interpreted (default: off a GPU)."""
+    [O/32, I/32] (either may be a ``LayerSlice``, read in place). -> bf16 [T, O]. ``interpret``: run the kernel
+    interpreted (default: off a GPU)."""
     if not pallas_supports(x_TI, weight_OI):
         return fp8_linear_reference(x_TI, weight_OI, scale_BB)
     if x_TI.shape[0] == 0:
@@ -172,10 +185,12 @@ def fp8_linear_pallas(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _fp8_linear_call(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array, *, config: KernelConfig,
+def _fp8_linear_call(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, *, config: KernelConfig,
                      interpret: bool) -> jax.Array:
     """The kernel launch of ``fp8_linear_pallas``, jitted: the linears of one shape (the same projection in every
     layer) share one trace and lowering per step shape; ``config`` is part of the key."""
+    w_LOI, w_layer = in_place(weight_OI)
+    s_LBB, s_layer = in_place(scale_BB)
     t, in_dim = x_TI.shape
     out_dim = weight_OI.shape[0]
     rows = int(min(config.rows_max, max(MIN_DOT, pl.next_power_of_2(max(t, 1)))))
@@ -188,8 +203,9 @@ def _fp8_linear_call(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array,
     out = jax.ShapeDtypeStruct((t, out_dim) if splits == 1 else (splits, t, out_dim),
                                jnp.bfloat16 if splits == 1 else jnp.float32)
     params = pltriton.CompilerParams(num_warps=config.warps, num_stages=config.stages)
-    codes_OI = jax.lax.bitcast_convert_type(weight_OI, jnp.uint8)
-    y = poison.pallas_call(kernel, x_TI, codes_OI, scale_BB, out_shape=out, poison=config.poison, grid=grid,
+    codes_LOI = jax.lax.bitcast_convert_type(w_LOI, jnp.uint8)
+    layers_2 = jnp.stack([w_layer, s_layer])
+    y = poison.pallas_call(kernel, layers_2, x_TI, codes_LOI, s_LBB, out_shape=out, poison=config.poison, grid=grid,
                            compiler_params=params, name="fp8_linear", interpret=interpret)
     return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
 
@@ -197,8 +213,9 @@ def _fp8_linear_call(x_TI: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array,
 _IMPLEMENTATIONS = {"reference": fp8_linear_reference, "pallas": fp8_linear_pallas}
 
 
-def fp8_linear(x: jax.Array, weight_OI: jax.Array, scale_BB: jax.Array, *, impl: str = "reference") -> jax.Array:
-    """The fp8 linear seam: x [..., I] bf16 -> bf16 [..., O]; ``impl`` in IMPLS (static)."""
+def fp8_linear(x: jax.Array, weight_OI: Weight, scale_BB: Weight, *, impl: str = "reference") -> jax.Array:
+    """The fp8 linear seam: x [..., I] bf16 -> bf16 [..., O]; ``impl`` in IMPLS (static). ``weight_OI`` and
+    ``scale_BB``: arrays, or ``LayerSlice``s of one layer of stacked weights (module docstring)."""
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"fp8 linear impl must be one of {IMPLS}, got {impl!r}")
     x_TI = x.reshape(-1, x.shape[-1])

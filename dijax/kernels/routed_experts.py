@@ -15,6 +15,10 @@ Padding: an assignment whose expert id is negative (-1) contributes exactly zero
 routing weight is ignored. Padded tokens should be routed to -1 (a weight of 0 also gives a zero contribution, but
 still reads that expert).
 
+Stacked layers: the leaves of ``experts`` may be ``LayerSlice``s (dijax.kernels.stacked) of one layer of a
+scanned stack of layers; the kernels then read that layer's experts in place (expert ids offset into the
+flattened [layers * E] stack) and the reference gathers them from the stack, so no layer's experts are copied.
+
 Why Triton-lowered ``pl.pallas_call`` and not Mosaic GPU: the kernels need a per-row gather of activations (tokens
 of a tile come from anywhere in the batch) and a per-program expert index read from memory, which the Triton
 lowering supports and Mosaic GPU does not on Hopper; MXFP4 has no Hopper tensor-core format either way, so the
@@ -37,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode, poison, quant
+from dijax.kernels.stacked import LayerSlice, materialize, offsets_fit
 
 IMPLS = ("reference", "pallas")
 PATHS = ("gathered", "ragged")
@@ -58,11 +63,13 @@ def expert_weights(experts: dict, name: str, expert_A: jax.Array | None = None) 
     """Routed-expert weight ``name`` dequantised to bf16: all experts [E, out, in], or, given ``expert_A``, only
     those experts' (gathered while still packed, then dequantised) [A, out, in].
 
-    Storage: MXFP4 ``uint8`` [E, out, in/2] with ue8m0 [E, out, in/32], or fp8 [E, out, in] with ue8m0 tiles.
+    Storage: MXFP4 ``uint8`` [E, out, in/2] with ue8m0 [E, out, in/32], or fp8 [E, out, in] with ue8m0 tiles;
+    either may be a ``LayerSlice`` (its experts gathered straight from the stack).
     """
     w, scale = experts[name]["weight"], experts[name]["scale"]
     if expert_A is not None:
-        w, scale = w[expert_A], scale[expert_A]
+        w, scale = (a.flat()[a.index, expert_A] if isinstance(a, LayerSlice) else a[expert_A] for a in (w, scale))
+    w, scale = materialize(w), materialize(scale)
     if w.dtype == jnp.uint8:
         return quant.dequant_fp4_weight(w, scale)
     return jax.vmap(quant.dequant_fp8_weight)(w, scale)
@@ -440,8 +447,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
     for name, size in (("dim", d), ("moe_inter_dim", f)):
         if size % 32:
             raise ValueError(f"{name}={size} must be a multiple of 32 (the MXFP4 scale block)")
-    w1, w3, w2 = (pack_words(experts[n]["weight"]) for n in ("w1", "w3", "w2"))
-    s1, s3, s2 = (experts[n]["scale"] for n in ("w1", "w3", "w2"))
+    ((w1, s1), (w3, s3), (w2, s2)), offset = _expert_stacks(experts)
     x_act_TD = quant.fq8(x_TD)
     weights_A = weights_TX.reshape(-1).astype(jnp.float32)
     cfg = config
@@ -451,17 +457,19 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         words_d = _block(d // 8, cfg.matvec_words, "dim/8", WORDS_PER_SCALE)
         words_f = _block(f // 8, cfg.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
         params = _compiler_params(cfg.matvec_warps, cfg.matvec_stages)
+        stack_A = jnp.where(expert_A >= 0, expert_A + offset, -1)  # ids in the flattened stack
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
                                        words=words_d, n_words=d // 8),
                      (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
-                     expert_A, weights_A, phase_major(x_act_TD), w1, s1, w3, s3)
+                     stack_A, weights_A, phase_major(x_act_TD), w1, s1, w3, s3)
         y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8),
                      (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
-                     expert_A, phase_major(quant.fq8(h_AF)), w2, s2)
+                     stack_A, phase_major(quant.fq8(h_AF)), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
     rows = gemm_rows(n_assign, n_experts, cfg)
     tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, rows)
+    tile_expert_I = jnp.where(tile_expert_I >= 0, tile_expert_I + offset, -1)
     weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
     n_rows, n_tiles = token_R.shape[0], tile_expert_I.shape[0]
     cols_f, cols_d = _block(f, cfg.gemm_cols, "moe_inter_dim", 16), _block(d, cfg.gemm_cols, "dim", 16)
@@ -476,6 +484,21 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
                  (n_rows, d), (n_tiles, d // cols_d), params, "routed_down_gemm",
                  tile_expert_I, quant.fq8(h_RF), w2, s2)
     return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
+
+
+def _expert_stacks(experts: dict) -> tuple[list[tuple[jax.Array, jax.Array]], jax.Array]:
+    """([(packed words uint32 [L * E, out, in / 8], scales uint8 [L * E, out, in / 32]) of w1, w3, w2], the offset
+    of this layer's experts in them): the stacks of ``LayerSlice`` experts flattened over their layers, read in
+    place, or plain experts (L = 1, offset 0). Stacks the kernels could not address (``offsets_fit``) are sliced
+    first (a copy), all alike, since the kernels index every matrix by one expert id."""
+    pairs = [(experts[n]["weight"], experts[n]["scale"]) for n in ("w1", "w3", "w2")]
+    leaves = [a for pair in pairs for a in pair]
+    in_place = all(isinstance(a, LayerSlice) for a in leaves) and all(
+        offsets_fit(w.stack.size // 4, 4) and offsets_fit(s.stack.size, 1) for w, s in pairs)
+    if not in_place:
+        return [(pack_words(materialize(w)), materialize(s)) for w, s in pairs], jnp.zeros((), jnp.int32)
+    flat = [(a.stack.reshape(-1, *a.shape[1:]) for a in pair) for pair in pairs]
+    return [(pack_words(w), s) for w, s in flat], leaves[0].index * leaves[0].shape[0]
 
 
 def _call(kernel, out_shape: tuple[int, int], grid: tuple[int, int], params, name: str, *args, poisoned: bool,

@@ -56,15 +56,25 @@ LOGICAL_AXES = {
 STORAGES = ("fp8", "mxfp4", "bf16")
 
 
-def param(stack: tuple[int, ...], shape: tuple[int, ...], dtype, axes: tuple[str, ...]) -> nnx.Param:
+def param(stack: tuple[int, ...], shape: tuple[int, ...], dtype, axes: tuple[str, ...],
+          in_place: bool = False) -> nnx.Param:
     """An ``nnx.Param`` of ``stack + shape`` zeros (abstract under ``nnx.eval_shape``) with logical axis names.
 
-    stack: leading (period, layer) sizes of stacked layers, or () for unstacked parameters.
+    stack: leading (period, layer) sizes of stacked layers, or () for unstacked parameters. in_place: a weight its
+    kernel reads in place from the stack of layers (``IN_PLACE``; the model hands it over as a ``LayerSlice``).
     """
     names = ("period", "layer")[:len(stack)] + axes
     if len(axes) != len(shape) or any(a not in LOGICAL_AXES for a in axes):
         raise ValueError(f"logical axes {axes} must name each of the {len(shape)} dims from LOGICAL_AXES")
-    return nnx.Param(jnp.zeros(tuple(stack) + tuple(shape), dtype), out_sharding=names, eager_sharding=False)
+    return nnx.Param(jnp.zeros(tuple(stack) + tuple(shape), dtype), out_sharding=names, eager_sharding=False,
+                     in_place=in_place)
+
+
+def IN_PLACE(path, variable) -> bool:
+    """nnx filter: the parameters read in place from their stack of layers (``param(in_place=True)``): the fp8
+    linears' and the routed experts' weights and scales, which a scanned layer hands to its kernels as
+    ``LayerSlice``s (dijax.kernels.stacked) instead of slicing them out of the stack (a copy per layer)."""
+    return bool(variable.get_metadata().get("in_place", False))
 
 
 def values(module: nnx.Module) -> dict:
@@ -103,7 +113,7 @@ class QuantLinear(nnx.Module):
     """A Linear in its checkpoint storage (the reference's ``Linear``): ``weight`` [out, in] and, when quantised,
     ``scale`` (ue8m0 bytes). The GEMM follows the storage (see ``linear``).
 
-    storage: 'fp8' (e4m3 codes, one scale per 32x32 tile), 'mxfp4' (uint8 [out, in / 2], two e2m1 codes per byte,
+    storage: 'fp8' (e4m3 codes, one scale per 32x32 tile; read in place when stacked, ``IN_PLACE``), 'mxfp4' (uint8 [out, in / 2], two e2m1 codes per byte,
     one scale per 1x32) or 'bf16'. ``upcast``: the reference promotes this bf16 weight to fp32 at load; dijax keeps
     it bf16 in memory and multiplies in fp32 (same values, half the bytes), returning float32.
     """
@@ -116,9 +126,9 @@ class QuantLinear(nnx.Module):
             raise ValueError(f"QuantLinear upcast applies to bf16 storage only, got {storage!r}")
         self.upcast = upcast
         if storage == "fp8":
-            self.weight = param(stack, (out_dim, in_dim), jnp.float8_e4m3fn, axes)
+            self.weight = param(stack, (out_dim, in_dim), jnp.float8_e4m3fn, axes, in_place=True)
             self.scale = param(stack, (-(-out_dim // FP8_BLOCK), -(-in_dim // FP8_BLOCK)), jnp.uint8,
-                               axes)
+                               axes, in_place=True)
         elif storage == "mxfp4":
             self.weight = param(stack, (out_dim, in_dim // 2), jnp.uint8, axes)
             self.scale = param(stack, (out_dim, in_dim // FP4_BLOCK), jnp.uint8, axes)

@@ -67,17 +67,18 @@ class Gate(nnx.Module):
 
 class ExpertMatrix(nnx.Module):
     """One weight of every routed expert, stacked: MXFP4 uint8 [E, out, in / 2] with ue8m0 [E, out, in / 32], or
-    fp8 [E, out, in] with ue8m0 32x32 tiles (``expert_dtype``)."""
+    fp8 [E, out, in] with ue8m0 32x32 tiles (``expert_dtype``); read in place when its layers are stacked."""
 
     def __init__(self, n_experts: int, in_dim: int, out_dim: int, expert_dtype: str | None,
                  stack: tuple[int, ...] = ()):
         axes = ("expert", "expert_out", "expert_in")
         if expert_dtype == "fp4":
-            self.weight = param(stack, (n_experts, out_dim, in_dim // 2), jnp.uint8, axes)
-            self.scale = param(stack, (n_experts, out_dim, in_dim // 32), jnp.uint8, axes)
+            self.weight = param(stack, (n_experts, out_dim, in_dim // 2), jnp.uint8, axes, in_place=True)
+            self.scale = param(stack, (n_experts, out_dim, in_dim // 32), jnp.uint8, axes, in_place=True)
         else:
-            self.weight = param(stack, (n_experts, out_dim, in_dim), jnp.float8_e4m3fn, axes)
-            self.scale = param(stack, (n_experts, -(-out_dim // 32), -(-in_dim // 32)), jnp.uint8, axes)
+            self.weight = param(stack, (n_experts, out_dim, in_dim), jnp.float8_e4m3fn, axes, in_place=True)
+            self.scale = param(stack, (n_experts, -(-out_dim // 32), -(-in_dim // 32)), jnp.uint8, axes,
+                               in_place=True)
 
 
 class RoutedExperts(nnx.Module):

@@ -7,7 +7,9 @@ embed -> C streams -> [Engram] -> blocks (hyper-connected attention and MoE) -> 
 blocks are grouped as dijax.model.plan cuts the backbone: one ``Stage`` per planned stage, holding one ``Block``
 per run of its period, with parameters stacked over (period repeat, layer in run). A stage runs its repeats under
 ``lax.scan`` and a run its layers under ``lax.scan``, so the step compiles one body per distinct block, not one
-per layer. The cache is updated functionally and returned (the caller donates it, so XLA updates it in place).
+per layer. The big weights (``IN_PLACE``: the fp8 linears' and routed experts') are not sliced per layer: a layer
+hands its kernels ``LayerSlice``s of the whole stack (dijax.kernels.stacked), because a slice that feeds a kernel
+or an inner scan is a copy. The cache is updated functionally and returned (the caller donates it, so XLA updates it in place).
 
 ``forward_step(params, ...)`` takes the model's ``nnx.State``; the graph definition comes from the config
 (``graphdef``, computed once per config) and ``nnx.merge`` runs inside the trace.
@@ -32,7 +34,8 @@ from dijax.model import hc
 from dijax.model.attention import Attention, Geometry, geometry
 from dijax.model.engram import Engram
 from dijax.model.hc import HyperConnection
-from dijax.model.layers import Embed, QuantLinear, RMSNorm
+from dijax.kernels.stacked import of_layer
+from dijax.model.layers import IN_PLACE, Embed, QuantLinear, RMSNorm
 from dijax.model.moe import MoE
 from dijax.model.plan import StagePlan, plan_layers
 from dijax.model.step import StepBatch
@@ -155,11 +158,16 @@ def _own_updates(own: dict, updates: dict) -> dict:
     return new
 
 
-def _run_layer(block_def, block_state, role: LayerRole, ctx: StepContext, x_TCD, pre_TC, own: dict, refs: dict,
-               inject_TN):
+def _layer_block(block_def, in_place: nnx.State, sliced: nnx.State, index: jax.Array) -> Block:
+    """The block of one stacked layer: its ``IN_PLACE`` parameters as ``LayerSlice``s of their [period, layer]
+    stacks at flat ``index`` (period i, layer j of a run of L: i * L + j), the rest this layer's slices."""
+    views = jax.tree.map(lambda a: of_layer(a, index, a.ndim - 2), in_place)
+    return nnx.merge(block_def, views, sliced)
+
+
+def _run_layer(block: Block, role: LayerRole, ctx: StepContext, x_TCD, pre_TC, own: dict, refs: dict, inject_TN):
     """One layer of a run: returns (x_TCD, pre_TC, its new cache entries, {'topk', 'candidates'} it published)."""
     shared = {"topk": dict(refs["topk"]), "candidates": refs["candidates"]}
-    block = nnx.merge(block_def, block_state)
     x_TCD, pre_TC, updates, shared = block(x_TCD, pre_TC, ctx, _cache_view(role, own, refs), shared, inject_TN)
     published = {"topk": shared["topk"].get(role.layer) if role.index_source else None,
                  "candidates": shared["candidates"] if role.candidate_source else None}
@@ -197,7 +205,7 @@ def _run_stage(cfg: ModelConfig, stage: Stage, ctx: StepContext, x_TCD, pre_TC, 
     leave the period). Returns (x_TCD, pre_TC, new stage cache, what the stage publishes, in the same form).
     """
     plan = stage.plan
-    splits = [nnx.split(block) for block in stage.blocks]
+    splits = [nnx.split(block, IN_PLACE, ...) for block in stage.blocks]  # (graphdef, in place, sliced)
     templates = [cfg.roles[plan.layers[0][r][0]] for r in range(plan.num_runs)]
     sources = [r for r, role in enumerate(templates) if role.index_source]
     injects = {}
@@ -213,21 +221,23 @@ def _run_stage(cfg: ModelConfig, stage: Stage, ctx: StepContext, x_TCD, pre_TC, 
 
     def period(carry, period_cache, xs_i):
         x_TCD, pre_TC = carry
-        states_i, injects_i = xs_i
+        states_i, injects_i, i = xs_i
         refs = {"ckv": dict(published["ckv"]), "ik": dict(published["ik"]), "topk": dict(published["topk"]),
                 "candidates": published["candidates"]}
         new_cache, out_topk = [], {}
         for r, role in enumerate(templates):
-            block_def = splits[r][0]
+            block_def, in_place, _ = splits[r]
+            length = plan.run_length(r)
 
-            def layer(carry, own, state, role=role, block_def=block_def, r=r):
+            def layer(carry, own, xs_j, role=role, block_def=block_def, in_place=in_place, length=length, r=r):
                 x_TCD, pre_TC = carry
-                x_TCD, pre_TC, own, pub = _run_layer(block_def, state, role, ctx, x_TCD, pre_TC, own, refs,
-                                                     injects_i.get(r))
+                state, j = xs_j
+                block = _layer_block(block_def, in_place, state, i * length + j)
+                x_TCD, pre_TC, own, pub = _run_layer(block, role, ctx, x_TCD, pre_TC, own, refs, injects_i.get(r))
                 return (x_TCD, pre_TC), own, pub
 
-            (x_TCD, pre_TC), run_cache, pubs = _scan(layer, (x_TCD, pre_TC), period_cache[r], states_i[r],
-                                                     plan.run_length(r))
+            (x_TCD, pre_TC), run_cache, pubs = _scan(layer, (x_TCD, pre_TC), period_cache[r],
+                                                     (states_i[r], jnp.arange(length)), length)
             new_cache.append(run_cache)
             # a source is alone in its run: publish its entries for the rest of the period
             if role.kv_source:
@@ -241,9 +251,10 @@ def _run_stage(cfg: ModelConfig, stage: Stage, ctx: StepContext, x_TCD, pre_TC, 
         return (x_TCD, pre_TC), new_cache, (out_topk, refs["candidates"] if any(
             t.candidate_source for t in templates) else None)
 
-    states = [split[1] for split in splits]
+    states = [split[2] for split in splits]
     (x_TCD, pre_TC), stage_cache, (topk, candidates) = _scan(period, (x_TCD, pre_TC), stage_cache,
-                                                             (states, injects), plan.repeats)
+                                                             (states, injects, jnp.arange(plan.repeats)),
+                                                             plan.repeats)
     out = {"ckv": {}, "ik": {}, "topk": {}, "candidates": None if candidates is None else candidates[0]}
     for i in range(plan.repeats):
         for r, role in enumerate(templates):

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dijax.kernels.routed_experts import routed_experts, routed_path
+from dijax.kernels.stacked import LayerSlice
 
 COMBINES = ("exact", "partial")
 LAYOUTS = ("replicated", "rank-local")
@@ -86,6 +87,17 @@ def sum_slots(y_AD: jax.Array, n_per_token: int) -> jax.Array:
     return total_TD
 
 
+def expert_specs(experts: dict) -> dict:
+    """``shard_map`` specs of the routed experts' leaves, their expert axis on ``ep``: [E, ...] arrays, or
+    ``LayerSlice``s of a stack of layers (expert axis after the stack's leading axes; the layer index replicated)."""
+    def spec(leaf):
+        if isinstance(leaf, LayerSlice):
+            return LayerSlice(P(*[None] * (leaf.stack.ndim - leaf.ndim), "ep"), P(), leaf.ndim)
+        return P("ep")
+
+    return jax.tree.map(spec, experts, is_leaf=lambda leaf: isinstance(leaf, LayerSlice))
+
+
 def routed_experts_ep(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array, limit: float,
                       *, impl: str = "reference", combine: str = "exact") -> jax.Array:
     """``kernels.routed_experts`` with the experts split over the context mesh's ``ep`` axis. -> float32 [T, D].
@@ -126,7 +138,7 @@ def routed_experts_ep(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, exp
     if layout == "rank-local":
         y = scatter_tokens(body(experts, *gather_tokens(x_TD, weights_TX, experts_TX)))
     else:
-        specs = (jax.tree.map(lambda _: P("ep"), experts), P(), P(), P())
+        specs = (expert_specs(experts), P(), P(), P())
         # check_vma off: the kernel seam (jnp and Pallas) is not annotated for the varying-manual-axes type check;
         # the psum makes the output replicated, as out_specs P() states
         y = jax.shard_map(lambda *args: jax.lax.psum(body(*args), "ep"), mesh=mesh, in_specs=specs,

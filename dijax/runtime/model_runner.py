@@ -151,6 +151,14 @@ def bucket_inputs(num_tokens: int, num_seqs: int, width: int) -> tuple[PackedBat
     return pack_batch(build_step([], num_tokens, num_seqs, width, num_seqs)[0]), np.zeros(num_tokens, np.int32)
 
 
+# XLA debug options the model step compiles with. XLA's GEMM autotuning (on by default) compiles and times
+# candidate kernels for every GEMM fusion the step leaves to XLA, in every bucket: on the H200 it took 40 % of a
+# real-config bucket's compile (56 -> 36 s), and the 55-bucket warm-up of a 1M-context engine then finished in
+# 6.0 min instead of ~10 (docs/benchmarks.md, seventh session). Those GEMMs' speed without it:
+# tools/bench_kernels.py --only xla_gemm. No effect off the GPU.
+STEP_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
 @lru_cache(maxsize=8)
 def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef,
                    ranks_mesh: Mesh | None = None):
@@ -204,7 +212,7 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
         logits_RV, cache, _ = forward_step(params, cache, batch, consts, cfg, None, **options)
         return logits_RV, cache
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
 
 
 @lru_cache(maxsize=8)
