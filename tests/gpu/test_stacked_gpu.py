@@ -46,7 +46,9 @@ def test_routed_experts_read_a_stack_past_4_gib(t):
 
     def matrix(key, out_dim, in_dim):
         k1, k2 = jax.random.split(key)
-        return {"weight": jax.random.bits(k1, (*lead, n_experts, out_dim, in_dim // 2), jnp.uint8),
+        # random 32-bit words viewed as bytes: random uint8 bits would need a 4x larger temporary
+        words = jax.random.bits(k1, (*lead, n_experts, out_dim, in_dim // 8), jnp.uint32)
+        return {"weight": jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*words.shape[:-1], in_dim // 2),
                 "scale": jax.random.randint(k2, (*lead, n_experts, out_dim, in_dim // 32), 116, 121).astype(jnp.uint8)}
 
     keys = jax.random.split(jax.random.key(0), 3)
