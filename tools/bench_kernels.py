@@ -377,11 +377,13 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     """The GEMMs the step leaves to XLA with every kernel on, compiled with XLA's autotuning (its default) and with
     ``xla_gpu_autotune_level=0`` (what the engine's step compiles with on a GPU: dijax.runtime.model_runner
     ``STEP_COMPILER_OPTIONS``), flash-slice dimensions: the fp8 linears past the Pallas kernel's token limit (XLA
-    dequantises, then multiplies), the fp32 head and router, the bf16 output projection. Same method as
+    dequantises, then multiplies), the head, router and compressor weights the reference promotes to fp32 (as
+    fp32 GEMMs, what the step ran before the seventh session, and as ``matmul_promoted``'s bf16 GEMMs with fp32
+    accumulation, what it runs now). Same method as
     ``fp8_linear_rows`` (``reps`` distinct weights per call); floor: weight + activation bytes / 4.3 TB/s or
     FLOPs / 790 TFLOP/s. Beside each row, its first call (the compile)."""
     from dijax.kernels import fp8_linear as fl
-    from dijax.model.layers import matmul_f32
+    from dijax.model.layers import matmul_f32, matmul_promoted
     from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS
     from tools.bench import flash_slice_config
 
@@ -401,15 +403,17 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     def f32_linear(x, w, _):
         return matmul_f32(x.astype(jnp.float32), w.astype(jnp.float32))
 
-    def bf16_linear(x, w, _):
-        return matmul_f32(x, w).astype(jnp.bfloat16)
+    def promoted(x, w, _):
+        return matmul_promoted(x, w)
 
     cases = {"wq_b (fp8)": (hk, q, fp8, fl.fp8_linear_reference, 1),
              "wo_b (fp8)": (d, cfg.o_groups * cfg.o_lora_rank, fp8, fl.fp8_linear_reference, 1),
              "shared w1 (fp8)": (cfg.moe_inter_dim, d, fp8, fl.fp8_linear_reference, 1),
-             "router (fp32)": (cfg.n_routed_experts, d, bf16, f32_linear, 2),
-             "head (fp32)": (cfg.vocab_size, d, bf16, f32_linear, 2),
-             "compressor (bf16)": (cfg.head_dim, d, bf16, bf16_linear, 2)}
+             "router (fp32 GEMM)": (cfg.n_routed_experts, d, bf16, f32_linear, 2),
+             "router (matmul_promoted)": (cfg.n_routed_experts, d, bf16, promoted, 2),
+             "head (fp32 GEMM)": (cfg.vocab_size, d, bf16, f32_linear, 2),
+             "head (matmul_promoted)": (cfg.vocab_size, d, bf16, promoted, 2),
+             "compressor (matmul_promoted)": (cfg.head_dim, d, bf16, promoted, 2)}
     out = []
     for name, (o, i, make, fn, item) in cases.items():
         weights = [make(o, i, r) for r in range(reps if o * i < 1 << 28 else 1)]

@@ -25,7 +25,7 @@ from dijax.kernels.sparse_attn import sparse_attn
 from dijax.kernels import indexer, quant
 from dijax.kernels.topk import topk
 from dijax.kernels.numerics import divide
-from dijax.model.layers import (QuantLinear, RMSNorm, linear, matmul_f32, param, rms_norm, rope,
+from dijax.model.layers import (QuantLinear, RMSNorm, linear, matmul_promoted, param, rms_norm, rope,
                                 rope_frequencies, values)
 from dijax.model.step import StepBatch
 
@@ -95,10 +95,9 @@ def compressor(p: dict, role: LayerRole, x_TD: jax.Array, g: Geometry, cache: di
         return rms_norm(linear(x_TD, p["wkv"], linear_impl), p["norm"]["weight"], eps), g.valid_T, g.pos_T, None
     key = str(role.layer)
     tail_kv, tail_score = cache["tail_kv"][key], cache["tail_score"][key]
-    xf = x_TD.astype(jnp.float32)
-    # the reference holds these weights in fp32 (promoted at load); dijax stores bf16 and promotes here
-    kv_TK = matmul_f32(xf, p["wkv"]["weight"].astype(jnp.float32))
-    score_TK = matmul_f32(xf, p["wgate"]["weight"].astype(jnp.float32))
+    # the reference holds these weights in fp32 (promoted at load); dijax stores bf16 (matmul_promoted)
+    kv_TK = matmul_promoted(x_TD, p["wkv"]["weight"])
+    score_TK = matmul_promoted(x_TD, p["wgate"]["weight"])
     t = x_TD.shape[0]
     members_kv, members_score = [], []
     for i in range(r):

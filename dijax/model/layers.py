@@ -87,6 +87,18 @@ def matmul_f32(x: jax.Array, w_OI: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
+def matmul_promoted(x: jax.Array, w_OI: jax.Array) -> jax.Array:
+    """The reference's ``x.float() @ W.T`` for a bf16 weight W it promotes to fp32 at load. -> float32 [..., O].
+
+    When x is bf16 too, every product of two bf16 values is exact in fp32, so a bf16 GEMM with fp32 accumulation
+    computes the reference's products (summed in its own order) without an fp32 copy of the weight, on the tensor
+    cores: on the H200 the fp32 GEMM of the 129,280 x 5120 head took 2.7 ms at 64 rows and 27 ms at 1024, 11.5 and
+    6.3 % of its memory floor (docs/benchmarks.md, seventh session)."""
+    if x.dtype == jnp.bfloat16 and w_OI.dtype == jnp.bfloat16:
+        return matmul_f32(x, w_OI)
+    return matmul_f32(x.astype(jnp.float32), w_OI.astype(jnp.float32))
+
+
 def linear(x: jax.Array, p: dict, impl: str = "reference") -> jax.Array:
     """The reference ``linear()``: the GEMM is chosen by the weight's storage dtype.
 
@@ -94,9 +106,8 @@ def linear(x: jax.Array, p: dict, impl: str = "reference") -> jax.Array:
       * fp8 (e4m3 + ue8m0 32x32 tiles): x is fake-quantised to e4m3 per 32, block-scaled GEMM -> bf16, through
         the kernel seam ``dijax.kernels.fp8_linear`` (``impl``: 'reference' or 'pallas', static);
       * MXFP4 (uint8 packed + ue8m0 1x32): x fake-quantised to e4m3 per 32 -> bf16;
-      * bf16: plain bf16 GEMM (fp32 accumulation) -> bf16;
-      * fp32 (a weight the reference promotes at load; dijax passes its bf16 storage up-cast, see QuantLinear):
-        ``x.float() @ W.T`` -> float32.
+      * bf16: plain bf16 GEMM (fp32 accumulation) -> bf16 (a bf16 weight the reference promotes to fp32 at load
+        takes ``matmul_promoted`` instead, see QuantLinear's ``upcast``).
     """
     w = p["weight"]
     if w.dtype == jnp.float8_e4m3fn:
@@ -104,8 +115,6 @@ def linear(x: jax.Array, p: dict, impl: str = "reference") -> jax.Array:
     if w.dtype == jnp.uint8:
         w_deq = quant.dequant_fp4_weight(w, p["scale"])
         return matmul_f32(quant.fq8(x), w_deq).astype(jnp.bfloat16)
-    if w.dtype == jnp.float32:
-        return matmul_f32(x.astype(jnp.float32), w)
     return matmul_f32(x.astype(jnp.bfloat16), w).astype(jnp.bfloat16)
 
 
@@ -138,7 +147,7 @@ class QuantLinear(nnx.Module):
     def __call__(self, x: jax.Array, impl: str = "reference") -> jax.Array:
         """x: [..., in] -> [..., out]: bf16, or float32 when ``upcast``; ``impl`` as ``linear`` takes it."""
         if self.upcast:
-            return linear(x, {"weight": self.weight[...].astype(jnp.float32)})
+            return matmul_promoted(x, self.weight[...])
         return linear(x, values(self), impl)
 
 

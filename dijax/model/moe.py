@@ -13,7 +13,7 @@ from flax import nnx
 
 from dijax.config import ModelConfig
 from dijax.kernels.routed_experts import swiglu
-from dijax.model.layers import QuantLinear, linear, matmul_f32, param, values
+from dijax.model.layers import QuantLinear, linear, matmul_promoted, param, values
 from dijax.parallel.moe import routed_experts_ep
 from dijax.kernels.numerics import divide
 
@@ -24,7 +24,7 @@ def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig) -> tuple[jax
     scores = sqrt(softplus(x @ W.T / gate_temp)) in fp32; the top-X of ``scores + bias`` are selected; weights are
     the unbiased scores of the selected experts, renormalised (sum + 1e-20) and times route_scale.
     """
-    logits = divide(matmul_f32(x_TD.astype(jnp.float32), p["weight"].astype(jnp.float32)), cfg.gate_temp)
+    logits = divide(matmul_promoted(x_TD, p["weight"]), cfg.gate_temp)
     softplus = jnp.where(logits > 20, logits, jnp.log1p(jnp.exp(jnp.minimum(logits, 20))))
     scores = jnp.sqrt(softplus)
     _, experts = jax.lax.top_k(scores + p["bias"], n_active)
