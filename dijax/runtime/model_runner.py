@@ -296,8 +296,8 @@ class ModelRunner:
         CPU core, at most one per bucket): tracing holds the GIL (concurrent traces only slow each other down:
         measured 3x on the H200 host), XLA compiles without it. The warm-up takes the longer of the traces and the
         compiles' share of the cores: for the real 40-layer config at 8192 tokens, 256 sequences and 1M context
-        (55 buckets) on the H200's 16-core host, the traces take ~3 s each and the compiles ~11 s of wall time per
-        bucket (docs/benchmarks.md, sixth session). An ahead-of-time compile fills the same
+        (55 buckets) on the H200's 16-core host, the traces take ~4 s each and the whole warm-up 6.0 min
+        (``STEP_COMPILER_OPTIONS``; docs/benchmarks.md, seventh session). An ahead-of-time compile fills the same
         executable cache that ``execute`` looks up, so no step traces or compiles again. ``progress`` shows a
         progress bar.
         """
