@@ -122,9 +122,10 @@ class QuantLinear(nnx.Module):
     """A Linear in its checkpoint storage (the reference's ``Linear``): ``weight`` [out, in] and, when quantised,
     ``scale`` (ue8m0 bytes). The GEMM follows the storage (see ``linear``).
 
-    storage: 'fp8' (e4m3 codes, one scale per 32x32 tile; read in place when stacked, ``IN_PLACE``), 'mxfp4' (uint8 [out, in / 2], two e2m1 codes per byte,
-    one scale per 1x32) or 'bf16'. ``upcast``: the reference promotes this bf16 weight to fp32 at load; dijax keeps
-    it bf16 in memory and multiplies in fp32 (same values, half the bytes), returning float32.
+    storage: 'fp8' (e4m3 codes, one scale per 32x32 tile; read in place when stacked, ``IN_PLACE``), 'mxfp4'
+    (uint8 [out, in / 2], two e2m1 codes per byte, one scale per 1x32) or 'bf16'. ``upcast``: the reference promotes
+    this bf16 weight to fp32 at load; dijax keeps it bf16 and computes the same fp32 products (``matmul_promoted``),
+    returning float32.
     """
 
     def __init__(self, in_dim: int, out_dim: int, storage: str, axes: tuple[str, str], stack: tuple[int, ...] = (),

@@ -9,7 +9,8 @@ per run of its period, with parameters stacked over (period repeat, layer in run
 ``lax.scan`` and a run its layers under ``lax.scan``, so the step compiles one body per distinct block, not one
 per layer. The big weights (``IN_PLACE``: the fp8 linears' and routed experts') are not sliced per layer: a layer
 hands its kernels ``LayerSlice``s of the whole stack (dijax.kernels.stacked), because a slice that feeds a kernel
-or an inner scan is a copy. The cache is updated functionally and returned (the caller donates it, so XLA updates it in place).
+or an inner scan is a copy. The cache is updated functionally and returned (the caller donates it, so XLA updates
+it in place).
 
 ``forward_step(params, ...)`` takes the model's ``nnx.State``; the graph definition comes from the config
 (``graphdef``, computed once per config) and ``nnx.merge`` runs inside the trace.
@@ -29,12 +30,12 @@ from flax import nnx
 
 from dijax import kernels
 from dijax.config import LayerRole, ModelConfig
+from dijax.kernels.stacked import of_layer
 from dijax.model import engram as engram_lib
 from dijax.model import hc
 from dijax.model.attention import Attention, Geometry, geometry
 from dijax.model.engram import Engram
 from dijax.model.hc import HyperConnection
-from dijax.kernels.stacked import of_layer
 from dijax.model.layers import IN_PLACE, Embed, QuantLinear, RMSNorm
 from dijax.model.moe import MoE
 from dijax.model.plan import StagePlan, plan_layers
