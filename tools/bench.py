@@ -15,6 +15,7 @@ Models: ``tiny`` (the embedded default, random weights) and ``flash-slice``: Dee
 (dim 5120, 64 heads of 512, 384 experts of 2304, vocab 129280, indexer 32x128 top-512, candidates 2048x8, window
 128) on 7 layers that cover every layer role, random fp8/MXFP4 codes drawn on the device, a synthetic Engram token
 map and Engram tables cut to ~2.4M rows (the lookup reads 24 rows per token whatever the table size).
+``flash-stack``: the same with 8 layers, three of them one stacked, scanned run, as the real model's layers run.
 
 Ceilings default to those measured on an H200 of this workplace (device README KINDS.md: 4.3 TB/s copy, 790
 TFLOP/s bf16 matrix product); pass ``--bandwidth`` / ``--flops`` for other hardware.
@@ -69,13 +70,22 @@ FLASH_SLICE = {  # v41_spec §1 values; layer roles 0-6 mirror layers 0, 1, 2, 3
 }
 
 
-def flash_slice_config(n_experts: int) -> ModelConfig:
-    """The flash-slice preset (module docstring) with ``n_experts`` routed experts."""
+# flash-slice with its layers 3-5 one run of like layers (ratio-2 consumers of layer 2), so the step stacks their
+# parameters and scans them as the real 40-layer model does (dijax.model.plan), and the kernels read the stacked
+# weights in place (dijax.kernels.stacked): 8 layers, about 64 GB of parameters
+FLASH_STACK = dict(FLASH_SLICE, num_hidden_layers=8, compress_ratios=[0, 0, 2, 2, 2, 2, 1, 1, 0],
+                   kv_source_layer_ids=[2, 6], index_source_layer_ids=[2, 6], candidate_source_layer_id=6,
+                   dspark_target_layer_ids=[5, 6, 7])
+PRESETS = {"flash-slice": FLASH_SLICE, "flash-stack": FLASH_STACK}
+
+
+def flash_slice_config(n_experts: int, preset: str = "flash-slice") -> ModelConfig:
+    """A real-dimension preset (``PRESETS``, module docstring) with ``n_experts`` routed experts."""
     from dijax.model.engram import engram_primes
 
     with open(os.path.join(ASSETS, "config.json")) as f:
         raw = json.load(f)
-    raw["text_config"].update(FLASH_SLICE, n_routed_experts=n_experts)
+    raw["text_config"].update(PRESETS[preset], n_routed_experts=n_experts)
     raw["text_config"]["engram_num_embeddings"] = [1, 1]  # placeholder until the primes are known
     primes = engram_primes(ModelConfig.from_dict(raw)).reshape(2, -1)
     raw["text_config"]["engram_num_embeddings"] = [int(p.sum()) for p in primes]
@@ -93,9 +103,9 @@ def load_model(name: str, n_experts: int, ep: int = 1):
 
         cfg, params, consts, _ = load(None, 0, ep)
         return cfg, params, consts
-    if name != "flash-slice":
-        raise ValueError(f"--model must be 'tiny' or 'flash-slice', got {name!r}")
-    cfg = flash_slice_config(n_experts)
+    if name not in PRESETS:
+        raise ValueError(f"--model must be one of {('tiny', *PRESETS)}, got {name!r}")
+    cfg = flash_slice_config(n_experts, name)
     size = cfg.engram_compressed_vocab_size
     token_map = (np.arange(cfg.vocab_size) % size).astype(np.int32)  # synthetic normalisation: timing only
     consts = EngramTables.from_token_map(cfg, token_map, size).step_consts()
@@ -379,7 +389,7 @@ def _counts(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="tiny | flash-slice")
+    parser.add_argument("--model", default="tiny", help="tiny | flash-slice | flash-stack (module docstring)")
     parser.add_argument("--experts", type=int, default=384, help="flash-slice: routed experts per layer")
     parser.add_argument("--decode-batch", type=_counts, default=[1, 8], help="comma list of decode batch sizes")
     parser.add_argument("--context", type=_ints, default=[256], help="comma list of cached tokens per sequence")

@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # Everything a GPU session should run before turning a kernel on by default (dijax/kernels AUTO_ON_GPU), in stages
-# that each fit one device call (600 s, about 100 s of it the machine's start): `tests` (the GPU kernel tests, then
-# the engine's timeline and warm-up tests: measured on the H200, the 60 kernel tests take 201 s alone and the
-# timeline tests 170 s, so they run one after the other here), `kernels` (the
-# kernels' micro-benchmarks), `engine` (the tiny engine's ZOS on / off timeline against the device-only step: its
-# first generate compiles every engine bucket), `warmup` (the warm-up total of the real config's 1M-context engine,
-# tools/compile_time.py), `compile` (where a bucket's compile time goes: two real-config buckets with the
-# engine's XLA options, then with XLA's GEMM autotuning back on), `bench` (the tiny step with kernels off and on, a
-# profiler trace and its summary), `parity` (`dijax parity --kernels on` on tiny-nodrop, its engine run and tiny,
-# side by side), `parity2` (tiny-nodrop --chunk 7 and tiny's tier 2 again alone: four runs side by side no longer
-# finish in one call since the fp8 linear and indexer kernels add Pallas compiles to every bucket). Compilation is
-# mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each command has its
-# own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace of an engine
-# run) out of these stages: on the H200 it did not finish within 140 s.
-#   device: bash tools/gpu_validate.sh tests     (then kernels, warmup, compile, engine, bench, parity, parity2: one call each)
+# that each fit one device call (600 s, about 100 s of it the machine's start):
+#   tests    the GPU kernel tests, then the engine's timeline and warm-up tests (on the H200 the 60 kernel tests take
+#            201 s alone and the timeline tests 170 s, so they run one after the other);
+#   kernels  the kernels' micro-benchmarks;
+#   warmup   the warm-up total of the real config's 1M-context engine (tools/compile_time.py);
+#   compile  where a bucket's compile time goes: two real-config buckets with the engine's XLA options, then with
+#            XLA's GEMM autotuning back on;
+#   stack    the flash-stack step (a stacked run of real-size layers whose weights the kernels read in place) and
+#            the XLA GEMMs' rows;
+#   engine   the tiny engine's ZOS on / off timeline against the device-only step (its first generate compiles
+#            every engine bucket);
+#   bench    the tiny step with kernels off and on, a profiler trace and its summary;
+#   parity   `dijax parity --kernels on` on tiny-nodrop, its engine run and tiny, side by side;
+#   parity2  tiny-nodrop --chunk 7 and tiny's tier 2 again alone (four runs side by side no longer finish in one
+#            call since the fp8 linear and indexer kernels add Pallas compiles to every bucket).
+# Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
+# command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
+# of an engine run) out of these stages: on the H200 it did not finish within 140 s.
+#   device: bash tools/gpu_validate.sh tests     (then kernels, warmup, compile, stack, engine, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|warmup|compile|engine|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|warmup|compile|stack|engine|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -38,6 +43,10 @@ case "$stage" in
     # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
     # seventh session: 6.0 min with GEMM autotuning off, as the engine compiles: alone)
     run 570 python3 tools/compile_time.py --engine 8192,256,1048576 --threads 16 ;;
+  stack)
+    run 420 python3 tools/bench.py --model flash-stack --decode-batch 1,64 --context 4095 --prefill 1024 \
+      --engine off --warmup 3 --iters 10
+    run 150 python3 tools/bench_kernels.py --only xla_gemm --iters 10 --repeats 3 ;;
   compile)
     for option in "" --xla-option=xla_gpu_autotune_level=4; do
       run 150 python3 tools/compile_time.py --buckets 64x64,8192x16 --max-blocks 1024 --threads 2 $option
@@ -64,6 +73,6 @@ case "$stage" in
     fi
     wait
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, warmup, compile, engine, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, warmup, compile, stack, engine, bench, parity, parity2)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120
