@@ -8,10 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dijax.kernels import fp8_linear as fl
 from dijax.kernels import routed_experts as rx
+from dijax.io.random_init import random_params
 from dijax.kernels.stacked import LayerSlice, in_place, materialize, of_layer, offsets_fit
+from dijax.model import param_map
+from dijax.model.layers import IN_PLACE
 from dijax.model.plan import plan_layers
 from dijax.model.step import CacheSpec, init_cache, unpack_batch
 from dijax.model.transformer import abstract_state, forward_step
@@ -123,3 +127,10 @@ def test_scanned_layers_hand_their_kernels_the_whole_stack():
     reads = _weight_reads(jaxpr.jaxpr)
     assert {name for name, _ in reads} == {"fp8_linear", "routed_gate_up_matvec", "routed_down_matvec"}
     assert {dim // (cfg.n_routed_experts if name.startswith("routed") else 1) for name, dim in reads} == stacks
+    # the mark survives the way the engine gets its parameters (a checkpoint tree placed by param_map)
+    loaded = param_map.state_from_tree(cfg, param_map.checkpoint_tree(cfg, random_params(cfg, seed=0)))
+
+    def marked(state):
+        return [path for path, v in nnx.to_flat_state(state) if IN_PLACE(path, v)]
+
+    assert marked(loaded) == marked(params) and len(marked(params)) > 0
