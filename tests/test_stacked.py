@@ -41,10 +41,14 @@ def test_layer_slice_indexes_the_flattened_leading_dims():
     view = of_layer(stack, LAYER, 2)
     assert view.shape == (4, 5) and view.dtype == stack.dtype
     np.testing.assert_array_equal(materialize(view), stack[1, 1])
-    flat, index = in_place(view)
+    [flat], index = in_place([view])
     assert flat.shape == (6, 4, 5) and int(index) == LAYER
-    flat, index = in_place(stack[1, 1])  # a plain weight is a stack of one
+    [flat], index = in_place([stack[1, 1]])  # a plain weight is a stack of one
     assert flat.shape == (1, 4, 5) and int(index) == 0
+    # one plain weight among them: all are sliced, so that one index reads every one
+    flats, index = in_place([view, stack[1, 1]])
+    assert [f.shape for f in flats] == [(1, 4, 5)] * 2 and int(index) == 0
+    np.testing.assert_array_equal(flats[0][0], stack[1, 1])
     # a pytree: it goes through jit and scans like the arrays it holds, its ndim static
     got = jax.jit(lambda v: materialize(v) + 0)(view)
     np.testing.assert_array_equal(got, stack[1, 1])
@@ -54,10 +58,14 @@ def test_stacks_a_kernel_could_not_address_are_sliced():
     assert offsets_fit(2 ** 31 - 1, 1) and not offsets_fit(2 ** 31, 1) and not offsets_fit(2 ** 32, 1)
     assert offsets_fit(2 ** 32 + 1, 1) and offsets_fit(2 ** 31, 4)  # past 2^32 bytes Pallas indexes in int64
     big = jax.ShapeDtypeStruct((3, 2 ** 30), jnp.uint8)  # 3 GiB of bytes: int32 offsets would wrap
-    flat, index = jax.eval_shape(lambda s: in_place(of_layer(s, 2, 1)), big)
+    small = jax.ShapeDtypeStruct((3, 2 ** 29), jnp.uint8)  # 1.5 GiB: read in place
+    [flat], index = jax.eval_shape(lambda s: in_place([of_layer(s, 2, 1)]), big)
     assert flat.shape == (1, 2 ** 30) and index.shape == ()
-    flat, _ = jax.eval_shape(lambda s: in_place(of_layer(s, 2, 1)), jax.ShapeDtypeStruct((3, 2 ** 29), jnp.uint8))
-    assert flat.shape == (3, 2 ** 29)  # 1.5 GiB: read in place
+    [flat], _ = jax.eval_shape(lambda s: in_place([of_layer(s, 2, 1)]), small)
+    assert flat.shape == (3, 2 ** 29)
+    # read together with a stack that cannot be addressed, the small one is sliced too
+    flats, _ = jax.eval_shape(lambda a, b: in_place([of_layer(a, 2, 1), of_layer(b, 2, 1)]), small, big)
+    assert [f.shape for f in flats] == [(1, 2 ** 29), (1, 2 ** 30)]
 
 
 @pytest.mark.parametrize("tokens", [3, 40])  # 40 > CONFIG.max_tokens: the reference serves it

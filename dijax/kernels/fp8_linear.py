@@ -115,10 +115,10 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, 
             n_depth: int):
     """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...),
     over K slices [k*n_depth, (k+1)*n_depth) of ``depth``, reading layer ``layer_ref[0]`` of the weight stack
-    [L, O, I] and layer ``layer_ref[1]`` of the scale stack. The output is bf16 [T, O], or with split K the fp32
-    partial sums [splits, T, O]."""
+    [L, O, I] and of the scale stack. The output is bf16 [T, O], or with split K the fp32 partial sums
+    [splits, T, O]."""
     n0, m0 = pl.program_id(0) * cols, pl.program_id(1) * rows
-    w_layer, s_layer = layer_ref[0], layer_ref[1]
+    layer = layer_ref[0]
     first = pl.program_id(2) * n_depth
     row_R = m0 + jnp.arange(rows)
     live_R1 = (row_R < n_tokens)[:, None]
@@ -129,8 +129,8 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, 
         col_K = k0 + jnp.arange(depth)
         x_RK = pltriton.load(x_ref.at[safe_R1, col_K[None, :]], mask=jnp.broadcast_to(live_R1, (rows, depth)),
                              other=0).astype(jnp.float32)
-        codes_NK = w_ref[w_layer, pl.ds(n0, cols), pl.ds(k0, depth)]
-        scale_BB = s_ref[s_layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK),
+        codes_NK = w_ref[layer, pl.ds(n0, cols), pl.ds(k0, depth)]
+        scale_BB = s_ref[layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK),
                          pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]
         w_NK = (decode_e4m3(codes_NK) * _expand_scales(scale_multiplier(scale_BB), cols, depth)).astype(jnp.bfloat16)
         return acc + jax.lax.dot_general(fq8_tile(x_RK), w_NK, (((1,), (1,)), ((), ())),
@@ -189,8 +189,7 @@ def _fp8_linear_call(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, *, co
                      interpret: bool) -> jax.Array:
     """The kernel launch of ``fp8_linear_pallas``, jitted: the linears of one shape (the same projection in every
     layer) share one trace and lowering per step shape; ``config`` is part of the key."""
-    w_LOI, w_layer = in_place(weight_OI)
-    s_LBB, s_layer = in_place(scale_BB)
+    (w_LOI, s_LBB), layer = in_place([weight_OI, scale_BB])
     t, in_dim = x_TI.shape
     out_dim = weight_OI.shape[0]
     rows = int(min(config.rows_max, max(MIN_DOT, pl.next_power_of_2(max(t, 1)))))
@@ -204,8 +203,7 @@ def _fp8_linear_call(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, *, co
                                jnp.bfloat16 if splits == 1 else jnp.float32)
     params = pltriton.CompilerParams(num_warps=config.warps, num_stages=config.stages)
     codes_LOI = jax.lax.bitcast_convert_type(w_LOI, jnp.uint8)
-    layers_2 = jnp.stack([w_layer, s_layer])
-    y = poison.pallas_call(kernel, layers_2, x_TI, codes_LOI, s_LBB, out_shape=out, poison=config.poison, grid=grid,
+    y = poison.pallas_call(kernel, layer[None], x_TI, codes_LOI, s_LBB, out_shape=out, poison=config.poison, grid=grid,
                            compiler_params=params, name="fp8_linear", interpret=interpret)
     return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
 

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode, poison, quant
-from dijax.kernels.stacked import LayerSlice, materialize, offsets_fit
+from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
 PATHS = ("gathered", "ragged")
@@ -450,13 +450,12 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
     ((w1, s1), (w3, s3), (w2, s2)), offset = _expert_stacks(experts)
     x_act_TD = quant.fq8(x_TD)
     weights_A = weights_TX.reshape(-1).astype(jnp.float32)
-    cfg = config
     call = functools.partial(_call, poisoned=config.poison, interpret=interpret)
     if path == "gathered":
-        rows_f, rows_d = _block(f, cfg.matvec_rows, "moe_inter_dim"), _block(d, cfg.matvec_rows, "dim")
-        words_d = _block(d // 8, cfg.matvec_words, "dim/8", WORDS_PER_SCALE)
-        words_f = _block(f // 8, cfg.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
-        params = _compiler_params(cfg.matvec_warps, cfg.matvec_stages)
+        rows_f, rows_d = _block(f, config.matvec_rows, "moe_inter_dim"), _block(d, config.matvec_rows, "dim")
+        words_d = _block(d // 8, config.matvec_words, "dim/8", WORDS_PER_SCALE)
+        words_f = _block(f // 8, config.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
+        params = _compiler_params(config.matvec_warps, config.matvec_stages)
         stack_A = jnp.where(expert_A >= 0, expert_A + offset, -1)  # ids in the flattened stack
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
                                        words=words_d, n_words=d // 8),
@@ -467,15 +466,15 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
                      stack_A, phase_major(quant.fq8(h_AF)), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
-    rows = gemm_rows(n_assign, n_experts, cfg)
+    rows = gemm_rows(n_assign, n_experts, config)
     tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, rows)
     tile_expert_I = jnp.where(tile_expert_I >= 0, tile_expert_I + offset, -1)
     weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
     n_rows, n_tiles = token_R.shape[0], tile_expert_I.shape[0]
-    cols_f, cols_d = _block(f, cfg.gemm_cols, "moe_inter_dim", 16), _block(d, cfg.gemm_cols, "dim", 16)
-    words_d = _block(d // 8, cfg.gemm_words, "dim/8", 2)
-    words_f = _block(f // 8, cfg.gemm_words, "moe_inter_dim/8", 2)
-    params = _compiler_params(cfg.gemm_warps, cfg.gemm_stages)
+    cols_f, cols_d = _block(f, config.gemm_cols, "moe_inter_dim", 16), _block(d, config.gemm_cols, "dim", 16)
+    words_d = _block(d // 8, config.gemm_words, "dim/8", 2)
+    words_f = _block(f // 8, config.gemm_words, "moe_inter_dim/8", 2)
+    params = _compiler_params(config.gemm_warps, config.gemm_stages)
     h_RF = call(functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
                                    n_words=d // 8),
                  (n_rows, f), (n_tiles, f // cols_f), params, "routed_gate_up_gemm",
@@ -488,17 +487,16 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
 
 def _expert_stacks(experts: dict) -> tuple[list[tuple[jax.Array, jax.Array]], jax.Array]:
     """([(packed words uint32 [L * E, out, in / 8], scales uint8 [L * E, out, in / 32]) of w1, w3, w2], the offset
-    of this layer's experts in them): the stacks of ``LayerSlice`` experts flattened over their layers, read in
-    place, or plain experts (L = 1, offset 0). Stacks the kernels could not address (``offsets_fit``) are sliced
-    first (a copy), all alike, since the kernels index every matrix by one expert id."""
-    pairs = [(experts[n]["weight"], experts[n]["scale"]) for n in ("w1", "w3", "w2")]
-    leaves = [a for pair in pairs for a in pair]
-    in_place = all(isinstance(a, LayerSlice) for a in leaves) and all(
-        offsets_fit(w.stack.size // 4, 4) and offsets_fit(s.stack.size, 1) for w, s in pairs)
-    if not in_place:
-        return [(pack_words(materialize(w)), materialize(s)) for w, s in pairs], jnp.zeros((), jnp.int32)
-    flat = [(a.stack.reshape(-1, *a.shape[1:]) for a in pair) for pair in pairs]
-    return [(pack_words(w), s) for w, s in flat], leaves[0].index * leaves[0].shape[0]
+    of this layer's experts in them): ``LayerSlice`` experts read in place from their stacks flattened over the
+    layers, or plain experts (L = 1, offset 0); ``stacked.in_place`` decides for all six at once, since the kernels
+    index every matrix by one expert id."""
+    names = ("w1", "w3", "w2")
+    words = [experts[n]["weight"] for n in names]
+    words = [LayerSlice(pack_words(w.stack), w.index, w.ndim) if isinstance(w, LayerSlice) else pack_words(w)
+             for w in words]
+    stacks, layer = in_place(words + [experts[n]["scale"] for n in names])
+    flat = [a.reshape(-1, *a.shape[2:]) for a in stacks]  # [L, E, ...] -> [L * E, ...]
+    return list(zip(flat[:3], flat[3:])), layer * stacks[0].shape[1]
 
 
 def _call(kernel, out_shape: tuple[int, int], grid: tuple[int, int], params, name: str, *args, poisoned: bool,

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 @dataclass(frozen=True)
 class LayerSlice:
     """Layer ``index`` of ``stack``: stack [*lead, *shape] with ``ndim`` trailing weight dims, index int32 scalar
@@ -67,11 +66,10 @@ def offsets_fit(size: int, itemsize: int) -> bool:
     return size < 2 ** 31 or size * itemsize > 2 ** 32
 
 
-def in_place(weight: jax.Array | LayerSlice) -> tuple[jax.Array, jax.Array]:
-    """(stack [L, *shape], index int32 []) a kernel reads the layer from: a plain weight is a stack of one; a stack
-    the kernel could not address (``offsets_fit``) gives up the in-place read and is sliced (a copy)."""
-    if not isinstance(weight, LayerSlice):
-        return weight[None], jnp.zeros((), jnp.int32)
-    if not offsets_fit(weight.stack.size, weight.dtype.itemsize):
-        return weight.get()[None], jnp.zeros((), jnp.int32)
-    return weight.flat(), weight.index
+def in_place(weights: list[jax.Array | LayerSlice]) -> tuple[list[jax.Array], jax.Array]:
+    """([stack [L, *shape] of each weight], index int32 []): the stacks a kernel reads one layer's ``weights``
+    from through one index. ``LayerSlice``s (of one layer, so of one index) are read in place; plain weights, or any
+    stack the kernel could not address (``offsets_fit``), make every weight a stack of one, sliced (a copy)."""
+    if all(isinstance(w, LayerSlice) and offsets_fit(w.stack.size, w.dtype.itemsize) for w in weights):
+        return [w.flat() for w in weights], weights[0].index
+    return [materialize(w)[None] for w in weights], jnp.zeros((), jnp.int32)
