@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 
-from dijax.kernels import AUTO_ON_GPU, FAST, REFERENCE, kernel_options
+from dijax.kernels import AUTO_ON_GPU, FAST, REFERENCE, interpret_mode, kernel_options, lowering_for_gpu
 
 
 def test_choices():
@@ -26,3 +27,13 @@ def test_bad_choices_name_the_field():
         kernel_options("pallas", "gpu")
     with pytest.raises(ValueError, match="kernels='on' needs a GPU"):
         kernel_options("on", "cpu")
+
+
+def test_lowering_for_gpu_switches_interpretation_off_only_within():
+    on_cpu = jax.default_backend() != "gpu"
+    assert interpret_mode() is on_cpu and interpret_mode(True) and not interpret_mode(False)
+    with pytest.raises(RuntimeError):
+        with lowering_for_gpu():
+            assert not interpret_mode() and interpret_mode(True)
+            raise RuntimeError("restored on the way out")
+    assert interpret_mode() is on_cpu

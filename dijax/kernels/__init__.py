@@ -16,6 +16,8 @@ The choice is static (part of the step's jit key) and made once per engine by ``
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
 KERNEL_CHOICES = ("auto", "on", "off")
@@ -42,10 +44,27 @@ FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas
 AUTO_ON_GPU: dict[str, str] = dict(FAST)
 
 
+_LOWERING_FOR_GPU = [False]
+
+
+@contextlib.contextmanager
+def lowering_for_gpu():
+    """Within: kernels take their GPU (Triton) form whatever the default backend, so that a step can be lowered
+    for CUDA on a machine without a GPU (tools/kernel_report.py). Running them there still needs a GPU."""
+    _LOWERING_FOR_GPU[0] = True
+    try:
+        yield
+    finally:
+        _LOWERING_FOR_GPU[0] = False
+
+
 def interpret_mode(requested: bool | None = None) -> bool:
     """Whether a Pallas kernel runs interpreted: ``requested``, or when None, whether JAX's default backend is not a
-    GPU (the kernels' Triton lowering needs one; interpreted, they run anywhere, slowly)."""
-    return jax.default_backend() != "gpu" if requested is None else requested
+    GPU (the kernels' Triton lowering needs one; interpreted, they run anywhere, slowly) outside
+    ``lowering_for_gpu``."""
+    if requested is not None:
+        return requested
+    return jax.default_backend() != "gpu" and not _LOWERING_FOR_GPU[0]
 
 
 def kernel_options(kernels: str, platform: str) -> dict[str, str]:

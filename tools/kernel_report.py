@@ -1,0 +1,200 @@
+"""Every Pallas (Triton) kernel of a model step, built for the H200 on a machine without a GPU: lowering and
+ptxas errors, registers, spills, shared memory and the SASS instruction mix, before any device time is spent.
+
+    pip install triton==3.6.0          # the GPU machine's version; not a dijax dependency (it brings ptxas)
+    PYTHONPATH=. python3 tools/kernel_report.py                          # V4.1-Flash, decode 64 x 64, prefill 1024
+    PYTHONPATH=. python3 tools/kernel_report.py --buckets 1x1 --sass-top 12 --keep /tmp/kernels
+
+The step (tools/compile_time.py's abstract 40-layer V4.1-Flash config, the engine's ``compiled_step``) is lowered
+for CUDA with every kernel on (``dijax.kernels.lowering_for_gpu``; Pallas reads the compute capability from an
+abstract sm_90 device here). Each distinct Triton module the lowering produces is compiled with the ``triton``
+package for sm_90 (``num_warps`` / ``num_stages`` as the kernel asks), its PTX assembled by ptxas -v, and its SASS
+read by cuobjdump. XLA compiles the same Triton IR with its own copy of Triton on the device, so a kernel that
+fails here will fail there; one that passes here can still differ there in scheduling (not in legality).
+
+Static counts are not timings: they show what a kernel's code is made of (tensor-core instructions and of which
+kind, conversions, spills), which says where to look; the device's benchmarks say how fast it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dijax  # noqa: E402,F401  (sets XLA flags before JAX starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax._src.interpreters import mlir  # noqa: E402
+from jax._src.pallas.triton import gpu_info, lowering  # noqa: E402
+from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
+
+from dijax.kernels import kernel_options, lowering_for_gpu  # noqa: E402
+from dijax.model.engram import EngramTables  # noqa: E402
+from dijax.model.step import CacheSpec, init_cache  # noqa: E402
+from dijax.model.transformer import abstract_state  # noqa: E402
+from dijax.runtime.model_runner import bucket_inputs, compiled_step  # noqa: E402
+from tools.compile_time import _abstract, flash_config  # noqa: E402
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+# SASS opcode families worth reading apart (the rest are summed as "other")
+FAMILIES = {"HGMMA": "wgmma", "HMMA": "mma.sync", "QGMMA": "fp8 wgmma", "FFMA": "fp32", "FMUL": "fp32",
+            "FADD": "fp32", "HFMA2": "f16x2", "HMUL2": "f16x2", "HADD2": "f16x2", "F2F": "convert", "F2FP": "convert",
+            "I2F": "convert", "F2I": "convert", "LOP3": "int", "SHF": "int", "IMAD": "int", "IADD3": "int",
+            "PRMT": "int", "LEA": "int", "LDG": "global load", "STG": "global store", "LDS": "shared load",
+            "LDSM": "shared load", "STS": "shared store", "LDL": "spill", "STL": "spill", "BAR": "barrier",
+            "SHFL": "shuffle"}
+
+
+class TritonCapture:
+    """Collects (name, Triton IR text, num_warps, num_stages) of every ``pallas_call`` lowered while active."""
+
+    def __init__(self):
+        self.kernels: list[tuple[str, str, int, int]] = []
+        self._modules: list[str] = []
+
+    def __enter__(self):
+        self._saved = (registration.gpu_info_lib.get_gpu_info, lowering.lower_jaxpr_to_triton_module,
+                       mlir.custom_call)
+        registration.gpu_info_lib.get_gpu_info = lambda: gpu_info.GpuInfo(
+            gpu_version=None, arch_name="9.0", compute_capability=90)
+
+        def lower_module(*args, **kwargs):
+            result = self._saved[1](*args, **kwargs)
+            self._modules.append(str(result.module))
+            return result
+
+        def custom_call(call_target_name, *args, backend_config=None, **kwargs):
+            if call_target_name == TRITON_CALL and self._modules:
+                config = backend_config
+                self.kernels.append((mlir.ir.StringAttr(config["name"]).value, self._modules.pop(),
+                                     mlir.ir.IntegerAttr(config["num_warps"]).value,
+                                     mlir.ir.IntegerAttr(config["num_stages"]).value))
+            return self._saved[2](call_target_name, *args, backend_config=backend_config, **kwargs)
+
+        lowering.lower_jaxpr_to_triton_module = lower_module
+        registration.mlir.custom_call = custom_call
+        return self
+
+    def __exit__(self, *exc):
+        registration.gpu_info_lib.get_gpu_info, lowering.lower_jaxpr_to_triton_module, mlir.custom_call = self._saved
+
+
+def lower_step_kernels(buckets: list[tuple[int, int, int]]) -> list[tuple[str, str, int, int]]:
+    """The distinct Triton kernels of the V4.1-Flash step for each (tokens, sequences, max_blocks) bucket."""
+    cfg = flash_config()
+    params = abstract_state(cfg, fold=True)
+    size = cfg.engram_compressed_vocab_size
+    token_map = (np.arange(cfg.vocab_size) % size).astype(np.int32)
+    consts = _abstract(EngramTables.from_token_map(cfg, token_map, size).step_consts())
+    options = kernel_options("on", "gpu")
+    seen, kernels = set(), []
+    with TritonCapture() as capture, lowering_for_gpu():
+        for tokens, seqs, width in buckets:
+            spec = CacheSpec(num_blocks=4096, num_slots=seqs, block_size=128)
+            cache = jax.eval_shape(lambda: init_cache(cfg, spec, fold=True))
+            leaves, tree = jax.tree.flatten(params)
+            batch, remap_T = bucket_inputs(tokens, seqs, width)
+            step = compiled_step(cfg, tuple(sorted(options.items())), tree)
+            step.trace(leaves, cache, batch, consts, jax.ShapeDtypeStruct((seqs,), jnp.int32),
+                       remap_T).lower(lowering_platforms=("cuda",))
+            for name, text, warps, stages in capture.kernels:
+                key = (text, warps, stages)
+                if key not in seen:
+                    seen.add(key)
+                    kernels.append((f"{name} [{tokens}x{seqs}]", text, warps, stages))
+            capture.kernels.clear()
+    return kernels
+
+
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+except ImportError:  # reported by main(): the lowering half works without it
+    triton = None
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def build(text: str, warps: int, stages: int, workdir: str, stem: str) -> dict:
+    """Compile one Triton module for sm_90: registers, spills, shared bytes and the SASS opcode counts."""
+    path = os.path.join(workdir, f"{stem}.ttir")
+    with open(path, "w") as f:
+        f.write(text)
+    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    ptx, cubin = os.path.join(workdir, f"{stem}.ptx"), os.path.join(workdir, f"{stem}.cubin")
+    with open(ptx, "w") as f:
+        f.write(kernel.asm["ptx"])
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    target = re.search(r"\.target\s+(\S+)", kernel.asm["ptx"]).group(1)
+    report = subprocess.run([_tool("ptxas"), f"-arch={target}", "-v", ptx, "-o", os.devnull],
+                            capture_output=True, text=True, check=True).stderr
+    sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    instruction = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)"  # /*0040*/ [@P0] OPCODE.MODS
+    opcodes = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(instruction, sass))
+    find = lambda pattern: int(m.group(1)) if (m := re.search(pattern, report)) else 0  # noqa: E731
+    return {"registers": find(r"Used (\d+) registers"), "spill_stores": find(r"(\d+) bytes spill stores"),
+            "spill_loads": find(r"(\d+) bytes spill loads"), "shared": kernel.metadata.shared, "opcodes": opcodes}
+
+
+def families(opcodes: collections.Counter) -> dict[str, int]:
+    """SASS opcode counts grouped by FAMILIES."""
+    out = collections.Counter()
+    for op, n in opcodes.items():
+        out[FAMILIES.get(op, "other")] += n
+    return dict(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--buckets", default="64x64x32,1024x1x8",
+                        help="comma-separated TOKENSxSEQUENCESxBLOCKS step buckets (block size 128)")
+    parser.add_argument("--sass-top", type=int, default=0, help="also list each kernel's N most frequent opcodes")
+    parser.add_argument("--keep", help="keep the .ttir / .ptx / .cubin files in this directory")
+    args = parser.parse_args()
+    if triton is None:
+        sys.exit("kernel_report: needs the triton package (pip install triton==3.6.0, the GPU machine's version)")
+    buckets = [tuple(int(v) for v in spec.split("x")) for spec in args.buckets.split(",")]
+    kernels = lower_step_kernels(buckets)
+    print(f"{len(kernels)} distinct Triton kernels; jax {jax.__version__}, sm_90")
+    workdir = args.keep or tempfile.mkdtemp(prefix="dijax-kernels-")
+    os.makedirs(workdir, exist_ok=True)
+    columns = ["wgmma", "mma.sync", "fp32", "f16x2", "convert", "int", "global load", "shared load", "shared store",
+               "spill", "other"]
+    print("| kernel | warps | stages | registers | spill bytes (st / ld) | shared KB | "
+          + " | ".join(columns) + " |")
+    print("|---" * (6 + len(columns)) + "|")
+    failures, printed = 0, set()
+    for i, (name, text, warps, stages) in enumerate(kernels):
+        try:
+            r = build(text, warps, stages, workdir, f"k{i:02d}")
+        except Exception as exc:  # one kernel's failure must not hide the others
+            failures += 1
+            print(f"| {name} | {warps} | {stages} | FAILED: {type(exc).__name__}: {str(exc)[:300]} |")
+            continue
+        fam = families(r["opcodes"])
+        row = (f"{warps} | {stages} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
+               f"{r['shared'] / 1024:.1f} | " + " | ".join(str(fam.get(c, 0)) for c in columns))
+        if (name, row) in printed:  # the same kernel in another layer (its IR differs only in source locations)
+            continue
+        printed.add((name, row))
+        print(f"| {name} | {row} |")
+        if args.sass_top:
+            print("    " + ", ".join(f"{op} {n}" for op, n in r["opcodes"].most_common(args.sass_top)))
+    print(f"files in {workdir}")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
