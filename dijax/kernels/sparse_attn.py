@@ -12,9 +12,10 @@ The kernel (flash-decoding): one program per (token, head group, split of the in
 ``block_k``, per part of the output dims. It walks its split in the same blocks of 64, gathers each block's latent
 rows once for all heads of its group (the masked load reads only the source a row lives in), and keeps the
 reference's fp32 online softmax with the bf16 P cast relative to the split's running max. The splits' partial
-sums are merged in fp32 outside the kernel, where the sink joins the denominator. With one split this is the reference's computation block for block; with several, each split's P is
-rounded relative to its own running max instead of the global one (the same bf16 rounding, at other points), and
-the QK and PV products accumulate in another order than the reference's fp32 einsums.
+sums are merged in fp32 outside the kernel, where the sink joins the denominator. With one split this is the
+reference's computation block for block; with several, each split's P is rounded relative to its own running max
+instead of the global one (the same bf16 rounding, at other points), and the QK and PV products accumulate in
+another order than the reference's fp32 einsums.
 
 Letters: T query tokens, H heads, K head dim, L list length, N rows of a KV source, S splits of the list.
 """
