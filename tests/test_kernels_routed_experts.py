@@ -7,6 +7,7 @@ the SwiGLU clamp firing, padding assignments (expert -1), the tile layout's inva
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -115,15 +116,34 @@ def case(request):
     return request.param, experts, x_TD, weights_TX, experts_TX, expected
 
 
-@pytest.mark.parametrize("path", rx.PATHS)
-def test_pallas_matches_reference(case, path):
+@pytest.mark.parametrize("path", [*rx.PATHS, "gathered-prefetch"])
+def test_pallas_matches_reference(case, path, monkeypatch):
     name, experts, x_TD, weights_TX, experts_TX, expected = case
+    if path == "gathered-prefetch":
+        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_prefetch=True))
+        path = "gathered"
     got = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas", path=path))
     assert_close(got, expected)
     pad_rows = np.all(np.asarray(experts_TX) < 0, axis=1)
     assert np.all(got[pad_rows] == 0) and np.all(expected[pad_rows] == 0)
     if name == "one-token":
         assert (gate_values(experts, x_TD, experts_TX) > LIMIT).any()  # the clamp fires
+
+
+def test_prefetch_over_several_k_steps_changes_nothing(monkeypatch):
+    """The mat-vec's prefetching K loop computes what the plain one does, bit for bit, over several K steps (64
+    words a step, so D = F = 1024 takes 2)."""
+    rng = np.random.default_rng(21)
+    experts = make_experts(rng, 4, 1024, 1024, (116, 122))
+    weights_TX, experts_TX = make_routing(rng, 3, 4, 2, pad_slots=(1,))
+    x_TD = make_x(rng, 3, 1024, 3.0)
+    got = {}
+    for prefetch in (False, True):
+        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_prefetch=prefetch))
+        got[prefetch] = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas",
+                                                     path="gathered"))
+    np.testing.assert_array_equal(got[True], got[False])
+    assert_close(got[True], np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT)))
 
 
 def test_a_padding_slot_adds_exactly_nothing():

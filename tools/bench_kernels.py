@@ -256,7 +256,8 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
 
     Floor: the larger of the packed bytes of the distinct experts the routing touches (codes and ue8m0 scales,
     plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
-    ``sweep`` adds the mat-vec path at every T and the grouped GEMM's tile rows forced to 16 / 64.
+    ``sweep`` adds the mat-vec path at every T, its prefetching K loop, the grouped GEMM's tile rows forced to
+    16 / 64 and its K step doubled (32 words) at half the columns.
     """
     import dataclasses
 
@@ -289,26 +290,28 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
         base = time_call(ref_fn, experts, x_TD, weights_TX, experts_TX, **timing)
         out.append(_timed_row("routed_experts", shape, f"reference ({rx.routed_path(t * x, n_experts)})", base, floor,
                               None))
-        variants = [("ragged", None)]
+        variants = [("ragged", {})]
         if t * x <= 4 * n_experts or sweep:
-            variants.insert(0, ("gathered", None))
+            variants.insert(0, ("gathered", {}))
         if sweep:
-            variants += [("ragged", 16), ("ragged", 64)]
-        for path, rows in variants:
+            variants += [("gathered", {"matvec_prefetch": True}),
+                         ("ragged", {"gemm_rows_min": 16, "gemm_rows_max": 16}),
+                         ("ragged", {"gemm_rows_min": 64, "gemm_rows_max": 64}),
+                         ("ragged", {"gemm_words": 32, "gemm_cols": 64})]
+        for path, change in variants:
             saved = rx.CONFIG
-            if rows:
-                rx.CONFIG = dataclasses.replace(saved, gemm_rows_min=rows, gemm_rows_max=rows)
+            rx.CONFIG = dataclasses.replace(saved, **change)
             try:
                 fn = jax.jit(lambda *a, p=path: rx.routed_experts(*a, limit, impl="pallas", path=p))
                 got = np.asarray(fn(experts, x_TD, weights_TX, experts_TX))
                 err = float(np.abs(got - want).max() / np.abs(want).max())
                 seconds = time_call(fn, experts, x_TD, weights_TX, experts_TX, **timing)
-                pick = "*" if path == rx.pallas_path(t * x) and not rows else ""
-                name = f"pallas {path}{pick}" + (f" rows={rows}" if rows else "")
+                pick = "*" if path == rx.pallas_path(t * x) and not change else ""
+                name = f"pallas {path}{pick}" + "".join(f" {k}={v}" for k, v in change.items())
                 label = f"{name} (err {err:.1e}, {np.mean(got == want):.1%} equal)"
                 out.append(_timed_row("routed_experts", shape, label, seconds, floor, base))
             except Exception as exc:  # one failing variant must not hide the others' rows
-                print(f"routed_experts {path} rows={rows} at T={t} failed: {type(exc).__name__}: {str(exc)[:600]}")
+                print(f"routed_experts {path} {change} at T={t} failed: {type(exc).__name__}: {str(exc)[:600]}")
             finally:
                 rx.CONFIG = saved
     return out

@@ -163,6 +163,10 @@ class KernelConfig:
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
+    matvec_prefetch: each mat-vec K step loads the next step's weight words and scales before decoding its own
+      (double-buffered in registers through the loop carry). Triton pipelines (cp.async) only loads that feed a
+      dot: the grouped GEMM's are (its SASS has LDGSTS), the mat-vec's are plain loads that each K step waits for.
+      An experiment, not yet timed on a GPU (tools/bench_kernels.py --only routed_experts --sweep);
     poison: kernel outputs start NaN-filled instead of uninitialised (tests: an element no program writes shows).
     """
     matvec_rows: int = 32
@@ -175,6 +179,7 @@ class KernelConfig:
     gemm_words: int = 16
     gemm_warps: int = 4
     gemm_stages: int = 3
+    matvec_prefetch: bool = False
     gathered_max: int = 96
     poison: bool = False
 
@@ -237,18 +242,39 @@ def _compiler_params(warps: int, stages: int):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _matvec_partial(w_ref, s_ref, e, r0: int | jax.Array, w0, rows: int, words: int,
-                    x_J: list[jax.Array]) -> jax.Array:
-    """One K step of a decode mat-vec: rows [r0, r0+rows) of expert e's words [w0, w0+words) dotted with the 8
-    phase slices x_J (float32 [words] each). Scales are applied per 32-code block to the block sums. -> f32 [rows]."""
-    w_RW = w_ref[e, pl.ds(r0, rows), pl.ds(w0, words)]
+def _k_loop(n_steps: int, load, compute, init, prefetch: bool):
+    """``acc = compute(k, load(k), acc)`` for k < n_steps, returning acc. ``load(k)`` reads step k's weight tiles;
+    with ``prefetch`` step k issues load(k + 1) (the last step re-reads its own) before computing on the tiles
+    the previous step loaded, so the loads overlap the decode."""
+    if not prefetch:
+        return jax.lax.fori_loop(0, n_steps, lambda k, acc: compute(k, load(k), acc), init)
+
+    def step(k, carry):
+        acc, tiles = carry
+        following = load(jnp.minimum(k + 1, n_steps - 1))
+        return compute(k, tiles, acc), following
+
+    return jax.lax.fori_loop(0, n_steps, step, (init, load(0)))[0]
+
+
+def _weight_tiles(w_refs, s_refs, e, r0, rows: int, w0, words: int) -> tuple:
+    """Expert e's rows [r0, r0+rows) of each weight: (words [rows, words] uint32, scales [rows, words/4] uint8)."""
+    return tuple((w_ref[e, pl.ds(r0, rows), pl.ds(w0, words)],
+                  s_ref[e, pl.ds(r0, rows), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
+                 for w_ref, s_ref in zip(w_refs, s_refs))
+
+
+def _matvec_partial(w_RW: jax.Array, s_RB: jax.Array, x_J: list[jax.Array]) -> jax.Array:
+    """One K step of a decode mat-vec: weight words w_RW [rows, words] with their ue8m0 bytes s_RB dotted with the
+    8 phase slices x_J (float32 [words] each). Scales are applied per 32-code block to the block sums.
+    -> f32 [rows]."""
+    rows, words = w_RW.shape
     p_RW = jnp.zeros((rows, words), jnp.float32)
     for j in range(CODES_PER_WORD // 2):
         low, high = decode_pair(w_RW, j)
         p_RW = p_RW + low * x_J[j][None, :] + high * x_J[j + 4][None, :]
     block_RB = p_RW.reshape(rows, words // WORDS_PER_SCALE, WORDS_PER_SCALE).sum(axis=-1)
-    scale_RB = scale_multiplier(s_ref[e, pl.ds(r0, rows), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
-    return (block_RB * scale_RB).sum(axis=-1)
+    return (block_RB * scale_multiplier(s_RB)).sum(axis=-1)
 
 
 def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: jax.Array) -> jax.Array:
@@ -258,7 +284,7 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
 
 
 def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                           n_per_token: int, limit: float, rows: int, words: int, n_words: int):
+                           n_per_token: int, limit: float, rows: int, words: int, n_words: int, prefetch: bool):
     """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
@@ -267,14 +293,16 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
     def _():
         t = a // n_per_token
 
-        def step(k, acc):
+        def compute(k, tiles, acc):
             w0 = k * words
             x_J = [x_ref[t, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
-            return (acc[0] + _matvec_partial(w1_ref, s1_ref, e, r0, w0, rows, words, x_J),
-                    acc[1] + _matvec_partial(w3_ref, s3_ref, e, r0, w0, rows, words, x_J))
+            (w1_RW, s1_RB), (w3_RW, s3_RB) = tiles
+            return acc[0] + _matvec_partial(w1_RW, s1_RB, x_J), acc[1] + _matvec_partial(w3_RW, s3_RB, x_J)
 
         zeros = jnp.zeros((rows,), jnp.float32)
-        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
+        g, u = _k_loop(n_words // words, lambda k: _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, r0, rows,
+                                                                 k * words, words),
+                       compute, (zeros, zeros), prefetch)
         h_ref[a, pl.ds(r0, rows)] = _weighted_swiglu(g, u, limit, weight_ref[a])
 
     @pl.when(e < 0)
@@ -282,19 +310,22 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
         h_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
 
 
-def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int):
+def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int,
+                        prefetch: bool):
     """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
 
     @pl.when(e >= 0)
     def _():
-        def step(k, acc):
+        def compute(k, tiles, acc):
             w0 = k * words
             h_J = [h_ref[a, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
-            return acc + _matvec_partial(w2_ref, s2_ref, e, r0, w0, rows, words, h_J)
+            [(w2_RW, s2_RB)] = tiles
+            return acc + _matvec_partial(w2_RW, s2_RB, h_J)
 
-        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows,), jnp.float32))
+        y = _k_loop(n_words // words, lambda k: _weight_tiles((w2_ref,), (s2_ref,), e, r0, rows, k * words, words),
+                    compute, jnp.zeros((rows,), jnp.float32), prefetch)
         y_ref[a, pl.ds(r0, rows)] = y.astype(jnp.bfloat16)
 
     @pl.when(e < 0)
@@ -313,10 +344,10 @@ def _interleave(p_J: list[jax.Array]) -> jax.Array:
     return join(join(join(p_J[0], p_J[4]), join(p_J[2], p_J[6])), join(join(p_J[1], p_J[5]), join(p_J[3], p_J[7])))
 
 
-def _dequant_tile(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> jax.Array:
-    """Expert e's rows [n0, n0+cols), codes [8 w0, 8 (w0+words)) as a bf16 tile [cols, 8 words] (exact values)."""
-    w_NW = w_ref[e, pl.ds(n0, cols), pl.ds(w0, words)]
-    scale_NB = scale_multiplier(s_ref[e, pl.ds(n0, cols), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
+def _dequant_tile(w_NW: jax.Array, s_NB: jax.Array) -> jax.Array:
+    """Weight words w_NW [cols, words] with their ue8m0 bytes s_NB as a bf16 tile [cols, 8 words] (exact values)."""
+    cols, words = w_NW.shape
+    scale_NB = scale_multiplier(s_NB)
     scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
     scale_NW = scale_NW.reshape(cols, words)
     p_J = [None] * CODES_PER_WORD
@@ -341,14 +372,16 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
     def _():
         token_M = token_ref[pl.ds(i * rows, rows)]
 
-        def step(k, acc):
-            w0 = k * words
-            x_MK = x_ref[token_M, pl.ds(w0 * CODES_PER_WORD, words * CODES_PER_WORD)]
-            return (acc[0] + _dot_nt(x_MK, _dequant_tile(w1_ref, s1_ref, e, n0, w0, cols, words)),
-                    acc[1] + _dot_nt(x_MK, _dequant_tile(w3_ref, s3_ref, e, n0, w0, cols, words)))
+        def compute(k, tiles, acc):
+            x_MK = x_ref[token_M, pl.ds(k * words * CODES_PER_WORD, words * CODES_PER_WORD)]
+            (w1_NW, s1_NB), (w3_NW, s3_NB) = tiles
+            return (acc[0] + _dot_nt(x_MK, _dequant_tile(w1_NW, s1_NB)),
+                    acc[1] + _dot_nt(x_MK, _dequant_tile(w3_NW, s3_NB)))
 
         zeros = jnp.zeros((rows, cols), jnp.float32)
-        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
+        g, u = _k_loop(n_words // words, lambda k: _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, n0, cols,
+                                                                 k * words, words),
+                       compute, (zeros, zeros), prefetch=False)  # Triton pipelines these loads itself
         weight_M1 = weight_ref[pl.ds(i * rows, rows)][:, None]
         h_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = _weighted_swiglu(g, u, limit, weight_M1)
 
@@ -361,12 +394,13 @@ def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: in
 
     @pl.when(e >= 0)
     def _():
-        def step(k, acc):
-            w0 = k * words
-            h_MK = h_ref[pl.ds(i * rows, rows), pl.ds(w0 * CODES_PER_WORD, words * CODES_PER_WORD)]
-            return acc + _dot_nt(h_MK, _dequant_tile(w2_ref, s2_ref, e, n0, w0, cols, words))
+        def compute(k, tiles, acc):
+            h_MK = h_ref[pl.ds(i * rows, rows), pl.ds(k * words * CODES_PER_WORD, words * CODES_PER_WORD)]
+            [(w2_NW, s2_NB)] = tiles
+            return acc + _dot_nt(h_MK, _dequant_tile(w2_NW, s2_NB))
 
-        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows, cols), jnp.float32))
+        y = _k_loop(n_words // words, lambda k: _weight_tiles((w2_ref,), (s2_ref,), e, n0, cols, k * words, words),
+                    compute, jnp.zeros((rows, cols), jnp.float32), prefetch=False)
         y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
 
 
@@ -458,10 +492,11 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         params = _compiler_params(config.matvec_warps, config.matvec_stages)
         stack_A = jnp.where(expert_A >= 0, expert_A + offset, -1)  # ids in the flattened stack
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
-                                       words=words_d, n_words=d // 8),
+                                       words=words_d, n_words=d // 8, prefetch=config.matvec_prefetch),
                      (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
                      stack_A, weights_A, phase_major(x_act_TD), w1, s1, w3, s3)
-        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8),
+        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8,
+                                      prefetch=config.matvec_prefetch),
                      (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
                      stack_A, phase_major(quant.fq8(h_AF)), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)

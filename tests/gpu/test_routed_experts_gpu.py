@@ -36,9 +36,12 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 }
 
 
-@pytest.mark.parametrize("path", rx.PATHS)
+@pytest.mark.parametrize("path", [*rx.PATHS, "gathered-prefetch"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_gpu_kernels_match_reference(name, path):
+def test_gpu_kernels_match_reference(name, path, monkeypatch):
+    if path == "gathered-prefetch":
+        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_prefetch=True))
+        path = "gathered"
     t, e, x, d, f, pool, pad_tokens, pad_slots, exponents = CASES[name]
     rng = np.random.default_rng(sorted(CASES).index(name))
     experts = make_experts(rng, e, d, f, exponents)
