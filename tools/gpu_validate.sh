@@ -4,6 +4,9 @@
 #   tests    the GPU kernel tests, then the engine's timeline and warm-up tests (on the H200 the 60 kernel tests take
 #            201 s alone and the timeline tests 170 s, so they run one after the other);
 #   kernels  the kernels' micro-benchmarks;
+#   sweep    the prepared, not yet timed variants (routed experts: the mat-vec's prefetching K loop, GEMM tilings;
+#            sparse attention: output dims split across programs, block_k) checked against their references on
+#            the GPU, then timed beside the defaults (tools/bench_kernels.py --sweep);
 #   warmup   the warm-up total of the real config's 1M-context engine (tools/compile_time.py);
 #   compile  where a bucket's compile time goes: two real-config buckets with the engine's XLA options, then with
 #            XLA's GEMM autotuning back on;
@@ -18,9 +21,10 @@
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
-#   device: bash tools/gpu_validate.sh tests     (then kernels, warmup, compile, stack, engine, bench, parity, parity2: one call each)
+#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, warmup, compile, stack, engine, bench, parity,
+#           parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|warmup|compile|stack|engine|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|warmup|compile|stack|engine|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -39,6 +43,9 @@ case "$stage" in
     run 200 python3 -m pytest -q -ra tests/test_step_timeline.py "tests/test_engine.py::test_no_new_compilations_after_warm_up" ;;
   kernels)
     run 450 python3 tools/bench_kernels.py --iters 10 --repeats 3 ;;
+  sweep)
+    run 150 python3 -m pytest -q -ra tests/gpu/test_routed_experts_gpu.py tests/gpu/test_attention_gpu.py
+    run 300 python3 tools/bench_kernels.py --only routed_experts,sparse_attn --sweep --iters 10 --repeats 3 ;;
   warmup)
     # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
     # seventh session: 6.0 min with GEMM autotuning off, as the engine compiles: alone)
@@ -73,6 +80,6 @@ case "$stage" in
     fi
     wait
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, warmup, compile, stack, engine, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, warmup, compile, stack, engine, bench, parity, parity2)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120
