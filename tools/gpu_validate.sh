@@ -44,8 +44,9 @@ case "$stage" in
   kernels)
     run 450 python3 tools/bench_kernels.py --iters 10 --repeats 3 ;;
   sweep)
-    run 150 python3 -m pytest -q -ra tests/gpu/test_routed_experts_gpu.py tests/gpu/test_attention_gpu.py
-    run 300 python3 tools/bench_kernels.py --only routed_experts,sparse_attn --sweep --iters 10 --repeats 3 ;;
+    run 120 python3 -m pytest -q -ra tests/gpu/test_routed_experts_gpu.py tests/gpu/test_attention_gpu.py
+    run 220 python3 tools/bench_kernels.py --only routed_experts --sweep --iters 10 --repeats 3
+    run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3 ;;
   warmup)
     # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
     # seventh session: 6.0 min with GEMM autotuning off, as the engine compiles: alone)
