@@ -458,6 +458,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="add tiling / algorithm variants")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokens", help="routed_experts only: comma-separated token counts (default 1,16,64,256,1024)")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - set(BENCHES))
@@ -469,7 +470,9 @@ def main() -> None:
     time_call(jax.jit(lambda a: a @ a), warm, iters=200, repeats=1)
     rows = []
     for name in names:
-        rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats)
+        extra = {"tokens": tuple(int(t) for t in args.tokens.split(","))} if args.tokens and \
+            name == "routed_experts" else {}
+        rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats, **extra)
     print_table(rows)
 
 

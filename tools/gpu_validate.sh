@@ -7,6 +7,9 @@
 #   sweep    the prepared, not yet timed variants (routed experts: the mat-vec's prefetching K loop, GEMM tilings;
 #            sparse attention: output dims split across programs, block_k) checked against their references on
 #            the GPU, then timed beside the defaults (tools/bench_kernels.py --sweep);
+#   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16 and
+#            64 and of sparse attention: throughput against peak, memory workload, occupancy, stall reasons; the
+#            device's KINDS.md says whether ncu reads counters on the machine's runtime (if not, it says so here);
 #   warmup   the warm-up total of the real config's 1M-context engine (tools/compile_time.py);
 #   compile  where a bucket's compile time goes: two real-config buckets with the engine's XLA options, then with
 #            XLA's GEMM autotuning back on;
@@ -21,10 +24,10 @@
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
-#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, warmup, compile, stack, engine, bench, parity,
-#           parity2: one call each)
+#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, stack, engine, bench,
+#           parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|warmup|compile|stack|engine|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|profile|warmup|compile|stack|engine|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -47,6 +50,18 @@ case "$stage" in
     run 120 python3 -m pytest -q -ra tests/gpu/test_routed_experts_gpu.py tests/gpu/test_attention_gpu.py
     run 220 python3 tools/bench_kernels.py --only routed_experts --sweep --iters 10 --repeats 3
     run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3 ;;
+  profile)
+    ncu_sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats"
+    for tokens in 16 64; do
+      run 200 ncu --clock-control none $ncu_sections -k regex:routed_ --launch-skip 6 --launch-count 4 \
+        -o "$out/ncu-routed-T$tokens" python3 tools/bench_kernels.py --only routed_experts --tokens "$tokens" \
+        --iters 2 --repeats 1
+      ncu --import "$out/ncu-routed-T$tokens.ncu-rep" --print-summary per-kernel > "$out/ncu-routed-T$tokens.txt" 2>&1
+    done
+    run 150 ncu --clock-control none $ncu_sections -k regex:sparse_attn --launch-skip 4 --launch-count 2 \
+      -o "$out/ncu-sparse-attn" python3 tools/bench_kernels.py --only sparse_attn --iters 2 --repeats 1
+    ncu --import "$out/ncu-sparse-attn.ncu-rep" --print-summary per-kernel > "$out/ncu-sparse-attn.txt" 2>&1
+    tail -n 40 "$out"/ncu-*.txt >> "$log" ;;
   warmup)
     # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
     # seventh session: 6.0 min with GEMM autotuning off, as the engine compiles: alone)
@@ -81,6 +96,6 @@ case "$stage" in
     fi
     wait
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, warmup, compile, stack, engine, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, stack, engine, bench, parity, parity2)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120
