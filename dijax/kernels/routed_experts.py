@@ -344,10 +344,10 @@ def _interleave(p_J: list[jax.Array]) -> jax.Array:
     return join(join(join(p_J[0], p_J[4]), join(p_J[2], p_J[6])), join(join(p_J[1], p_J[5]), join(p_J[3], p_J[7])))
 
 
-def _dequant_tile(w_NW: jax.Array, s_NB: jax.Array) -> jax.Array:
-    """Weight words w_NW [cols, words] with their ue8m0 bytes s_NB as a bf16 tile [cols, 8 words] (exact values)."""
-    cols, words = w_NW.shape
-    scale_NB = scale_multiplier(s_NB)
+def _dequant_tile(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> jax.Array:
+    """Expert e's rows [n0, n0+cols), codes [8 w0, 8 (w0+words)) as a bf16 tile [cols, 8 words] (exact values)."""
+    w_NW = w_ref[e, pl.ds(n0, cols), pl.ds(w0, words)]
+    scale_NB = scale_multiplier(s_ref[e, pl.ds(n0, cols), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
     scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
     scale_NW = scale_NW.reshape(cols, words)
     p_J = [None] * CODES_PER_WORD
@@ -372,16 +372,14 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
     def _():
         token_M = token_ref[pl.ds(i * rows, rows)]
 
-        def compute(k, tiles, acc):
-            x_MK = x_ref[token_M, pl.ds(k * words * CODES_PER_WORD, words * CODES_PER_WORD)]
-            (w1_NW, s1_NB), (w3_NW, s3_NB) = tiles
-            return (acc[0] + _dot_nt(x_MK, _dequant_tile(w1_NW, s1_NB)),
-                    acc[1] + _dot_nt(x_MK, _dequant_tile(w3_NW, s3_NB)))
+        def step(k, acc):
+            w0 = k * words
+            x_MK = x_ref[token_M, pl.ds(w0 * CODES_PER_WORD, words * CODES_PER_WORD)]
+            return (acc[0] + _dot_nt(x_MK, _dequant_tile(w1_ref, s1_ref, e, n0, w0, cols, words)),
+                    acc[1] + _dot_nt(x_MK, _dequant_tile(w3_ref, s3_ref, e, n0, w0, cols, words)))
 
         zeros = jnp.zeros((rows, cols), jnp.float32)
-        g, u = _k_loop(n_words // words, lambda k: _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, n0, cols,
-                                                                 k * words, words),
-                       compute, (zeros, zeros), prefetch=False)  # Triton pipelines these loads itself
+        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
         weight_M1 = weight_ref[pl.ds(i * rows, rows)][:, None]
         h_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = _weighted_swiglu(g, u, limit, weight_M1)
 
@@ -394,13 +392,12 @@ def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: in
 
     @pl.when(e >= 0)
     def _():
-        def compute(k, tiles, acc):
-            h_MK = h_ref[pl.ds(i * rows, rows), pl.ds(k * words * CODES_PER_WORD, words * CODES_PER_WORD)]
-            [(w2_NW, s2_NB)] = tiles
-            return acc + _dot_nt(h_MK, _dequant_tile(w2_NW, s2_NB))
+        def step(k, acc):
+            w0 = k * words
+            h_MK = h_ref[pl.ds(i * rows, rows), pl.ds(w0 * CODES_PER_WORD, words * CODES_PER_WORD)]
+            return acc + _dot_nt(h_MK, _dequant_tile(w2_ref, s2_ref, e, n0, w0, cols, words))
 
-        y = _k_loop(n_words // words, lambda k: _weight_tiles((w2_ref,), (s2_ref,), e, n0, cols, k * words, words),
-                    compute, jnp.zeros((rows, cols), jnp.float32), prefetch=False)
+        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows, cols), jnp.float32))
         y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
 
 
