@@ -69,14 +69,20 @@ def flash_config() -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+def abstract_inputs(cfg: ModelConfig, fold: bool) -> tuple:
+    """(parameters, Engram step constants) of ``cfg`` as ``ShapeDtypeStruct``s: nothing allocated."""
+    size = cfg.engram_compressed_vocab_size
+    token_map = (np.arange(cfg.vocab_size) % size).astype(np.int32)
+    consts = EngramTables.from_token_map(cfg, token_map, size).step_consts()
+    return abstract_state(cfg, fold=fold), jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), consts)
 
 
 def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_blocks: int, num_blocks: int,
-                 block_size: int, fold: bool, options: dict[str, str]) -> tuple[jax.stages.Lowered, float]:
+                 block_size: int, fold: bool, options: dict[str, str],
+                 platforms: tuple[str, ...] | None = None) -> tuple[jax.stages.Lowered, float]:
     """(the lowered step, lower seconds) of one (tokens x sequences x max_blocks) bucket with the step's kernel
-    ``options``: the engine's model step (``compiled_step``) when ``fold``, else the unrolled model alone."""
+    ``options``: the engine's model step (``compiled_step``) when ``fold``, else the unrolled model alone.
+    ``platforms``: lower for these instead of the default backend (tools/kernel_report.py: 'cuda' on a CPU)."""
     spec = CacheSpec(num_blocks=num_blocks, num_slots=seqs, block_size=block_size)
     cache = jax.eval_shape(lambda: init_cache(cfg, spec, fold=fold))
     start = time.perf_counter()
@@ -85,8 +91,8 @@ def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_b
         batch, remap_T = bucket_inputs(tokens, seqs, max_blocks)
         prev_tokens_R = jax.ShapeDtypeStruct((seqs,), jnp.int32)
         step = compiled_step(cfg, tuple(sorted(options.items())), tree)
-        lowered = step.lower(leaves, cache, batch, consts, prev_tokens_R, remap_T)
-        return lowered, time.perf_counter() - start
+        traced = step.trace(leaves, cache, batch, consts, prev_tokens_R, remap_T)
+        return traced.lower(lowering_platforms=platforms), time.perf_counter() - start
     i32 = jnp.int32
     t, s = jax.ShapeDtypeStruct((tokens,), i32), jax.ShapeDtypeStruct((seqs,), i32)
     batch = StepBatch(tokens_T=t, positions_T=t, seq_T=t, valid_T=jax.ShapeDtypeStruct((tokens,), bool),
@@ -96,7 +102,8 @@ def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_b
     def step(params, cache, batch, consts):
         return nnx.merge(graphdef(cfg, fold), params)(cache, batch, consts, None, **options)
 
-    lowered = jax.jit(step, donate_argnums=(1,)).lower(params, cache, batch, consts)
+    lowered = jax.jit(step, donate_argnums=(1,)).trace(params, cache, batch, consts).lower(
+        lowering_platforms=platforms)
     return lowered, time.perf_counter() - start
 
 
@@ -142,10 +149,7 @@ def main() -> None:
           f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}, "
           f"kernels {args.kernels}, XLA options {dict(STEP_COMPILER_OPTIONS, **xla_options)}; "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-    params = abstract_state(cfg, fold=fold)
-    size = cfg.engram_compressed_vocab_size
-    token_map = (np.arange(cfg.vocab_size) % size).astype(np.int32)
-    consts = _abstract(EngramTables.from_token_map(cfg, token_map, size).step_consts())
+    params, consts = abstract_inputs(cfg, fold)
     if args.engine:
         max_tokens, max_seqs, max_model_len = (int(v) for v in args.engine.split(","))
         plan = engine_buckets(max_tokens, max_seqs, max_model_len, args.block_size)

@@ -30,18 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dijax  # noqa: E402,F401  (sets XLA flags before JAX starts)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax._src.interpreters import mlir  # noqa: E402
 from jax._src.pallas.triton import gpu_info, lowering  # noqa: E402
 from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
 
 from dijax.kernels import kernel_options, lowering_for_gpu  # noqa: E402
-from dijax.model.engram import EngramTables  # noqa: E402
-from dijax.model.step import CacheSpec, init_cache  # noqa: E402
-from dijax.model.transformer import abstract_state  # noqa: E402
-from dijax.runtime.model_runner import bucket_inputs, compiled_step  # noqa: E402
-from tools.compile_time import _abstract, flash_config  # noqa: E402
+from tools.compile_time import abstract_inputs, flash_config, lower_bucket  # noqa: E402
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # SASS opcode families worth reading apart (the rest are summed as "other")
@@ -90,25 +84,16 @@ class TritonCapture:
 def lower_step_kernels(buckets: list[tuple[int, int, int]]) -> list[tuple[str, str, int, int]]:
     """The distinct Triton kernels of the V4.1-Flash step for each (tokens, sequences, max_blocks) bucket."""
     cfg = flash_config()
-    params = abstract_state(cfg, fold=True)
-    size = cfg.engram_compressed_vocab_size
-    token_map = (np.arange(cfg.vocab_size) % size).astype(np.int32)
-    consts = _abstract(EngramTables.from_token_map(cfg, token_map, size).step_consts())
+    params, consts = abstract_inputs(cfg, fold=True)
     options = kernel_options("on", "gpu")
     seen, kernels = set(), []
     with TritonCapture() as capture, lowering_for_gpu():
         for tokens, seqs, width in buckets:
-            spec = CacheSpec(num_blocks=4096, num_slots=seqs, block_size=128)
-            cache = jax.eval_shape(lambda: init_cache(cfg, spec, fold=True))
-            leaves, tree = jax.tree.flatten(params)
-            batch, remap_T = bucket_inputs(tokens, seqs, width)
-            step = compiled_step(cfg, tuple(sorted(options.items())), tree)
-            step.trace(leaves, cache, batch, consts, jax.ShapeDtypeStruct((seqs,), jnp.int32),
-                       remap_T).lower(lowering_platforms=("cuda",))
+            lower_bucket(cfg, params, consts, tokens, seqs, width, num_blocks=4096, block_size=128, fold=True,
+                         options=options, platforms=("cuda",))
             for name, text, warps, stages in capture.kernels:
-                key = (text, warps, stages)
-                if key not in seen:
-                    seen.add(key)
+                if (text, warps, stages) not in seen:
+                    seen.add((text, warps, stages))
                     kernels.append((f"{name} [{tokens}x{seqs}]", text, warps, stages))
             capture.kernels.clear()
     return kernels

@@ -44,18 +44,19 @@ FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas
 AUTO_ON_GPU: dict[str, str] = dict(FAST)
 
 
-_LOWERING_FOR_GPU = [False]
+_lowering_for_gpu = False
 
 
 @contextlib.contextmanager
 def lowering_for_gpu():
     """Within: kernels take their GPU (Triton) form whatever the default backend, so that a step can be lowered
     for CUDA on a machine without a GPU (tools/kernel_report.py). Running them there still needs a GPU."""
-    _LOWERING_FOR_GPU[0] = True
+    global _lowering_for_gpu
+    _lowering_for_gpu = True
     try:
         yield
     finally:
-        _LOWERING_FOR_GPU[0] = False
+        _lowering_for_gpu = False
 
 
 def interpret_mode(requested: bool | None = None) -> bool:
@@ -64,7 +65,7 @@ def interpret_mode(requested: bool | None = None) -> bool:
     ``lowering_for_gpu``."""
     if requested is not None:
         return requested
-    return jax.default_backend() != "gpu" and not _LOWERING_FOR_GPU[0]
+    return jax.default_backend() != "gpu" and not _lowering_for_gpu
 
 
 def kernel_options(kernels: str, platform: str) -> dict[str, str]:
