@@ -317,6 +317,16 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
     return out
 
 
+def random_fp8_weight(o: int, i: int, seed: int) -> tuple[jax.Array, jax.Array]:
+    """A random fp8 linear weight: e4m3 codes [o, i] (every finite code; NaN codes replaced by 1.0) and ue8m0
+    exponents 116..120 [o/32, i/32], drawn from ``o + i + seed``."""
+    k1, k2 = jax.random.split(jax.random.key(o + i + seed))
+    bits = jax.random.bits(k1, (o, i), jnp.uint8)
+    codes = jax.lax.bitcast_convert_type(jnp.where((bits & 0x7F) == 0x7F, 0x38, bits).astype(jnp.uint8),
+                                         jnp.float8_e4m3fn)
+    return codes, jax.random.randint(k2, (o // 32, i // 32), 116, 121).astype(jnp.uint8)
+
+
 def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: int = 8, **timing) -> list[dict]:
     """The fp8 block-scaled linears at the flash-slice dimensions (attention wq_a / wq_b / wkv / wo_b, the indexer's
     wq_b, the shared expert's w1 and w2; random e4m3 codes, ue8m0 exponents 116..120): the jnp reference against
@@ -346,13 +356,7 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
 
     out = []
     for name, (o, i) in shapes.items():
-        ws, ss = [], []
-        for r in range(reps):
-            k1, k2 = jax.random.split(jax.random.key(o + i + r))
-            bits = jax.random.bits(k1, (o, i), jnp.uint8)
-            bits = jnp.where((bits & 0x7F) == 0x7F, 0x38, bits).astype(jnp.uint8)
-            ws.append(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn))
-            ss.append(jax.random.randint(k2, (o // 32, i // 32), 116, 121).astype(jnp.uint8))
+        ws, ss = zip(*(random_fp8_weight(o, i, r) for r in range(reps)))
         for t in tokens:
             x = (jax.random.normal(jax.random.key(t), (t, i), jnp.float32) * 3).astype(jnp.bfloat16)
             floor = max((o * i + ss[0].size + 2 * t * (i + o)) / BANDWIDTH, 2 * t * o * i / 7.9e14)
@@ -395,13 +399,6 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     cfg = flash_slice_config(384)
     d, q, hk = cfg.dim, cfg.q_lora_rank, cfg.n_heads * cfg.head_dim
 
-    def fp8(o, i, r):
-        k1, k2 = jax.random.split(jax.random.key(o + i + r))
-        bits = jax.random.bits(k1, (o, i), jnp.uint8)
-        codes = jax.lax.bitcast_convert_type(jnp.where((bits & 0x7F) == 0x7F, 0x38, bits).astype(jnp.uint8),
-                                             jnp.float8_e4m3fn)
-        return codes, jax.random.randint(k2, (o // 32, i // 32), 116, 121).astype(jnp.uint8)
-
     def bf16(o, i, r):
         return (jax.random.normal(jax.random.key(o + i + r), (o, i), jnp.float32) * 0.02).astype(jnp.bfloat16), None
 
@@ -411,9 +408,9 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     def promoted(x, w, _):
         return matmul_promoted(x, w)
 
-    cases = {"wq_b (fp8)": (hk, q, fp8, fl.fp8_linear_reference, 1),
-             "wo_b (fp8)": (d, cfg.o_groups * cfg.o_lora_rank, fp8, fl.fp8_linear_reference, 1),
-             "shared w1 (fp8)": (cfg.moe_inter_dim, d, fp8, fl.fp8_linear_reference, 1),
+    cases = {"wq_b (fp8)": (hk, q, random_fp8_weight, fl.fp8_linear_reference, 1),
+             "wo_b (fp8)": (d, cfg.o_groups * cfg.o_lora_rank, random_fp8_weight, fl.fp8_linear_reference, 1),
+             "shared w1 (fp8)": (cfg.moe_inter_dim, d, random_fp8_weight, fl.fp8_linear_reference, 1),
              "router (fp32 GEMM)": (cfg.n_routed_experts, d, bf16, f32_linear, 2),
              "router (matmul_promoted)": (cfg.n_routed_experts, d, bf16, promoted, 2),
              "head (fp32 GEMM)": (cfg.vocab_size, d, bf16, f32_linear, 2),
