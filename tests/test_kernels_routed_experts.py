@@ -92,11 +92,6 @@ def test_decode_matches_dequant_for_every_byte_and_exponent():
     assert np.isfinite(got).all() and (got != 0).any()
 
 
-def test_interleave_restores_natural_order():
-    p_J = [jnp.asarray(np.arange(4)[None, :] * 8 + j, jnp.float32) for j in range(8)]
-    np.testing.assert_array_equal(np.asarray(rx._interleave(p_J)), np.arange(32)[None, :])
-
-
 CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
     "one-token": (1, 8, 2, 256, 128, None, (), (), (118, 124)),
     "padding": (4, 8, 2, 256, 128, None, (1,), (3,), (118, 124)),
@@ -116,12 +111,22 @@ def case(request):
     return request.param, experts, x_TD, weights_TX, experts_TX, expected
 
 
-@pytest.mark.parametrize("path", [*rx.PATHS, "gathered-prefetch"])
-def test_pallas_matches_reference(case, path, monkeypatch):
+def test_pair_major_puts_each_code_pair_beside_its_words():
+    """Step k (words 4 w0.. of 8 codes) holds, per pair j, codes j and j + 4 of each word side by side."""
+    words = 2
+    x_TD = jnp.arange(2 * 32, dtype=jnp.float32).reshape(2, 32)
+    got = np.asarray(rx.pair_major(x_TD, words))
+    for k in range(2):
+        for j in range(4):
+            for w in range(words):
+                for h in range(2):
+                    col = k * 8 * words + j * 2 * words + 2 * w + h
+                    np.testing.assert_array_equal(got[:, col], np.asarray(x_TD[:, 8 * (k * words + w) + j + 4 * h]))
+
+
+@pytest.mark.parametrize("path", rx.PATHS)
+def test_pallas_matches_reference(case, path):
     name, experts, x_TD, weights_TX, experts_TX, expected = case
-    if path == "gathered-prefetch":
-        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_prefetch=True))
-        path = "gathered"
     got = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas", path=path))
     assert_close(got, expected)
     pad_rows = np.all(np.asarray(experts_TX) < 0, axis=1)
@@ -130,20 +135,17 @@ def test_pallas_matches_reference(case, path, monkeypatch):
         assert (gate_values(experts, x_TD, experts_TX) > LIMIT).any()  # the clamp fires
 
 
-def test_prefetch_over_several_k_steps_changes_nothing(monkeypatch):
-    """The mat-vec's prefetching K loop computes what the plain one does, bit for bit, over several K steps (64
-    words a step, so D = F = 1024 takes 2)."""
+def test_several_k_steps_on_both_paths():
+    """D = F = 1024 takes several K steps on both paths (mat-vec: 64 words a step; grouped GEMM: 16 words, so
+    pair_major's column order changes from step to step)."""
     rng = np.random.default_rng(21)
     experts = make_experts(rng, 4, 1024, 1024, (116, 122))
     weights_TX, experts_TX = make_routing(rng, 3, 4, 2, pad_slots=(1,))
     x_TD = make_x(rng, 3, 1024, 3.0)
-    got = {}
-    for prefetch in (False, True):
-        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_prefetch=prefetch))
-        got[prefetch] = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas",
-                                                     path="gathered"))
-    np.testing.assert_array_equal(got[True], got[False])
-    assert_close(got[True], np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT)))
+    expected = np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT))
+    for path in rx.PATHS:
+        assert_close(np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas",
+                                                  path=path)), expected)
 
 
 def test_a_padding_slot_adds_exactly_nothing():

@@ -11,6 +11,7 @@ copy bandwidth, 4.3 TB/s measured on this workplace's H200: device KINDS.md) and
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -144,9 +145,7 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
                     ("pallas h32", sa.SparseAttnConfig(block_h=32, num_warps=4)),
                     ("pallas h16", sa.SparseAttnConfig(block_h=16, num_warps=4)),
                     ("pallas 1 block/program", sa.SparseAttnConfig(num_splits=1 << 20)),
-                    ("pallas 2x programs", sa.SparseAttnConfig(target_programs=528)),
-                    ("pallas k256", sa.SparseAttnConfig(block_k=256)),
-                    ("pallas k128", sa.SparseAttnConfig(block_k=128))]
+                    ("pallas 2x programs", sa.SparseAttnConfig(target_programs=528))]
     scale = dim ** -0.5
     out = []
     for batch in batches:
@@ -249,25 +248,13 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
     return out
 
 
-def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **timing) -> list[dict]:
-    """The routed-experts layer alone at the flash-slice dimensions (tools/bench.py: 384 MXFP4 experts of
-    2304 x dim, 6 per token, random codes and ue8m0 exponents 116..120, uniformly random routing): the jnp
-    reference (its own path choice) against the Pallas kernels on each path ('*' marks the default pick).
-
-    Floor: the larger of the packed bytes of the distinct experts the routing touches (codes and ue8m0 scales,
-    plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
-    ``sweep`` adds the mat-vec path at every T, its prefetching K loop, and grouped-GEMM tilings: half the columns,
-    8 warps, a doubled K step (32 words) at half the columns. (The tile rows were swept in the first session:
-    ``gemm_rows``' docstring.)
-    """
-    import dataclasses
-
-    from dijax.kernels import routed_experts as rx
+@functools.cache
+def _routed_experts_weights() -> tuple[dict, float, int]:
+    """flash-slice's routed experts (random MXFP4 codes, exponents 116..120), SwiGLU limit, experts per token."""
     from tools.bench import flash_slice_config
 
     cfg = flash_slice_config(384)
-    n_experts, d, f, x, limit = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts, \
-        cfg.swiglu_limit
+    n_experts, d, f = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
     keys = jax.random.split(jax.random.key(0), 6)
 
     def draw(k1, k2, out_dim: int, in_dim: int) -> dict:
@@ -275,14 +262,43 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
                 "scale": jax.random.randint(k2, (n_experts, out_dim, in_dim // 32), 116, 121).astype(jnp.uint8)}
 
     experts = {"w1": draw(*keys[:2], f, d), "w3": draw(*keys[2:4], f, d), "w2": draw(*keys[4:], d, f)}
-    expert_bytes = sum(v.nbytes for w in experts.values() for v in w.values()) / n_experts
+    return experts, cfg.swiglu_limit, cfg.n_activated_experts
+
+
+def routed_experts_inputs(tokens: int) -> tuple[dict, float, tuple[jax.Array, jax.Array, jax.Array]]:
+    """The routed-experts layer's benchmark inputs at T = ``tokens``: (experts, SwiGLU limit, (x_TD bf16,
+    weights_TX f32, experts_TX int32)). Experts: flash-slice's 384 MXFP4 experts of 2304 x dim with random codes
+    and ue8m0 exponents 116..120, drawn once; routing: X distinct experts per token, uniformly at random."""
+    experts, limit, x = _routed_experts_weights()
+    n_experts, d = experts["w1"]["weight"].shape[0], experts["w1"]["weight"].shape[2] * 2
+    k1, k2, k3 = jax.random.split(jax.random.key(tokens), 3)
+    experts_TX = jnp.sort(jnp.argsort(jax.random.uniform(k1, (tokens, n_experts)), axis=1)[:, :x], axis=1)
+    weights_TX = jax.random.uniform(k2, (tokens, x), jnp.float32, 0.05, 0.3)
+    x_TD = (jax.random.normal(k3, (tokens, d), jnp.float32) * 3).astype(jnp.bfloat16)
+    return experts, limit, (x_TD, weights_TX, experts_TX.astype(jnp.int32))
+
+
+def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **timing) -> list[dict]:
+    """The routed-experts layer alone at the flash-slice dimensions (tools/bench.py: 384 MXFP4 experts of
+    2304 x dim, 6 per token, random codes and ue8m0 exponents 116..120, uniformly random routing): the jnp
+    reference (its own path choice) against the Pallas kernels on each path ('*' marks the default pick).
+
+    Floor: the larger of the packed bytes of the distinct experts the routing touches (codes and ue8m0 scales,
+    plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
+    ``sweep`` adds grouped-GEMM tilings of 64 and 32 columns. (Swept before: the tile rows in the first session,
+    ``gemm_rows``' docstring; a prefetching mat-vec K loop, 8 warps and a 32-word K step in the eighth / ninth,
+    none faster; docs/benchmarks.md.)
+    """
+    import dataclasses
+
+    from dijax.kernels import routed_experts as rx
+
     out = []
     for t in tokens:
-        k1, k2, k3 = jax.random.split(jax.random.key(t), 3)
-        experts_TX = jnp.sort(jnp.argsort(jax.random.uniform(k1, (t, n_experts)), axis=1)[:, :x], axis=1)
-        experts_TX = experts_TX.astype(jnp.int32)
-        weights_TX = jax.random.uniform(k2, (t, x), jnp.float32, 0.05, 0.3)
-        x_TD = (jax.random.normal(k3, (t, d), jnp.float32) * 3).astype(jnp.bfloat16)
+        experts, limit, (x_TD, weights_TX, experts_TX) = routed_experts_inputs(t)
+        n_experts, x = experts["w1"]["weight"].shape[0], experts_TX.shape[1]
+        f, d = experts["w1"]["weight"].shape[1], x_TD.shape[1]
+        expert_bytes = sum(v.nbytes for w in experts.values() for v in w.values()) / n_experts
         distinct = int(np.unique(np.asarray(experts_TX)).size)
         floor = max((distinct * expert_bytes + t * d * 2 * 2) / BANDWIDTH, 2 * 3 * d * f * t * x / 7.9e14)
         shape = f"T={t}, X={x}, {distinct} experts"
@@ -292,12 +308,10 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
         out.append(_timed_row("routed_experts", shape, f"reference ({rx.routed_path(t * x, n_experts)})", base, floor,
                               None))
         variants = [("ragged", {})]
-        if t * x <= 4 * n_experts or sweep:
+        if t * x <= 4 * n_experts:
             variants.insert(0, ("gathered", {}))
         if sweep:
-            # the tilings kernel_report finds spill-free at T = 1024 (the default spills 68 bytes there)
-            variants += [("gathered", {"matvec_prefetch": True}), ("ragged", {"gemm_cols": 64}),
-                         ("ragged", {"gemm_warps": 8}), ("ragged", {"gemm_words": 32, "gemm_cols": 64})]
+            variants += [("ragged", {"gemm_cols": 64}), ("ragged", {"gemm_cols": 32})]
         for path, change in variants:
             saved = rx.CONFIG
             rx.CONFIG = dataclasses.replace(saved, **change)

@@ -4,12 +4,11 @@
 #   tests    the GPU kernel tests, then the engine's timeline and warm-up tests (on the H200 the 60 kernel tests take
 #            201 s alone and the timeline tests 170 s, so they run one after the other);
 #   kernels  the kernels' micro-benchmarks;
-#   sweep    the prepared, not yet timed variants (routed experts: the mat-vec's prefetching K loop, GEMM tilings;
-#            sparse attention: output dims split across programs, block_k) checked against their references on
-#            the GPU, then timed beside the defaults (tools/bench_kernels.py --sweep);
-#   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16 and
-#            64 and of sparse attention: throughput against peak, memory workload, occupancy, stall reasons; the
-#            device's KINDS.md says whether ncu reads counters on the machine's runtime (if not, it says so here);
+#   sweep    the GPU tests of the routed-experts and attention kernels (tilings included), then their tilings
+#            timed beside the defaults (tools/bench_kernels.py --sweep);
+#   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
+#            1024: throughput against peak, memory workload, occupancy, issue rate (ninth session: ncu works on the
+#            H200; the mat-vecs are issue-bound, the grouped GEMM runs at 18 % occupancy, docs/benchmarks.md);
 #   warmup   the warm-up total of the real config's 1M-context engine (tools/compile_time.py);
 #   compile  where a bucket's compile time goes: two real-config buckets with the engine's XLA options, then with
 #            XLA's GEMM autotuning back on;
@@ -51,17 +50,20 @@ case "$stage" in
     run 220 python3 tools/bench_kernels.py --only routed_experts --sweep --iters 10 --repeats 3
     run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3 ;;
   profile)
-    ncu_sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats"
-    for tokens in 16 64; do
-      run 200 ncu --clock-control none $ncu_sections -k regex:routed_ --launch-skip 6 --launch-count 4 \
-        -o "$out/ncu-routed-T$tokens" python3 tools/bench_kernels.py --only routed_experts --tokens "$tokens" \
-        --iters 2 --repeats 1
-      ncu --import "$out/ncu-routed-T$tokens.ncu-rep" --print-summary per-kernel > "$out/ncu-routed-T$tokens.txt" 2>&1
+    # one kernel launch each (tools/profile_routed.py); without preallocation, since ncu replays each kernel with a
+    # copy of device memory and a process ncu is still shutting down keeps its pool (ninth session: the next
+    # process failed with CUDA_ERROR_OUT_OF_MEMORY)
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    ncu_sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats
+      --section SchedulerStats --section LaunchStats"
+    for spec in "16 gathered" "64 ragged" "1024 ragged"; do
+      set -- $spec
+      run 150 ncu --clock-control none $ncu_sections -k regex:routed_ --launch-count 2 -o "$out/ncu-routed-T$1" \
+        python3 tools/profile_routed.py "$1" "$2"
+      ncu --import "$out/ncu-routed-T$1.ncu-rep" --print-summary per-kernel > "$out/ncu-routed-T$1.txt" 2>&1
     done
-    run 150 ncu --clock-control none $ncu_sections -k regex:sparse_attn --launch-skip 4 --launch-count 2 \
-      -o "$out/ncu-sparse-attn" python3 tools/bench_kernels.py --only sparse_attn --iters 2 --repeats 1
-    ncu --import "$out/ncu-sparse-attn.ncu-rep" --print-summary per-kernel > "$out/ncu-sparse-attn.txt" 2>&1
-    tail -n 40 "$out"/ncu-*.txt >> "$log" ;;
+    grep -hE "^  routed|Duration|Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Cycles Per Issued" \
+      "$out"/ncu-routed-T*.txt >> "$log" ;;
   warmup)
     # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
     # seventh session: 6.0 min with GEMM autotuning off, as the engine compiles: alone)

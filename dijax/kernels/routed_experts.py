@@ -163,10 +163,6 @@ class KernelConfig:
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
-    matvec_prefetch: each mat-vec K step loads the next step's weight words and scales before decoding its own
-      (double-buffered in registers through the loop carry). Triton pipelines (cp.async) only loads that feed a
-      dot: the grouped GEMM's are (its SASS has LDGSTS), the mat-vec's are plain loads that each K step waits for.
-      An experiment, not yet timed on a GPU (tools/bench_kernels.py --only routed_experts --sweep);
     poison: kernel outputs start NaN-filled instead of uninitialised (tests: an element no program writes shows).
     """
     matvec_rows: int = 32
@@ -179,7 +175,6 @@ class KernelConfig:
     gemm_words: int = 16
     gemm_warps: int = 4
     gemm_stages: int = 3
-    matvec_prefetch: bool = False
     gathered_max: int = 96
     poison: bool = False
 
@@ -242,21 +237,6 @@ def _compiler_params(warps: int, stages: int):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _k_loop(n_steps: int, load, compute, init, prefetch: bool):
-    """``acc = compute(k, load(k), acc)`` for k < n_steps, returning acc. ``load(k)`` reads step k's weight tiles;
-    with ``prefetch`` step k issues load(k + 1) (the last step re-reads its own) before computing on the tiles
-    the previous step loaded, so the loads overlap the decode."""
-    if not prefetch:
-        return jax.lax.fori_loop(0, n_steps, lambda k, acc: compute(k, load(k), acc), init)
-
-    def step(k, carry):
-        acc, tiles = carry
-        following = load(jnp.minimum(k + 1, n_steps - 1))
-        return compute(k, tiles, acc), following
-
-    return jax.lax.fori_loop(0, n_steps, step, (init, load(0)))[0]
-
-
 def _weight_tiles(w_refs, s_refs, e, r0, rows: int, w0, words: int) -> tuple:
     """Expert e's rows [r0, r0+rows) of each weight: (words [rows, words] uint32, scales [rows, words/4] uint8)."""
     return tuple((w_ref[e, pl.ds(r0, rows), pl.ds(w0, words)],
@@ -284,7 +264,7 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
 
 
 def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                           n_per_token: int, limit: float, rows: int, words: int, n_words: int, prefetch: bool):
+                           n_per_token: int, limit: float, rows: int, words: int, n_words: int):
     """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
@@ -293,16 +273,14 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
     def _():
         t = a // n_per_token
 
-        def compute(k, tiles, acc):
+        def step(k, acc):
             w0 = k * words
             x_J = [x_ref[t, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
-            (w1_RW, s1_RB), (w3_RW, s3_RB) = tiles
+            (w1_RW, s1_RB), (w3_RW, s3_RB) = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, r0, rows, w0, words)
             return acc[0] + _matvec_partial(w1_RW, s1_RB, x_J), acc[1] + _matvec_partial(w3_RW, s3_RB, x_J)
 
         zeros = jnp.zeros((rows,), jnp.float32)
-        g, u = _k_loop(n_words // words, lambda k: _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, r0, rows,
-                                                                 k * words, words),
-                       compute, (zeros, zeros), prefetch)
+        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
         h_ref[a, pl.ds(r0, rows)] = _weighted_swiglu(g, u, limit, weight_ref[a])
 
     @pl.when(e < 0)
@@ -310,22 +288,20 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
         h_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
 
 
-def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int,
-                        prefetch: bool):
+def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int):
     """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
 
     @pl.when(e >= 0)
     def _():
-        def compute(k, tiles, acc):
+        def step(k, acc):
             w0 = k * words
             h_J = [h_ref[a, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
-            [(w2_RW, s2_RB)] = tiles
+            [(w2_RW, s2_RB)] = _weight_tiles((w2_ref,), (s2_ref,), e, r0, rows, w0, words)
             return acc + _matvec_partial(w2_RW, s2_RB, h_J)
 
-        y = _k_loop(n_words // words, lambda k: _weight_tiles((w2_ref,), (s2_ref,), e, r0, rows, k * words, words),
-                    compute, jnp.zeros((rows,), jnp.float32), prefetch)
+        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows,), jnp.float32))
         y_ref[a, pl.ds(r0, rows)] = y.astype(jnp.bfloat16)
 
     @pl.when(e < 0)
@@ -333,38 +309,48 @@ def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, 
         y_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
 
 
-def _interleave(p_J: list[jax.Array]) -> jax.Array:
-    """8 phase tiles [N, W] (code j of word w) -> one tile [N, 8 W] in natural order (column 8 w + j).
-
-    Each join interleaves two tiles column by column; joining phases by their low bit last restores 8 w + j.
-    """
-    def join(a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.stack([a, b], axis=-1).reshape(a.shape[0], 2 * a.shape[1])
-
-    return join(join(join(p_J[0], p_J[4]), join(p_J[2], p_J[6])), join(join(p_J[1], p_J[5]), join(p_J[3], p_J[7])))
+def pair_major(x_TD: jax.Array, words: int) -> jax.Array:
+    """Columns reordered for the grouped GEMM's pair-major K steps of ``words`` packed words (8 * words columns):
+    inside step k, pair j (codes j and j + 4 of each word, j < 4) owns 2 * words columns, column 2 w + h holding
+    element 8 (k words + w) + j + 4 h. [T, D] -> [T, D]."""
+    t, d = x_TD.shape
+    return x_TD.reshape(t, d // (CODES_PER_WORD * words), words, 2, 4).transpose(0, 1, 4, 2, 3).reshape(t, d)
 
 
-def _dequant_tile(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> jax.Array:
-    """Expert e's rows [n0, n0+cols), codes [8 w0, 8 (w0+words)) as a bf16 tile [cols, 8 words] (exact values)."""
+def _dequant_pairs(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> list[jax.Array]:
+    """Expert e's rows [n0, n0+cols), words [w0, w0+words) dequantised to 4 bf16 tiles [cols, 2 words] (exact
+    values), tile j holding codes j and j + 4 of each word side by side: the column order ``pair_major`` gives the
+    activations, so no tile is interleaved back into natural order (on the H200 that interleave cost the
+    gate-up GEMM 72 registers and the layer 6-11 % at T >= 64: docs/benchmarks.md, ninth session)."""
     w_NW = w_ref[e, pl.ds(n0, cols), pl.ds(w0, words)]
     scale_NB = scale_multiplier(s_ref[e, pl.ds(n0, cols), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
     scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
     scale_NW = scale_NW.reshape(cols, words)
-    p_J = [None] * CODES_PER_WORD
+    tiles = []
     for j in range(CODES_PER_WORD // 2):
         low, high = decode_pair(w_NW, j)
-        p_J[j], p_J[j + 4] = (low * scale_NW).astype(jnp.bfloat16), (high * scale_NW).astype(jnp.bfloat16)
-    return _interleave(p_J)
+        pair = jnp.stack([(low * scale_NW).astype(jnp.bfloat16), (high * scale_NW).astype(jnp.bfloat16)], axis=-1)
+        tiles.append(pair.reshape(cols, 2 * words))
+    return tiles
 
 
 def _dot_nt(lhs_MK: jax.Array, rhs_NK: jax.Array) -> jax.Array:
     return jax.lax.dot_general(lhs_MK, rhs_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def _dots_nt(acc_MN: jax.Array, lhs: list[jax.Array], rhs: list[jax.Array]) -> jax.Array:
+    """acc + sum of ``_dot_nt`` over the pairs, added one at a time (each dot accumulates into acc on the tensor
+    cores instead of into a fresh tile)."""
+    for lhs_MK, rhs_NK in zip(lhs, rhs):
+        acc_MN = acc_MN + _dot_nt(lhs_MK, rhs_NK)
+    return acc_MN
+
+
 def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                          limit: float, rows: int, cols: int, words: int, n_words: int):
     """Program (i, n): tile i's rows (one expert's assignments, gathered from x by token) times w1 / w3 columns
-    [n*cols, (n+1)*cols), SwiGLU, routing weight -> h rows of tile i. Tiles past the last expert do nothing."""
+    [n*cols, (n+1)*cols), SwiGLU, routing weight -> h rows of tile i. Tiles past the last expert do nothing.
+    x is in ``pair_major`` order: each K step runs 4 dots per weight, one per code pair."""
     i, n0 = pl.program_id(0), pl.program_id(1) * cols
     e = tile_expert_ref[i]
 
@@ -374,9 +360,10 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
 
         def step(k, acc):
             w0 = k * words
-            x_MK = x_ref[token_M, pl.ds(w0 * CODES_PER_WORD, words * CODES_PER_WORD)]
-            return (acc[0] + _dot_nt(x_MK, _dequant_tile(w1_ref, s1_ref, e, n0, w0, cols, words)),
-                    acc[1] + _dot_nt(x_MK, _dequant_tile(w3_ref, s3_ref, e, n0, w0, cols, words)))
+            x_J = [x_ref[token_M, pl.ds(w0 * CODES_PER_WORD + 2 * j * words, 2 * words)]
+                   for j in range(CODES_PER_WORD // 2)]
+            return (_dots_nt(acc[0], x_J, _dequant_pairs(w1_ref, s1_ref, e, n0, w0, cols, words)),
+                    _dots_nt(acc[1], x_J, _dequant_pairs(w3_ref, s3_ref, e, n0, w0, cols, words)))
 
         zeros = jnp.zeros((rows, cols), jnp.float32)
         g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
@@ -386,7 +373,8 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
 
 def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, cols: int, words: int,
                       n_words: int):
-    """Program (i, n): y rows of tile i, columns [n*cols, (n+1)*cols) = h rows times w2, rounded to bf16."""
+    """Program (i, n): y rows of tile i, columns [n*cols, (n+1)*cols) = h rows (``pair_major`` order) times w2,
+    rounded to bf16."""
     i, n0 = pl.program_id(0), pl.program_id(1) * cols
     e = tile_expert_ref[i]
 
@@ -394,8 +382,9 @@ def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: in
     def _():
         def step(k, acc):
             w0 = k * words
-            h_MK = h_ref[pl.ds(i * rows, rows), pl.ds(w0 * CODES_PER_WORD, words * CODES_PER_WORD)]
-            return acc + _dot_nt(h_MK, _dequant_tile(w2_ref, s2_ref, e, n0, w0, cols, words))
+            h_J = [h_ref[pl.ds(i * rows, rows), pl.ds(w0 * CODES_PER_WORD + 2 * j * words, 2 * words)]
+                   for j in range(CODES_PER_WORD // 2)]
+            return _dots_nt(acc, h_J, _dequant_pairs(w2_ref, s2_ref, e, n0, w0, cols, words))
 
         y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows, cols), jnp.float32))
         y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
@@ -489,11 +478,10 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         params = _compiler_params(config.matvec_warps, config.matvec_stages)
         stack_A = jnp.where(expert_A >= 0, expert_A + offset, -1)  # ids in the flattened stack
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
-                                       words=words_d, n_words=d // 8, prefetch=config.matvec_prefetch),
+                                       words=words_d, n_words=d // 8),
                      (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
                      stack_A, weights_A, phase_major(x_act_TD), w1, s1, w3, s3)
-        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8,
-                                      prefetch=config.matvec_prefetch),
+        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8),
                      (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
                      stack_A, phase_major(quant.fq8(h_AF)), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
@@ -510,10 +498,10 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
     h_RF = call(functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
                                    n_words=d // 8),
                  (n_rows, f), (n_tiles, f // cols_f), params, "routed_gate_up_gemm",
-                 tile_expert_I, token_R, weight_R, x_act_TD, w1, s1, w3, s3)
+                 tile_expert_I, token_R, weight_R, pair_major(x_act_TD, words_d), w1, s1, w3, s3)
     y_RD = call(functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8),
                  (n_rows, d), (n_tiles, d // cols_d), params, "routed_down_gemm",
-                 tile_expert_I, quant.fq8(h_RF), w2, s2)
+                 tile_expert_I, pair_major(quant.fq8(h_RF), words_f), w2, s2)
     return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
 
 

@@ -8,14 +8,13 @@ softmax whose running max starts at -1e30; probabilities are taken relative to t
 for the denominator and cast to bf16 before the PV product; the sink ``exp(sink_h - max)`` joins the denominator
 unscaled; index -1 contributes nothing and a row with no valid index returns 0.
 
-The kernel (flash-decoding): one program per (token, head group, split of the index list) and, with
-``block_k``, per part of the output dims. It walks its split in the same blocks of 64, gathers each block's latent
-rows once for all heads of its group (the masked load reads only the source a row lives in), and keeps the
-reference's fp32 online softmax with the bf16 P cast relative to the split's running max. The splits' partial
-sums are merged in fp32 outside the kernel, where the sink joins the denominator. With one split this is the
-reference's computation block for block; with several, each split's P is rounded relative to its own running max
-instead of the global one (the same bf16 rounding, at other points), and the QK and PV products accumulate in
-another order than the reference's fp32 einsums.
+The kernel (flash-decoding): one program per (token, head group, split of the index list). It walks its split in
+the same blocks of 64, gathers each block's latent rows once for all heads of its group (the masked load reads only
+the source a row lives in), and keeps the reference's fp32 online softmax with the bf16 P cast relative to the
+split's running max. The splits' partial sums are merged in fp32 outside the kernel, where the sink joins the
+denominator. With one split this is the reference's computation block for block; with several, each split's P is
+rounded relative to its own running max instead of the global one (the same bf16 rounding, at other points), and
+the QK and PV products accumulate in another order than the reference's fp32 einsums.
 
 Letters: T query tokens, H heads, K head dim, L list length, N rows of a KV source, S splits of the list.
 """
@@ -99,69 +98,58 @@ class SparseAttnConfig:
     """Tiling of ``sparse_attn_pallas``.
 
     block_h: heads per program (a power of two dividing H; every head group re-gathers the rows, from L2);
-    block_k: output dims per program (a power of two dividing K), None = all K. Each program still takes the
-      scores over all K dims, then gathers its rows' block_k slice again (from L2) for P V: a smaller accumulator
-      ([block_h, block_k] fp32) at the price of the scores computed K / block_k times. At 64 heads x 512 the whole
-      accumulator is 128 KB a program, and ptxas spills (tools/kernel_report.py);
     num_splits: programs per (token, head group) along the index list, None = enough for ``target_programs``;
     target_programs: programs to aim for when choosing num_splits (about two per multiprocessor on an H200);
     num_warps / num_stages: Triton launch parameters. More than one stage lets Triton pipeline the row gathers
     through shared memory, which at 64 heads x 512 dims asks for ~384 KB, over the H200's 227 KB.
+
+    At 64 heads x 512 dims ptxas spills 428 bytes a thread (tools/kernel_report.py). Splitting the output dims
+    across programs removes the spill (128 dims a program) but re-gathers the rows and recomputes the scores per
+    part: on the H200 it was 1.1-1.9x slower at batch 64 / 256 (docs/benchmarks.md, ninth session), so it is gone.
     """
 
     block_h: int = 64
-    block_k: int | None = None
     num_splits: int | None = None
     target_programs: int = 264
     num_warps: int = 8
     num_stages: int = 1
 
 
-def _gather_block(src_refs, sizes: tuple[int, ...], idx_L: jax.Array, col_K: jax.Array, dtype) -> jax.Array:
-    """The rows ``idx_L`` of the sources' virtual concatenation, columns ``col_K`` ([1, K'] int32); zeros for -1."""
-    kv_LK = jnp.zeros((idx_L.shape[0], col_K.shape[1]), dtype)
-    base = 0
-    for src_ref, n in zip(src_refs, sizes):
-        local = idx_L - base
-        hit = (local >= 0) & (local < n)
-        # a masked lane issues no memory access: each row is read from the one source it lives in
-        row_L1 = jnp.clip(local, 0, n - 1)[:, None]
-        mask_LK = jnp.broadcast_to(hit[:, None], kv_LK.shape)
-        rows = pltriton.load(src_ref.at[row_L1, col_K], mask=mask_LK, other=0)
-        kv_LK = jnp.where(hit[:, None], rows.astype(dtype), kv_LK)
-        base += n
-    return kv_LK
-
-
-def _split_kernel(idx_ref, q_ref, *refs, sizes: tuple[int, ...], split_len: int, list_len: int, scale: float,
-                  block_k: int):
-    """One (token, head group x output-dim part, split): partial online-softmax sums over the split's blocks of
-    64 indices, for output dims [part * block_k, (part + 1) * block_k)."""
+def _split_kernel(idx_ref, q_ref, *refs, sizes: tuple[int, ...], split_len: int, list_len: int, scale: float):
+    """One (token, head group, split): partial online-softmax sums over the split's blocks of 64 indices."""
     src_refs = refs[:len(sizes)]
     acc_ref, max_ref, den_ref = refs[len(sizes):]
     t, split = pl.program_id(0), pl.program_id(2)
     q_hK = q_ref[...]
     block_h, k = q_hK.shape
     start = t * list_len + split * split_len
-    col_K = jnp.arange(k, dtype=jnp.int32)[None, :]
-    part_K = (pl.program_id(1) % (k // block_k)) * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
 
     def block(b, carry):
         acc_hK, den_h, max_h = carry
         idx_L = idx_ref[pl.ds(start + b * BLOCK, BLOCK)]
-        kv_LK = _gather_block(src_refs, sizes, idx_L, col_K, q_hK.dtype)
+        kv_LK = jnp.zeros((BLOCK, k), q_hK.dtype)
+        col_K = jnp.arange(k, dtype=jnp.int32)[None, :]
+        base = 0
+        for src_ref, n in zip(src_refs, sizes):
+            local = idx_L - base
+            hit = (local >= 0) & (local < n)
+            # a masked lane issues no memory access: each row is read from the one source it lives in
+            row_L1 = jnp.clip(local, 0, n - 1)[:, None]
+            mask_LK = jnp.broadcast_to(hit[:, None], (BLOCK, k))
+            rows = pltriton.load(src_ref.at[row_L1, col_K], mask=mask_LK, other=0)
+            kv_LK = jnp.where(hit[:, None], rows.astype(kv_LK.dtype), kv_LK)
+            base += n
         s_hL = jax.lax.dot_general(q_hK, kv_LK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s_hL = jnp.where((idx_L >= 0)[None, :], s_hL, -jnp.inf) * scale
         new_max = jnp.maximum(max_h, jnp.max(s_hL, axis=1))
         alpha = jnp.exp(max_h - new_max)
         p_hL = jnp.exp(s_hL - new_max[:, None])
         den_h = den_h * alpha + jnp.sum(p_hL, axis=1)
-        v_LK = kv_LK if block_k == k else _gather_block(src_refs, sizes, idx_L, part_K, q_hK.dtype)
-        pv_hK = jax.lax.dot_general(p_hL.astype(jnp.bfloat16), v_LK.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
+        pv_hK = jax.lax.dot_general(p_hL.astype(jnp.bfloat16), kv_LK.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32)
         return acc_hK * alpha[:, None] + pv_hK, den_h, new_max
 
-    init = (jnp.zeros((block_h, block_k), jnp.float32), jnp.zeros((block_h,), jnp.float32),
+    init = (jnp.zeros((block_h, k), jnp.float32), jnp.zeros((block_h,), jnp.float32),
             jnp.full((block_h,), -1e30, jnp.float32))
     acc_hK, den_h, max_h = jax.lax.fori_loop(0, split_len // BLOCK, block, init)
     acc_ref[...] = acc_hK
@@ -198,29 +186,23 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     block_h = min(config.block_h, h)
     if h % block_h:
         raise ValueError(f"sparse_attn_pallas: config.block_h ({config.block_h}) must divide the {h} heads")
-    block_k = config.block_k or k
-    if k % block_k or block_k & (block_k - 1) or block_k < MIN_HEADS:
-        raise ValueError(f"sparse_attn_pallas: config.block_k ({config.block_k}) must be a power of two >= "
-                         f"{MIN_HEADS} dividing the head dim {k}")
-    parts = k // block_k
     groups = h // block_h
     blocks = max(1, -(-idx_TL.shape[1] // BLOCK))
-    splits = _num_splits(config, t * groups * parts, blocks)
+    splits = _num_splits(config, t * groups, blocks)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)
     interpret = interpret_mode(interpret)
     kernel = functools.partial(_split_kernel, sizes=tuple(src.shape[0] for src in kv_sources), split_len=split_len,
-                               list_len=list_len, scale=float(np.float32(softmax_scale)), block_k=block_k)
-    # grid axis 1 is (head group, output-dim part); every part writes the same max and denominator
+                               list_len=list_len, scale=float(np.float32(softmax_scale)))
     acc_TShK, max_TSh, den_TSh = pl.pallas_call(
         kernel,
-        grid=(t, groups * parts, splits),
-        in_specs=[pl.no_block_spec, pl.BlockSpec((None, block_h, k), lambda i, gp, s: (i, gp // parts, 0))]
+        grid=(t, groups, splits),
+        in_specs=[pl.no_block_spec, pl.BlockSpec((None, block_h, k), lambda i, g, s: (i, g, 0))]
         + [pl.no_block_spec] * len(kv_sources),
-        out_specs=[pl.BlockSpec((None, None, block_h, block_k), lambda i, gp, s: (i, s, gp // parts, gp % parts)),
-                   pl.BlockSpec((None, None, block_h), lambda i, gp, s: (i, s, gp // parts)),
-                   pl.BlockSpec((None, None, block_h), lambda i, gp, s: (i, s, gp // parts))],
+        out_specs=[pl.BlockSpec((None, None, block_h, k), lambda i, g, s: (i, s, g, 0)),
+                   pl.BlockSpec((None, None, block_h), lambda i, g, s: (i, s, g)),
+                   pl.BlockSpec((None, None, block_h), lambda i, g, s: (i, s, g))],
         out_shape=[jax.ShapeDtypeStruct((t, splits, h, k), jnp.float32),
                    jax.ShapeDtypeStruct((t, splits, h), jnp.float32),
                    jax.ShapeDtypeStruct((t, splits, h), jnp.float32)],

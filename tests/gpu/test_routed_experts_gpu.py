@@ -36,12 +36,15 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 }
 
 
-@pytest.mark.parametrize("path", [*rx.PATHS, "gathered-prefetch"])
+VARIANTS = {"ragged-cols32": ("ragged", {"gemm_cols": 32})}  # tilings the benchmark sweeps
+
+
+@pytest.mark.parametrize("path", [*rx.PATHS, *VARIANTS])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gpu_kernels_match_reference(name, path, monkeypatch):
-    if path == "gathered-prefetch":
-        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_prefetch=True))
-        path = "gathered"
+    if path in VARIANTS:
+        path, change = VARIANTS[path]
+        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, **change))
     t, e, x, d, f, pool, pad_tokens, pad_slots, exponents = CASES[name]
     rng = np.random.default_rng(sorted(CASES).index(name))
     experts = make_experts(rng, e, d, f, exponents)
