@@ -7,8 +7,9 @@
 #   sweep    the GPU tests of the routed-experts and attention kernels (tilings included), then their tilings
 #            timed beside the defaults (tools/bench_kernels.py --sweep);
 #   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
-#            1024: throughput against peak, memory workload, occupancy, issue rate (ninth session: ncu works on the
-#            H200; the mat-vecs are issue-bound, the grouped GEMM runs at 18 % occupancy, docs/benchmarks.md);
+#            1024: throughput against peak, memory workload, occupancy, issue rate (ninth session: ncu read counters
+#            on the H200 in a machine's first ncu process only; the mat-vecs are issue-bound, the grouped GEMM ran
+#            at 18 % occupancy: docs/benchmarks.md);
 #   warmup   the warm-up total of the real config's 1M-context engine (tools/compile_time.py);
 #   compile  where a bucket's compile time goes: two real-config buckets with the engine's XLA options, then with
 #            XLA's GEMM autotuning back on;
@@ -50,20 +51,13 @@ case "$stage" in
     run 220 python3 tools/bench_kernels.py --only routed_experts --sweep --iters 10 --repeats 3
     run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3 ;;
   profile)
-    # one kernel launch each (tools/profile_routed.py); without preallocation, since ncu replays each kernel with a
-    # copy of device memory and a process ncu is still shutting down keeps its pool (ninth session: the next
-    # process failed with CUDA_ERROR_OUT_OF_MEMORY)
+    # one ncu process for every kernel (tools/profile_routed.py says why); run this stage first after a machine start
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    ncu_sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats
-      --section SchedulerStats --section LaunchStats"
-    for spec in "16 gathered" "64 ragged" "1024 ragged"; do
-      set -- $spec
-      run 150 ncu --clock-control none $ncu_sections -k regex:routed_ --launch-count 2 -o "$out/ncu-routed-T$1" \
-        python3 tools/profile_routed.py "$1" "$2"
-      ncu --import "$out/ncu-routed-T$1.ncu-rep" --print-summary per-kernel > "$out/ncu-routed-T$1.txt" 2>&1
-    done
-    grep -hE "^  routed|Duration|Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Cycles Per Issued" \
-      "$out"/ncu-routed-T*.txt >> "$log" ;;
+    run 300 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section LaunchStats -k regex:routed_ -o "$out/ncu-routed" \
+      python3 tools/profile_routed.py 16:gathered 64:ragged 1024:ragged
+    ncu --import "$out/ncu-routed.ncu-rep" --print-summary per-kernel > "$out/ncu-routed.txt" 2>&1
+    grep -E "^  routed|Duration|Throughput|Registers Per|Occupancy|Cycles Per Issued" "$out/ncu-routed.txt" >> "$log" ;;
   warmup)
     # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
     # seventh session: 6.0 min with GEMM autotuning off, as the engine compiles: alone)
