@@ -320,8 +320,8 @@ def pair_major(x_TD: jax.Array, words: int) -> jax.Array:
 def _dequant_pairs(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> list[jax.Array]:
     """Expert e's rows [n0, n0+cols), words [w0, w0+words) dequantised to 4 bf16 tiles [cols, 2 words] (exact
     values), tile j holding codes j and j + 4 of each word side by side: the column order ``pair_major`` gives the
-    activations, so no tile is interleaved back into natural order (on the H200 that interleave cost the
-    gate-up GEMM 72 registers and the layer 6-11 % at T >= 64: docs/benchmarks.md, ninth session)."""
+    activations, so no tile is interleaved back into natural order (that interleave cost the gate-up GEMM 72
+    registers in its sm_90 build and the layer 6-11 % on the H200 at T >= 64: docs/benchmarks.md, ninth session)."""
     w_NW = w_ref[e, pl.ds(n0, cols), pl.ds(w0, words)]
     scale_NB = scale_multiplier(s_ref[e, pl.ds(n0, cols), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
     scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
@@ -339,8 +339,8 @@ def _dot_nt(lhs_MK: jax.Array, rhs_NK: jax.Array) -> jax.Array:
 
 
 def _dots_nt(acc_MN: jax.Array, lhs: list[jax.Array], rhs: list[jax.Array]) -> jax.Array:
-    """acc + sum of ``_dot_nt`` over the pairs, added one at a time (each dot accumulates into acc on the tensor
-    cores instead of into a fresh tile)."""
+    """acc + the ``_dot_nt`` of each (lhs, rhs) pair, added to acc one at a time: summing the dots first and adding
+    once cost the gate-up GEMM 65 more registers in its sm_90 build (tools/kernel_report.py)."""
     for lhs_MK, rhs_NK in zip(lhs, rhs):
         acc_MN = acc_MN + _dot_nt(lhs_MK, rhs_NK)
     return acc_MN
