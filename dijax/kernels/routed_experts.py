@@ -163,12 +163,18 @@ class KernelConfig:
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
+    matvec_lean: the mat-vecs take fp32 activations (exact bf16 values; 20 KB a token) instead of converting
+      bf16 in every K step, and convert each float16 half of a decoded pair straight from its register (inline
+      PTX). In the sm_90 build (tools/kernel_report.py, T = 16) the two cut the down mat-vec's K-step loop from 717
+      to about 600 instructions, and the mat-vecs are issue-bound on the H200 (docs/benchmarks.md, ninth
+      session). Same values; not yet timed on a GPU (tools/bench_kernels.py --only routed_experts --sweep);
     poison: kernel outputs start NaN-filled instead of uninitialised (tests: an element no program writes shows).
     """
     matvec_rows: int = 32
     matvec_words: int = 64
     matvec_warps: int = 4
     matvec_stages: int = 3
+    matvec_lean: bool = False
     gemm_rows_min: int = 16
     gemm_rows_max: int = 64
     gemm_cols: int = 128
@@ -209,7 +215,24 @@ def phase_major(x_TD: jax.Array) -> jax.Array:
     return x_TD.reshape(t, d // CODES_PER_WORD, CODES_PER_WORD).swapaxes(1, 2).reshape(t, d)
 
 
-def decode_pair(words_u32: jax.Array, j: int) -> tuple[jax.Array, jax.Array]:
+def _pair_bits(words_u32: jax.Array, j: int) -> jax.Array:
+    """Nibbles ``j`` and ``j + 4`` of each word as a float16 pair's bits (``decode_pair``), uint32."""
+    v = words_u32 >> (4 * j)
+    return ((v & 0x00070007) << 9) | ((v & 0x00080008) << 12)
+
+
+def _half_to_f32_asm(bits_u32: jax.Array, half: int) -> jax.Array:
+    """Float16 ``half`` (0 low, 1 high) of each 32-bit word converted to float32 on the GPU by one ``cvt`` straight
+    from the pair register. (Converting through uint16 and float16 arrays lets Triton pack the halves of two
+    neighbouring words into one register first: a ``PRMT`` per pair that this skips.)"""
+    [out] = pltriton.elementwise_inline_asm(
+        f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.f16 $0, {('lo', 'hi')[half]}; }}",
+        args=[jax.lax.bitcast_convert_type(bits_u32, jnp.int32)], constraints="=f,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(bits_u32.shape, jnp.float32)])
+    return out
+
+
+def decode_pair(words_u32: jax.Array, j: int, asm: bool = False) -> tuple[jax.Array, jax.Array]:
     """Nibbles ``j`` and ``j + 4`` (j < 4) of each word as float32 ``e2m1 * 2^-14``, by integer bit operations.
 
     The 3 magnitude bits (2 exponent, 1 mantissa) land on float16's exponent/mantissa boundary (bits 11..9) and the
@@ -217,9 +240,11 @@ def decode_pair(words_u32: jax.Array, j: int) -> tuple[jax.Array, jax.Array]:
     is float16's subnormal too, so the float16 is exact for all 16 codes and the factor is 2^-14 for all. The two
     nibbles sit 16 bits apart, so one shift-and-mask chain builds both float16s at once: the decode's integer work
     is what bounds the kernels on the H200 (one code at a time: 1.10 ms at T = 16, X = 6; two: 0.83 ms).
+    ``asm``: convert each half with inline PTX (``_half_to_f32_asm``; GPU lowering only), same values.
     """
-    v = words_u32 >> (4 * j)
-    bits = ((v & 0x00070007) << 9) | ((v & 0x00080008) << 12)
+    bits = _pair_bits(words_u32, j)
+    if asm:
+        return _half_to_f32_asm(bits, 0), _half_to_f32_asm(bits, 1)
     low = jax.lax.bitcast_convert_type((bits & 0xFFFF).astype(jnp.uint16), jnp.float16)
     high = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.float16)
     return low.astype(jnp.float32), high.astype(jnp.float32)
@@ -244,14 +269,14 @@ def _weight_tiles(w_refs, s_refs, e, r0, rows: int, w0, words: int) -> tuple:
                  for w_ref, s_ref in zip(w_refs, s_refs))
 
 
-def _matvec_partial(w_RW: jax.Array, s_RB: jax.Array, x_J: list[jax.Array]) -> jax.Array:
+def _matvec_partial(w_RW: jax.Array, s_RB: jax.Array, x_J: list[jax.Array], asm: bool) -> jax.Array:
     """One K step of a decode mat-vec: weight words w_RW [rows, words] with their ue8m0 bytes s_RB dotted with the
     8 phase slices x_J (float32 [words] each). Scales are applied per 32-code block to the block sums.
-    -> f32 [rows]."""
+    ``asm``: ``decode_pair``'s inline-PTX conversions. -> f32 [rows]."""
     rows, words = w_RW.shape
     p_RW = jnp.zeros((rows, words), jnp.float32)
     for j in range(CODES_PER_WORD // 2):
-        low, high = decode_pair(w_RW, j)
+        low, high = decode_pair(w_RW, j, asm)
         p_RW = p_RW + low * x_J[j][None, :] + high * x_J[j + 4][None, :]
     block_RB = p_RW.reshape(rows, words // WORDS_PER_SCALE, WORDS_PER_SCALE).sum(axis=-1)
     return (block_RB * scale_multiplier(s_RB)).sum(axis=-1)
@@ -264,7 +289,7 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
 
 
 def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                           n_per_token: int, limit: float, rows: int, words: int, n_words: int):
+                           n_per_token: int, limit: float, rows: int, words: int, n_words: int, asm: bool):
     """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
@@ -277,7 +302,7 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
             w0 = k * words
             x_J = [x_ref[t, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
             (w1_RW, s1_RB), (w3_RW, s3_RB) = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, r0, rows, w0, words)
-            return acc[0] + _matvec_partial(w1_RW, s1_RB, x_J), acc[1] + _matvec_partial(w3_RW, s3_RB, x_J)
+            return acc[0] + _matvec_partial(w1_RW, s1_RB, x_J, asm), acc[1] + _matvec_partial(w3_RW, s3_RB, x_J, asm)
 
         zeros = jnp.zeros((rows,), jnp.float32)
         g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
@@ -288,7 +313,8 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
         h_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
 
 
-def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int):
+def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int,
+                        asm: bool):
     """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
@@ -299,7 +325,7 @@ def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, 
             w0 = k * words
             h_J = [h_ref[a, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
             [(w2_RW, s2_RB)] = _weight_tiles((w2_ref,), (s2_ref,), e, r0, rows, w0, words)
-            return acc + _matvec_partial(w2_RW, s2_RB, h_J)
+            return acc + _matvec_partial(w2_RW, s2_RB, h_J, asm)
 
         y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows,), jnp.float32))
         y_ref[a, pl.ds(r0, rows)] = y.astype(jnp.bfloat16)
@@ -477,13 +503,15 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         words_f = _block(f // 8, config.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
         params = _compiler_params(config.matvec_warps, config.matvec_stages)
         stack_A = jnp.where(expert_A >= 0, expert_A + offset, -1)  # ids in the flattened stack
+        lean = config.matvec_lean
+        asm, act_dtype = lean and not interpret, jnp.float32 if lean else jnp.bfloat16
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
-                                       words=words_d, n_words=d // 8),
+                                       words=words_d, n_words=d // 8, asm=asm),
                      (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
-                     stack_A, weights_A, phase_major(x_act_TD), w1, s1, w3, s3)
-        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8),
+                     stack_A, weights_A, phase_major(x_act_TD).astype(act_dtype), w1, s1, w3, s3)
+        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8, asm=asm),
                      (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
-                     stack_A, phase_major(quant.fq8(h_AF)), w2, s2)
+                     stack_A, phase_major(quant.fq8(h_AF)).astype(act_dtype), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
     rows = gemm_rows(n_assign, n_experts, config)
