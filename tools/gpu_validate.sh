@@ -4,8 +4,8 @@
 #   tests    the GPU kernel tests, then the engine's timeline and warm-up tests (on the H200 the 60 kernel tests take
 #            201 s alone and the timeline tests 170 s, so they run one after the other);
 #   kernels  the kernels' micro-benchmarks;
-#   sweep    the GPU tests of the routed-experts and attention kernels (tilings included), then their tilings
-#            timed beside the defaults (tools/bench_kernels.py --sweep);
+#   sweep    the GPU tests of the routed-experts and attention kernels (variants included), then the variants
+#            timed beside the defaults (tools/bench_kernels.py --sweep; next: KernelConfig.matvec_lean, 2 stages);
 #   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
 #            1024: throughput against peak, memory workload, occupancy, issue rate (ninth session: ncu read counters
 #            on the H200 in a machine's first ncu process only; the mat-vecs are issue-bound, the grouped GEMM ran
