@@ -48,7 +48,7 @@ case "$stage" in
     run 450 python3 tools/bench_kernels.py --iters 10 --repeats 3 ;;
   sweep)
     run 120 python3 -m pytest -q -ra tests/gpu/test_routed_experts_gpu.py tests/gpu/test_attention_gpu.py
-    run 220 python3 tools/bench_kernels.py --only routed_experts --sweep --iters 10 --repeats 3
+    run 260 python3 tools/bench_kernels.py --only routed_experts --sweep --iters 10 --repeats 3
     run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3 ;;
   profile)
     # one ncu process for every kernel (tools/profile_routed.py says why); run this stage first after a machine start
