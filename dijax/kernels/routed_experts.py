@@ -165,9 +165,9 @@ class KernelConfig:
       3.13 against 3.08 ms at A = 384;
     matvec_lean: the mat-vecs take fp32 activations (exact bf16 values; 20 KB a token) instead of converting
       bf16 in every K step, and convert each float16 half of a decoded pair straight from its register (inline
-      PTX). In the sm_90 build (tools/kernel_report.py, T = 16) the two cut the down mat-vec's K-step loop from 717
-      to about 600 instructions, and the mat-vecs are issue-bound on the H200 (docs/benchmarks.md, ninth
-      session). Same values; not yet timed on a GPU (tools/bench_kernels.py --only routed_experts --sweep);
+      PTX). In the sm_90 build (tools/kernel_report.py, T = 16) the two cut the K-step loops from 1357 to 1182
+      instructions (gate-up) and from 718 to 598 (down), and the mat-vecs are issue-bound on the H200
+      (docs/benchmarks.md, ninth session). Same values; not yet run on a GPU (tests/gpu, the --sweep rows);
     poison: kernel outputs start NaN-filled instead of uninitialised (tests: an element no program writes shows).
     """
     matvec_rows: int = 32
