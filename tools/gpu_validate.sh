@@ -8,7 +8,7 @@
 #            timed beside the defaults (tools/bench_kernels.py --sweep; next: KernelConfig.matvec_lean, 2 stages);
 #   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
 #            1024: throughput against peak, memory workload, occupancy, issue rate (ninth session: ncu read counters
-#            on the H200 in a machine's first ncu process only; the mat-vecs are issue-bound, the grouped GEMM ran
+#            on the H200 only in a machine's first ncu processes; the mat-vecs are issue-bound, the grouped GEMM ran
 #            at 18 % occupancy: docs/benchmarks.md);
 #   warmup   the warm-up total of the real config's 1M-context engine (tools/compile_time.py);
 #   compile  where a bucket's compile time goes: two real-config buckets with the engine's XLA options, then with

@@ -3,8 +3,8 @@
     ncu -k regex:routed_ python3 tools/profile_routed.py 16:gathered 64:ragged 1024:ragged
     python3 tools/profile_routed.py 64:ragged --config "{'gemm_cols': 64}"     # KernelConfig fields to change
 
-One process for all specs: on the H200 machine (2026-12-02) the first ncu process after a machine start profiled
-its kernels, later ones crashed (exit 139) at start-up. The inputs are tools/bench_kernels.py's
+One process for all specs: on the H200 machine (2026-12-02) the first ncu processes after a machine start
+profiled a few kernels each before timing out or crashing, later ones crashed (exit 139) at start-up. The inputs are tools/bench_kernels.py's
 (``routed_experts_inputs``), so the counters belong to the rows that benchmark times. Each spec runs once: ncu
 replays every launch it profiles on its own, so there is no warm-up to skip.
 """
