@@ -112,7 +112,8 @@ def case(request):
 
 
 def test_pair_major_puts_each_code_pair_beside_its_words():
-    """Step k (words 4 w0.. of 8 codes) holds, per pair j, codes j and j + 4 of each word side by side."""
+    """K step k (words k * words .. of 8 codes each) holds, per pair j, codes j and j + 4 of each word side by
+    side."""
     words = 2
     x_TD = jnp.arange(2 * 32, dtype=jnp.float32).reshape(2, 32)
     got = np.asarray(rx.pair_major(x_TD, words))

@@ -287,10 +287,8 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
     plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
     ``sweep`` adds grouped-GEMM tilings of 64 and 32 columns, two pipeline stages instead of three (168 registers
     instead of 183 in the sm_90 build: 3 blocks a multiprocessor instead of 2), and the lean mat-vec
-    (``KernelConfig.matvec_lean``).
-    (Swept before: the tile rows in the first session,
-    ``gemm_rows``' docstring; a prefetching mat-vec K loop, 8 warps and a 32-word K step in the eighth / ninth,
-    none faster; docs/benchmarks.md.)
+    (``KernelConfig.matvec_lean``). (Swept before: the tile rows in the first session, ``gemm_rows``' docstring; a
+    prefetching mat-vec K loop, 8 warps and a 32-word K step in the eighth / ninth, none faster; docs/benchmarks.md.)
     """
     import dataclasses
 

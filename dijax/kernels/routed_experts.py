@@ -343,13 +343,13 @@ def pair_major(x_TD: jax.Array, words: int) -> jax.Array:
     return x_TD.reshape(t, d // (CODES_PER_WORD * words), words, 2, 4).transpose(0, 1, 4, 2, 3).reshape(t, d)
 
 
-def _dequant_pairs(w_ref, s_ref, e, n0, w0, cols: int, words: int) -> list[jax.Array]:
-    """Expert e's rows [n0, n0+cols), words [w0, w0+words) dequantised to 4 bf16 tiles [cols, 2 words] (exact
-    values), tile j holding codes j and j + 4 of each word side by side: the column order ``pair_major`` gives the
+def _dequant_pairs(w_NW: jax.Array, s_NB: jax.Array) -> list[jax.Array]:
+    """Weight words w_NW [cols, words] with their ue8m0 bytes s_NB dequantised to 4 bf16 tiles [cols, 2 words]
+    (exact values), tile j holding codes j and j + 4 of each word side by side: the column order ``pair_major`` gives the
     activations, so no tile is interleaved back into natural order (that interleave cost the gate-up GEMM 72
     registers in its sm_90 build and the layer 6-11 % on the H200 at T >= 64: docs/benchmarks.md, ninth session)."""
-    w_NW = w_ref[e, pl.ds(n0, cols), pl.ds(w0, words)]
-    scale_NB = scale_multiplier(s_ref[e, pl.ds(n0, cols), pl.ds(w0 // WORDS_PER_SCALE, words // WORDS_PER_SCALE)])
+    cols, words = w_NW.shape
+    scale_NB = scale_multiplier(s_NB)
     scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
     scale_NW = scale_NW.reshape(cols, words)
     tiles = []
@@ -388,8 +388,8 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
             w0 = k * words
             x_J = [x_ref[token_M, pl.ds(w0 * CODES_PER_WORD + 2 * j * words, 2 * words)]
                    for j in range(CODES_PER_WORD // 2)]
-            return (_dots_nt(acc[0], x_J, _dequant_pairs(w1_ref, s1_ref, e, n0, w0, cols, words)),
-                    _dots_nt(acc[1], x_J, _dequant_pairs(w3_ref, s3_ref, e, n0, w0, cols, words)))
+            tiles = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, n0, cols, w0, words)
+            return tuple(_dots_nt(a, x_J, _dequant_pairs(*tile)) for a, tile in zip(acc, tiles))
 
         zeros = jnp.zeros((rows, cols), jnp.float32)
         g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
@@ -410,7 +410,8 @@ def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: in
             w0 = k * words
             h_J = [h_ref[pl.ds(i * rows, rows), pl.ds(w0 * CODES_PER_WORD + 2 * j * words, 2 * words)]
                    for j in range(CODES_PER_WORD // 2)]
-            return _dots_nt(acc, h_J, _dequant_pairs(w2_ref, s2_ref, e, n0, w0, cols, words))
+            [tile] = _weight_tiles((w2_ref,), (s2_ref,), e, n0, cols, w0, words)
+            return _dots_nt(acc, h_J, _dequant_pairs(*tile))
 
         y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows, cols), jnp.float32))
         y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
