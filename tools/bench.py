@@ -9,7 +9,9 @@ ZOS remap, then the sampler; no scheduler), a decode step of B sequences at cont
 ``--iters`` runs after ``--warmup`` runs (each run ends in ``jax.block_until_ready``), on a cache filled with random
 values. Beside it, the step's floor: the larger of bytes / bandwidth and FLOPs / matrix rate, counted from the
 parameter shapes and the cache rows the step must read (``step_cost``), and the fraction of that floor reached.
-Engine rows: ``LLM.generate`` end to end (scheduler, runner, sampler) with ZOS on and off, output tokens per second.
+Engine rows: ``LLM.generate`` end to end (scheduler, runner, sampler) on the same model with ZOS on and off, output
+tokens per second, each engine's decode-step timeline against the device-only step at its shape
+(``--engine-batch 1,64`` runs 1 and 64 prompts in flight).
 
 Models: ``tiny`` (the embedded default, random weights) and ``flash-slice``: DeepSeek-V4.1-Flash's real dimensions
 (dim 5120, 64 heads of 512, 384 experts of 2304, vocab 129280, indexer 32x128 top-512, candidates 2048x8, window
@@ -35,9 +37,10 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from tokenizers import Tokenizer
 
-# the real-size model takes most of the GPU: let JAX's allocator have more than its default 75%
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# JAX's default memory fraction (75 % of the GPU, preallocated) holds every case, flash-slice decode at batch 64
+# and its engine rows included (issue 11): the bench sets no fraction of its own
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dijax  # noqa: E402  (sets XLA flags before JAX starts)
@@ -336,19 +339,27 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     return StepTiming(first, float(np.median(times)), float(np.median(dispatches)), pipelined, launches, temp_bytes)
 
 
-def time_engine(zos: bool, num_prompts: int, prompt_len: int, max_tokens: int, kernels: str,
-                ep: int = 1, dump: str | None = None) -> tuple[float, int, LLMEngine]:
-    """(seconds, output tokens, the engine) of ``LLM.generate`` on the embedded tiny model at ``ep``; a first
-    identical run warms up. The engine's step timeline (``trace_steps``: a few clock reads per step) holds the
-    timed run. With ``dump``, a third run goes under the JAX profiler into ``dump`` (host and device events:
+def time_engine(zos: bool, model: tuple, num_prompts: int, prompt_len: int, max_tokens: int, kernels: str,
+                block_size: int, ep: int = 1, dump: str | None = None) -> tuple[float, int, LLMEngine]:
+    """(seconds, output tokens, the engine) of ``LLM.generate`` on ``model`` (``load_model``'s config, parameters
+    and step consts) at ``ep``: ``num_prompts`` random prompts of ``prompt_len`` tokens, ``max_tokens`` output
+    tokens each, all in flight together (max_num_seqs = ``num_prompts``, every prompt prefilled in one step); the
+    KV pool and max_model_len just cover them. A first identical run warms up (it compiles every bucket the run
+    takes). The engine's step timeline (``trace_steps``: a few clock reads per step) holds the timed run. With
+    ``dump``, a third run goes under the JAX profiler into ``dump`` (host and device events:
     ``tools/trace_summary.py --host``)."""
-    llm = LLM(max_num_seqs=num_prompts, max_num_batched_tokens=max(64, prompt_len), zos=zos, kernels=kernels, ep=ep,
+    cfg, params, consts = model
+    tokenizer = Tokenizer.from_file(os.path.join(ASSETS, "tokenizer.json"))  # the embedded one: output text only
+    max_model_len = -(-(prompt_len + max_tokens) // block_size) * block_size
+    llm = LLM(loaded=(cfg, params, consts, tokenizer), max_num_seqs=num_prompts, block_size=block_size,
+              max_num_batched_tokens=max(64, num_prompts * prompt_len), max_model_len=max_model_len,
+              num_blocks=num_prompts * (max_model_len // block_size), zos=zos, kernels=kernels, ep=ep,
               trace_steps=True)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, llm.engine.cfg.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
+    prompts = [rng.integers(3, cfg.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=i)
               for i in range(num_prompts)]
-    llm.generate(prompts, params, use_tqdm=False)  # warm (host paths, transfers)
+    llm.generate(prompts, params, use_tqdm=False)  # warm (compiles, host paths, transfers)
     llm.engine.timeline.clear()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -400,8 +411,12 @@ def main(argv: list[str] | None = None) -> int:
                              "case's longest sequence); the step must not depend on it")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--engine-batch", type=_counts, default=[8],
+                        help="engine rows: comma list of prompt counts (all in flight together)")
+    parser.add_argument("--engine-prompt", type=int, default=32, help="engine rows: tokens per prompt")
+    parser.add_argument("--engine-tokens", type=int, default=64, help="engine rows: output tokens per request")
     parser.add_argument("--engine", choices=("on", "off"), default="on",
-                        help="also time LLM.generate on the tiny model with ZOS on and off")
+                        help="also time LLM.generate on --model with ZOS on and off (--engine-batch prompts)")
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s ceiling (H200 copy: 4.3e12)")
     parser.add_argument("--flops", type=float, default=7.9e14, help="FLOP/s ceiling (H200 bf16 GEMM: 7.9e14)")
     parser.add_argument("--moe-path", choices=("auto", "ragged", "gathered"), default="auto",
@@ -459,31 +474,37 @@ def main(argv: list[str] | None = None) -> int:
               f"{timing.temp_bytes / 1e9:.3f} GB temporaries)", flush=True)
     engine_rows = []
     if args.engine == "on":
-        num_prompts, prompt_len, max_tokens = 8, 32, 64
-        for zos in (True, False):
-            seconds, tokens, engine = time_engine(
-                zos, num_prompts, prompt_len, max_tokens, kernels=args.kernels, ep=args.ep,
-                dump=os.path.join(args.dump, f"engine_zos_{'on' if zos else 'off'}") if args.dump else None)
-            timeline = summarize(list(engine.timeline.records))
-            row = {"case": f"engine tiny {num_prompts}x({prompt_len}+{max_tokens}) zos {'on' if zos else 'off'}",
-                   "tokens": tokens, "median_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
-                   "timeline": timeline}
-            rows.append(row)
-            engine_rows.append(row)
-            print(f"  engine zos {'on' if zos else 'off'}: {tokens / seconds:.0f} output tok/s, decode step "
-                  f"{timeline['step_ms']:.2f} ms (" + ", ".join(f"{name} {timeline[f'{name}_ms']:.3f}"
-                                                               for name in PHASES) + ")", flush=True)
-        if args.model == "tiny":  # the engine runs the tiny model: its decode step alone, mid-run context
+        prompt_len, max_tokens = args.engine_prompt, args.engine_tokens
+        for num_prompts in args.engine_batch:
+            rows_b = []
+            for zos in (True, False):
+                dump = (os.path.join(args.dump, f"engine_b{num_prompts}_zos_{'on' if zos else 'off'}")
+                        if args.dump else None)
+                seconds, tokens, engine = time_engine(zos, (cfg, params, consts), num_prompts, prompt_len,
+                                                      max_tokens, args.kernels, args.block_size, args.ep, dump)
+                timeline = summarize(list(engine.timeline.records))
+                row = {"case": f"engine {args.model} {num_prompts}x({prompt_len}+{max_tokens}) zos "
+                               f"{'on' if zos else 'off'}",
+                       "tokens": tokens, "median_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
+                       "timeline": timeline}
+                rows_b.append(row)
+                print(f"  {row['case']}: {tokens / seconds:.0f} output tok/s, decode step {timeline['step_ms']:.2f}"
+                      f" ms (" + ", ".join(f"{name} {timeline[f'{name}_ms']:.3f}" for name in PHASES) + ")",
+                      flush=True)
+                del engine  # its KV pool, before the next engine allocates one
+            # the engine's decode step alone (same buckets: B sequences at the run's mid-point context)
             context = prompt_len + max_tokens // 2
-            block_size = engine.scheduler.block_managers[0].block_size
-            device_step = time_step(cfg, params, consts, [(context, 1)] * num_prompts, block_size,
-                                             args.warmup, args.iters, args.kernels,
-                                             label=f"engine decode B={num_prompts} ctx={context}",
-                                             max_model_len=engine.scheduler.max_model_len).median
-            print(f"  device-only decode B={num_prompts} ctx={context} (block size {block_size}): "
+            device_step = time_step(cfg, params, consts, [(context, 1)] * num_prompts, args.block_size,
+                                    args.warmup, args.iters, args.kernels,
+                                    label=f"engine decode B={num_prompts} ctx={context}",
+                                    max_model_len=-(-(prompt_len + max_tokens) // args.block_size)
+                                    * args.block_size).median
+            print(f"  device-only decode B={num_prompts} ctx={context} (block size {args.block_size}): "
                   f"{device_step * 1e3:.2f} ms", flush=True)
-            for row in engine_rows:
+            for row in rows_b:
                 row["device_step_ms"] = device_step * 1e3
+            rows += rows_b
+            engine_rows += rows_b
     print()
     print(header)
     print("| case | ms (median) | host dispatch ms | back-to-back ms | tokens/s | floor ms (bound) | of floor "
@@ -497,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['launches']} | {r['temp_GB']:.3f} |")
         else:
             print(f"| {r['case']} | {r['median_ms']:.0f} (whole run) | | | {r['tokens_per_s']:.0f} |" + " |" * 6)
-    if engine_rows and "device_step_ms" in engine_rows[0]:
+    if engine_rows:
         print()
         print("Engine step timeline (median ms per decode step; the device-only step is ``time_step``'s, same "
               "kernels):")
