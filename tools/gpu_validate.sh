@@ -17,6 +17,10 @@
 #            the XLA GEMMs' rows;
 #   engine   the tiny engine's ZOS on / off timeline against the device-only step (its first generate compiles
 #            every engine bucket);
+#   flash-engine  the same for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
+#            memory fraction;
+#   flash    flash-slice step rows, every kernel on: decode at batch 1, 16, 64, 128 and context 4095, prefill of
+#            1024 and 8192 tokens (issues 12 and 13, item 5 / 4);
 #   bench    the tiny step with kernels off and on, a profiler trace and its summary;
 #   parity   `dijax parity --kernels on` on tiny-nodrop, its engine run and tiny, side by side;
 #   parity2  tiny-nodrop --chunk 7 and tiny's tier 2 again alone (four runs side by side no longer finish in one
@@ -24,10 +28,10 @@
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
-#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, stack, engine, bench,
-#           parity, parity2: one call each)
+#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, stack, engine,
+#           flash-engine, flash, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|profile|warmup|compile|stack|engine|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|profile|warmup|compile|stack|engine|flash-engine|flash|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -73,6 +77,12 @@ case "$stage" in
   engine)
     run 450 python3 tools/bench.py --kernels auto --decode-batch 1 --context 256 --prefill "" --block-size 16 \
       --engine on --warmup 5 --iters 30 ;;
+  flash-engine)
+    run 560 python3 tools/bench.py --model flash-slice --decode-batch "" --prefill "" --block-size 128 --engine on \
+      --engine-batch 1,64 --warmup 3 --iters 10 ;;
+  flash)
+    run 570 python3 tools/bench.py --model flash-slice --decode-batch 1,16,64,128 --context 4095 \
+      --prefill 1024,8192 --kernels on --engine off --warmup 3 --iters 10 ;;
   bench)
     for kernels in off on; do
       run 150 python3 tools/bench.py --kernels "$kernels" --decode-batch 1,32 --context 256 --prefill 256 \
@@ -92,6 +102,6 @@ case "$stage" in
     fi
     wait
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, stack, engine, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, stack, engine, flash-engine, flash, bench, parity, parity2)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120
