@@ -401,8 +401,9 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
 
 def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **timing) -> list[dict]:
     """The GEMMs the step leaves to XLA with every kernel on, compiled with XLA's autotuning (its default) and with
-    ``xla_gpu_autotune_level=0`` (what the engine's step compiles with on a GPU: dijax.runtime.model_runner
-    ``STEP_COMPILER_OPTIONS``), flash-slice dimensions: the fp8 linears past the Pallas kernel's token limit (XLA
+    ``xla_gpu_autotune_level=0`` (what the engine's step compiled with in the seventh to ninth sessions; inside the
+    step, fused with their operands' conversions, such GEMMs then took XLA's fallback tiling: docs/benchmarks.md,
+    tenth session), flash-slice dimensions: the fp8 linears past the Pallas kernel's token limit (XLA
     dequantises, then multiplies), the head, router and compressor weights the reference promotes to fp32 (as
     fp32 GEMMs, what the step ran before the seventh session, and as ``matmul_promoted``'s bf16 GEMMs with fp32
     accumulation, what it runs now). Same method as
@@ -410,7 +411,6 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     FLOPs / 790 TFLOP/s. Beside each row, its first call (the compile)."""
     from dijax.kernels import fp8_linear as fl
     from dijax.model.layers import matmul_f32, matmul_promoted
-    from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS
     from tools.bench import flash_slice_config
 
     cfg = flash_slice_config(384)
@@ -441,7 +441,7 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
             x = (jax.random.normal(jax.random.key(t), (t, i), jnp.float32) * 3).astype(jnp.bfloat16)
             floor = max((o * i * item + 2 * t * (i + o)) / BANDWIDTH, 2 * t * o * i / 7.9e14)
             base = None
-            for label, options in (("autotuned", None), ("autotune level 0", STEP_COMPILER_OPTIONS)):
+            for label, options in (("autotuned", None), ("autotune level 0", {"xla_gpu_autotune_level": 0})):
                 call = jax.jit(lambda x, ws, ss: [fn(x, w, s) for w, s in zip(ws, ss)], compiler_options=options)
                 start = time.perf_counter()
                 jax.block_until_ready(call(x, ws, ss))

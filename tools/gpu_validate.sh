@@ -11,8 +11,8 @@
 #            on the H200 only in a machine's first ncu processes; the mat-vecs are issue-bound, the grouped GEMM ran
 #            at 18 % occupancy: docs/benchmarks.md);
 #   warmup   the warm-up total of the real config's 1M-context engine (tools/compile_time.py);
-#   compile  where a bucket's compile time goes: two real-config buckets with the engine's XLA options, then with
-#            XLA's GEMM autotuning back on;
+#   compile  where a bucket's compile time goes: two real-config buckets with XLA's defaults (the engine's), then
+#            with XLA's GEMM autotuning off;
 #   stack    the flash-stack step (a stacked run of real-size layers whose weights the kernels read in place) and
 #            the XLA GEMMs' rows;
 #   engine   the tiny engine's ZOS on / off timeline against the device-only step (its first generate compiles
@@ -64,14 +64,14 @@ case "$stage" in
     grep -E "^  routed|Duration|Throughput|Registers Per|Occupancy|Cycles Per Issued" "$out/ncu-routed.txt" >> "$log" ;;
   warmup)
     # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
-    # seventh session: 6.0 min with GEMM autotuning off, as the engine compiles: alone)
+    # seventh session: 6.0 min with GEMM autotuning off, as the engine compiled then; it autotunes since the tenth)
     run 570 python3 tools/compile_time.py --engine 8192,256,1048576 --threads 16 ;;
   stack)
     run 420 python3 tools/bench.py --model flash-stack --decode-batch 1,64 --context 4095 --prefill 1024 \
       --engine off --warmup 3 --iters 10
     run 150 python3 tools/bench_kernels.py --only xla_gemm --iters 10 --repeats 3 ;;
   compile)
-    for option in "" --xla-option=xla_gpu_autotune_level=4; do
+    for option in "" --xla-option=xla_gpu_autotune_level=0; do
       run 150 python3 tools/compile_time.py --buckets 64x64,8192x16 --max-blocks 1024 --threads 2 $option
     done ;;
   engine)

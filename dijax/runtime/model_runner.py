@@ -151,14 +151,6 @@ def bucket_inputs(num_tokens: int, num_seqs: int, width: int) -> tuple[PackedBat
     return pack_batch(build_step([], num_tokens, num_seqs, width, num_seqs)[0]), np.zeros(num_tokens, np.int32)
 
 
-# XLA debug options the model step compiles with. XLA's GEMM autotuning (on by default) compiles and times
-# candidate kernels for every GEMM fusion the step leaves to XLA, in every bucket: on the H200 it took 40 % of a
-# real-config bucket's compile (56 -> 36 s), and the 55-bucket warm-up of a 1M-context engine then finished in
-# 6.0 min instead of ~10 (docs/benchmarks.md, seventh session). Those GEMMs' speed without it:
-# tools/bench_kernels.py --only xla_gemm. No effect off the GPU.
-STEP_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
-
-
 @lru_cache(maxsize=8)
 def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef,
                    ranks_mesh: Mesh | None = None):
@@ -212,7 +204,11 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
         logits_RV, cache, _ = forward_step(params, cache, batch, consts, cfg, None, **options)
         return logits_RV, cache
 
-    return jax.jit(step, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
+    # XLA's default options, GEMM autotuning included. Without it (xla_gpu_autotune_level=0, sessions 7-9: a
+    # real-config bucket compiled in 36 s instead of 56) the GEMM fusions the step leaves to XLA took XLA's fallback
+    # tiling (16 x 8 output tiles, 2 warps): on the H200 flash-slice decode at batch 64 ran 37.7 ms instead of 22.3
+    # and a 1024-token prefill 244 ms instead of 58 (docs/benchmarks.md, tenth session).
+    return jax.jit(step, donate_argnums=(1,))
 
 
 @lru_cache(maxsize=8)
@@ -296,8 +292,9 @@ class ModelRunner:
         CPU core, at most one per bucket): tracing holds the GIL (concurrent traces only slow each other down:
         measured 3x on the H200 host), XLA compiles without it. The warm-up takes the longer of the traces and the
         compiles' share of the cores: for the real 40-layer config at 8192 tokens, 256 sequences and 1M context
-        (55 buckets) on the H200's 16-core host, the traces take ~4 s each and the whole warm-up 6.0 min
-        (``STEP_COMPILER_OPTIONS``; docs/benchmarks.md, seventh session). An ahead-of-time compile fills the same
+        (55 buckets) on the H200's 16-core host, the traces take ~4 s each; the whole warm-up took 6.0 min with XLA's
+        GEMM autotuning off (seventh session) and about 10 min is estimated with it, as the step now compiles
+        (``compiled_step``; docs/benchmarks.md, sixth, seventh and tenth sessions). An ahead-of-time compile fills the same
         executable cache that ``execute`` looks up, so no step traces or compiles again. ``progress`` shows a
         progress bar.
         """
