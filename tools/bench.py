@@ -339,6 +339,11 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     return StepTiming(first, float(np.median(times)), float(np.median(dispatches)), pipelined, launches, temp_bytes)
 
 
+def engine_max_len(prompt_len: int, max_tokens: int, block_size: int) -> int:
+    """The engine rows' max_model_len: a prompt and its outputs, rounded up to whole blocks."""
+    return -(-(prompt_len + max_tokens) // block_size) * block_size
+
+
 def time_engine(zos: bool, model: tuple, num_prompts: int, prompt_len: int, max_tokens: int, kernels: str,
                 block_size: int, ep: int = 1, dump: str | None = None) -> tuple[float, int, LLMEngine]:
     """(seconds, output tokens, the engine) of ``LLM.generate`` on ``model`` (``load_model``'s config, parameters
@@ -350,7 +355,7 @@ def time_engine(zos: bool, model: tuple, num_prompts: int, prompt_len: int, max_
     ``tools/trace_summary.py --host``)."""
     cfg, params, consts = model
     tokenizer = Tokenizer.from_file(os.path.join(ASSETS, "tokenizer.json"))  # the embedded one: output text only
-    max_model_len = -(-(prompt_len + max_tokens) // block_size) * block_size
+    max_model_len = engine_max_len(prompt_len, max_tokens, block_size)
     llm = LLM(loaded=(cfg, params, consts, tokenizer), max_num_seqs=num_prompts, block_size=block_size,
               max_num_batched_tokens=max(64, num_prompts * prompt_len), max_model_len=max_model_len,
               num_blocks=num_prompts * (max_model_len // block_size), zos=zos, kernels=kernels, ep=ep,
@@ -499,8 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             device_step = time_step(cfg, params, consts, [(context, 1)] * num_prompts, args.block_size,
                                     args.warmup, args.iters, args.kernels,
                                     label=f"engine decode B={num_prompts} ctx={context}",
-                                    max_model_len=-(-(prompt_len + max_tokens) // args.block_size)
-                                    * args.block_size)
+                                    max_model_len=engine_max_len(prompt_len, max_tokens, args.block_size))
             print(f"  device-only decode B={num_prompts} ctx={context} (block size {args.block_size}): "
                   f"{device_step.median * 1e3:.2f} ms, back to back {device_step.pipelined * 1e3:.2f} ms",
                   flush=True)
