@@ -19,6 +19,8 @@
 #            every engine bucket);
 #   flash-engine  the same for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
 #            memory fraction;
+#   dispatch where the tiny step's host dispatch goes (tools/dispatch_probe.py: the launches apart, no-ops on the same
+#            arguments, a host trace; issue 11 item 1);
 #   flash    flash-slice step rows, every kernel on: decode at batch 1, 16, 64, 128 and context 4095, prefill of
 #            1024 and 8192 tokens (issues 12 and 13, item 5 / 4);
 #   bench    the tiny step with kernels off and on, a profiler trace and its summary;
@@ -29,9 +31,9 @@
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, stack, engine,
-#           flash-engine, flash, bench, parity, parity2: one call each)
+#           flash-engine, dispatch, flash, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|profile|warmup|compile|stack|engine|flash-engine|flash|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|profile|warmup|compile|stack|engine|flash-engine|dispatch|flash|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -80,6 +82,9 @@ case "$stage" in
   flash-engine)
     run 560 python3 tools/bench.py --model flash-slice --decode-batch "" --prefill "" --block-size 128 --engine on \
       --engine-batch 1,64 --warmup 3 --iters 10 ;;
+  dispatch)
+    run 200 python3 tools/dispatch_probe.py --batch 1,32 --trace "$out/trace-dispatch"
+    run 60 python3 tools/trace_summary.py "$out/trace-dispatch" --host --steps 10 --top 25 ;;
   flash)
     run 570 python3 tools/bench.py --model flash-slice --decode-batch 1,16,64,128 --context 4095 \
       --prefill 1024,8192 --kernels on --engine off --warmup 3 --iters 10 ;;
@@ -102,6 +107,6 @@ case "$stage" in
     fi
     wait
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, stack, engine, flash-engine, flash, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, stack, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120

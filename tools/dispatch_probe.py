@@ -1,0 +1,139 @@
+"""Where a step's host dispatch goes (issue 11 item 1): the engine's two launches timed apart, and no-op executables
+that take the same arguments, so the per-argument cost and the executable's own launch cost show separately.
+
+    PYTHONPATH=. python3 tools/dispatch_probe.py [--model tiny] [--batch 1,32] [--context 256] [--trace DIR]
+
+Each row is the median wall time of the launch call alone (no wait; 50 runs after 5, each followed by a wait
+outside the timed span), at the engine's bucket for B decode sequences at the given context (block size 16, every
+kernel on where the backend has them: ``--kernels``):
+
+* ``step + sampler``: what ``ModelRunner.launch`` does per engine step;
+* ``step`` / ``sampler``: each alone, with host inputs (transferred by the call) and with the inputs placed first;
+* ``no-op on the step's arguments``: a jitted function that takes the parameters, the donated cache and the inputs
+  and returns the cache: the argument handling alone;
+* ``no-op on the parameters`` and ``no-op on one array``: the same with fewer arguments.
+
+``back to back``: 50 steps launched without waiting, one wait at the end (max of host and device per step).
+``--trace DIR`` writes a JAX profiler trace of 10 launch-and-wait steps of the first batch size (host and device
+events: ``tools/trace_summary.py DIR --host --steps 10``). Prepared in the tenth session and not yet run on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dijax.runtime.model_runner import ModelRunner  # noqa: E402
+from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
+from tools.bench import SAMPLING, _counts, load_model  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def launch_ms(fn, runs: int = 50) -> float:
+    """Median milliseconds of ``fn()`` alone (the launch), each run waited for outside the timed span."""
+    for _ in range(5):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
+    return float(np.median(times)) * 1e3
+
+
+def decode_runner(cfg, params, consts, batch: int, context: int, kernels: str):
+    """A runner holding ``batch`` decode sequences at ``context`` and its step's inputs: (runner, model-step inputs,
+    sampler inputs)."""
+    blocks = -(-(context + 1) // BLOCK_SIZE)
+    runner = ModelRunner(cfg, params, consts, num_blocks=blocks * batch, num_slots=batch, block_size=BLOCK_SIZE,
+                         max_model_len=blocks * BLOCK_SIZE, max_num_seqs=batch, max_num_batched_tokens=batch,
+                         kernels=kernels)
+    chunks = tuple(ScheduledChunk(request_id=str(i), slot=i, block_table=tuple(range(i * blocks, (i + 1) * blocks)),
+                                  start=context, num_tokens=1, token_ids=(5,), sample=True, epoch=0, seed=i,
+                                  output_position=0, params=SAMPLING["sample"]) for i in range(batch))
+    inputs, sampling, _ = runner.step_inputs(SchedulerOutput(step=0, chunks=chunks, num_tokens=batch, preempted=()),
+                                             None)
+    return runner, inputs, sampling
+
+
+def probe(runner: ModelRunner, inputs: tuple, sampling) -> dict[str, float]:
+    """The rows of the module docstring for one runner, in milliseconds."""
+    leaves = runner.param_leaves
+
+    def step(step_inputs=inputs):
+        logits_RV, runner.cache = runner._step(leaves, runner.cache, *step_inputs)
+        return logits_RV
+
+    def step_and_sampler():
+        return runner._sample(step(), sampling)
+
+    logits_RV = step()
+    placed_inputs, placed_sampling = jax.device_put(inputs), jax.device_put(sampling)
+    take_all = jax.jit(lambda leaves, cache, *rest: (cache, jnp.zeros(())), donate_argnums=(1,))
+
+    def no_op_all():
+        runner.cache, zero = take_all(leaves, runner.cache, *inputs)
+        return zero
+
+    take_params = jax.jit(lambda leaves: jnp.zeros(()))
+    take_one = jax.jit(lambda x: x + 1)
+    one = jnp.zeros(())
+    rows = {"step + sampler": launch_ms(step_and_sampler), "step": launch_ms(step),
+            "step, inputs placed": launch_ms(lambda: step(placed_inputs)),
+            "sampler": launch_ms(lambda: runner._sample(logits_RV, sampling)),
+            "sampler, inputs placed": launch_ms(lambda: runner._sample(logits_RV, placed_sampling)),
+            "no-op on the step's arguments": launch_ms(no_op_all),
+            "no-op on the parameters": launch_ms(lambda: take_params(leaves)),
+            "no-op on one array": launch_ms(lambda: take_one(one))}
+    jax.block_until_ready(step())
+    start = time.perf_counter()
+    for _ in range(50):
+        out = step()
+    jax.block_until_ready(out)
+    rows["step, back to back"] = (time.perf_counter() - start) / 50 * 1e3
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="a tools/bench.py model")
+    parser.add_argument("--batch", type=_counts, default=[1, 32], help="comma list of decode batch sizes")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--kernels", default="auto", help="auto | on | off")
+    parser.add_argument("--trace", help="write a profiler trace of 10 steps of the first batch size here")
+    args = parser.parse_args(argv)
+    cfg, params, consts = load_model(args.model, 384)
+    print(f"dispatch probe | {jax.devices()[0].device_kind} | jax {jax.__version__} | model {args.model} | "
+          f"kernels {args.kernels} | context {args.context} | block size {BLOCK_SIZE}")
+    table = {}
+    for batch in args.batch:
+        runner, inputs, sampling = decode_runner(cfg, params, consts, batch, args.context, args.kernels)
+        print(f"B={batch}: {len(runner.param_leaves)} parameter arrays, {len(jax.tree.leaves(runner.cache))} cache "
+              f"arrays, {len(jax.tree.leaves(inputs))} input arrays", flush=True)
+        table[batch] = probe(runner, inputs, sampling)
+        if args.trace and batch == args.batch[0]:
+            with jax.profiler.trace(args.trace, create_perfetto_trace=True):
+                for _ in range(10):
+                    logits_RV, runner.cache = runner._step(runner.param_leaves, runner.cache, *inputs)
+                    jax.block_until_ready(logits_RV)
+        del runner
+    print("| launch (ms) | " + " | ".join(f"B={b}" for b in table) + " |")
+    print("|---" * (len(table) + 1) + "|")
+    for name in next(iter(table.values())):
+        print(f"| {name} | " + " | ".join(f"{rows[name]:.3f}" for rows in table.values()) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
