@@ -257,6 +257,37 @@ SAMPLING = {"greedy": SamplingParams(temperature=0.0), "temperature": SamplingPa
             "sample": SamplingParams(temperature=0.8, top_p=0.95)}
 
 
+def step_runner(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
+                kernels: str, max_model_len: int | None = None, sampling: str = "sample",
+                debug_logits: bool = False) -> tuple:
+    """A ``ModelRunner`` sized for one step of ``len(lengths)`` sequences (sequence i: ``lengths[i] = (cached,
+    new)`` tokens, random token ids, each sampling one token in the mode ``sampling``) on a cache of random values,
+    and that step's inputs: (runner, model-step inputs, sampler inputs), as ``ModelRunner.step_inputs`` gives them.
+    ``max_model_len`` defaults to the longest sequence's blocks."""
+    from dijax.runtime.model_runner import ModelRunner
+    from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
+
+    rng = np.random.default_rng(0)
+    max_blocks = -(-max(c + n for c, n in lengths) // block_size)
+    total = sum(n for _, n in lengths)
+    runner = ModelRunner(cfg, params, consts, num_blocks=max_blocks * len(lengths), num_slots=len(lengths),
+                         block_size=block_size, max_model_len=max_model_len or max_blocks * block_size,
+                         max_num_seqs=len(lengths), max_num_batched_tokens=total, debug_logits=debug_logits,
+                         kernels=kernels)
+    runner.cache = _randomised(runner.cache, seed=1)
+    sampling_params = SAMPLING[sampling]  # the sampler's cost depends on its mode only
+    chunks = []
+    for i, (c, n) in enumerate(lengths):
+        blocks = tuple(range(i * max_blocks, (i + 1) * max_blocks))
+        token_ids = tuple(rng.integers(3, cfg.vocab_size, n).tolist())
+        chunks.append(ScheduledChunk(request_id=str(i), slot=i, block_table=blocks, start=c, num_tokens=n,
+                                     token_ids=token_ids, sample=True, epoch=0, seed=i, output_position=0,
+                                     params=sampling_params))
+    inputs, sampler_inputs, _ = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total,
+                                                                preempted=()), None)
+    return runner, inputs, sampler_inputs
+
+
 def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
               warmup: int, iters: int, kernels: str, dump: str | None = None,
               label: str = "step", max_model_len: int | None = None, sampling: str = "sample") -> StepTiming:
@@ -271,27 +302,8 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     ``dump/<label>.hlo.txt``, the sampler's to ``dump/<label>.sampler.hlo.txt``, and a JAX profiler trace of the
     timed runs to ``dump/<label>/`` (open it with xprof / Perfetto, or summarise it with
     ``tools/trace_summary.py``)."""
-    from dijax.runtime.model_runner import ModelRunner
-    from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
-
-    rng = np.random.default_rng(0)
-    max_blocks = -(-max(c + n for c, n in lengths) // block_size)
-    total = sum(n for _, n in lengths)
-    runner = ModelRunner(cfg, params, consts, num_blocks=max_blocks * len(lengths), num_slots=len(lengths),
-                         block_size=block_size, max_model_len=max_model_len or max_blocks * block_size,
-                         max_num_seqs=len(lengths),
-                         max_num_batched_tokens=total, debug_logits=True, kernels=kernels)
-    runner.cache = _randomised(runner.cache, seed=1)
-    sampling_params = SAMPLING[sampling]  # the sampler's cost depends on its mode only
-    chunks = []
-    for i, (c, n) in enumerate(lengths):
-        blocks = tuple(range(i * max_blocks, (i + 1) * max_blocks))
-        token_ids = tuple(rng.integers(3, cfg.vocab_size, n).tolist())
-        chunks.append(ScheduledChunk(request_id=str(i), slot=i, block_table=blocks, start=c, num_tokens=n,
-                                     token_ids=token_ids, sample=True, epoch=0, seed=i, output_position=0,
-                                     params=sampling_params))
-    inputs, sampler_inputs, _ = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total,
-                                                                preempted=()), None)
+    runner, inputs, sampler_inputs = step_runner(cfg, params, consts, lengths, block_size, kernels, max_model_len,
+                                                 sampling, debug_logits=True)
     start = time.perf_counter()
     step = runner.lower(inputs).compile()
     sampler = runner.lower_sampler(step.out_info[0], sampler_inputs).compile()  # the step's logits, their sharding

@@ -146,7 +146,7 @@ def main() -> None:
     stages = plan_layers(cfg, fold)
     print(f"dijax compile time: V4.1-Flash, {cfg.n_layers} layers in {len(stages)} stages "
           f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}, "
-          f"kernels {args.kernels}, XLA options {xla_options or "(XLA's defaults)"}; "
+          f"kernels {args.kernels}, XLA options on top of XLA's defaults: {xla_options}; "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     params, consts = abstract_inputs(cfg, fold)
     if args.engine:

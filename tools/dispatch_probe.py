@@ -4,8 +4,8 @@ that take the same arguments, so the per-argument cost and the executable's own 
     PYTHONPATH=. python3 tools/dispatch_probe.py [--model tiny] [--batch 1,32] [--context 256] [--trace DIR]
 
 Each row is the median wall time of the launch call alone (no wait; 50 runs after 5, each followed by a wait
-outside the timed span), at the engine's bucket for B decode sequences at the given context (block size 16, every
-kernel on where the backend has them: ``--kernels``):
+outside the timed span), at the engine's bucket for B decode sequences at the given context (block size 16, a cache
+of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's option):
 
 * ``step + sampler``: what ``ModelRunner.launch`` does per engine step;
 * ``step`` / ``sampler``: each alone, with host inputs (transferred by the call) and with the inputs placed first;
@@ -33,8 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dijax.runtime.model_runner import ModelRunner  # noqa: E402
-from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
-from tools.bench import SAMPLING, _counts, load_model  # noqa: E402
+from tools.bench import _counts, load_model, step_runner  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -50,21 +49,6 @@ def launch_ms(fn, runs: int = 50) -> float:
         times.append(time.perf_counter() - start)
         jax.block_until_ready(out)
     return float(np.median(times)) * 1e3
-
-
-def decode_runner(cfg, params, consts, batch: int, context: int, kernels: str):
-    """A runner holding ``batch`` decode sequences at ``context`` and its step's inputs: (runner, model-step inputs,
-    sampler inputs)."""
-    blocks = -(-(context + 1) // BLOCK_SIZE)
-    runner = ModelRunner(cfg, params, consts, num_blocks=blocks * batch, num_slots=batch, block_size=BLOCK_SIZE,
-                         max_model_len=blocks * BLOCK_SIZE, max_num_seqs=batch, max_num_batched_tokens=batch,
-                         kernels=kernels)
-    chunks = tuple(ScheduledChunk(request_id=str(i), slot=i, block_table=tuple(range(i * blocks, (i + 1) * blocks)),
-                                  start=context, num_tokens=1, token_ids=(5,), sample=True, epoch=0, seed=i,
-                                  output_position=0, params=SAMPLING["sample"]) for i in range(batch))
-    inputs, sampling, _ = runner.step_inputs(SchedulerOutput(step=0, chunks=chunks, num_tokens=batch, preempted=()),
-                                             None)
-    return runner, inputs, sampling
 
 
 def probe(runner: ModelRunner, inputs: tuple, sampling) -> dict[str, float]:
@@ -118,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
           f"kernels {args.kernels} | context {args.context} | block size {BLOCK_SIZE}")
     table = {}
     for batch in args.batch:
-        runner, inputs, sampling = decode_runner(cfg, params, consts, batch, args.context, args.kernels)
+        runner, inputs, sampling = step_runner(cfg, params, consts, [(args.context, 1)] * batch, BLOCK_SIZE,
+                                               args.kernels)
         print(f"B={batch}: {len(runner.param_leaves)} parameter arrays, {len(jax.tree.leaves(runner.cache))} cache "
               f"arrays, {len(jax.tree.leaves(inputs))} input arrays", flush=True)
         table[batch] = probe(runner, inputs, sampling)
