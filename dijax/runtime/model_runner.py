@@ -151,6 +151,19 @@ def bucket_inputs(num_tokens: int, num_seqs: int, width: int) -> tuple[PackedBat
     return pack_batch(build_step([], num_tokens, num_seqs, width, num_seqs)[0]), np.zeros(num_tokens, np.int32)
 
 
+# XLA options the model step compiles with; everything else is XLA's default, GEMM autotuning included (without it,
+# xla_gpu_autotune_level=0 as in sessions 7-9, the GEMM fusions the step leaves to XLA took XLA's fallback tiling,
+# 16 x 8 output tiles and 2 warps: on the H200 flash-slice decode at batch 64 ran 37.7 ms instead of 22.3 and a
+# 1024-token prefill 244 ms instead of 58; docs/benchmarks.md, tenth session).
+# The command-buffer list is XLA's default plus WHILE and CONDITIONAL, so the step's loops (the sparse-attention
+# block loop, the scanned layers) are recorded into the step's CUDA graph instead of launching each iteration with a
+# host-checked condition: on the H200 the tiny decode step ran 1.29 ms back to back instead of 1.90 at batch 1 and
+# 1.93 instead of 2.37 at batch 32 (tools/dispatch_probe.py), with GPU parity to every printed digit of the run
+# without it (docs/benchmarks.md and docs/parity.md, eleventh session). The option replaces XLA's list, it cannot
+# extend it. No effect off the GPU.
+STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+
+
 @lru_cache(maxsize=8)
 def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef,
                    ranks_mesh: Mesh | None = None):
@@ -204,11 +217,7 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
         logits_RV, cache, _ = forward_step(params, cache, batch, consts, cfg, None, **options)
         return logits_RV, cache
 
-    # XLA's default options, GEMM autotuning included. Without it (xla_gpu_autotune_level=0, sessions 7-9: a
-    # real-config bucket compiled in 36 s instead of 56) the GEMM fusions the step leaves to XLA took XLA's fallback
-    # tiling (16 x 8 output tiles, 2 warps): on the H200 flash-slice decode at batch 64 ran 37.7 ms instead of 22.3
-    # and a 1024-token prefill 244 ms instead of 58 (docs/benchmarks.md, tenth session).
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
 
 
 @lru_cache(maxsize=8)
