@@ -7,7 +7,6 @@ the SwiGLU clamp firing, padding assignments (expert -1), the tile layout's inva
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -125,12 +124,9 @@ def test_pair_major_puts_each_code_pair_beside_its_words():
                     np.testing.assert_array_equal(got[:, col], np.asarray(x_TD[:, 8 * (k * words + w) + j + 4 * h]))
 
 
-@pytest.mark.parametrize("path", [*rx.PATHS, "gathered-lean"])
-def test_pallas_matches_reference(case, path, monkeypatch):
+@pytest.mark.parametrize("path", rx.PATHS)
+def test_pallas_matches_reference(case, path):
     name, experts, x_TD, weights_TX, experts_TX, expected = case
-    if path == "gathered-lean":  # interpreted: the fp32 activations; the PTX conversions only lower for a GPU
-        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_lean=True))
-        path = "gathered"
     got = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas", path=path))
     assert_close(got, expected)
     pad_rows = np.all(np.asarray(experts_TX) < 0, axis=1)
@@ -139,7 +135,7 @@ def test_pallas_matches_reference(case, path, monkeypatch):
         assert (gate_values(experts, x_TD, experts_TX) > LIMIT).any()  # the clamp fires
 
 
-def test_several_k_steps_on_both_paths(monkeypatch):
+def test_several_k_steps_on_both_paths():
     """D = F = 1024 takes several K steps on both paths (mat-vec: 64 words a step; grouped GEMM: 16 words, so
     pair_major's column order changes from step to step)."""
     rng = np.random.default_rng(21)
@@ -147,14 +143,9 @@ def test_several_k_steps_on_both_paths(monkeypatch):
     weights_TX, experts_TX = make_routing(rng, 3, 4, 2, pad_slots=(1,))
     x_TD = make_x(rng, 3, 1024, 3.0)
     expected = np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT))
-    got = {}
-    for path, lean in (("gathered", False), ("gathered", True), ("ragged", False)):
-        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_lean=lean))
-        got[path, lean] = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas",
-                                                       path=path))
-        assert_close(got[path, lean], expected)
-    # fp32 activations are the bf16 values: the mat-vec's result is the same bit for bit
-    np.testing.assert_array_equal(got["gathered", True], got["gathered", False])
+    for path in rx.PATHS:
+        got = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas", path=path))
+        assert_close(got, expected)
 
 
 def test_a_padding_slot_adds_exactly_nothing():

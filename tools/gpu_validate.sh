@@ -5,7 +5,7 @@
 #            201 s alone and the timeline tests 170 s, so they run one after the other);
 #   kernels  the kernels' micro-benchmarks;
 #   sweep    the GPU tests of the routed-experts and attention kernels (variants included), then the variants
-#            timed beside the defaults (tools/bench_kernels.py --sweep; next: KernelConfig.matvec_lean, 2 stages);
+#            timed beside the defaults (tools/bench_kernels.py --sweep: grouped-GEMM tilings and 2 stages);
 #   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
 #            1024: throughput against peak, memory workload, occupancy, issue rate (ninth session: ncu read counters
 #            on the H200 only in a machine's first ncu processes; the mat-vecs are issue-bound, the grouped GEMM ran

@@ -158,23 +158,23 @@ class KernelConfig:
     """Tiles and Triton launch parameters of the routed-experts kernels. Every size is a power of two; a size that
     does not divide its dimension is halved until it does.
 
-    matvec_*: the few-tokens kernels (one assignment per program, fp32 FMAs);
+    matvec_*: the few-tokens kernels (one assignment per program, fp32 FMAs). They take fp32 activations (exact bf16
+      values; 20 KB a token) instead of converting bf16 in every K step, and convert each float16 half of a decoded
+      pair straight from its register (inline PTX, ``decode_pair``'s ``asm``). In the sm_90 build
+      (tools/kernel_report.py, T = 16) the two cut the K-step loops from 1357 to 1182 instructions (gate-up) and
+      from 718 to 598 (down); the mat-vecs are issue-bound on the H200 (docs/benchmarks.md, ninth session). On the
+      H200 the same values bit for bit, and the gathered path 1.13x faster at T = 1 (151.9 -> 134.3 us) and 1.05x
+      at T = 16 (813 -> 774 us) at the real sizes (eleventh session);
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
-    matvec_lean: the mat-vecs take fp32 activations (exact bf16 values; 20 KB a token) instead of converting
-      bf16 in every K step, and convert each float16 half of a decoded pair straight from its register (inline
-      PTX). In the sm_90 build (tools/kernel_report.py, T = 16) the two cut the K-step loops from 1357 to 1182
-      instructions (gate-up) and from 718 to 598 (down), and the mat-vecs are issue-bound on the H200
-      (docs/benchmarks.md, ninth session). Same values; not yet run on a GPU (tests/gpu, the --sweep rows);
     poison: kernel outputs start NaN-filled instead of uninitialised (tests: an element no program writes shows).
     """
     matvec_rows: int = 32
     matvec_words: int = 64
     matvec_warps: int = 4
     matvec_stages: int = 3
-    matvec_lean: bool = False
     gemm_rows_min: int = 16
     gemm_rows_max: int = 64
     gemm_cols: int = 128
@@ -300,7 +300,7 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
 
         def step(k, acc):
             w0 = k * words
-            x_J = [x_ref[t, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
+            x_J = [x_ref[t, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
             (w1_RW, s1_RB), (w3_RW, s3_RB) = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, r0, rows, w0, words)
             return acc[0] + _matvec_partial(w1_RW, s1_RB, x_J, asm), acc[1] + _matvec_partial(w3_RW, s3_RB, x_J, asm)
 
@@ -323,7 +323,7 @@ def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, 
     def _():
         def step(k, acc):
             w0 = k * words
-            h_J = [h_ref[a, pl.ds(j * n_words + w0, words)].astype(jnp.float32) for j in range(CODES_PER_WORD)]
+            h_J = [h_ref[a, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
             [(w2_RW, s2_RB)] = _weight_tiles((w2_ref,), (s2_ref,), e, r0, rows, w0, words)
             return acc + _matvec_partial(w2_RW, s2_RB, h_J, asm)
 
@@ -504,15 +504,14 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         words_f = _block(f // 8, config.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
         params = _compiler_params(config.matvec_warps, config.matvec_stages)
         stack_A = jnp.where(expert_A >= 0, expert_A + offset, -1)  # ids in the flattened stack
-        lean = config.matvec_lean
-        asm, act_dtype = lean and not interpret, jnp.float32 if lean else jnp.bfloat16
+        asm = not interpret  # the inline-PTX conversions only lower for a GPU
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
                                        words=words_d, n_words=d // 8, asm=asm),
                      (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
-                     stack_A, weights_A, phase_major(x_act_TD).astype(act_dtype), w1, s1, w3, s3)
+                     stack_A, weights_A, phase_major(x_act_TD).astype(jnp.float32), w1, s1, w3, s3)
         y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8, asm=asm),
                      (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
-                     stack_A, phase_major(quant.fq8(h_AF)).astype(act_dtype), w2, s2)
+                     stack_A, phase_major(quant.fq8(h_AF)).astype(jnp.float32), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
     rows = gemm_rows(n_assign, n_experts, config)

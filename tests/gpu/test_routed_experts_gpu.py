@@ -36,8 +36,7 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 }
 
 
-VARIANTS = {"ragged-cols32": ("ragged", {"gemm_cols": 32}),  # the variants the benchmark sweeps
-            "gathered-lean": ("gathered", {"matvec_lean": True})}
+VARIANTS = {"ragged-cols32": ("ragged", {"gemm_cols": 32})}  # the variants the benchmark sweeps
 
 
 @pytest.mark.parametrize("path", [*rx.PATHS, *VARIANTS])
@@ -77,18 +76,3 @@ def test_gpu_real_expert_shapes_top_of_the_stack(path):
     expected = np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT))
     got = np.asarray(rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT, path))
     assert_close(got, expected, min_equal=0.95)
-
-
-def test_gpu_lean_mat_vec_is_bit_equal(monkeypatch):
-    """The lean mat-vec (fp32 activations, inline-PTX float16 conversions) computes the default's values bit for
-    bit: the same products and sums, only fewer instructions. Every byte value occurs in the random codes."""
-    rng = np.random.default_rng(5)
-    experts = make_experts(rng, 16, 1024, 512, (100, 150))
-    weights_TX, experts_TX = make_routing(rng, 8, 16, 4, None, (3,), (1,))
-    x_TD = make_x(rng, 8, 1024, 3.0)
-    got = {}
-    for lean in (False, True):
-        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_lean=lean))
-        got[lean] = np.asarray(rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT, "gathered"))
-    np.testing.assert_array_equal(got[True], got[False])
-    assert np.isfinite(got[True]).all()
