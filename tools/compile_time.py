@@ -135,8 +135,8 @@ def main() -> None:
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="step kernels as the engine's option: on (Pallas, GPU only), off (jnp), auto")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="an XLA debug option for these compiles (repeatable), on top of XLA's defaults (what "
-                             "the engine's step compiles with), e.g. xla_gpu_autotune_level=0")
+                        help="an XLA debug option for these compiles (repeatable), on top of the engine step's own "
+                             "(model_runner.STEP_COMPILER_OPTIONS), e.g. xla_gpu_autotune_level=0")
     args = parser.parse_args()
     xla_options = dict(opt.split("=", 1) for opt in args.xla_option)
     options = kernel_options(args.kernels, jax.default_backend())
@@ -146,7 +146,7 @@ def main() -> None:
     stages = plan_layers(cfg, fold)
     print(f"dijax compile time: V4.1-Flash, {cfg.n_layers} layers in {len(stages)} stages "
           f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}, "
-          f"kernels {args.kernels}, XLA options on top of XLA's defaults: {xla_options}; "
+          f"kernels {args.kernels}, XLA options on top of the step's: {xla_options}; "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     params, consts = abstract_inputs(cfg, fold)
     if args.engine:
