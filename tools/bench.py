@@ -54,6 +54,7 @@ from dijax.kernels import kernel_options  # noqa: E402
 from dijax.parallel.mesh import make_mesh, place_params  # noqa: E402
 from dijax.runtime.llm import LLM  # noqa: E402
 from dijax.runtime.llm_engine import LLMEngine  # noqa: E402
+from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS, ModelRunner  # noqa: E402
 from dijax.runtime.sampling_params import SamplingParams  # noqa: E402
 from dijax.runtime.step_timeline import PHASES, summarize  # noqa: E402
 
@@ -264,7 +265,6 @@ def step_runner(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tupl
     new)`` tokens, random token ids, each sampling one token in the mode ``sampling``) on a cache of random values,
     and that step's inputs: (runner, model-step inputs, sampler inputs), as ``ModelRunner.step_inputs`` gives them.
     ``max_model_len`` defaults to the longest sequence's blocks."""
-    from dijax.runtime.model_runner import ModelRunner
     from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
 
     rng = np.random.default_rng(0)
@@ -411,6 +411,23 @@ def _ints(text: str, minimum: int = 0) -> list[int]:
     return values
 
 
+def add_step_option_argument(parser: argparse.ArgumentParser) -> None:
+    """``--step-xla-option NAME=VALUE`` (repeatable): A/B runs of the model step's own XLA options."""
+    parser.add_argument("--step-xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="replace or add one of the model step's XLA options (model_runner.STEP_COMPILER_OPTIONS)"
+                             " for this run, e.g. xla_gpu_enable_command_buffer= (command buffers off); repeatable")
+
+
+def apply_step_options(options: list[str]) -> None:
+    """Apply ``--step-xla-option`` values to ``STEP_COMPILER_OPTIONS`` before any step compiles; an empty value is
+    kept (it empties a list option). SystemExit names the malformed value."""
+    for option in options:
+        name, sep, value = option.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--step-xla-option must be NAME=VALUE, got {option!r}")
+        STEP_COMPILER_OPTIONS[name] = value
+
+
 def _counts(text: str) -> list[int]:
     """``_ints`` of values >= 1 (batch sizes, prefill lengths, max_model_len)."""
     return _ints(text, 1)
@@ -444,11 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampling", choices=tuple(SAMPLING), default="sample",
                         help="step rows: the sampler mode every sequence samples in (default: sample, one sort per "
                              "row; temperature and greedy sort nothing)")
+    add_step_option_argument(parser)
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dump", help="write each step's optimised HLO and a profiler trace of 3 steps here")
     args = parser.parse_args(argv)
     apply_ep(args)  # before JAX starts its backends: a CPU-only host gets --ep devices
     kernel_options(args.kernels, jax.default_backend())  # a bad choice fails before the model is built
+    apply_step_options(args.step_xla_option)
 
     if args.moe_path != "auto":  # A/B seam: every step traced from here on takes the forced path
         from dijax.kernels import routed_experts
@@ -461,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"({longest} tokens: context + 1 for decode, the prompt for prefill); allowed: >= {longest}")
     header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
               f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels}"
-              f" | ep {args.ep} | sampling {args.sampling} | warm-up {args.warmup}, median of {args.iters}"
+              f" | ep {args.ep} | step XLA options {STEP_COMPILER_OPTIONS} | sampling {args.sampling} | warm-up {args.warmup}, median of {args.iters}"
               f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s")
     print(header, flush=True)
     start = time.perf_counter()

@@ -15,7 +15,9 @@ of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's opt
 
 ``back to back``: 50 steps launched without waiting, one wait at the end (max of host and device per step).
 ``--trace DIR`` writes a JAX profiler trace of 10 launch-and-wait steps of the first batch size (host and device
-events: ``tools/trace_summary.py DIR --host --steps 10``). Prepared in the tenth session and not yet run on the H200.
+events: ``tools/trace_summary.py DIR --host --steps 10``). ``--step-xla-option`` changes the step's XLA options
+(A/B runs of its command buffers: ``tools/gpu_validate.sh dispatch``). First run on the H200 in the eleventh
+session (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dijax.runtime.model_runner import ModelRunner  # noqa: E402
-from tools.bench import _counts, load_model, step_runner  # noqa: E402
+from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS  # noqa: E402
+from tools.bench import _counts, add_step_option_argument, apply_step_options, load_model, step_runner  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -96,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--kernels", default="auto", help="auto | on | off")
     parser.add_argument("--trace", help="write a profiler trace of 10 steps of the first batch size here")
+    add_step_option_argument(parser)
     args = parser.parse_args(argv)
+    apply_step_options(args.step_xla_option)
     cfg, params, consts = load_model(args.model, 384)
     print(f"dispatch probe | {jax.devices()[0].device_kind} | jax {jax.__version__} | model {args.model} | "
-          f"kernels {args.kernels} | context {args.context} | block size {BLOCK_SIZE}")
+          f"kernels {args.kernels} | context {args.context} | block size {BLOCK_SIZE} | step XLA options "
+          f"{STEP_COMPILER_OPTIONS}")
     table = {}
     for batch in args.batch:
         runner, inputs, sampling = step_runner(cfg, params, consts, [(args.context, 1)] * batch, BLOCK_SIZE,

@@ -20,7 +20,7 @@
 #   flash-engine  the same for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
 #            memory fraction;
 #   dispatch where the tiny step's host dispatch goes (tools/dispatch_probe.py: the launches apart, no-ops on the same
-#            arguments, a host trace; issue 11 item 1);
+#            arguments, a host trace; issue 11 item 1), then the probe with other command-buffer lists for the step;
 #   flash    flash-slice step rows, every kernel on: decode at batch 1, 16, 64, 128 and context 4095, prefill of
 #            1024 and 8192 tokens (issues 12 and 13, item 5 / 4);
 #   bench    the tiny step with kernels off and on, a profiler trace and its summary;
@@ -84,7 +84,12 @@ case "$stage" in
       --engine-batch 1,64 --warmup 3 --iters 10 ;;
   dispatch)
     run 200 python3 tools/dispatch_probe.py --batch 1,32 --trace "$out/trace-dispatch"
-    run 60 python3 tools/trace_summary.py "$out/trace-dispatch" --host --steps 10 --top 25 ;;
+    run 60 python3 tools/trace_summary.py "$out/trace-dispatch" --host --steps 10 --top 25
+    # the step's command-buffer list against XLA's default, the same plus DYNAMIC_SLICE_FUSION, and none
+    for types in FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION \
+        FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION ""; do
+      run 100 python3 tools/dispatch_probe.py --batch 1,32 --step-xla-option "xla_gpu_enable_command_buffer=$types"
+    done ;;
   flash)
     run 570 python3 tools/bench.py --model flash-slice --decode-batch 1,16,64,128 --context 4095 \
       --prefill 1024,8192 --kernels on --engine off --warmup 3 --iters 10 ;;
