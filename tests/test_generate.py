@@ -29,3 +29,8 @@ def test_generate_rejects_bad_sampling_parameters(capsys):
     assert "max_tokens" in capsys.readouterr().err
     assert main(["generate", "--temperature", "-1", "x"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_generate_rejects_an_empty_compile_cache_directory(capsys):
+    assert main(["generate", "--compile-cache", "", "x"]) == 2
+    assert "compile_cache_dir" in capsys.readouterr().err

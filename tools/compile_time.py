@@ -5,6 +5,7 @@ shapes.
     PYTHONPATH=. python3 tools/compile_time.py --plain --buckets 8x8 # the model alone, unrolled layer loop
     PYTHONPATH=. python3 tools/compile_time.py --engine 8192,256,1048576 --threads 16 --limit 16
                                         # the engine warm-up's buckets (the first 16 of them), 16 at a time
+    PYTHONPATH=. python3 tools/compile_time.py --compile-cache /tmp/dijax-cache   # twice: the second run loads
 
 No weights are read or allocated: parameters, cache, batch and Engram constants are ``ShapeDtypeStruct``s (the
 batch's host arrays are the warm-up's own), and each bucket is ``.lower(...).compile()`` of the program the engine
@@ -39,6 +40,7 @@ from dijax.model.engram import EngramTables, engram_primes  # noqa: E402
 from dijax.model.plan import plan_layers  # noqa: E402
 from dijax.model.step import CacheSpec, StepBatch, init_cache  # noqa: E402
 from dijax.model.transformer import abstract_state, graphdef  # noqa: E402
+from dijax.runtime.compile_cache import enable_compile_cache  # noqa: E402
 from dijax.runtime.model_runner import bucket_inputs, compiled_step, engine_buckets  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
 
@@ -137,8 +139,13 @@ def main() -> None:
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA debug option for these compiles (repeatable), on top of the engine step's own "
                              "(model_runner.STEP_COMPILER_OPTIONS), e.g. xla_gpu_autotune_level=0")
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="JAX's persistent compilation cache in DIR (dijax.runtime.compile_cache): a second run "
+                             "with the same DIR loads the buckets instead of compiling them")
     args = parser.parse_args()
     xla_options = dict(opt.split("=", 1) for opt in args.xla_option)
+    if args.compile_cache:
+        enable_compile_cache(args.compile_cache)
     options = kernel_options(args.kernels, jax.default_backend())
 
     cfg = flash_config()
@@ -146,7 +153,8 @@ def main() -> None:
     stages = plan_layers(cfg, fold)
     print(f"dijax compile time: V4.1-Flash, {cfg.n_layers} layers in {len(stages)} stages "
           f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}, "
-          f"kernels {args.kernels}, XLA options on top of the step's: {xla_options}; "
+          f"kernels {args.kernels}, XLA options on top of the step's: {xla_options}, compile cache "
+          f"{args.compile_cache or 'off'}; "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     params, consts = abstract_inputs(cfg, fold)
     if args.engine:

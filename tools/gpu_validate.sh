@@ -13,6 +13,8 @@
 #   warmup   the warm-up total of the real config's 1M-context engine (tools/compile_time.py);
 #   compile  where a bucket's compile time goes: two real-config buckets with XLA's defaults (the engine's), then
 #            with XLA's GEMM autotuning off;
+#   cache    the persistent compilation cache (dijax.runtime.compile_cache): its test on the GPU, then the two
+#            buckets of `compile` compiled into a fresh cache and loaded from it by a second run;
 #   stack    the flash-stack step (a stacked run of real-size layers whose weights the kernels read in place) and
 #            the XLA GEMMs' rows;
 #   engine   the tiny engine's ZOS on / off timeline against the device-only step (its first generate compiles
@@ -30,10 +32,10 @@
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
-#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, stack, engine,
+#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, engine,
 #           flash-engine, dispatch, flash, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|profile|warmup|compile|stack|engine|flash-engine|dispatch|flash|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|profile|warmup|compile|cache|stack|engine|flash-engine|dispatch|flash|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -68,6 +70,15 @@ case "$stage" in
     # the AOT warm-up of an 8192-token, 256-sequence, 1M-context engine on the real 40-layer config (55 buckets;
     # seventh session: 6.0 min with GEMM autotuning off, as the engine compiled then; it autotunes since the tenth)
     run 570 python3 tools/compile_time.py --engine 8192,256,1048576 --threads 16 ;;
+  cache)
+    # the persistent compilation cache: the engine's steps (Pallas kernels included) loaded by a second process and
+    # generating the same tokens, then two real-config buckets compiled, and loaded by a second run
+    run 200 python3 -m pytest -q -ra tests/test_compile_cache.py
+    rm -rf /tmp/dijax-compile-cache
+    for pass in fill load; do
+      run 200 python3 tools/compile_time.py --buckets 64x64,8192x16 --max-blocks 1024 --threads 2 \
+        --compile-cache /tmp/dijax-compile-cache
+    done ;;
   stack)
     run 420 python3 tools/bench.py --model flash-stack --decode-batch 1,64 --context 4095 --prefill 1024 \
       --engine off --warmup 3 --iters 10
@@ -112,6 +123,6 @@ case "$stage" in
     fi
     wait
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, stack, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, cache, stack, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120

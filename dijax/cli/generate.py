@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, help="token budget of a step (long prompts prefill in chunks of N)")
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="keep the compiled steps in DIR and load them from there next time (default: no cache, "
+                             "or JAX_COMPILATION_CACHE_DIR when set)")
     add_model_options(parser)
 
 
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     budget = args.chunk or 256
     llm = LLM(args.model, max_num_seqs=min(len(prompts), 16, budget), max_num_batched_tokens=budget, zos=True,
-              kernels=args.kernels, ep=args.ep)
+              kernels=args.kernels, ep=args.ep, compile_cache_dir=args.compile_cache)
     for out in llm.generate(prompts, sp):
         error = f" ({out.error})" if out.error else ""
         print(f"prompt: {out.prompt!r}\noutput: {out.text!r}\nfinish: {out.finish_reason}{error}\n")

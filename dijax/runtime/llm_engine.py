@@ -18,6 +18,7 @@ from collections import deque
 from dijax.parallel.mesh import make_mesh, params_mesh, place_params
 from dijax.parallel.ranks import num_ranks
 from dijax.runtime.block_manager import BlockManager
+from dijax.runtime.compile_cache import enable_compile_cache
 from dijax.runtime.model_runner import ModelRunner, StepHandle
 from dijax.runtime.outputs import RequestOutput
 from dijax.runtime.sampling_params import SamplingParams
@@ -63,13 +64,16 @@ class LLMEngine:
     warmup                  compile every step bucket before the first request (``ModelRunner.warmup``: in
                             parallel threads, with a progress bar), so that no step waits for a compile; off by
                             default (each bucket then compiles on its first use).
+    compile_cache_dir       keep compiled steps in this directory and load them from there in later processes
+                            (JAX's persistent compilation cache, process-wide: dijax.runtime.compile_cache); None
+                            (default) leaves JAX's own setting (JAX_COMPILATION_CACHE_DIR) as it is.
     """
 
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None, ep: int = 1,
                  zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False,
                  kernels: str = "auto", attention_dp: bool | None = None, trace_steps: bool = False,
-                 warmup: bool = False):
+                 warmup: bool = False, compile_cache_dir: str | None = None):
         from dijax.io.loader import load
 
         # checked before the model is loaded: a bad size fails at once, naming itself
@@ -90,6 +94,8 @@ class LLMEngine:
             raise TypeError(f"attention_dp must be a bool or None, got {type(attention_dp).__name__} "
                             f"{attention_dp!r}")
         attention_dp = ep > 1 and attention_dp is not False
+        if compile_cache_dir is not None:  # before anything compiles, the loading included
+            enable_compile_cache(compile_cache_dir)
         # ``loaded``: an already loaded (config, params, Engram constants, tokenizer), e.g. a parity fixture, placed
         # on the mesh below; a model loaded here goes straight onto the mesh, each device reading only its share
         self.cfg, params, consts, self.tokenizer = loaded or load(model, weights_seed, ep)
