@@ -9,6 +9,8 @@ of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's opt
 
 * ``step + sampler``: what ``ModelRunner.launch`` does per engine step;
 * ``step`` / ``sampler``: each alone, with host inputs (transferred by the call) and with the inputs placed first;
+  every row keeps the previous run's output alive during the next launch, as the engine does, except ``last
+  output dropped first`` (whether buffers that move between runs make XLA update the step's CUDA graphs);
 * ``no-op on the step's arguments``: a jitted function that takes the parameters, the donated cache and the inputs
   and returns the cache: the argument handling alone;
 * ``no-op on the parameters`` and ``no-op on one array``: the same with fewer arguments.
@@ -41,12 +43,19 @@ from tools.bench import _counts, add_step_option_argument, apply_step_options, l
 BLOCK_SIZE = 16
 
 
-def launch_ms(fn, runs: int = 50) -> float:
-    """Median milliseconds of ``fn()`` alone (the launch), each run waited for outside the timed span."""
+def launch_ms(fn, runs: int = 50, keep_last: bool = True) -> float:
+    """Median milliseconds of ``fn()`` alone (the launch), each run waited for outside the timed span.
+
+    ``keep_last``: the previous run's output is still alive during the next launch, as in the engine (ZOS keeps
+    step N's results while it launches N + 1); False drops it first, so the allocator can hand the next run the
+    same buffers (an executable's CUDA graph then needs no update for them)."""
     for _ in range(5):
         jax.block_until_ready(fn())
     times = []
+    out = None
     for _ in range(runs):
+        if not keep_last:
+            out = None
         start = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - start)
@@ -78,6 +87,7 @@ def probe(runner: ModelRunner, inputs: tuple, sampling) -> dict[str, float]:
     one = jnp.zeros(())
     rows = {"step + sampler": launch_ms(step_and_sampler), "step": launch_ms(step),
             "step, inputs placed": launch_ms(lambda: step(placed_inputs)),
+            "step, inputs placed, last output dropped first": launch_ms(lambda: step(placed_inputs), keep_last=False),
             "sampler": launch_ms(lambda: runner._sample(logits_RV, sampling)),
             "sampler, inputs placed": launch_ms(lambda: runner._sample(logits_RV, placed_sampling)),
             "no-op on the step's arguments": launch_ms(no_op_all),
