@@ -16,7 +16,7 @@
 #   cache    the persistent compilation cache (dijax.runtime.compile_cache): its test on the GPU, then the two
 #            buckets of `compile` compiled into a fresh cache and loaded from it by a second run;
 #   stack    the flash-stack step (a stacked run of real-size layers whose weights the kernels read in place) and
-#            the XLA GEMMs' rows;
+#            the XLA GEMMs' rows; stack-dsf the same decode rows with XLA's dynamic-slice fusion on;
 #   engine   the tiny engine's ZOS on / off timeline against the device-only step (its first generate compiles
 #            every engine bucket);
 #   flash-engine  the same for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
@@ -33,10 +33,10 @@
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
-#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, engine,
+#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|profile|warmup|compile|cache|stack|engine|flash-engine|dispatch|flash|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -84,6 +84,12 @@ case "$stage" in
     run 420 python3 tools/bench.py --model flash-stack --decode-batch 1,64 --context 4095 --prefill 1024 \
       --engine off --warmup 3 --iters 10
     run 150 python3 tools/bench_kernels.py --only xla_gemm --iters 10 --repeats 3 ;;
+  stack-dsf)
+    # the stacked step with XLA's dynamic-slice fusion (GEMMs on a layer's slice of a stacked weight, in place: the
+    # bf16 weights the step multiplies in XLA are otherwise copied out of their stack every layer) and its graphs
+    run 420 python3 tools/bench.py --model flash-stack --decode-batch 1,64 --context 4095 --prefill "" \
+      --engine off --warmup 3 --iters 10 --step-xla-option xla_gpu_enable_dynamic_slice_fusion=true \
+      --step-xla-option xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION ;;
   compile)
     for option in "" --xla-option=xla_gpu_autotune_level=0; do
       run 150 python3 tools/compile_time.py --buckets 64x64,8192x16 --max-blocks 1024 --threads 2 $option
@@ -133,6 +139,6 @@ case "$stage" in
     fi
     wait
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, cache, stack, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120

@@ -155,14 +155,16 @@ def bucket_inputs(num_tokens: int, num_seqs: int, width: int) -> tuple[PackedBat
 # xla_gpu_autotune_level=0 as in sessions 7-9, the GEMM fusions the step leaves to XLA took XLA's fallback tiling,
 # 16 x 8 output tiles and 2 warps: on the H200 flash-slice decode at batch 64 ran 37.7 ms instead of 22.3 and a
 # 1024-token prefill 244 ms instead of 58; docs/benchmarks.md, tenth session).
-# Command buffers (CUDA graphs): FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN as in XLA's default, plus WHILE and
-# CONDITIONAL (loops recorded into the step's graph instead of one launch per iteration behind a host-checked
-# condition: the prefill step's loops), and without DYNAMIC_SLICE_FUSION, which recent XLA defaults also list (the
-# option replaces XLA's list; it cannot extend it). Measured as a whole on the H200 (tools/dispatch_probe.py, tiny
-# default, eleventh session): the decode step back to back 1.29 ms instead of 1.90 at batch 1 and 1.93 instead of
-# 2.37 at batch 32, with GPU parity (tiny, tiny-nodrop, the engine run) within the spread of the run without it
-# (the engine run equal to every printed digit). The decode step has no while loop in its StableHLO, so which half of the change made decode faster is not
-# known yet (docs/benchmarks.md, eleventh session). No effect off the GPU.
+# Command buffers (CUDA graphs): FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL and CUDNN as in XLA's default, plus WHILE
+# and CONDITIONAL: loops are recorded into the step's graph instead of launching each iteration behind a
+# host-checked condition (the prefill step's loops). The option replaces XLA's list; it cannot extend it. Left out:
+# DYNAMIC_SLICE_FUSION, in recent XLA defaults, which changes nothing here (XLA forms such fusions only under
+# xla_gpu_enable_dynamic_slice_fusion, off by default). Measured on the H200 with this list in XLA_FLAGS
+# (tools/dispatch_probe.py, tiny default, eleventh session): the decode step back to back in 1.29 ms instead of
+# 1.90 at batch 1, 1.93 instead of 2.37 at batch 32; GPU parity (tiny, tiny-nodrop, the engine run) within the
+# spread of the run without it, the engine run equal to every printed digit. The tiny decode step has no while
+# loop in its StableHLO, so why decode got faster is open (XLA may form loops of its own; gpu_validate.sh dispatch
+# times XLA's list beside this one). No effect off the GPU.
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 
 
