@@ -26,7 +26,7 @@
 #            XLA's log of the graph updates, and XLA's update modes that pin temp buffers (SKIP_TEMP, SKIP_PROFILED);
 #   flash    flash-slice step rows, every kernel on: decode at batch 1, 16, 64, 128 and context 4095, prefill of
 #            1024 and 8192 tokens (issues 12 and 13, item 5 / 4);
-#   bench    the tiny step with kernels off and on, a profiler trace and its summary;
+#   bench    the tiny step with kernels off and on, a profiler trace and its summary, the GEMM fusions' tilings;
 #   parity   `dijax parity --kernels on` on tiny-nodrop, its engine run and tiny, side by side;
 #   parity2  tiny-nodrop --chunk 7 and tiny's tier 2 again alone (four runs side by side no longer finish in one
 #            call since the fp8 linear and indexer kernels add Pallas compiles to every bucket).
@@ -125,7 +125,11 @@ case "$stage" in
       run 150 python3 tools/bench.py --kernels "$kernels" --decode-batch 1,32 --context 256 --prefill 256 \
         --block-size 16 --engine off --warmup 5 --iters 20 --dump "$out/dump-$kernels"
     done
-    run 30 python3 tools/trace_summary.py "$out"/dump-on/*/ --top 15 ;;
+    run 30 python3 tools/trace_summary.py "$out"/dump-on/*/ --top 15
+    for hlo in "$out"/dump-on/*.hlo.txt; do  # the GEMM fusions' tilings: one 16 x 8 tiling for all = no autotuning
+      case "$hlo" in *sampler*) continue ;; esac
+      run 30 python3 tools/hlo_kernels.py --gemm "$hlo"
+    done ;;
   parity|parity2)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -141,4 +145,4 @@ case "$stage" in
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
   *) echo "unknown stage $stage (tests, kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
 esac
-grep -E "^(==|   \(exit|\||parity|bucket|total|.*passed|.*failed|  (decode|prefill|engine|device))" "$log" | tail -120
+grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120

@@ -6,6 +6,10 @@ innermost frame in the given package, then counted per function (or per line).
 
 Loops are counted once per instruction (a ``while`` body is not multiplied); the step's layer scans are unrolled by
 XLA at the tiny model's sizes, so there the count is the launch count.
+
+``--gemm`` lists the tilings XLA gave its Triton GEMM fusions instead. One tiling for every GEMM of a step, with
+16 x 8 output tiles, 2 warps and 1 stage, is XLA's fallback when its autotuner did not run: sessions 7-9 compiled
+the step so, and flash-slice decode at batch 64 ran 1.7x slower (docs/benchmarks.md, tenth session).
 """
 
 from __future__ import annotations
@@ -79,14 +83,47 @@ def attribute(hlo_text: str, package: str = "dijax/", by: str = "function") -> c
     return counts
 
 
+def _tiling(config: str) -> str:
+    """One GEMM fusion's tiling from its backend_config text: XLA's nested-GEMM form (``output_tiles``) or the older
+    ``triton_gemm_config`` form."""
+    fields = dict(re.findall(r'"(block_m|block_n|block_k|split_k|num_warps|num_stages)":"?(\d+)', config))
+    tiles = re.search(r'"output_tiles":\[\{"sizes":\[([^\]]*)\]', config)
+    if tiles:
+        shape = "x".join(re.findall(r"\d+", tiles.group(1)))
+        head = f"output tiles {shape}"
+    elif "block_m" in fields:
+        head = (f"blocks {fields['block_m']}x{fields['block_n']}x{fields.get('block_k', '?')}, "
+                f"split_k {fields.get('split_k', '1')}")
+    else:
+        return "(no tiling in its backend_config)"
+    return f"{head}, {fields.get('num_warps', '?')} warps, {fields.get('num_stages', '?')} stages"
+
+
+def gemm_tilings(hlo_text: str) -> collections.Counter:
+    """How many Triton GEMM fusions of an optimised GPU HLO dump have each tiling (``_tiling``)."""
+    counts: collections.Counter = collections.Counter()
+    for line in hlo_text.splitlines():
+        if " fusion(" in line and re.search(r'"kind":"__triton_(nested_)?gemm', line):
+            counts[_tiling(line[line.index("backend_config"):] if "backend_config" in line else "")] += 1
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("hlo", help="optimised HLO text (tools/bench.py --dump)")
     parser.add_argument("--by", choices=("function", "line"), default="function")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--gemm", action="store_true", help="list the Triton GEMM fusions' tilings instead")
     args = parser.parse_args(argv)
     with open(args.hlo) as f:
-        counts = attribute(f.read(), by=args.by)
+        text = f.read()
+    if args.gemm:
+        tilings = gemm_tilings(text)
+        print(f"{sum(tilings.values())} Triton GEMM fusions in {args.hlo}")
+        for tiling, n in tilings.most_common():
+            print(f"{n:5d}  {tiling}")
+        return 0
+    counts = attribute(text, by=args.by)
     print(f"{sum(counts.values())} kernels in the entry computation of {args.hlo}")
     for place, n in counts.most_common(args.top):
         print(f"{n:5d}  {place}")
