@@ -110,7 +110,7 @@ case "$stage" in
     done
     # which allocations move between runs (XLA logs the graph updates), then XLA's modes that pin the temp buffers
     # at fixed addresses (a client option: XLA_FLAGS; an XLA without the enum value fails at once)
-    TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,gpu_executable=5 timeout 100 \
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,gpu_executable=5 timeout 100 \
       python3 tools/dispatch_probe.py --batch 1 > "$out/dispatch-vlog.txt" 2>&1
     grep -ciE "update command buffer|updated_allocs" "$out/dispatch-vlog.txt" | sed 's/^/graph update log lines: /' >> "$log"
     grep -iE "changed address|updated_allocs" "$out/dispatch-vlog.txt" | sort | uniq -c | sort -rn | head -8 >> "$log"
