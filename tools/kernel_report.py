@@ -3,7 +3,7 @@ ptxas errors, registers, spills, shared memory and the SASS instruction mix, bef
 
     pip install triton==3.6.0          # the GPU machine's version; not a dijax dependency (it brings ptxas)
     PYTHONPATH=. python3 tools/kernel_report.py                          # V4.1-Flash, decode 64 x 64, prefill 1024
-    PYTHONPATH=. python3 tools/kernel_report.py --buckets 1x1 --sass-top 12 --keep /tmp/kernels
+    PYTHONPATH=. python3 tools/kernel_report.py --buckets 1x1x8 --sass-top 12 --keep /tmp/kernels
 
 The step (tools/compile_time.py's abstract 40-layer V4.1-Flash config, the engine's ``compiled_step``) is lowered
 for CUDA with every kernel on (``dijax.kernels.lowering_for_gpu``; Pallas reads the compute capability from an
@@ -151,6 +151,8 @@ def main() -> None:
     if triton is None:
         sys.exit("kernel_report: needs the triton package (pip install triton==3.6.0, the GPU machine's version)")
     buckets = [tuple(int(v) for v in spec.split("x")) for spec in args.buckets.split(",")]
+    if any(len(bucket) != 3 for bucket in buckets):
+        raise SystemExit(f"--buckets takes TOKENSxSEQUENCESxBLOCKS triples, got {args.buckets!r}")
     kernels = lower_step_kernels(buckets)
     print(f"{len(kernels)} distinct Triton kernels; jax {jax.__version__}, sm_90")
     workdir = args.keep or tempfile.mkdtemp(prefix="dijax-kernels-")
