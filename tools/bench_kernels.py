@@ -348,7 +348,8 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
     the Pallas kernel (every T through the kernel, whatever ``CONFIG.max_tokens`` says). One timed call applies
     the linear to ``reps`` distinct weights (so a call's ~50 us of host dispatch does not hide a few-us kernel, and
     no weight is served from L2); the row is per linear. Floor: the larger of (codes + scales + x + y bytes) /
-    4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns, K slice, warps, K split target)."""
+    4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns, K slice, warps, K split target) and
+    ``KernelConfig.block_dot``."""
     import dataclasses
 
     from dijax.kernels import fp8_linear as fl
@@ -364,7 +365,7 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
         variants += [(f"pallas {k}={v}", {k: v}) for k, v in (("cols", 32), ("cols", 128), ("depth", 64),
                                                                 ("depth", 256), ("warps", 8), ("stages", 2),
                                                                 ("target_programs", 1), ("target_programs", 528),
-                                                                ("rows_max", 128))]
+                                                                ("rows_max", 128), ("block_dot", True))]
 
     def repeated(fn):
         return jax.jit(lambda x, ws, ss: [fn(x, w, s) for w, s in zip(ws, ss)])
@@ -470,7 +471,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="add tiling / algorithm variants")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--tokens", help="routed_experts only: comma-separated token counts (default 1,16,64,256,1024)")
+    ap.add_argument("--tokens", help="routed_experts and fp8_linear: comma-separated token counts (default "
+                                     "1,16,64,256,1024)")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - set(BENCHES))
@@ -483,7 +485,7 @@ def main() -> None:
     rows = []
     for name in names:
         extra = {"tokens": tuple(int(t) for t in args.tokens.split(","))} if args.tokens and \
-            name == "routed_experts" else {}
+            name in ("routed_experts", "fp8_linear") else {}
         rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats, **extra)
     print_table(rows)
 

@@ -53,6 +53,12 @@ class KernelConfig:
     more than ``max_tokens`` tokens take the reference (XLA's dequantisation, then cuBLAS: faster on the H200
     once the GEMM is compute bound, see docs/benchmarks.md).
 
+    block_dot: one float16 dot per 32-wide K block of the e4m3 values themselves (the activation's e4m3 codes and
+      the weight's decoded ones, both exact in float16), its fp32 result then scaled by the two power-of-two block
+      scales; instead of scaling every weight element and converting it to bf16 before one dot per K slice. Fewer
+      instructions per weight element in the K loop (each code is two shifts, two masks and an or away from its
+      float16) at the price of four smaller dots; the same exact products, summed in another order. Off until timed
+      on the GPU (tools/bench_kernels.py --only fp8_linear --sweep).
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
     cols: int = 64
@@ -61,6 +67,7 @@ class KernelConfig:
     stages: int = 3
     target_programs: int = 264  # two per multiprocessor of an H200: K is split until the grid has this many
     max_tokens: int = 32
+    block_dot: bool = False
     poison: bool = False
 
 
@@ -78,11 +85,17 @@ def fp8_linear_reference(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight) -
     return y.astype(jnp.bfloat16)
 
 
-def decode_e4m3(codes_u8: jax.Array) -> jax.Array:
-    """e4m3 bytes (uint8, any shape) -> float32 ``value * 2^-8`` by integer bit operations (exact; NaN not kept)."""
+def decode_e4m3_f16(codes_u8: jax.Array) -> jax.Array:
+    """e4m3 bytes (uint8, any shape) -> float16 ``value * 2^-8`` by integer bit operations (exact for every code,
+    subnormals included: they become float16 subnormals; NaN not kept)."""
     c = codes_u8.astype(jnp.int32)
     bits = ((c & 0x7F) << 7) | ((c & 0x80) << 8)
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+
+
+def decode_e4m3(codes_u8: jax.Array) -> jax.Array:
+    """e4m3 bytes (uint8, any shape) -> float32 ``value * 2^-8`` (``decode_e4m3_f16``, widened)."""
+    return decode_e4m3_f16(codes_u8).astype(jnp.float32)
 
 
 def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
@@ -90,17 +103,23 @@ def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
     return quant.ue8m0_pow2(scale_u8, _F16_BIAS_FIX)
 
 
-def fq8_tile(x_TK: jax.Array) -> jax.Array:
-    """``quant.fq8`` of a float32 tile [T, K] (K a multiple of 32) with kernel-friendly arithmetic -> bf16 [T, K].
+def fq8_parts(x_TGC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``quant.fq8`` of float32 blocks [T, G, 32] with kernel-friendly arithmetic, as its two factors: the e4m3
+    values (float32 [T, G, 32]) and the power-of-two block scales (float32 [T, G]); their product is ``fq8``'s.
 
     The scale comes from the amax's bits as in ``quant.pow2_scale``; x / s is a multiplication by the exact power
-    of two 1 / s; e4m3 rounding is ``quant.e4m3_round_arith``. Equal to ``quant.fq8`` bit for bit."""
-    t, k = x_TK.shape
-    xg = x_TK.reshape(t, k // FP8_BLOCK, FP8_BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), np.float32(1e-4))
+    of two 1 / s; e4m3 rounding is ``quant.e4m3_round_arith``."""
+    amax = jnp.maximum(jnp.max(jnp.abs(x_TGC), axis=-1), np.float32(1e-4))
     scale = quant.pow2_scale(amax, np.float32(1.0 / quant.FP8_MAX))
     inverse = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(scale, jnp.int32), jnp.float32)
-    q = quant.e4m3_round_arith(xg * inverse[:, :, None])
+    return quant.e4m3_round_arith(x_TGC * inverse[:, :, None]), scale
+
+
+def fq8_tile(x_TK: jax.Array) -> jax.Array:
+    """``quant.fq8`` of a float32 tile [T, K] (K a multiple of 32) -> bf16 [T, K], equal to it bit for bit
+    (``fq8_parts``)."""
+    t, k = x_TK.shape
+    q, scale = fq8_parts(x_TK.reshape(t, k // FP8_BLOCK, FP8_BLOCK))
     return (q * scale[:, :, None]).reshape(t, k).astype(jnp.bfloat16)
 
 
@@ -111,8 +130,29 @@ def _expand_scales(scale_BB: jax.Array, cols: int, depth: int) -> jax.Array:
     return jnp.broadcast_to(per_row[:, :, None], (cols, kb, FP8_BLOCK)).reshape(cols, depth)
 
 
+def _block_dot_slice(x_ref, w_ref, s_ref, layer, safe_R1, live_RK, n0: jax.Array, k0: jax.Array, cols: int,
+                     depth: int):
+    """``KernelConfig.block_dot``'s contribution of the K slice [k0, k0 + depth) to an output tile [rows, cols]:
+    per 32-wide block, a float16 dot of the activation's e4m3 values and the weight's decoded codes, scaled by the
+    activation's block scale (per row) and the weight's tile scale (per 32 columns). -> float32 [rows, cols]."""
+    rows = safe_R1.shape[0]
+    out = jnp.zeros((rows, cols), jnp.float32)
+    for b in range(depth // FP8_BLOCK):
+        kb = k0 + b * FP8_BLOCK
+        col_K = kb + jnp.arange(FP8_BLOCK)
+        x_RK = pltriton.load(x_ref.at[safe_R1, col_K[None, :]], mask=live_RK, other=0).astype(jnp.float32)
+        q_RGK, sx_RG = fq8_parts(x_RK.reshape(rows, 1, FP8_BLOCK))
+        w_NK = decode_e4m3_f16(w_ref[layer, pl.ds(n0, cols), pl.ds(kb, FP8_BLOCK)])
+        sw_C1 = scale_multiplier(s_ref[layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK), pl.ds(kb // FP8_BLOCK, 1)])
+        sw_N = jnp.broadcast_to(sw_C1, (cols // FP8_BLOCK, FP8_BLOCK)).reshape(cols)
+        part = jax.lax.dot_general(q_RGK.reshape(rows, FP8_BLOCK).astype(jnp.float16), w_NK,
+                                   (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        out = out + (part * sx_RG.reshape(rows)[:, None]) * sw_N[None, :]
+    return out
+
+
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int,
-            n_depth: int):
+            n_depth: int, block_dot: bool):
     """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...),
     over K slices [k*n_depth, (k+1)*n_depth) of ``depth``, reading layer ``layer_ref[0]`` of the weight stack
     [L, O, I] and of the scale stack. The output is bf16 [T, O], or with split K the fp32 partial sums
@@ -126,6 +166,9 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, 
 
     def step(k, acc):
         k0 = (first + k) * depth
+        if block_dot:
+            live_RK = jnp.broadcast_to(live_R1, (rows, FP8_BLOCK))
+            return acc + _block_dot_slice(x_ref, w_ref, s_ref, layer, safe_R1, live_RK, n0, k0, cols, depth)
         col_K = k0 + jnp.arange(depth)
         x_RK = pltriton.load(x_ref.at[safe_R1, col_K[None, :]], mask=jnp.broadcast_to(live_R1, (rows, depth)),
                              other=0).astype(jnp.float32)
@@ -197,7 +240,7 @@ def _fp8_linear_call(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, *, co
     tiles = (out_dim // cols) * -(-t // rows)
     splits = k_splits(tiles, in_dim // depth, config.target_programs)
     kernel = functools.partial(_kernel, n_tokens=t, rows=rows, cols=cols, depth=depth,
-                               n_depth=in_dim // depth // splits)
+                               n_depth=in_dim // depth // splits, block_dot=config.block_dot)
     grid = (out_dim // cols, -(-t // rows), splits)
     out = jax.ShapeDtypeStruct((t, out_dim) if splits == 1 else (splits, t, out_dim),
                                jnp.bfloat16 if splits == 1 else jnp.float32)
