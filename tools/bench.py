@@ -480,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"({longest} tokens: context + 1 for decode, the prompt for prefill); allowed: >= {longest}")
     header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
               f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels}"
-              f" | ep {args.ep} | step XLA options {STEP_COMPILER_OPTIONS} | sampling {args.sampling} | warm-up {args.warmup}, median of {args.iters}"
+              f" | ep {args.ep} | step XLA options {STEP_COMPILER_OPTIONS} | sampling {args.sampling}"
+              f" | warm-up {args.warmup}, median of {args.iters}"
               f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s")
     print(header, flush=True)
     start = time.perf_counter()

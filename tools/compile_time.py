@@ -41,8 +41,10 @@ from dijax.model.plan import plan_layers  # noqa: E402
 from dijax.model.step import CacheSpec, StepBatch, init_cache  # noqa: E402
 from dijax.model.transformer import abstract_state, graphdef  # noqa: E402
 from dijax.runtime.compile_cache import enable_compile_cache  # noqa: E402
-from dijax.runtime.model_runner import bucket_inputs, compiled_step, engine_buckets  # noqa: E402
+from dijax.runtime.model_runner import (STEP_COMPILER_OPTIONS, bucket_inputs, compiled_step,  # noqa: E402
+                                       engine_buckets)
 from dijax.io.loader import ASSETS  # noqa: E402
+from tools.bench import add_step_option_argument, apply_step_options  # noqa: E402
 
 FLASH = {
     "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_hidden_layers": 40,
@@ -103,18 +105,17 @@ def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_b
     def step(params, cache, batch, consts):
         return nnx.merge(graphdef(cfg, fold), params)(cache, batch, consts, None, **options)
 
-    lowered = jax.jit(step, donate_argnums=(1,)).trace(params, cache, batch, consts).lower(
-        lowering_platforms=platforms)
+    lowered = jax.jit(step, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS).trace(
+        params, cache, batch, consts).lower(lowering_platforms=platforms)
     return lowered, time.perf_counter() - start
 
 
-def compile_bucket(lowered: jax.stages.Lowered, xla_options: dict[str, str]) -> tuple[float, float]:
-    """(seconds to compile ``lowered`` with the XLA debug options ``xla_options``, GB of XLA temporaries of the
-    executable). XLA runs without the GIL, so threads compile side by side. The temporaries show what the step
-    allocates beside its parameters and cache, for example a per-layer copy of a stacked weight that a scanned
-    layer hands to a kernel."""
+def compile_bucket(lowered: jax.stages.Lowered) -> tuple[float, float]:
+    """(seconds to compile ``lowered``, GB of XLA temporaries of the executable). XLA runs without the GIL, so
+    threads compile side by side. The temporaries show what the step allocates beside its parameters and cache, for
+    example a per-layer copy of a stacked weight that a scanned layer hands to a kernel."""
     start = time.perf_counter()
-    compiled = lowered.compile(xla_options or None)
+    compiled = lowered.compile()
     seconds = time.perf_counter() - start
     return seconds, compiled.memory_analysis().temp_size_in_bytes / 1e9
 
@@ -136,14 +137,12 @@ def main() -> None:
                              "the buckets are traced one at a time)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="step kernels as the engine's option: on (Pallas, GPU only), off (jnp), auto")
-    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="an XLA debug option for these compiles (repeatable), on top of the engine step's own "
-                             "(model_runner.STEP_COMPILER_OPTIONS), e.g. xla_gpu_autotune_level=0")
+    add_step_option_argument(parser)  # e.g. --step-xla-option xla_gpu_autotune_level=0
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="JAX's persistent compilation cache in DIR (dijax.runtime.compile_cache): a second run "
                              "with the same DIR loads the buckets instead of compiling them")
     args = parser.parse_args()
-    xla_options = dict(opt.split("=", 1) for opt in args.xla_option)
+    apply_step_options(args.step_xla_option)
     if args.compile_cache:
         enable_compile_cache(args.compile_cache)
     options = kernel_options(args.kernels, jax.default_backend())
@@ -153,7 +152,7 @@ def main() -> None:
     stages = plan_layers(cfg, fold)
     print(f"dijax compile time: V4.1-Flash, {cfg.n_layers} layers in {len(stages)} stages "
           f"({sum(s.num_runs for s in stages)} distinct block bodies), {'stacked' if fold else 'plain'}, "
-          f"kernels {args.kernels}, XLA options on top of the step's: {xla_options}, compile cache "
+          f"kernels {args.kernels}, XLA options {STEP_COMPILER_OPTIONS}, compile cache "
           f"{args.compile_cache or 'off'}; "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     params, consts = abstract_inputs(cfg, fold)
@@ -174,7 +173,7 @@ def main() -> None:
         for tokens, seqs, width in plan:
             lowered, lower_s = lower_bucket(cfg, params, consts, tokens, seqs, width, args.num_blocks,
                                             args.block_size, fold, options)
-            pending.append((tokens, seqs, width, lower_s, pool.submit(compile_bucket, lowered, xla_options)))
+            pending.append((tokens, seqs, width, lower_s, pool.submit(compile_bucket, lowered)))
             print(f"  traced {len(pending)}/{len(plan)} at {time.perf_counter() - start:6.1f} s", flush=True)
         for tokens, seqs, width, lower_s, future in pending:
             compile_s, temp_gb = future.result()

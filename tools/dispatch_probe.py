@@ -36,8 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dijax.runtime.model_runner import ModelRunner  # noqa: E402
-from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS  # noqa: E402
+from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS, ModelRunner  # noqa: E402
 from tools.bench import _counts, add_step_option_argument, apply_step_options, load_model, step_runner  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -98,7 +98,7 @@ case "$stage" in
       --engine off --warmup 3 --iters 10 --step-xla-option xla_gpu_enable_dynamic_slice_fusion=true \
       --step-xla-option xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION ;;
   compile)
-    for option in "" --xla-option=xla_gpu_autotune_level=0; do
+    for option in "" --step-xla-option=xla_gpu_autotune_level=0; do
       run 150 python3 tools/compile_time.py --buckets 64x64,8192x16 --max-blocks 1024 --threads 2 $option
     done ;;
   engine)

@@ -307,9 +307,9 @@ class ModelRunner:
         compiles' share of the cores: for the real 40-layer config at 8192 tokens, 256 sequences and 1M context
         (55 buckets) on the H200's 16-core host, the traces take ~4 s each; the whole warm-up took 6.0 min with XLA's
         GEMM autotuning off (seventh session) and about 10 min is estimated with it, as the step now compiles
-        (``compiled_step``; docs/benchmarks.md, sixth, seventh and tenth sessions). An ahead-of-time compile fills the same
-        executable cache that ``execute`` looks up, so no step traces or compiles again. ``progress`` shows a
-        progress bar.
+        (``compiled_step``; docs/benchmarks.md, sixth, seventh and tenth sessions); with ``compile_cache_dir`` a
+        later process loads what an earlier one compiled. An ahead-of-time compile fills the same executable cache
+        that ``execute`` looks up, so no step traces or compiles again. ``progress`` shows a progress bar.
         """
         jobs = []
         for num_tokens, num_seqs, width in self.buckets():
