@@ -110,11 +110,6 @@ case "$stage" in
   dispatch)
     run 200 python3 tools/dispatch_probe.py --batch 1,32 --trace "$out/trace-dispatch"
     run 60 python3 tools/trace_summary.py "$out/trace-dispatch" --host --steps 10 --top 25
-    # the step's command-buffer list against XLA's default, the same plus DYNAMIC_SLICE_FUSION, and none
-    for types in FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION \
-        FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION ""; do
-      run 100 python3 tools/dispatch_probe.py --batch 1,32 --step-xla-option "xla_gpu_enable_command_buffer=$types"
-    done
     # which allocations move between runs (XLA logs the graph updates), then XLA's modes that pin the temp buffers
     # at fixed addresses (a client option: XLA_FLAGS; an XLA without the enum value fails at once)
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,gpu_executable=5 timeout 100 \
@@ -123,6 +118,11 @@ case "$stage" in
     grep -iE "changed address|updated_allocs" "$out/dispatch-vlog.txt" | sort | uniq -c | sort -rn | head -8 >> "$log"
     for mode in SKIP_TEMP SKIP_PROFILED; do
       XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" run 100 python3 tools/dispatch_probe.py --batch 1,32
+    done
+    # the step's command-buffer list against XLA's default, the same plus DYNAMIC_SLICE_FUSION, and none
+    for types in FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION \
+        FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION ""; do
+      run 100 python3 tools/dispatch_probe.py --batch 1,32 --step-xla-option "xla_gpu_enable_command_buffer=$types"
     done ;;
   flash)
     run 570 python3 tools/bench.py --model flash-slice --decode-batch 1,16,64,128 --context 4095 \
