@@ -263,7 +263,8 @@ def step_runner(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tupl
                 debug_logits: bool = False) -> tuple:
     """A ``ModelRunner`` sized for one step of ``len(lengths)`` sequences (sequence i: ``lengths[i] = (cached,
     new)`` tokens, random token ids, each sampling one token in the mode ``sampling``) on a cache of random values,
-    and that step's inputs: (runner, model-step inputs, sampler inputs), as ``ModelRunner.step_inputs`` gives them.
+    and that step: (runner, its ``SchedulerOutput``, model-step inputs, sampler inputs, sampling rows), the last
+    three as ``ModelRunner.step_inputs`` gives them (``runner.launch(output, inputs, sampling, rows)`` launches it).
     ``max_model_len`` defaults to the longest sequence's blocks."""
     from dijax.runtime.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -283,9 +284,8 @@ def step_runner(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tupl
         chunks.append(ScheduledChunk(request_id=str(i), slot=i, block_table=blocks, start=c, num_tokens=n,
                                      token_ids=token_ids, sample=True, epoch=0, seed=i, output_position=0,
                                      params=sampling_params))
-    inputs, sampler_inputs, _ = runner.step_inputs(SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total,
-                                                                preempted=()), None)
-    return runner, inputs, sampler_inputs
+    output = SchedulerOutput(step=0, chunks=tuple(chunks), num_tokens=total, preempted=())
+    return (runner, output) + runner.step_inputs(output, None)
 
 
 def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
@@ -297,13 +297,14 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     sorts each row's logits, 'temperature' and 'greedy' do not). Compile time, launches and temporary bytes are the
     sums over both executables. Sequence i has ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off.
     ``max_model_len`` defaults to the longest sequence's blocks; a larger one must not change the step (the block
-    table's width follows the step's sequences, not ``max_model_len``: issue 9's row). The runner's debug logits are
-    on so the first run can check them finite. With ``dump``, the optimised HLO of the model step goes to
+    table's width follows the step's sequences, not ``max_model_len``: issue 9's row). Each run is the engine's
+    ``ModelRunner.launch`` (the step's inputs staged, its logits written into the last step's logits buffer:
+    dijax.runtime.step_buffers); the first keeps a copy of its logits to check them finite. With ``dump``, the optimised HLO of the model step goes to
     ``dump/<label>.hlo.txt``, the sampler's to ``dump/<label>.sampler.hlo.txt``, and a JAX profiler trace of the
     timed runs to ``dump/<label>/`` (open it with xprof / Perfetto, or summarise it with
     ``tools/trace_summary.py``)."""
-    runner, inputs, sampler_inputs = step_runner(cfg, params, consts, lengths, block_size, kernels, max_model_len,
-                                                 sampling, debug_logits=True)
+    runner, output, inputs, sampler_inputs, rows = step_runner(cfg, params, consts, lengths, block_size, kernels,
+                                                               max_model_len, sampling, debug_logits=True)
     start = time.perf_counter()
     step = runner.lower(inputs).compile()
     sampler = runner.lower_sampler(step.out_info[0], sampler_inputs).compile()  # the step's logits, their sharding
@@ -318,16 +319,17 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
                 f.write(executable.as_text())
 
     def run():
-        """One engine step: the model step, then the sampler on its logits: (sampled tokens [max rows],
-        logits_RV)."""
-        logits_RV, runner.cache = step(runner.param_leaves, runner.cache, *inputs)
-        return sampler(logits_RV, sampler_inputs), logits_RV
+        """One engine step (the model step, then the sampler on its logits): (sampled tokens [max rows], the
+        logits' copy with debug logits on, else None)."""
+        handle = runner.launch(output, inputs, sampler_inputs, rows)
+        return handle.tokens_R, handle.logits_RV
 
     tokens_R, logits_RV = run()
     jax.block_until_ready(logits_RV)
     first = time.perf_counter() - start
     if not bool(jnp.isfinite(logits_RV).all()):
         raise RuntimeError("the benchmark step produced non-finite logits")
+    runner.debug_logits = False  # the timed runs launch what the engine launches
     for _ in range(warmup):
         tokens_R, _ = run()
     jax.block_until_ready((tokens_R, runner.cache))

@@ -9,7 +9,7 @@ shapes.
 
 No weights are read or allocated: parameters, cache, batch and Engram constants are ``ShapeDtypeStruct``s (the
 batch's host arrays are the warm-up's own), and each bucket is ``.lower(...).compile()`` of the program the engine
-runs: ``ModelRunner``'s model step (``compiled_step``: the packed batch, its staging copy, the ZOS token remap,
+runs: ``ModelRunner``'s model step (``compiled_step``: the staged inputs (packed batch, ZOS token remap),
 the stacked layers), one device. ``--plain`` instead compiles the model's forward alone with its layers unrolled
 (an experiment on layer stacking; the engine never runs it). The config is v41_spec §1 (40 backbone layers; the
 3 DSpark stages are not part of the step) except ``engram_vocab_size``: the released 16,000,000 is above what the
@@ -43,6 +43,7 @@ from dijax.model.transformer import abstract_state, graphdef  # noqa: E402
 from dijax.runtime.compile_cache import enable_compile_cache  # noqa: E402
 from dijax.runtime.model_runner import (STEP_COMPILER_OPTIONS, bucket_inputs, compiled_step,  # noqa: E402
                                        engine_buckets)
+from dijax.runtime.step_buffers import StepBuffers  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
 from tools.bench import add_step_option_argument, apply_step_options  # noqa: E402
 
@@ -93,8 +94,9 @@ def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_b
         leaves, tree = jax.tree.flatten(params)
         batch, remap_T = bucket_inputs(tokens, seqs, max_blocks)
         prev_tokens_R = jax.ShapeDtypeStruct((seqs,), jnp.int32)
+        staged, logits_RV = StepBuffers().abstract(batch, remap_T, prev_tokens_R, seqs, cfg.vocab_size)
         step = compiled_step(cfg, tuple(sorted(options.items())), tree)
-        traced = step.trace(leaves, cache, batch, consts, prev_tokens_R, remap_T)
+        traced = step.trace(leaves, cache, staged, consts, None, logits_RV)
         return traced.lower(lowering_platforms=platforms), time.perf_counter() - start
     i32 = jnp.int32
     t, s = jax.ShapeDtypeStruct((tokens,), i32), jax.ShapeDtypeStruct((seqs,), i32)

@@ -7,16 +7,18 @@ Each row is the median wall time of the launch call alone (no wait; 50 runs afte
 outside the timed span), at the engine's bucket for B decode sequences at the given context (block size 16, a cache
 of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's option):
 
-* ``step + sampler``: what ``ModelRunner.launch`` does per engine step;
-* ``step`` / ``sampler``: each alone, with host inputs (transferred by the call) and with the inputs placed first;
-  every row keeps the previous run's output alive during the next launch, as the engine does, except ``last
-  output dropped first`` (whether buffers that move between runs make XLA update the step's CUDA graphs);
+* ``engine launch``: ``ModelRunner.launch``, what an engine step launches (its inputs staged into their fixed
+  buffer, the model step writing into the last step's logits buffer, the sampler), the previous step's handle alive
+  as under ZOS; ``, a fresh logits buffer each step``: the same with the logits not recycled, so the step's output
+  moves every step, as before the twelfth session (XLA then updates the step's CUDA graphs before each replay);
+* ``stage`` / ``sampler``: those launches alone (host inputs; ``placed``: the inputs on the device first);
+* ``model step, fixed buffers``: the model step alone on staged inputs, its logits buffer recycled;
 * ``no-op on the step's arguments``: a jitted function that takes the parameters, the donated cache and the inputs
   and returns the cache: the argument handling alone;
 * ``no-op on the parameters`` and ``no-op on one array``: the same with fewer arguments.
 
-``back to back``: 50 steps launched without waiting, one wait at the end (max of host and device per step).
-``--trace DIR`` writes a JAX profiler trace of 10 launch-and-wait steps of the first batch size (host and device
+``back to back``: 50 engine launches without waiting, one wait at the end (max of host and device per step).
+``--trace DIR`` writes a JAX profiler trace of 10 launch-and-wait engine steps of the first batch size (host and device
 events: ``tools/trace_summary.py DIR --host --steps 10``). ``--step-xla-option`` changes the step's XLA options
 (A/B runs of its command buffers: ``tools/gpu_validate.sh dispatch``). First run on the H200 in the eleventh
 session (docs/benchmarks.md).
@@ -62,19 +64,32 @@ def launch_ms(fn, runs: int = 50, keep_last: bool = True) -> float:
     return float(np.median(times)) * 1e3
 
 
-def probe(runner: ModelRunner, inputs: tuple, sampling) -> dict[str, float]:
+def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, int]) -> dict[str, float]:
     """The rows of the module docstring for one runner, in milliseconds."""
     leaves = runner.param_leaves
+    batch, consts, prev_tokens, remap = inputs
+    num_rows, vocab = runner.logit_rows(batch), runner.cfg.vocab_size
 
-    def step(step_inputs=inputs):
-        logits_RV, runner.cache = runner._step(leaves, runner.cache, *step_inputs)
-        return logits_RV
+    def engine():
+        return runner.launch(output, inputs, sampling, rows).tokens_R
 
-    def step_and_sampler():
-        return runner._sample(step(), sampling)
+    def fresh_logits():
+        taken = runner.buffers.logits(num_rows, vocab)  # held through the launch, which so gets a new one
+        tokens_R = engine()
+        del taken
+        return tokens_R
 
-    logits_RV = step()
-    placed_inputs, placed_sampling = jax.device_put(inputs), jax.device_put(sampling)
+    held = {}  # the model step's own staged inputs and logits buffer, taken after the rows that stage
+
+    def model_step():
+        if not held:
+            held["staged"] = runner.buffers.stage(batch, remap, prev_tokens)
+            held["logits"] = runner.buffers.logits(num_rows, vocab)
+        held["logits"], runner.cache = runner._step(leaves, runner.cache, held["staged"], consts, None,
+                                                    held["logits"])
+        return held["logits"]
+
+    placed_batch, placed_remap, placed_sampling = jax.device_put((batch, remap, sampling))
     take_all = jax.jit(lambda leaves, cache, *rest: (cache, jnp.zeros(())), donate_argnums=(1,))
 
     def no_op_all():
@@ -84,21 +99,25 @@ def probe(runner: ModelRunner, inputs: tuple, sampling) -> dict[str, float]:
     take_params = jax.jit(lambda leaves: jnp.zeros(()))
     take_one = jax.jit(lambda x: x + 1)
     one = jnp.zeros(())
-    rows = {"step + sampler": launch_ms(step_and_sampler), "step": launch_ms(step),
-            "step, inputs placed": launch_ms(lambda: step(placed_inputs)),
-            "step, inputs placed, last output dropped first": launch_ms(lambda: step(placed_inputs), keep_last=False),
-            "sampler": launch_ms(lambda: runner._sample(logits_RV, sampling)),
-            "sampler, inputs placed": launch_ms(lambda: runner._sample(logits_RV, placed_sampling)),
-            "no-op on the step's arguments": launch_ms(no_op_all),
-            "no-op on the parameters": launch_ms(lambda: take_params(leaves)),
-            "no-op on one array": launch_ms(lambda: take_one(one))}
-    jax.block_until_ready(step())
+    table = {"engine launch": launch_ms(engine),
+             "engine launch, a fresh logits buffer each step": launch_ms(fresh_logits),
+             "stage": launch_ms(lambda: runner.buffers.stage(batch, remap, prev_tokens).values_N),
+             "stage, placed": launch_ms(lambda: runner.buffers.stage(placed_batch, placed_remap,
+                                                                     prev_tokens).values_N),
+             "model step, fixed buffers": launch_ms(model_step, keep_last=False),
+             "sampler": launch_ms(lambda: runner._sample(held["logits"], sampling)),
+             "sampler, placed": launch_ms(lambda: runner._sample(held["logits"], placed_sampling)),
+             "no-op on the step's arguments": launch_ms(no_op_all),
+             "no-op on the parameters": launch_ms(lambda: take_params(leaves)),
+             "no-op on one array": launch_ms(lambda: take_one(one))}
+    runner.buffers.recycle(held["logits"])
+    jax.block_until_ready(engine())
     start = time.perf_counter()
     for _ in range(50):
-        out = step()
+        out = engine()
     jax.block_until_ready(out)
-    rows["step, back to back"] = (time.perf_counter() - start) / 50 * 1e3
-    return rows
+    table["engine, back to back"] = (time.perf_counter() - start) / 50 * 1e3
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,16 +136,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{STEP_COMPILER_OPTIONS}")
     table = {}
     for batch in args.batch:
-        runner, inputs, sampling = step_runner(cfg, params, consts, [(args.context, 1)] * batch, BLOCK_SIZE,
-                                               args.kernels)
+        runner, output, inputs, sampling, rows = step_runner(cfg, params, consts, [(args.context, 1)] * batch,
+                                                             BLOCK_SIZE, args.kernels)
         print(f"B={batch}: {len(runner.param_leaves)} parameter arrays, {len(jax.tree.leaves(runner.cache))} cache "
               f"arrays, {len(jax.tree.leaves(inputs))} input arrays", flush=True)
-        table[batch] = probe(runner, inputs, sampling)
+        table[batch] = probe(runner, output, inputs, sampling, rows)
         if args.trace and batch == args.batch[0]:
             with jax.profiler.trace(args.trace, create_perfetto_trace=True):
                 for _ in range(10):
-                    logits_RV, runner.cache = runner._step(runner.param_leaves, runner.cache, *inputs)
-                    jax.block_until_ready(logits_RV)
+                    jax.block_until_ready(runner.launch(output, inputs, sampling, rows).tokens_R)
         del runner
     print("| launch (ms) | " + " | ".join(f"B={b}" for b in table) + " |")
     print("|---" * (len(table) + 1) + "|")

@@ -23,9 +23,8 @@
 #            every engine bucket);
 #   flash-engine  the same for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
 #            memory fraction;
-#   dispatch where the tiny step's host dispatch goes (tools/dispatch_probe.py: the launches apart, no-ops on the same
-#            arguments, a host trace; issue 11 item 1), then the probe with other command-buffer lists for the step,
-#            XLA's log of the graph updates, and XLA's update modes that pin temp buffers (SKIP_TEMP, SKIP_PROFILED);
+#   dispatch where the tiny step's host dispatch goes (tools/dispatch_probe.py: the engine's launches apart, no-ops on
+#            the same arguments, a host trace; issue 11 item 1), then XLA's log of the step's graph updates;
 #   flash    flash-slice step rows, every kernel on: decode at batch 1, 16, 64, 128 and context 4095, prefill of
 #            1024 and 8192 tokens (issues 12 and 13, item 5 / 4);
 #   bench    the tiny step with kernels off and on, a profiler trace and its summary, the GEMM fusions' tilings;
@@ -110,20 +109,11 @@ case "$stage" in
   dispatch)
     run 200 python3 tools/dispatch_probe.py --batch 1,32 --trace "$out/trace-dispatch"
     run 60 python3 tools/trace_summary.py "$out/trace-dispatch" --host --steps 10 --top 25
-    # which allocations move between runs (XLA logs the graph updates), then XLA's modes that pin the temp buffers
-    # at fixed addresses (a client option: XLA_FLAGS; an XLA without the enum value fails at once)
+    # which allocations move between runs: XLA logs each graph update (none expected: dijax.runtime.step_buffers)
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,gpu_executable=5 timeout 100 \
       python3 tools/dispatch_probe.py --batch 1 > "$out/dispatch-vlog.txt" 2>&1
     grep -ciE "update command buffer|updated_allocs" "$out/dispatch-vlog.txt" | sed 's/^/graph update log lines: /' >> "$log"
-    grep -iE "changed address|updated_allocs" "$out/dispatch-vlog.txt" | sort | uniq -c | sort -rn | head -8 >> "$log"
-    for mode in SKIP_TEMP SKIP_PROFILED; do
-      XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" run 100 python3 tools/dispatch_probe.py --batch 1,32
-    done
-    # the step's command-buffer list against XLA's default, the same plus DYNAMIC_SLICE_FUSION, and none
-    for types in FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION \
-        FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION ""; do
-      run 100 python3 tools/dispatch_probe.py --batch 1,32 --step-xla-option "xla_gpu_enable_command_buffer=$types"
-    done ;;
+    grep -iE "changed address|updated_allocs" "$out/dispatch-vlog.txt" | sed 's/^.*\] //' | sort | uniq -c | sort -rn | head -8 >> "$log" ;;
   flash)
     run 570 python3 tools/bench.py --model flash-slice --decode-batch 1,16,64,128 --context 4095 \
       --prefill 1024,8192 --kernels on --engine off --warmup 3 --iters 10 ;;

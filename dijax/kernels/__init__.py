@@ -8,7 +8,6 @@
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |
 | the hyper-connection Sinkhorn rounds | ``sinkhorn`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
-| staging of the step's per-call inputs (a copy CUDA graphs need) | ``staging`` | reference (none), pallas |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
 
 The choice is static (part of the step's jit key) and made once per engine by ``kernel_options``.
@@ -22,10 +21,9 @@ import jax
 
 KERNEL_CHOICES = ("auto", "on", "off")
 REFERENCE = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference",
-             "sinkhorn_impl": "reference", "linear_impl": "reference", "indexer_impl": "reference",
-             "stage_impl": "reference"}
+             "sinkhorn_impl": "reference", "linear_impl": "reference", "indexer_impl": "reference"}
 FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas", "sinkhorn_impl": "pallas",
-        "linear_impl": "pallas", "indexer_impl": "pallas", "stage_impl": "pallas"}
+        "linear_impl": "pallas", "indexer_impl": "pallas"}
 # The fast kernels 'auto' turns on for a GPU: a kernel joins once the whole model passes `dijax parity` on a GPU
 # with it (`--kernels on`, tools/gpu_validate.sh). All four have (H200, 2026-12-01, docs/parity.md "On the GPU"):
 # every statistical bound, tier 2, the engine's tokens; the one prefix row that misses is of the same kind as the
@@ -36,8 +34,6 @@ FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas
 # bit-equal to its reference at every benchmarked shape), and tiny-nodrop tier 1, its engine run and tiny
 # tier1-injected give the same verdicts and the same figures to three digits with them on; in the fourth session
 # tiny tier 2 (0.677 >= 0.6) and tiny-nodrop --chunk 7 passed with every kernel on too, docs/parity.md.
-# The staging copy (fifth session) only copies the step's inputs; the engine's GPU parity run with it on gave the
-# fourth session's figures exactly, and its GPU test checks that the copy is the staged argument's only reader.
 # The top-k Pallas kernel joined in the seventh session (2026-12-02): its GPU tests pass (the same values, indices
 # and order as lax.top_k), `dijax parity --kernels on` on tiny-nodrop and its engine run gave the figures of the
 # 'auto' runs without it (index sets identical), and it is 19.9x lax.top_k at 64 rows x 262,144 (docs/benchmarks.md).

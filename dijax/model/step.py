@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dijax.config import ModelConfig
-from dijax.kernels.staging import pad_for_staging
 from dijax.model.plan import plan_layers
 
 
@@ -67,8 +66,7 @@ class StepBatch:
 class PackedBatch:
     """A ``StepBatch`` as one int32 array, for the trip to the device: one host -> device copy per step instead of
     one per field (on a GPU each copy costs host time on the launch path). ``packed_N``: the fields flattened and
-    concatenated in ``StepBatch`` order (``valid_T`` as 0 / 1), zero-padded to whole staging blocks
-    (dijax.kernels.staging: the step copies it once before reading it); ``shapes`` (static, part of the jit key like the
+    concatenated in ``StepBatch`` order (``valid_T`` as 0 / 1); ``shapes`` (static, part of the jit key like the
     fields' shapes were): each field's shape. ``pack_batch`` / ``unpack_batch`` convert."""
 
     packed_N: np.ndarray
@@ -79,7 +77,7 @@ def pack_batch(batch: StepBatch) -> PackedBatch:
     """``batch`` (host numpy arrays) as a ``PackedBatch``."""
     fields = [getattr(batch, f.name) for f in dataclasses.fields(StepBatch)]
     packed_N = np.concatenate([np.asarray(a, np.int32).ravel() for a in fields])
-    return PackedBatch(pad_for_staging(packed_N), tuple(np.shape(a) for a in fields))
+    return PackedBatch(packed_N, tuple(np.shape(a) for a in fields))
 
 
 def unpack_batch(packed: PackedBatch) -> StepBatch:

@@ -21,7 +21,10 @@ An engine step is two executables launched back to back, with no host read betwe
 
 Under zero-overhead scheduling a decode whose input token is still in flight carries ``FROM_DEVICE``; the model
 step gathers it from the previous step's sampled-token array through ``remap_T`` (token t reads row
-``remap_T[t]``) without a host round trip. Launching runs under ``jax.transfer_guard_device_to_host("disallow")``:
+``remap_T[t]``) without a host round trip. The step's per-call inputs (the packed batch, ``remap_T``, the previous
+tokens) are first written into one buffer of the runner's, in place, and the step writes its logits into the last
+step's logits buffer: every buffer the step touches keeps its address, so its CUDA graphs replay without an update
+(dijax.runtime.step_buffers). Launching runs under ``jax.transfer_guard_device_to_host("disallow")``:
 an accidental device read there raises instead of silently serialising. ``StepHandle.wait()`` is the only place
 that reads device results.
 
@@ -52,18 +55,19 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from tqdm import tqdm
 
 from dijax.config import ModelConfig
 from dijax.kernels import kernel_options
-from dijax.kernels.staging import stage
 from dijax.model.step import CacheSpec, PackedBatch, SeqChunk, build_step, init_cache, pack_batch, unpack_batch
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, param_specs, params_mesh
 from dijax.parallel.ranks import RANKS, num_ranks, over_ranks, stack_ranks
 from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, step_sampling
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
+from dijax.runtime.step_buffers import StepBuffers
 from dijax.runtime.step_timeline import StepRecord
 
 
@@ -170,58 +174,59 @@ STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASL
 
 @lru_cache(maxsize=8)
 def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef,
-                   ranks_mesh: Mesh | None = None):
-    """One jitted model step per (config, kernel choice, parameter structure, attention-DP mesh), shared by every
-    runner (and lowered from abstract shapes by tools/compile_time.py): step(param_leaves, cache, batch, consts,
-    prev_tokens_R, remap_T, inject_topk=None) -> (outputs, new cache), the cache donated. ``param_leaves``: the
-    parameter arrays as one flat list (``jax.tree.leaves`` of the parameters, whose structure is ``params_tree``): a
-    call flattens a list in C++, where the nnx parameter tree (~340 variables for the tiny model) costs ~0.5 ms of
-    Python per call on a 2-core host, every engine step. ``batch``: the step's ``PackedBatch`` (dijax.model.step:
-    its ten fields in one int32 array, one host -> device copy), unpacked in the trace.
+                  ranks_mesh: Mesh | None = None, out_shardings: tuple[Sharding, Sharding] | None = None):
+    """One jitted model step per (config, kernel choice, parameter structure, attention-DP mesh, output placement),
+    shared by every runner (and lowered from abstract shapes by tools/compile_time.py): step(param_leaves, cache,
+    batch, consts, inject_topk=None, logits_RV=None) -> (outputs, new cache), the cache and ``logits_RV`` donated.
+    ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the parameters, whose structure
+    is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree (~340 variables for the tiny
+    model) costs ~0.5 ms of Python per call on a 2-core host, every engine step. ``out_shardings``: (the logits',
+    the cache's) placement on a mesh, None without one.
 
-    The engine step (``prev_tokens_R`` [max rows] and ``remap_T`` [T] given, ``inject_topk`` None): in-flight tokens
-    gathered through ``remap_T`` from ``prev_tokens_R`` (the previous step's sampler output); outputs logits_RV
-    float32 of the S sampling rows, what ``_compiled_sampler``'s sampler takes.
-    The teacher-forced step (``prev_tokens_R``, ``remap_T`` None): outputs (logits_RV float32 of every row of
-    ``batch.logit_rows_R``, {index-source layer: selected compressed positions int32 [T, N]}). The two steps are
-    traces of one function (None is an empty pytree), so they share the jit cache and its count.
+    The engine step (``batch`` a ``StagedInputs``: the packed batch, remap_T [T] and prev_tokens_R [M] in the one
+    buffer ``StepBuffers.stage`` keeps in place; ``inject_topk`` None; ``logits_RV`` float32 [S, V], the buffer the
+    logits are written into, dijax.runtime.step_buffers): in-flight tokens gathered through ``remap_T`` from
+    ``prev_tokens_R`` (the previous step's sampler output); outputs logits_RV float32 of the S sampling rows, what
+    ``_compiled_sampler``'s sampler takes.
+    The teacher-forced step (``batch`` a ``PackedBatch``, ``logits_RV`` None): outputs (logits_RV float32 of every
+    row of ``batch.logit_rows_R``, {index-source layer: selected compressed positions int32 [T, N]}). The two steps
+    are traces of one function, so they share the jit cache and its count.
 
-    With ``ranks_mesh`` (attention data parallelism) the cache, the batch, ``remap_T`` and ``inject_topk`` carry a
-    leading rank axis and the step runs per rank under one ``shard_map`` (``prev_tokens_R`` and ``consts``
-    replicated, every parameter as placed); the outputs get the rank axis too, the engine step's logits flattened
-    to [R * S, V] (rank r's rows at [r S, (r + 1) S)).
+    With ``ranks_mesh`` (attention data parallelism) the cache, the batch and ``inject_topk`` carry a leading rank
+    axis and the step runs per rank under one ``shard_map`` (``consts`` replicated, every parameter as placed); the
+    outputs get the rank axis too, the engine step's logits flattened to [R * S, V] (rank r's rows at
+    [r S, (r + 1) S)).
     """
 
-    def step(param_leaves, cache, batch, consts, prev_tokens_R, remap_T, inject_topk=None):
+    def step(param_leaves, cache, batch, consts, inject_topk=None, logits_RV=None):
         _COMPILES[cfg] = _COMPILES.get(cfg, 0) + 1  # Python side effect: runs once per trace (= per bucket)
         params = jax.tree.unflatten(params_tree, param_leaves)
         if ranks_mesh is None:
-            return rank_step(params, cache, batch, consts, prev_tokens_R, remap_T, inject_topk)
-        specs = (param_specs(params), RANKS, RANKS, PartitionSpec(), PartitionSpec(), RANKS, RANKS)
-        outputs, cache = over_ranks(rank_step, ranks_mesh, specs)(params, cache, batch, consts, prev_tokens_R,
-                                                                  remap_T, inject_topk)
-        if remap_T is not None:
-            outputs = outputs.reshape(-1, outputs.shape[-1])
-        return outputs, cache
+            outputs, cache = rank_step(params, cache, batch, consts, inject_topk)
+        else:
+            specs = (param_specs(params), RANKS, RANKS, PartitionSpec(), RANKS)
+            outputs, cache = over_ranks(rank_step, ranks_mesh, specs)(params, cache, batch, consts, inject_topk)
+        if logits_RV is None:
+            return outputs, cache
+        # written over the donated buffer (a whole-array update: XLA writes the logits straight into it)
+        return lax.dynamic_update_slice(logits_RV, outputs.reshape(logits_RV.shape), (0, 0)), cache
 
     options = dict(kernels)
-    stage_impl = options.pop("stage_impl")
 
-    def rank_step(params, cache, packed, consts, prev_tokens_R, remap_T, inject_topk):
-        # the per-call host inputs, copied once: the step's CUDA graphs then never point at a per-call buffer
-        # (dijax.kernels.staging: with ZOS the buffers' addresses alternate and every node reading them was updated)
-        packed = dataclasses.replace(packed, packed_N=stage(packed.packed_N, impl=stage_impl))
-        batch = unpack_batch(packed)
-        if remap_T is None:
-            logits_RV, cache, topk = forward_step(params, cache, batch, consts, cfg, inject_topk, **options)
+    def rank_step(params, cache, batch, consts, inject_topk):
+        if isinstance(batch, PackedBatch):
+            logits_RV, cache, topk = forward_step(params, cache, unpack_batch(batch), consts, cfg, inject_topk,
+                                                  **options)
             return (logits_RV, topk), cache
-        remap_T = stage(remap_T, impl=stage_impl)
+        packed, remap_T, prev_tokens_R = batch.split()
+        batch = unpack_batch(packed)
         tokens_T = jnp.where(batch.tokens_T == FROM_DEVICE, prev_tokens_R[remap_T], batch.tokens_T)
         batch = dataclasses.replace(batch, tokens_T=tokens_T)
         logits_RV, cache, _ = forward_step(params, cache, batch, consts, cfg, None, **options)
         return logits_RV, cache
 
-    return jax.jit(step, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
+    placement = {} if out_shardings is None else {"out_shardings": out_shardings}
+    return jax.jit(step, donate_argnums=(1, 5), compiler_options=STEP_COMPILER_OPTIONS, **placement)
 
 
 @lru_cache(maxsize=8)
@@ -261,7 +266,13 @@ class ModelRunner:
         self._mesh = params_mesh(params)
         self._ranks_mesh = self._mesh if attention_dp else None
         self.num_ranks = num_ranks(self._ranks_mesh)
-        self._jit = compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree, self._ranks_mesh)
+        # where the step's per-rank arrays live (the cache, the staged inputs, the logits), on a mesh: split by rank
+        # with attention DP, else replicated; a fixed placement, so that every step keys the same executable
+        placed = None if self._mesh is None else NamedSharding(
+            self._mesh, RANKS if self._ranks_mesh is not None else PartitionSpec())
+        self._jit = compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree, self._ranks_mesh,
+                                  None if placed is None else (placed, placed))
+        self.buffers = StepBuffers(placed, placed)
         self._sample = _compiled_sampler(cfg, self.num_ranks * self.max_rows,
                                          None if self._mesh is None else NamedSharding(self._mesh, PartitionSpec()))
         # the cache and prev_tokens_R of a step with no predecessor placed as the step and the sampler return them
@@ -320,7 +331,8 @@ class ModelRunner:
 
         def compile_bucket(i: int, lowered: jax.stages.Lowered) -> None:
             logits_RV = lowered.compile().out_info[0]
-            num_seqs = jobs[i][1]
+            (batch, _, prev_tokens, remap), num_seqs = jobs[i]
+            self.buffers.compile(batch, remap, prev_tokens, *logits_RV.shape)
             if first_of_rows[num_seqs] == i:  # the sampler's executables depend on S only (small, traced here)
                 for mode in MODES:
                     sampling = StepSampling.of(sampling_inputs([], self.num_ranks * num_seqs), mode)
@@ -388,11 +400,18 @@ class ModelRunner:
         return (batch, self.consts, prev_tokens, self._ranked(list(remap_RT))), sampling, rows
 
     def lower(self, inputs: tuple) -> jax.stages.Lowered:
-        """The model step lowered for ``inputs`` (the first of ``step_inputs``) under the runner's mesh:
-        ``.compile()`` is the executable ``execute`` launches for that bucket, whatever the sampler mode
+        """The engine's model step lowered for ``inputs`` (the first of ``step_inputs``) under the runner's mesh:
+        ``.compile()`` is the executable ``launch`` runs for that bucket, whatever the sampler mode
         (tools/bench.py reads its HLO and memory, and times it with ``lower_sampler``'s)."""
+        batch, consts, prev_tokens, remap = inputs
+        staged, logits = self.buffers.abstract(batch, remap, prev_tokens, self.logit_rows(batch),
+                                                self.cfg.vocab_size)
         with mesh_context(self._mesh):
-            return self._jit.lower(self.param_leaves, self.cache, *inputs)
+            return self._jit.lower(self.param_leaves, self.cache, staged, consts, None, logits)
+
+    def logit_rows(self, batch: PackedBatch) -> int:
+        """The engine step's logit rows for ``batch``: its S sampling rows on every rank."""
+        return self.num_ranks * batch.shapes[-1][0]  # logit_rows_R, the last field
 
     def lower_sampler(self, logits_RV: jax.Array | jax.ShapeDtypeStruct, sampling: StepSampling
                       ) -> jax.stages.Lowered:
@@ -418,14 +437,19 @@ class ModelRunner:
         ``transfer_guard_device_to_host("disallow")``, and the only transfers it makes are the host arrays of
         ``inputs`` and ``sampling`` (tests/test_step_timeline.py runs it under ``jax.transfer_guard("disallow")``
         with those placed first)."""
+        batch, consts, prev_tokens, remap = inputs
         with jax.transfer_guard_device_to_host("disallow"):
-            logits_RV, self.cache = self._step(self.param_leaves, self.cache, *inputs)
+            staged = self.buffers.stage(batch, remap, prev_tokens)
+            logits_RV = self.buffers.logits(self.logit_rows(batch), self.cfg.vocab_size)
+            logits_RV, self.cache = self._step(self.param_leaves, self.cache, staged, consts, None, logits_RV)
             if record is not None:
                 record.lap("model", output.step)
             tokens_R = self._sample(logits_RV, sampling)
+            kept = jnp.copy(logits_RV) if self.debug_logits else None  # the buffer itself goes to the next step
+            self.buffers.recycle(logits_RV)
             if record is not None:
                 record.lap("sampler", output.step)
-        return StepHandle(output, rows, tokens_R, logits_RV if self.debug_logits else None)
+        return StepHandle(output, rows, tokens_R, kept)
 
     def forward(self, chunks: list[SeqChunk], inject_topk: dict[int, np.ndarray] | None = None,
                 ranks: list[int] | None = None) -> tuple[list[np.ndarray], dict[int, list[np.ndarray]]]:
@@ -472,8 +496,7 @@ class ModelRunner:
                 for r, t, a, b in zip(ranks, offsets, starts[:-1], starts[1:]):
                     v_RTN[r, t:t + b - a] = v[a:b]
                 inject[layer] = self._ranked(list(v_RTN))
-        (logits, topk), self.cache = self._step(self.param_leaves, self.cache, batch, self.consts, None, None,
-                                                inject)
+        (logits, topk), self.cache = self._step(self.param_leaves, self.cache, batch, self.consts, inject)
         logits_RV = np.asarray(logits).reshape(-1, self.cfg.vocab_size)  # the ranks' rows end to end
         per_layer = {}
         for layer, v in topk.items():
