@@ -96,12 +96,11 @@ def poison(monkeypatch):  # and every token count through the kernel
     monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, poison=True, max_tokens=1 << 20))
 
 
-@pytest.mark.parametrize("block_dot", [False, True])
 @pytest.mark.parametrize("t, out_dim, in_dim, target", [(1, 64, 256, 264), (5, 96, 160, 264), (16, 256, 64, 1),
                                                         (70, 128, 96, 1), (70, 128, 96, 264)])
-def test_pallas_matches_reference(monkeypatch, poison, t, out_dim, in_dim, target, block_dot):
+def test_pallas_matches_reference(monkeypatch, poison, t, out_dim, in_dim, target):
     """``target`` 1: no K split (bf16 out of the kernel); 264: K split into as many parts as it has slices."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, target_programs=target, block_dot=block_dot))
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, target_programs=target))
     weight, scale, _ = _weights(out_dim, in_dim, seed=t)
     x = jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3
     x = x.astype(jnp.bfloat16)
@@ -109,10 +108,8 @@ def test_pallas_matches_reference(monkeypatch, poison, t, out_dim, in_dim, targe
                       scale)
 
 
-@pytest.mark.parametrize("block_dot", [False, True])
-def test_every_scale_exponent_in_range(monkeypatch, poison, block_dot):
+def test_every_scale_exponent_in_range(monkeypatch, poison):
     """Scale exponents 0..246 (the kernel's exact range), several per tile row."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, block_dot=block_dot))
     weight, _, _ = _weights(64, 8 * 32, seed=9)
     scale = jnp.asarray(np.arange(0, 247, 16, dtype=np.uint8)[:16].reshape(2, 8))
     x = jax.random.normal(jax.random.key(3), (4, 256), jnp.bfloat16)
@@ -163,7 +160,6 @@ def test_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch, t, out_dim,
     w = jax.ShapeDtypeStruct((out_dim, in_dim), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((out_dim // 32, in_dim // 32), jnp.uint8)
     for config in (dataclasses.replace(fl.CONFIG, max_tokens=t),
-                   dataclasses.replace(fl.CONFIG, max_tokens=t, target_programs=1, poison=True),
-                   dataclasses.replace(fl.CONFIG, max_tokens=t, block_dot=True)):
+                   dataclasses.replace(fl.CONFIG, max_tokens=t, target_programs=1, poison=True)):
         monkeypatch.setattr(fl, "CONFIG", config)
         assert "triton" in lower_for_cuda(functools.partial(fl.fp8_linear_pallas, interpret=False), x, w, s)

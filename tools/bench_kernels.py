@@ -348,8 +348,7 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
     the Pallas kernel (every T through the kernel, whatever ``CONFIG.max_tokens`` says). One timed call applies
     the linear to ``reps`` distinct weights (so a call's ~50 us of host dispatch does not hide a few-us kernel, and
     no weight is served from L2); the row is per linear. Floor: the larger of (codes + scales + x + y bytes) /
-    4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns, K slice, warps, K split target) and
-    ``KernelConfig.block_dot``."""
+    4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns, K slice, warps, K split target)."""
     import dataclasses
 
     from dijax.kernels import fp8_linear as fl
@@ -365,7 +364,7 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
         variants += [(f"pallas {k}={v}", {k: v}) for k, v in (("cols", 32), ("cols", 128), ("depth", 64),
                                                                 ("depth", 256), ("warps", 8), ("stages", 2),
                                                                 ("target_programs", 1), ("target_programs", 528),
-                                                                ("rows_max", 128), ("block_dot", True))]
+                                                                ("rows_max", 128))]
 
     def repeated(fn):
         return jax.jit(lambda x, ws, ss: [fn(x, w, s) for w, s in zip(ws, ss)])

@@ -6,8 +6,7 @@
 #   kernels  the kernels' micro-benchmarks;
 #   sweep    the GPU tests of the routed-experts and attention kernels (variants included), then the variants
 #            timed beside the defaults (tools/bench_kernels.py --sweep: grouped-GEMM tilings and 2 stages);
-#   sweep-fp8  the fp8 linear's GPU tests and its variants timed at 1 and 16 tokens (KernelConfig.block_dot: one
-#            float16 dot per 32-wide K block, the scales applied after it);
+#   sweep-fp8  the fp8 linear's GPU tests and its tile variants timed at 1 and 16 tokens;
 #   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
 #            1024: throughput against peak, memory workload, occupancy, issue rate (ninth session: ncu read counters
 #            on the H200 only in a machine's first ncu processes; the mat-vecs are issue-bound, the grouped GEMM ran
@@ -61,8 +60,7 @@ case "$stage" in
     run 260 python3 tools/bench_kernels.py --only routed_experts --sweep --iters 10 --repeats 3
     run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3 ;;
   sweep-fp8)
-    # the fp8 linear at decode sizes: its GPU tests (KernelConfig.block_dot included), then its tilings and
-    # block_dot timed beside the default at 1 and 16 tokens
+    # the fp8 linear at decode sizes: its GPU tests, then its tilings timed at 1 and 16 tokens
     run 150 python3 -m pytest -q -ra tests/gpu/test_fp8_linear_gpu.py
     run 400 python3 tools/bench_kernels.py --only fp8_linear --sweep --tokens 1,16 --iters 10 --repeats 3 ;;
   profile)

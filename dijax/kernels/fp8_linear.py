@@ -53,12 +53,6 @@ class KernelConfig:
     more than ``max_tokens`` tokens take the reference (XLA's dequantisation, then cuBLAS: faster on the H200
     once the GEMM is compute bound, see docs/benchmarks.md).
 
-    block_dot: one float16 dot per 32-wide K block of the e4m3 values themselves (the activation's e4m3 codes and
-      the weight's decoded ones, both exact in float16), its fp32 result then scaled by the two power-of-two block
-      scales; instead of scaling every weight element and converting it to bf16 before one dot per K slice. Fewer
-      instructions per weight element in the K loop (each code is two shifts, two masks and an or away from its
-      float16) at the price of four smaller dots; the same exact products, summed in another order. Off until timed
-      on the GPU (tools/bench_kernels.py --only fp8_linear --sweep).
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
     cols: int = 64
@@ -67,7 +61,6 @@ class KernelConfig:
     stages: int = 3
     target_programs: int = 264  # two per multiprocessor of an H200: K is split until the grid has this many
     max_tokens: int = 32
-    block_dot: bool = False
     poison: bool = False
 
 
@@ -130,29 +123,8 @@ def _expand_scales(scale_BB: jax.Array, cols: int, depth: int) -> jax.Array:
     return jnp.broadcast_to(per_row[:, :, None], (cols, kb, FP8_BLOCK)).reshape(cols, depth)
 
 
-def _block_dot_slice(x_ref, w_ref, s_ref, layer, safe_R1, live_RK, n0: jax.Array, k0: jax.Array, cols: int,
-                     depth: int):
-    """``KernelConfig.block_dot``'s contribution of the K slice [k0, k0 + depth) to an output tile [rows, cols]:
-    per 32-wide block, a float16 dot of the activation's e4m3 values and the weight's decoded codes, scaled by the
-    activation's block scale (per row) and the weight's tile scale (per 32 columns). -> float32 [rows, cols]."""
-    rows = safe_R1.shape[0]
-    out = jnp.zeros((rows, cols), jnp.float32)
-    for b in range(depth // FP8_BLOCK):
-        kb = k0 + b * FP8_BLOCK
-        col_K = kb + jnp.arange(FP8_BLOCK)
-        x_RK = pltriton.load(x_ref.at[safe_R1, col_K[None, :]], mask=live_RK, other=0).astype(jnp.float32)
-        q_RGK, sx_RG = fq8_parts(x_RK.reshape(rows, 1, FP8_BLOCK))
-        w_NK = decode_e4m3_f16(w_ref[layer, pl.ds(n0, cols), pl.ds(kb, FP8_BLOCK)])
-        sw_C1 = scale_multiplier(s_ref[layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK), pl.ds(kb // FP8_BLOCK, 1)])
-        sw_N = jnp.broadcast_to(sw_C1, (cols // FP8_BLOCK, FP8_BLOCK)).reshape(cols)
-        part = jax.lax.dot_general(q_RGK.reshape(rows, FP8_BLOCK).astype(jnp.float16), w_NK,
-                                   (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        out = out + (part * sx_RG.reshape(rows)[:, None]) * sw_N[None, :]
-    return out
-
-
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int,
-            n_depth: int, block_dot: bool):
+            n_depth: int):
     """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...),
     over K slices [k*n_depth, (k+1)*n_depth) of ``depth``, reading layer ``layer_ref[0]`` of the weight stack
     [L, O, I] and of the scale stack. The output is bf16 [T, O], or with split K the fp32 partial sums
@@ -166,9 +138,6 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, 
 
     def step(k, acc):
         k0 = (first + k) * depth
-        if block_dot:
-            live_RK = jnp.broadcast_to(live_R1, (rows, FP8_BLOCK))
-            return acc + _block_dot_slice(x_ref, w_ref, s_ref, layer, safe_R1, live_RK, n0, k0, cols, depth)
         col_K = k0 + jnp.arange(depth)
         x_RK = pltriton.load(x_ref.at[safe_R1, col_K[None, :]], mask=jnp.broadcast_to(live_R1, (rows, depth)),
                              other=0).astype(jnp.float32)
@@ -240,7 +209,7 @@ def _fp8_linear_call(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, *, co
     tiles = (out_dim // cols) * -(-t // rows)
     splits = k_splits(tiles, in_dim // depth, config.target_programs)
     kernel = functools.partial(_kernel, n_tokens=t, rows=rows, cols=cols, depth=depth,
-                               n_depth=in_dim // depth // splits, block_dot=config.block_dot)
+                               n_depth=in_dim // depth // splits)
     grid = (out_dim // cols, -(-t // rows), splits)
     out = jax.ShapeDtypeStruct((t, out_dim) if splits == 1 else (splits, t, out_dim),
                                jnp.bfloat16 if splits == 1 else jnp.float32)

@@ -163,12 +163,11 @@ def bucket_inputs(num_tokens: int, num_seqs: int, width: int) -> tuple[PackedBat
 # and CONDITIONAL: loops are recorded into the step's graph instead of launching each iteration behind a
 # host-checked condition (the prefill step's loops). The option replaces XLA's list; it cannot extend it. Left out:
 # DYNAMIC_SLICE_FUSION, in recent XLA defaults, which changes nothing here (XLA forms such fusions only under
-# xla_gpu_enable_dynamic_slice_fusion, off by default). Measured on the H200 with this list in XLA_FLAGS
-# (tools/dispatch_probe.py, tiny default, eleventh session): the decode step back to back in 1.29 ms instead of
-# 1.90 at batch 1, 1.93 instead of 2.37 at batch 32; GPU parity (tiny, tiny-nodrop, the engine run) within the
-# spread of the run without it, the engine run equal to every printed digit. The tiny decode step has no while
-# loop in its StableHLO, so why decode got faster is open (XLA may form loops of its own; gpu_validate.sh dispatch
-# times XLA's list beside this one). No effect off the GPU.
+# xla_gpu_enable_dynamic_slice_fusion, off by default). Measured on the H200 (tools/dispatch_probe.py, tiny default):
+# at decode the list changes nothing measurable (twelfth session, as committed: 1.271 ms back to back at batch 1
+# against 1.278 with XLA's default types plus DYNAMIC_SLICE_FUSION; the eleventh session's 0.6 ms gain through
+# XLA_FLAGS did not repeat); the prefill steps have loops (a 256-token prefill: 1 while). GPU parity with it, as committed: tiny, tiny-nodrop and
+# the engine run give the figures of the runs without it (docs/parity.md). No effect off the GPU.
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 
 

@@ -33,9 +33,7 @@ def poisoned_outputs(monkeypatch):  # and every token count through the kernel
     (300, 8192, 1280),   # the indexer's wq_b at prefill
     (16, 96, 160),       # small dims: narrow tiles
 ])
-@pytest.mark.parametrize("block_dot", [False, True])
-def test_kernel_matches_reference(t, out_dim, in_dim, block_dot, monkeypatch):
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, block_dot=block_dot))
+def test_kernel_matches_reference(t, out_dim, in_dim, monkeypatch):
     weight, scale, _ = _weights(out_dim, in_dim, seed=t)
     x = (jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
     got = jax.jit(fl.fp8_linear_pallas)(x, weight, scale)
@@ -43,9 +41,7 @@ def test_kernel_matches_reference(t, out_dim, in_dim, block_dot, monkeypatch):
     assert_close_bf16(got, want, x, weight, scale)
 
 
-@pytest.mark.parametrize("block_dot", [False, True])
-def test_every_scale_exponent_in_range(block_dot, monkeypatch):
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, block_dot=block_dot))
+def test_every_scale_exponent_in_range(monkeypatch):
     weight, _, _ = _weights(64, 8 * 32, seed=9)
     scale = jnp.arange(0, 247, 16, dtype=jnp.uint8)[:16].reshape(2, 8)
     x = jax.random.normal(jax.random.key(3), (4, 256), jnp.bfloat16)
