@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from dijax.cli import generate
 from dijax.cli.main import main
 
 pytestmark = pytest.mark.cost(45)  # CI seconds, a scheduling hint (tests/conftest.py)
@@ -34,3 +37,23 @@ def test_generate_rejects_bad_sampling_parameters(capsys):
 def test_generate_rejects_an_empty_compile_cache_directory(capsys):
     assert main(["generate", "--compile-cache", "", "x"]) == 2
     assert "compile_cache_dir" in capsys.readouterr().err
+
+
+def _compile_cache_of(*argv: str):
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    return parser.parse_args(list(argv)).compile_cache
+
+
+def test_generate_keeps_its_compiled_steps_in_dijax_cache_unless_told_not_to(monkeypatch, tmp_path):
+    """Default: ``compile`` in ``$DIJAX_CACHE``; ``--no-compile-cache`` keeps nothing; a JAX cache directory in the
+    environment is left to JAX; the two options exclude each other."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("DIJAX_CACHE", str(tmp_path))
+    assert _compile_cache_of() == str(tmp_path / "compile")
+    assert _compile_cache_of("--compile-cache", "elsewhere") == "elsewhere"
+    assert _compile_cache_of("--no-compile-cache") is None
+    with pytest.raises(SystemExit):
+        _compile_cache_of("--no-compile-cache", "--compile-cache", "elsewhere")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert _compile_cache_of() is None

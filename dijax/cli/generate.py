@@ -13,6 +13,7 @@ import sys
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.cli.options import add_model_options, apply_ep
+from dijax.runtime.compile_cache import default_compile_cache_dir
 from dijax.runtime.sampling_params import SamplingParams
 
 DEMO_PROMPTS = ["The license", "Permission is hereby granted", "You may obtain a copy"]
@@ -71,9 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, help="token budget of a step (long prompts prefill in chunks of N)")
-    parser.add_argument("--compile-cache", metavar="DIR",
-                        help="keep the compiled steps in DIR and load them from there next time (default: no cache, "
-                             "or JAX_COMPILATION_CACHE_DIR when set)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compile-cache", metavar="DIR", default=default_compile_cache_dir(),
+                       help="keep the compiled steps in DIR and load them from there next time (default: "
+                            "$DIJAX_CACHE/compile or ~/.cache/dijax/compile; JAX_COMPILATION_CACHE_DIR when set)")
+    cache.add_argument("--no-compile-cache", dest="compile_cache", action="store_const", const=None,
+                       help="compile every step afresh and keep nothing on disk")
     add_model_options(parser)
 
 

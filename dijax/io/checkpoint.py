@@ -24,6 +24,11 @@ def _set(tree: dict, dotted: list[str], value) -> None:
     tree[dotted[-1]] = value
 
 
+def cache_root() -> str:
+    """dijax's cache directory: ``$DIJAX_CACHE``, else ``~/.cache/dijax`` (converted checkpoints, compiled steps)."""
+    return os.environ.get("DIJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dijax")
+
+
 def resolve_checkpoint(path: str | os.PathLike, cache_dir: str | None = None, progress: bool = True) -> str:
     """A loadable dijax checkpoint for ``path``.
 
@@ -38,7 +43,7 @@ def resolve_checkpoint(path: str | os.PathLike, cache_dir: str | None = None, pr
     index = os.path.join(path, "model.safetensors.index.json")
     if not os.path.exists(index):
         return path
-    root = cache_dir or os.environ.get("DIJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dijax")
+    root = cache_dir or cache_root()
     target = os.path.join(root, source_fingerprint(path)[:32])
     if not os.path.exists(os.path.join(target, MARKER)):
         print(f"dijax: {path} is a Hugging Face checkpoint; converting it once into {target}", flush=True)

@@ -5,7 +5,9 @@ the warm-up of a 1M-context engine compiles 55 of them. JAX can keep every compi
 the program, its compile options, ``XLA_FLAGS``, the backend and the jax / jaxlib versions, and load it instead of
 compiling when a later process asks for the same program. ``enable_compile_cache(path)`` turns that on for this
 process (``LLM(..., compile_cache_dir=path)``, ``dijax generate --compile-cache DIR``); setting JAX's own
-``JAX_COMPILATION_CACHE_DIR`` does the same without dijax. When the cache is on, JAX also keeps XLA's per-fusion
+``JAX_COMPILATION_CACHE_DIR`` does the same without dijax. ``dijax generate`` keeps its compiles in
+``default_compile_cache_dir()`` unless told otherwise (``--no-compile-cache``); the library stays opt-in, as JAX is.
+On the H200 a real-config bucket that compiles in 37-44 s loads in ~4 s (docs/benchmarks.md, twelfth session). When the cache is on, JAX also keeps XLA's per-fusion
 GEMM autotuning results in a subdirectory (``jax_persistent_cache_enable_xla_caches``), so a bucket whose
 executable is not cached can still skip autotuning the fusions that another bucket already tuned.
 
@@ -20,6 +22,16 @@ import os
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
+
+from dijax.io.checkpoint import cache_root
+
+
+def default_compile_cache_dir() -> str | None:
+    """``dijax generate``'s cache: ``compile`` in dijax's cache directory (``$DIJAX_CACHE``, else ``~/.cache/dijax``),
+    or None when ``JAX_COMPILATION_CACHE_DIR`` is set (JAX then uses that one)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None
+    return os.path.join(cache_root(), "compile")
 
 
 def enable_compile_cache(path: str) -> str:
