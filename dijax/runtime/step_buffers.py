@@ -74,7 +74,7 @@ def _writer(sharding: Sharding | None):
     return jax.jit(_write, donate_argnums=0, out_shardings=sharding)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=None)  # one per buffer shape: bounded by the engine's buckets
 def _filler(shape: tuple[int, ...], dtype: str, sharding: Sharding | None):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
