@@ -299,10 +299,10 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
     ``max_model_len`` defaults to the longest sequence's blocks; a larger one must not change the step (the block
     table's width follows the step's sequences, not ``max_model_len``: issue 9's row). Each run is the engine's
     ``ModelRunner.launch`` (the step's inputs staged, its logits written into the last step's logits buffer:
-    dijax.runtime.step_buffers); the first keeps a copy of its logits to check them finite. With ``dump``, the optimised HLO of the model step goes to
-    ``dump/<label>.hlo.txt``, the sampler's to ``dump/<label>.sampler.hlo.txt``, and a JAX profiler trace of the
-    timed runs to ``dump/<label>/`` (open it with xprof / Perfetto, or summarise it with
-    ``tools/trace_summary.py``)."""
+    dijax.runtime.step_buffers); the first keeps a copy of its logits to check them finite. With ``dump``, the
+    optimised HLO of the model step goes to ``dump/<label>.hlo.txt``, the sampler's to
+    ``dump/<label>.sampler.hlo.txt``, and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with
+    xprof / Perfetto, or summarise it with ``tools/trace_summary.py``)."""
     runner, output, inputs, sampler_inputs, rows = step_runner(cfg, params, consts, lengths, block_size, kernels,
                                                                max_model_len, sampling, debug_logits=True)
     start = time.perf_counter()

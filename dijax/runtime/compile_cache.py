@@ -7,9 +7,10 @@ compiling when a later process asks for the same program. ``enable_compile_cache
 process (``LLM(..., compile_cache_dir=path)``, ``dijax generate --compile-cache DIR``); setting JAX's own
 ``JAX_COMPILATION_CACHE_DIR`` does the same without dijax. ``dijax generate`` keeps its compiles in
 ``default_compile_cache_dir()`` unless told otherwise (``--no-compile-cache``); the library stays opt-in, as JAX is.
-On the H200 a real-config bucket that compiles in 37-44 s loads in ~4 s (docs/benchmarks.md, twelfth session). When the cache is on, JAX also keeps XLA's per-fusion
-GEMM autotuning results in a subdirectory (``jax_persistent_cache_enable_xla_caches``), so a bucket whose
-executable is not cached can still skip autotuning the fusions that another bucket already tuned.
+On the H200 a real-config bucket that compiles in 37-44 s loads in ~4 s (docs/benchmarks.md, twelfth session).
+When the cache is on, JAX also keeps XLA's per-fusion GEMM autotuning results in a subdirectory
+(``jax_persistent_cache_enable_xla_caches``), so a bucket whose executable is not cached can still skip autotuning
+the fusions that another bucket already tuned.
 
 What is cached: compiles that took at least ``jax_persistent_cache_min_compile_time_secs`` (JAX's default: 1 s).
 The directory grows without bound unless ``jax_compilation_cache_max_size`` is set; deleting it is always safe.

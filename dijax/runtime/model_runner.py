@@ -7,7 +7,8 @@ the block-table width W to a power of four times ``min_width`` (MIN_CONTEXT posi
 sequence of the step (capped at ``max_model_len``'s blocks), so the step's indexer and attention work follow the
 context the step's sequences really have, not ``max_model_len``. Padding tokens are routed to no expert.
 
-An engine step is two executables launched back to back, with no host read between them:
+An engine step is two executables launched back to back, with no host read between them (after a one-kernel
+launch that writes the step's inputs into their fixed buffer, dijax.runtime.step_buffers):
 
 * the model step, one per (T, W) bucket, the kernel choice (``kernels``: auto / on / off, dijax.kernels) static:
   the forward of the step's tokens, returning the float32 logits of its S sampling rows;
@@ -166,8 +167,9 @@ def bucket_inputs(num_tokens: int, num_seqs: int, width: int) -> tuple[PackedBat
 # xla_gpu_enable_dynamic_slice_fusion, off by default). Measured on the H200 (tools/dispatch_probe.py, tiny default):
 # at decode the list changes nothing measurable (twelfth session, as committed: 1.271 ms back to back at batch 1
 # against 1.278 with XLA's default types plus DYNAMIC_SLICE_FUSION; the eleventh session's 0.6 ms gain through
-# XLA_FLAGS did not repeat); the prefill steps have loops (a 256-token prefill: 1 while). GPU parity with it, as committed: tiny, tiny-nodrop and
-# the engine run give the figures of the runs without it (docs/parity.md). No effect off the GPU.
+# XLA_FLAGS did not repeat); the prefill steps have loops (a 256-token prefill: 1 while). GPU parity with it, as
+# committed: tiny, tiny-nodrop and the engine run give the figures of the runs without it (docs/parity.md). No
+# effect off the GPU.
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 
 
