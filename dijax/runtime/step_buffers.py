@@ -34,6 +34,7 @@ from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Sharding
 
@@ -59,11 +60,19 @@ class StagedInputs:
         return PackedBatch(self.values_N[:a], self.shapes), self.values_N[a:b], self.values_N[b:]
 
 
-def _write(buffer_N, packed_N, remap_T, prev_tokens_R):
-    """The staged values (``buffer_N``, donated, is where they land): packed_N ++ remap_T ++ prev_tokens_R along the
-    last axis, the tokens repeated on every rank's row."""
-    prev = jnp.broadcast_to(prev_tokens_R, packed_N.shape[:-1] + prev_tokens_R.shape)
-    values = jnp.concatenate([packed_N, remap_T, prev], axis=-1).astype(buffer_N.dtype)
+def _host_part(packed_N, remap_T):
+    """packed_N ++ remap_T along the last axis: joined on the host when both are host arrays, so that the step's
+    call transfers one array."""
+    if isinstance(packed_N, np.ndarray) and isinstance(remap_T, np.ndarray):
+        return np.concatenate([packed_N, remap_T.astype(np.int32)], axis=-1)
+    return jnp.concatenate([packed_N, remap_T], axis=-1)
+
+
+def _write(buffer_N, head_N, prev_tokens_R):
+    """The staged values (``buffer_N``, donated, is where they land): head_N (``_host_part``) ++ prev_tokens_R along
+    the last axis, the tokens repeated on every rank's row."""
+    prev = jnp.broadcast_to(prev_tokens_R, head_N.shape[:-1] + prev_tokens_R.shape)
+    values = jnp.concatenate([head_N, prev], axis=-1).astype(buffer_N.dtype)
     # an update of the whole buffer, not the values alone: jit drops an argument the result does not use, and a
     # dropped argument cannot give the result its memory
     return lax.dynamic_update_slice(buffer_N, values, (0,) * values.ndim)
@@ -112,18 +121,20 @@ class StepBuffers:
         """Compile ahead of time what ``stage`` and ``logits`` run for a step with these inputs (the engine's
         warm-up): the write and the two buffers' first fill."""
         staged, logits = self.abstract(batch, remap_T, prev_tokens_R, num_rows, vocab)
-        _writer(self.inputs_sharding).lower(staged.values_N, batch.packed_N, remap_T, prev_tokens_R).compile()
+        _writer(self.inputs_sharding).lower(staged.values_N, _host_part(batch.packed_N, remap_T),
+                                            prev_tokens_R).compile()
         _filler(staged.values_N.shape, "int32", self.inputs_sharding).lower().compile()
         _filler(logits.shape, "float32", self.logits_sharding).lower().compile()
 
     def stage(self, batch: PackedBatch, remap_T, prev_tokens_R) -> StagedInputs:
         """The step's inputs written into this size's buffer (created on first use), in place: one small launch,
-        no host read. ``batch`` and ``remap_T`` host or device arrays, ``prev_tokens_R`` the previous step's tokens."""
+        one host -> device copy (``batch`` and ``remap_T`` as host arrays; device ones are joined on the device), no
+        host read. ``prev_tokens_R``: the previous step's tokens."""
         shape = self.staged_shape(batch, remap_T, prev_tokens_R)
         buffer = self._inputs.pop(shape, None)
         if buffer is None:
             buffer = _filler(shape, "int32", self.inputs_sharding)()
-        values = _writer(self.inputs_sharding)(buffer, batch.packed_N, remap_T, prev_tokens_R)
+        values = _writer(self.inputs_sharding)(buffer, _host_part(batch.packed_N, remap_T), prev_tokens_R)
         self._inputs[shape] = values
         return self._staged(values, batch, remap_T)
 
