@@ -18,8 +18,8 @@
 #            buckets of `compile` compiled into a fresh cache and loaded from it by a second run;
 #   stack    the flash-stack step (a stacked run of real-size layers whose weights the kernels read in place) and
 #            the XLA GEMMs' rows; stack-dsf the same decode rows with XLA's dynamic-slice fusion on;
-#   engine   the tiny engine's ZOS on / off timeline against the device-only step (its first generate compiles
-#            every engine bucket);
+#   engine   the tiny engine's ZOS on / off timeline against the device-only step at 1 and 64 prompts in flight
+#            (issue 11 item 2; its first generate compiles every engine bucket);
 #   flash-engine  the same for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
 #            memory fraction;
 #   dispatch where the tiny step's host dispatch goes (tools/dispatch_probe.py: the engine's launches apart, no-ops on
@@ -99,8 +99,8 @@ case "$stage" in
       run 150 python3 tools/compile_time.py --buckets 64x64,8192x16 --max-blocks 1024 --threads 2 $option
     done ;;
   engine)
-    run 450 python3 tools/bench.py --kernels auto --decode-batch 1 --context 256 --prefill "" --block-size 16 \
-      --engine on --warmup 5 --iters 30 ;;
+    run 450 python3 tools/bench.py --kernels auto --decode-batch "" --prefill "" --block-size 16 --engine on \
+      --engine-batch 1,64 --warmup 5 --iters 30 ;;
   flash-engine)
     run 560 python3 tools/bench.py --model flash-slice --decode-batch "" --prefill "" --block-size 128 --engine on \
       --engine-batch 1,64 --warmup 3 --iters 10 ;;
