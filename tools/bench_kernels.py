@@ -451,6 +451,38 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     return out
 
 
+def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, rounds: int = 19, sweep: bool = False, **timing) -> list[dict]:
+    """The hyper-connection Sinkhorn rounds (C = 4, 19 rounds as in a V4.1 layer): the jnp reference against the
+    Pallas kernel with ``div.rn.f32`` and with ``SinkhornConfig.fast_divide``, whose bits must be the former's (else
+    MISMATCH; tests/gpu/test_sinkhorn_gpu.py checks both against a numpy oracle). Each row gives its largest distance
+    from the reference in float32 ulps (XLA's GPU code for the reference is 9-21 ulps off the oracle). Floor: the
+    matrices read and written once (the kernel is latency-bound far above it)."""
+    from dijax.kernels import sinkhorn as sk
+
+    def bits(x):
+        return np.asarray(x).view(np.int32).astype(np.int64)
+
+    out = []
+    for t in tokens:
+        logits = jax.random.normal(jax.random.key(t), (t, c, c), jnp.float32) * 4
+        comb = jax.nn.softmax(logits, axis=-1) + np.float32(1e-6)
+        ref = jax.jit(lambda x: sk.sinkhorn_reference(x, rounds, 1e-6))
+        want = bits(ref(comb))
+        base = time_call(ref, comb, **timing)
+        floor_bytes, shape = 2 * comb.size * 4, f"T={t}, {c} x {c}, {rounds} rounds"
+        out.append(_row("sinkhorn", shape, "reference (XLA)", base, floor_bytes, None))
+        exact = None
+        for name, config in (("pallas div.rn", sk.SinkhornConfig()),
+                             ("pallas fast_divide", sk.SinkhornConfig(fast_divide=True))):
+            fn = jax.jit(lambda x, config=config: sk.sinkhorn_pallas(x, rounds, 1e-6, config=config))
+            got = bits(fn(comb))
+            mark = " MISMATCH" if exact is not None and not np.array_equal(got, exact) else ""
+            exact = got if exact is None else exact
+            label = f"{name} ({np.abs(got - want).max()} ulps from the reference){mark}"
+            out.append(_row("sinkhorn", shape, label, time_call(fn, comb, **timing), floor_bytes, base))
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     """Markdown table of benchmark rows."""
     print("| kernel | shape | impl | us | floor us | % of floor | x reference |")
@@ -461,7 +493,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
-           "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "xla_gemm": xla_gemm_rows}
+           "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "xla_gemm": xla_gemm_rows,
+           "sinkhorn": sinkhorn_rows}
 
 
 def main() -> None:

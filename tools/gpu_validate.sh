@@ -7,6 +7,8 @@
 #   sweep    the GPU tests of the routed-experts and attention kernels (variants included), then the variants
 #            timed beside the defaults (tools/bench_kernels.py --sweep: grouped-GEMM tilings and 2 stages);
 #   sweep-fp8  the fp8 linear's GPU tests and its tile variants timed at 1 and 16 tokens;
+#   sinkhorn the Sinkhorn kernel's GPU tests and its two division forms timed (SinkhornConfig.fast_divide: off until
+#            this stage has run; turn it on when the bits match and it is faster);
 #   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
 #            1024: throughput against peak, memory workload, occupancy, issue rate (ninth session: ncu read counters
 #            on the H200 only in a machine's first ncu processes; the mat-vecs are issue-bound, the grouped GEMM ran
@@ -36,7 +38,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|bench|parity|parity2}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -63,6 +65,10 @@ case "$stage" in
     # the fp8 linear at decode sizes: its GPU tests, then its tilings timed at 1 and 16 tokens
     run 150 python3 -m pytest -q -ra tests/gpu/test_fp8_linear_gpu.py
     run 400 python3 tools/bench_kernels.py --only fp8_linear --sweep --tokens 1,16 --iters 10 --repeats 3 ;;
+  sinkhorn)
+    # the Sinkhorn kernel's fast-path division (SinkhornConfig.fast_divide): its GPU tests, then timed beside div.rn
+    run 150 python3 -m pytest -q -ra tests/gpu/test_sinkhorn_gpu.py
+    run 150 python3 tools/bench_kernels.py --only sinkhorn --iters 20 --repeats 5 ;;
   profile)
     # one ncu process for every kernel (tools/profile_routed.py says why); run this stage first after a machine start
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -138,6 +144,6 @@ case "$stage" in
     fi
     wait
     for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks" "$f" | tail -8; done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
