@@ -78,17 +78,11 @@ def fp8_linear_reference(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight) -
     return y.astype(jnp.bfloat16)
 
 
-def decode_e4m3_f16(codes_u8: jax.Array) -> jax.Array:
-    """e4m3 bytes (uint8, any shape) -> float16 ``value * 2^-8`` by integer bit operations (exact for every code,
-    subnormals included: they become float16 subnormals; NaN not kept)."""
+def decode_e4m3(codes_u8: jax.Array) -> jax.Array:
+    """e4m3 bytes (uint8, any shape) -> float32 ``value * 2^-8`` by integer bit operations (exact; NaN not kept)."""
     c = codes_u8.astype(jnp.int32)
     bits = ((c & 0x7F) << 7) | ((c & 0x80) << 8)
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
-
-
-def decode_e4m3(codes_u8: jax.Array) -> jax.Array:
-    """e4m3 bytes (uint8, any shape) -> float32 ``value * 2^-8`` (``decode_e4m3_f16``, widened)."""
-    return decode_e4m3_f16(codes_u8).astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
 
 
 def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
@@ -96,23 +90,17 @@ def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
     return quant.ue8m0_pow2(scale_u8, _F16_BIAS_FIX)
 
 
-def fq8_parts(x_TGC: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``quant.fq8`` of float32 blocks [T, G, 32] with kernel-friendly arithmetic, as its two factors: the e4m3
-    values (float32 [T, G, 32]) and the power-of-two block scales (float32 [T, G]); their product is ``fq8``'s.
+def fq8_tile(x_TK: jax.Array) -> jax.Array:
+    """``quant.fq8`` of a float32 tile [T, K] (K a multiple of 32) with kernel-friendly arithmetic -> bf16 [T, K].
 
     The scale comes from the amax's bits as in ``quant.pow2_scale``; x / s is a multiplication by the exact power
-    of two 1 / s; e4m3 rounding is ``quant.e4m3_round_arith``."""
-    amax = jnp.maximum(jnp.max(jnp.abs(x_TGC), axis=-1), np.float32(1e-4))
+    of two 1 / s; e4m3 rounding is ``quant.e4m3_round_arith``. Equal to ``quant.fq8`` bit for bit."""
+    t, k = x_TK.shape
+    xg = x_TK.reshape(t, k // FP8_BLOCK, FP8_BLOCK)
+    amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), np.float32(1e-4))
     scale = quant.pow2_scale(amax, np.float32(1.0 / quant.FP8_MAX))
     inverse = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(scale, jnp.int32), jnp.float32)
-    return quant.e4m3_round_arith(x_TGC * inverse[:, :, None]), scale
-
-
-def fq8_tile(x_TK: jax.Array) -> jax.Array:
-    """``quant.fq8`` of a float32 tile [T, K] (K a multiple of 32) -> bf16 [T, K], equal to it bit for bit
-    (``fq8_parts``)."""
-    t, k = x_TK.shape
-    q, scale = fq8_parts(x_TK.reshape(t, k // FP8_BLOCK, FP8_BLOCK))
+    q = quant.e4m3_round_arith(xg * inverse[:, :, None])
     return (q * scale[:, :, None]).reshape(t, k).astype(jnp.bfloat16)
 
 

@@ -175,14 +175,14 @@ STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASL
 
 @lru_cache(maxsize=8)
 def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params_tree: jax.tree_util.PyTreeDef,
-                  ranks_mesh: Mesh | None = None, out_shardings: tuple[Sharding, Sharding] | None = None):
+                  ranks_mesh: Mesh | None = None, placement: Sharding | None = None):
     """One jitted model step per (config, kernel choice, parameter structure, attention-DP mesh, output placement),
     shared by every runner (and lowered from abstract shapes by tools/compile_time.py): step(param_leaves, cache,
     batch, consts, inject_topk=None, logits_RV=None) -> (outputs, new cache), the cache and ``logits_RV`` donated.
     ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the parameters, whose structure
     is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree (~340 variables for the tiny
-    model) costs ~0.5 ms of Python per call on a 2-core host, every engine step. ``out_shardings``: (the logits',
-    the cache's) placement on a mesh, None without one.
+    model) costs ~0.5 ms of Python per call on a 2-core host, every engine step. ``placement``: every output's
+    placement on a mesh (the logits' and the cache's), None without one.
 
     The engine step (``batch`` a ``StagedInputs``: the packed batch, remap_T [T] and prev_tokens_R [M] in the one
     buffer ``StepBuffers.stage`` keeps in place; ``inject_topk`` None; ``logits_RV`` float32 [S, V], the buffer the
@@ -226,8 +226,8 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
         logits_RV, cache, _ = forward_step(params, cache, batch, consts, cfg, None, **options)
         return logits_RV, cache
 
-    placement = {} if out_shardings is None else {"out_shardings": out_shardings}
-    return jax.jit(step, donate_argnums=(1, 5), compiler_options=STEP_COMPILER_OPTIONS, **placement)
+    placed = {} if placement is None else {"out_shardings": placement}
+    return jax.jit(step, donate_argnums=(1, 5), compiler_options=STEP_COMPILER_OPTIONS, **placed)
 
 
 @lru_cache(maxsize=8)
@@ -272,8 +272,8 @@ class ModelRunner:
         placed = None if self._mesh is None else NamedSharding(
             self._mesh, RANKS if self._ranks_mesh is not None else PartitionSpec())
         self._jit = compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree, self._ranks_mesh,
-                                  None if placed is None else (placed, placed))
-        self.buffers = StepBuffers(placed, placed)
+                                  placed)
+        self.buffers = StepBuffers(placed)
         self._sample = _compiled_sampler(cfg, self.num_ranks * self.max_rows,
                                          None if self._mesh is None else NamedSharding(self._mesh, PartitionSpec()))
         # the cache and prev_tokens_R of a step with no predecessor placed as the step and the sampler return them

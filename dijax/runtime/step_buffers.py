@@ -89,12 +89,12 @@ def _filler(shape: tuple[int, ...], dtype: str, sharding: Sharding | None):
 
 
 class StepBuffers:
-    """The engine step's staged inputs (one buffer per input size) and logits (one per shape), each placed as
-    ``inputs_sharding`` / ``logits_sharding`` (None: the default device). Inputs are host (numpy) or device arrays,
+    """The engine step's staged inputs (one buffer per input size) and logits (one per shape), all placed as
+    ``sharding`` (the step's outputs' placement; None: the default device). Inputs are host (numpy) or device arrays,
     or ``jax.ShapeDtypeStruct``s where only shapes matter (``abstract``, ``compile``)."""
 
-    def __init__(self, inputs_sharding: Sharding | None = None, logits_sharding: Sharding | None = None):
-        self.inputs_sharding, self.logits_sharding = inputs_sharding, logits_sharding
+    def __init__(self, sharding: Sharding | None = None):
+        self.sharding = sharding
         self._inputs: dict[tuple[int, ...], jax.Array] = {}
         self._logits: dict[tuple[int, ...], jax.Array] = {}
 
@@ -109,8 +109,8 @@ class StepBuffers:
         """(``StagedInputs`` of abstract values, the logits buffer's abstract value) of a step with these inputs and
         ``num_rows`` logit rows: what the step is lowered for."""
         staged = jax.ShapeDtypeStruct(self.staged_shape(batch, remap_T, prev_tokens_R), jnp.int32,
-                                      sharding=self.inputs_sharding)
-        logits = jax.ShapeDtypeStruct((num_rows, vocab), jnp.float32, sharding=self.logits_sharding)
+                                      sharding=self.sharding)
+        logits = jax.ShapeDtypeStruct((num_rows, vocab), jnp.float32, sharding=self.sharding)
         return self._staged(staged, batch, remap_T), logits
 
     @staticmethod
@@ -121,10 +121,10 @@ class StepBuffers:
         """Compile ahead of time what ``stage`` and ``logits`` run for a step with these inputs (the engine's
         warm-up): the write and the two buffers' first fill."""
         staged, logits = self.abstract(batch, remap_T, prev_tokens_R, num_rows, vocab)
-        _writer(self.inputs_sharding).lower(staged.values_N, _host_part(batch.packed_N, remap_T),
+        _writer(self.sharding).lower(staged.values_N, _host_part(batch.packed_N, remap_T),
                                             prev_tokens_R).compile()
-        _filler(staged.values_N.shape, "int32", self.inputs_sharding).lower().compile()
-        _filler(logits.shape, "float32", self.logits_sharding).lower().compile()
+        _filler(staged.values_N.shape, "int32", self.sharding).lower().compile()
+        _filler(logits.shape, "float32", self.sharding).lower().compile()
 
     def stage(self, batch: PackedBatch, remap_T, prev_tokens_R) -> StagedInputs:
         """The step's inputs written into this size's buffer (created on first use), in place: one small launch,
@@ -133,8 +133,8 @@ class StepBuffers:
         shape = self.staged_shape(batch, remap_T, prev_tokens_R)
         buffer = self._inputs.pop(shape, None)
         if buffer is None:
-            buffer = _filler(shape, "int32", self.inputs_sharding)()
-        values = _writer(self.inputs_sharding)(buffer, _host_part(batch.packed_N, remap_T), prev_tokens_R)
+            buffer = _filler(shape, "int32", self.sharding)()
+        values = _writer(self.sharding)(buffer, _host_part(batch.packed_N, remap_T), prev_tokens_R)
         self._inputs[shape] = values
         return self._staged(values, batch, remap_T)
 
@@ -143,7 +143,7 @@ class StepBuffers:
         shape returned (``recycle``), else a new one."""
         shape = (num_rows, vocab)
         buffer = self._logits.pop(shape, None)
-        return _filler(shape, "float32", self.logits_sharding)() if buffer is None else buffer
+        return _filler(shape, "float32", self.sharding)() if buffer is None else buffer
 
     def recycle(self, logits_RV: jax.Array) -> None:
         """Keep the step's logits (already handed to the sampler, and referenced nowhere else) for the next step of
