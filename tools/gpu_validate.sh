@@ -7,8 +7,8 @@
 #   sweep    the GPU tests of the routed-experts and attention kernels (variants included), then the variants
 #            timed beside the defaults (tools/bench_kernels.py --sweep: grouped-GEMM tilings and 2 stages);
 #   sweep-fp8  the fp8 linear's GPU tests and its tile variants timed at 1 and 16 tokens;
-#   sinkhorn the Sinkhorn kernel's GPU tests and its two division forms timed (SinkhornConfig.fast_divide: off until
-#            this stage has run; turn it on when the bits match and it is faster);
+#   sinkhorn the Sinkhorn kernel's GPU tests and its two division forms timed (SinkhornConfig.fast_divide, on by
+#            default since the thirteenth session's run: the same bits, faster);
 #   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
 #            1024: throughput against peak, memory workload, occupancy, issue rate (ninth session: ncu read counters
 #            on the H200 only in a machine's first ncu processes; the mat-vecs are issue-bound, the grouped GEMM ran
@@ -66,7 +66,7 @@ case "$stage" in
     run 150 python3 -m pytest -q -ra tests/gpu/test_fp8_linear_gpu.py
     run 400 python3 tools/bench_kernels.py --only fp8_linear --sweep --tokens 1,16 --iters 10 --repeats 3 ;;
   sinkhorn)
-    # the Sinkhorn kernel's fast-path division (SinkhornConfig.fast_divide): its GPU tests, then timed beside div.rn
+    # the Sinkhorn kernel's two division forms (SinkhornConfig.fast_divide, default on): GPU tests, then both timed
     run 150 python3 -m pytest -q -ra tests/gpu/test_sinkhorn_gpu.py
     run 150 python3 tools/bench_kernels.py --only sinkhorn --iters 20 --repeats 5 ;;
   profile)
