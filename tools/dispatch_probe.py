@@ -17,9 +17,13 @@ of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's opt
   and returns the cache: the argument handling alone;
 * ``no-op on the parameters`` and ``no-op on one array``: the same with fewer arguments.
 
-``back to back``: 50 engine launches without waiting, one wait at the end (max of host and device per step).
-``--trace DIR`` writes a JAX profiler trace of 10 launch-and-wait engine steps of the first batch size (host and device
-events: ``tools/trace_summary.py DIR --host --steps 10``). ``--step-xla-option`` changes the step's XLA options
+``ZOS: launch while a step runs`` and ``ZOS: per step``: 50 engine launches as under ZOS (step n + 1 launched, then
+step n's tokens read): the median launch, and the time per step;
+``tokens chained``: the same with each launch's previous tokens the previous launch's sampled tokens, as under ZOS
+(the engine's ZOS decode step took 4.0 ms to launch against 1.3 ms without ZOS on the H200, fourteenth session:
+these rows say whether chaining or launching while a step runs costs it).
+``--trace DIR`` writes a JAX profiler trace of 10 engine steps of the first batch size launched as under ZOS, tokens
+chained (host and device events: ``tools/trace_summary.py DIR --host --steps 10``). ``--step-xla-option`` changes the step's XLA options
 (A/B runs of its command buffers: ``tools/gpu_validate.sh dispatch``). First run on the H200 in the eleventh
 session (docs/benchmarks.md).
 """
@@ -111,13 +115,36 @@ def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, 
              "no-op on the parameters": launch_ms(lambda: take_params(leaves)),
              "no-op on one array": launch_ms(lambda: take_one(one))}
     runner.buffers.recycle(held["logits"])
-    jax.block_until_ready(engine())
-    start = time.perf_counter()
-    for _ in range(50):
-        out = engine()
-    jax.block_until_ready(out)
-    table["engine, back to back"] = (time.perf_counter() - start) / 50 * 1e3
+    for chained in (False, True):
+        launch, step = in_flight_ms(runner, output, inputs, sampling, rows, chained)
+        name = "ZOS" + (", tokens chained" if chained else "")
+        table[f"{name}: launch while a step runs"] = launch
+        table[f"{name}: per step"] = step
     return table
+
+
+def in_flight_ms(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, int], chained: bool,
+                 runs: int = 50) -> tuple[float, float]:
+    """Engine launches as under ZOS: launch step n + 1 while step n runs, then wait for step n's tokens (one step in
+    flight, as ``LLMEngine`` keeps). -> (median milliseconds of the launch, issued while the previous step runs;
+    milliseconds per step of the whole run). ``chained``: each launch takes the previous launch's sampled tokens as
+    its previous tokens, as the engine's ZOS steps do (the staging then reads a sampler output not yet computed);
+    else the same host tokens every time."""
+    batch, consts, prev_tokens, remap = inputs
+    previous = jax.block_until_ready(runner.launch(output, inputs, sampling, rows).tokens_R)
+    times = []
+    start = time.perf_counter()
+    for i in range(runs + 5):
+        if i == 5:
+            start = time.perf_counter()
+        begin = time.perf_counter()
+        step_inputs = (batch, consts, previous if chained else prev_tokens, remap)
+        tokens_R = runner.launch(output, step_inputs, sampling, rows).tokens_R
+        times.append(time.perf_counter() - begin)
+        np.asarray(previous)  # the engine's wait: step n's tokens to the host
+        previous = tokens_R
+    jax.block_until_ready(previous)
+    return float(np.median(times[5:])) * 1e3, (time.perf_counter() - start) / runs * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         table[batch] = probe(runner, output, inputs, sampling, rows)
         if args.trace and batch == args.batch[0]:
             with jax.profiler.trace(args.trace, create_perfetto_trace=True):
-                for _ in range(10):
-                    jax.block_until_ready(runner.launch(output, inputs, sampling, rows).tokens_R)
+                in_flight_ms(runner, output, inputs, sampling, rows, chained=True, runs=5)
         del runner
     print("| launch (ms) | " + " | ".join(f"B={b}" for b in table) + " |")
     print("|---" * (len(table) + 1) + "|")
