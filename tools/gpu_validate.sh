@@ -25,7 +25,8 @@
 #   flash-engine  the same for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
 #            memory fraction;
 #   dispatch where the tiny step's host dispatch goes (tools/dispatch_probe.py: the engine's launches apart, no-ops on
-#            the same arguments, a host trace; issue 11 item 1), then XLA's log of the step's graph updates;
+#            the same arguments, launches as under ZOS, a host trace of those; issue 11 items 1-2), the ZOS rows again
+#            without loops in the step's graphs, then XLA's log of the step's graph updates;
 #   flash    flash-slice step rows, every kernel on: decode at batch 1, 16, 64, 128 and context 4095, prefill of
 #            1024 and 8192 tokens (issues 12 and 13, item 5 / 4);
 #   bench    the tiny step with kernels off and on, a profiler trace and its summary, the GEMM fusions' tilings;
@@ -113,6 +114,10 @@ case "$stage" in
   dispatch)
     run 200 python3 tools/dispatch_probe.py --batch 1,32 --trace "$out/trace-dispatch"
     run 60 python3 tools/trace_summary.py "$out/trace-dispatch" --host --steps 10 --top 25
+    # the ZOS rows without the loops in the step's graphs (XLA's default list): does a WHILE / CONDITIONAL graph
+    # make a launch wait for the step in flight?
+    run 120 python3 tools/dispatch_probe.py --batch 1 \
+      --step-xla-option xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
     # which allocations move between runs: XLA logs each graph update (none expected: dijax.runtime.step_buffers)
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,gpu_executable=5 timeout 100 \
       python3 tools/dispatch_probe.py --batch 1 > "$out/dispatch-vlog.txt" 2>&1
