@@ -11,6 +11,8 @@ of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's opt
   buffer, the model step writing into the last step's logits buffer, the sampler), the previous step's handle alive
   as under ZOS; ``, a fresh logits buffer each step``: the same with the logits not recycled, so the step's output
   moves every step, as before the twelfth session (XLA then updates the step's CUDA graphs before each replay);
+* ``engine launch, the sampler's inputs placed``: the same with the sampler's inputs on the device first (they
+  stay at their addresses);
 * ``stage`` / ``sampler``: those launches alone (host inputs; ``placed``: the inputs on the device first);
 * ``model step, fixed buffers``: the model step alone on staged inputs, its logits buffer recycled;
 * ``no-op on the step's arguments``: a jitted function that takes the parameters, the donated cache and the inputs
@@ -20,6 +22,7 @@ of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's opt
 ``ZOS: launch while a step runs`` and ``ZOS: per step``: 50 engine launches as under ZOS (step n + 1 launched, then
 step n's tokens read): the median launch, and the time per step;
 ``tokens chained``: the same with each launch's previous tokens the previous launch's sampled tokens, as under ZOS
+(``the sampler's inputs placed``: and the sampler's inputs on the device first)
 (the engine's ZOS decode step took 4.0 ms to launch against 1.3 ms without ZOS on the H200, fourteenth session:
 these rows say whether chaining or launching while a step runs costs it).
 ``--trace DIR`` writes a JAX profiler trace of 10 engine steps of the first batch size launched as under ZOS, tokens
@@ -103,23 +106,30 @@ def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, 
     take_params = jax.jit(lambda leaves: jnp.zeros(()))
     take_one = jax.jit(lambda x: x + 1)
     one = jnp.zeros(())
-    table = {"engine launch": launch_ms(engine),
-             "engine launch, a fresh logits buffer each step": launch_ms(fresh_logits),
-             "stage": launch_ms(lambda: runner.buffers.stage(batch, remap, prev_tokens).values_N),
-             "stage, placed": launch_ms(lambda: runner.buffers.stage(placed_batch, placed_remap,
-                                                                     prev_tokens).values_N),
-             "model step, fixed buffers": launch_ms(model_step, keep_last=False),
-             "sampler": launch_ms(lambda: runner._sample(held["logits"], sampling)),
-             "sampler, placed": launch_ms(lambda: runner._sample(held["logits"], placed_sampling)),
-             "no-op on the step's arguments": launch_ms(no_op_all),
-             "no-op on the parameters": launch_ms(lambda: take_params(leaves)),
-             "no-op on one array": launch_ms(lambda: take_one(one))}
+    rows_ms = [("engine launch", lambda: launch_ms(engine)),
+               ("engine launch, a fresh logits buffer each step", lambda: launch_ms(fresh_logits)),
+               ("engine launch, the sampler's inputs placed",
+                lambda: launch_ms(lambda: runner.launch(output, inputs, placed_sampling, rows).tokens_R)),
+               ("stage", lambda: launch_ms(lambda: runner.buffers.stage(batch, remap, prev_tokens).values_N)),
+               ("stage, placed", lambda: launch_ms(lambda: runner.buffers.stage(placed_batch, placed_remap,
+                                                                                 prev_tokens).values_N)),
+               ("model step, fixed buffers", lambda: launch_ms(model_step, keep_last=False)),
+               ("sampler", lambda: launch_ms(lambda: runner._sample(held["logits"], sampling))),
+               ("sampler, placed", lambda: launch_ms(lambda: runner._sample(held["logits"], placed_sampling))),
+               ("no-op on the step's arguments", lambda: launch_ms(no_op_all)),
+               ("no-op on the parameters", lambda: launch_ms(lambda: take_params(leaves))),
+               ("no-op on one array", lambda: launch_ms(lambda: take_one(one)))]
+    table = {}
+    for name, measure in rows_ms:
+        print(f"-- row: {name}", flush=True)  # splits an XLA log of the run by row (gpu_validate.sh dispatch)
+        table[name] = measure()
     runner.buffers.recycle(held["logits"])
-    for chained in (False, True):
-        launch, step = in_flight_ms(runner, output, inputs, sampling, rows, chained)
-        name = "ZOS" + (", tokens chained" if chained else "")
-        table[f"{name}: launch while a step runs"] = launch
-        table[f"{name}: per step"] = step
+    for chained, step_sampling in ((False, sampling), (True, sampling), (True, placed_sampling)):
+        name = "ZOS" + (", tokens chained" if chained else "") + (
+            ", the sampler's inputs placed" if step_sampling is placed_sampling else "")
+        print(f"-- row: {name}", flush=True)
+        table[f"{name}: launch while a step runs"], table[f"{name}: per step"] = in_flight_ms(
+            runner, output, inputs, step_sampling, rows, chained)
     return table
 
 

@@ -122,6 +122,9 @@ case "$stage" in
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,gpu_executable=5 timeout 100 \
       python3 tools/dispatch_probe.py --batch 1 > "$out/dispatch-vlog.txt" 2>&1
     grep -ciE "update command buffer|updated_allocs" "$out/dispatch-vlog.txt" | sed 's/^/graph update log lines: /' >> "$log"
+    # the same per probe row (each measures 55-60 launches): which launches re-record a graph
+    awk '/^-- row: /{row=substr($0, 9)} /[Uu]pdate command buffer/{n[row]++} END{for (r in n) print "graph updates in row " r ": " n[r]}' \
+      "$out/dispatch-vlog.txt" >> "$log"
     grep -iE "changed address|updated_allocs" "$out/dispatch-vlog.txt" | sed 's/^.*\] //' | sort | uniq -c | sort -rn | head -8 >> "$log" ;;
   flash)
     run 570 python3 tools/bench.py --model flash-slice --decode-batch 1,16,64,128 --context 4095 \
