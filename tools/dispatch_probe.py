@@ -19,16 +19,16 @@ of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's opt
   and returns the cache: the argument handling alone;
 * ``no-op on the parameters`` and ``no-op on one array``: the same with fewer arguments.
 
-``ZOS: launch while a step runs`` and ``ZOS: per step``: 50 engine launches as under ZOS (step n + 1 launched, then
-step n's tokens read): the median launch, and the time per step;
-``tokens chained``: the same with each launch's previous tokens the previous launch's sampled tokens, as under ZOS
-(``the sampler's inputs placed``: and the sampler's inputs on the device first)
-(the engine's ZOS decode step took 4.0 ms to launch against 1.3 ms without ZOS on the H200, fourteenth session:
-these rows say whether chaining or launching while a step runs costs it).
+``engine, back to back``: 50 engine launches without waiting, one wait at the end (max of host and device per step).
+``ZOS: launch while a step runs`` and ``ZOS: per step``: 50 engine launches as the engine makes them under ZOS (step
+n + 1 launched, then step n's tokens read): the median launch and the time per step; ``tokens chained``: each
+launch's previous tokens are the last launch's sampled tokens, as in the engine; ``the sampler's inputs placed``:
+those on the device first. The engine's ZOS decode step took 4.0 ms to launch against 1.3 ms without ZOS on the
+H200 (fourteenth session): these rows say which of these costs it.
 ``--trace DIR`` writes a JAX profiler trace of 10 engine steps of the first batch size launched as under ZOS, tokens
-chained (host and device events: ``tools/trace_summary.py DIR --host --steps 10``). ``--step-xla-option`` changes the step's XLA options
-(A/B runs of its command buffers: ``tools/gpu_validate.sh dispatch``). First run on the H200 in the eleventh
-session (docs/benchmarks.md).
+chained (host and device events: ``tools/trace_summary.py DIR --host --steps 10``). ``--step-xla-option`` changes
+the step's XLA options (A/B runs of its command buffers: ``tools/gpu_validate.sh dispatch``). First run on the H200
+in the eleventh session (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -124,9 +124,14 @@ def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, 
         print(f"-- row: {name}", flush=True)  # splits an XLA log of the run by row (gpu_validate.sh dispatch)
         table[name] = measure()
     runner.buffers.recycle(held["logits"])
-    for chained, step_sampling in ((False, sampling), (True, sampling), (True, placed_sampling)):
-        name = "ZOS" + (", tokens chained" if chained else "") + (
-            ", the sampler's inputs placed" if step_sampling is placed_sampling else "")
+    jax.block_until_ready(engine())
+    start = time.perf_counter()
+    for _ in range(50):
+        out = engine()
+    jax.block_until_ready(out)
+    table["engine, back to back"] = (time.perf_counter() - start) / 50 * 1e3
+    for name, chained, step_sampling in (("ZOS", False, sampling), ("ZOS, tokens chained", True, sampling),
+                                         ("ZOS, tokens chained, the sampler's inputs placed", True, placed_sampling)):
         print(f"-- row: {name}", flush=True)
         table[f"{name}: launch while a step runs"], table[f"{name}: per step"] = in_flight_ms(
             runner, output, inputs, step_sampling, rows, chained)
@@ -143,7 +148,6 @@ def in_flight_ms(runner: ModelRunner, output, inputs: tuple, sampling, rows: dic
     batch, consts, prev_tokens, remap = inputs
     previous = jax.block_until_ready(runner.launch(output, inputs, sampling, rows).tokens_R)
     times = []
-    start = time.perf_counter()
     for i in range(runs + 5):
         if i == 5:
             start = time.perf_counter()

@@ -53,7 +53,8 @@ parity() {  # name, time limit, arguments of dijax parity
 }
 case "$stage" in
   tests)
-    run 430 python3 -m pytest -q -ra tests/gpu  # 72 tests; 270 s ran 46 of them on a fresh machine (fourteenth session)
+    # 72 tests: 270 s ran 46 of them on a freshly started machine (fourteenth session)
+    run 430 python3 -m pytest -q -ra tests/gpu
     # the engine paths whose guards only mean something on a GPU (device-to-host reads) and the AOT warm-up
     run 140 python3 -m pytest -q -ra tests/test_step_timeline.py "tests/test_engine.py::test_no_new_compilations_after_warm_up" ;;
   kernels)
@@ -121,10 +122,9 @@ case "$stage" in
     # which allocations move between runs: XLA logs each graph update (none expected: dijax.runtime.step_buffers)
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,gpu_executable=5 timeout 100 \
       python3 tools/dispatch_probe.py --batch 1 > "$out/dispatch-vlog.txt" 2>&1
-    grep -ciE "update command buffer|updated_allocs" "$out/dispatch-vlog.txt" | sed 's/^/graph update log lines: /' >> "$log"
-    # the same per probe row (each measures 55-60 launches): which launches re-record a graph
-    awk '/^-- row: /{row=substr($0, 9)} /[Uu]pdate command buffer/{n[row]++} END{for (r in n) print "graph updates in row " r ": " n[r]}' \
-      "$out/dispatch-vlog.txt" >> "$log"
+    # per probe row (each measures 55-60 launches): which launches re-record a graph
+    awk '/^-- row: /{row=substr($0, 9)} /[Uu]pdate command buffer/{n[row]++}
+         END{for (r in n) print "graph updates in row " r ": " n[r]}' "$out/dispatch-vlog.txt" >> "$log"
     grep -iE "changed address|updated_allocs" "$out/dispatch-vlog.txt" | sed 's/^.*\] //' | sort | uniq -c | sort -rn | head -8 >> "$log" ;;
   flash)
     run 570 python3 tools/bench.py --model flash-slice --decode-batch 1,16,64,128 --context 4095 \
