@@ -307,7 +307,9 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
                                                                max_model_len, sampling, debug_logits=True)
     start = time.perf_counter()
     step = runner.lower(inputs).compile()
-    sampler = runner.lower_sampler(step.out_info[0], sampler_inputs).compile()  # the step's logits, their sharding
+    logits_RV = step.out_info[0]  # the step's logits, their sharding; the sampler's arguments as launch stages them
+    sampler = runner.lower_sampler(logits_RV, runner.buffers.abstract_sampling(logits_RV.shape[0],
+                                                                                sampler_inputs.mode)).compile()
     executables = {"": step, ".sampler": sampler}
     launches = sum(kernel_launches(e.as_text()) for e in executables.values())
     temp_bytes = sum(e.memory_analysis().temp_size_in_bytes for e in executables.values())

@@ -11,9 +11,8 @@ of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's opt
   buffer, the model step writing into the last step's logits buffer, the sampler), the previous step's handle alive
   as under ZOS; ``, a fresh logits buffer each step``: the same with the logits not recycled, so the step's output
   moves every step, as before the twelfth session (XLA then updates the step's CUDA graphs before each replay);
-* ``engine launch, the sampler's inputs placed``: the same with the sampler's inputs on the device first (they
-  stay at their addresses);
-* ``stage`` / ``sampler``: those launches alone (host inputs; ``placed``: the inputs on the device first);
+* ``stage`` / ``sampler``: those launches alone (host inputs; ``placed``: the inputs on the device first; the
+  engine's sampler takes its arguments from the buffer ``stage`` writes, which keeps its address);
 * ``model step, fixed buffers``: the model step alone on staged inputs, its logits buffer recycled;
 * ``no-op on the step's arguments``: a jitted function that takes the parameters, the donated cache and the inputs
   and returns the cache: the argument handling alone;
@@ -22,9 +21,9 @@ of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's opt
 ``engine, back to back``: 50 engine launches without waiting, one wait at the end (max of host and device per step).
 ``ZOS: launch while a step runs`` and ``ZOS: per step``: 50 engine launches as the engine makes them under ZOS (step
 n + 1 launched, then step n's tokens read): the median launch and the time per step; ``tokens chained``: each
-launch's previous tokens are the last launch's sampled tokens, as in the engine; ``the sampler's inputs placed``:
-those on the device first. The engine's ZOS decode step took 4.0 ms to launch against 1.3 ms without ZOS on the
-H200 (fourteenth session): these rows say which of these costs it.
+launch's previous tokens are the last launch's sampled tokens, as in the engine. The fifteenth session's run named
+the cause of the engine's slow ZOS step (4.0 ms to launch against 1.3 ms without ZOS on the H200, fourteenth
+session): the sampler's host arguments, landing at new addresses every step (docs/benchmarks.md).
 ``--trace DIR`` writes a JAX profiler trace of 10 engine steps of the first batch size launched as under ZOS, tokens
 chained (host and device events: ``tools/trace_summary.py DIR --host --steps 10``). ``--step-xla-option`` changes
 the step's XLA options (A/B runs of its command buffers: ``tools/gpu_validate.sh dispatch``). First run on the H200
@@ -90,7 +89,7 @@ def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, 
 
     def model_step():
         if not held:
-            held["staged"] = runner.buffers.stage(batch, remap, prev_tokens)
+            held["staged"] = runner.buffers.stage(batch, remap, prev_tokens, sampling)[0]
             held["logits"] = runner.buffers.logits(num_rows, vocab)
         held["logits"], runner.cache = runner._step(leaves, runner.cache, held["staged"], consts, None,
                                                     held["logits"])
@@ -108,11 +107,9 @@ def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, 
     one = jnp.zeros(())
     rows_ms = [("engine launch", lambda: launch_ms(engine)),
                ("engine launch, a fresh logits buffer each step", lambda: launch_ms(fresh_logits)),
-               ("engine launch, the sampler's inputs placed",
-                lambda: launch_ms(lambda: runner.launch(output, inputs, placed_sampling, rows).tokens_R)),
-               ("stage", lambda: launch_ms(lambda: runner.buffers.stage(batch, remap, prev_tokens).values_N)),
-               ("stage, placed", lambda: launch_ms(lambda: runner.buffers.stage(placed_batch, placed_remap,
-                                                                                 prev_tokens).values_N)),
+               ("stage", lambda: launch_ms(lambda: runner.buffers.stage(batch, remap, prev_tokens, sampling)[1])),
+               ("stage, placed", lambda: launch_ms(lambda: runner.buffers.stage(
+                   placed_batch, placed_remap, prev_tokens, placed_sampling)[1])),
                ("model step, fixed buffers", lambda: launch_ms(model_step, keep_last=False)),
                ("sampler", lambda: launch_ms(lambda: runner._sample(held["logits"], sampling))),
                ("sampler, placed", lambda: launch_ms(lambda: runner._sample(held["logits"], placed_sampling))),
@@ -130,11 +127,10 @@ def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, 
         out = engine()
     jax.block_until_ready(out)
     table["engine, back to back"] = (time.perf_counter() - start) / 50 * 1e3
-    for name, chained, step_sampling in (("ZOS", False, sampling), ("ZOS, tokens chained", True, sampling),
-                                         ("ZOS, tokens chained, the sampler's inputs placed", True, placed_sampling)):
+    for name, chained in (("ZOS", False), ("ZOS, tokens chained", True)):
         print(f"-- row: {name}", flush=True)
         table[f"{name}: launch while a step runs"], table[f"{name}: per step"] = in_flight_ms(
-            runner, output, inputs, step_sampling, rows, chained)
+            runner, output, inputs, sampling, rows, chained)
     return table
 
 

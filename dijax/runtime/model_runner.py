@@ -23,9 +23,10 @@ launch that writes the step's inputs into their fixed buffer, dijax.runtime.step
 Under zero-overhead scheduling a decode whose input token is still in flight carries ``FROM_DEVICE``; the model
 step gathers it from the previous step's sampled-token array through ``remap_T`` (token t reads row
 ``remap_T[t]``) without a host round trip. The step's per-call inputs (the packed batch, ``remap_T``, the previous
-tokens) are first written into one buffer of the runner's, in place, and the step writes its logits into the last
-step's logits buffer: every buffer the step touches keeps its address, so its CUDA graphs replay without an update
-(dijax.runtime.step_buffers). Launching runs under ``jax.transfer_guard_device_to_host("disallow")``:
+tokens) are first written into one buffer of the runner's and the sampler's arguments into another, in place, and
+the step writes its logits into the last step's logits buffer: every buffer the two executables read, and the
+step's output, keeps its address, so the step's CUDA graphs replay without an update (the sampler's small graph is
+updated for its tokens, a new array each step; dijax.runtime.step_buffers). Launching runs under ``jax.transfer_guard_device_to_host("disallow")``:
 an accidental device read there raises instead of silently serialising. ``StepHandle.wait()`` is the only place
 that reads device results.
 
@@ -66,7 +67,7 @@ from dijax.model.step import CacheSpec, PackedBatch, SeqChunk, build_step, init_
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, param_specs, params_mesh
 from dijax.parallel.ranks import RANKS, num_ranks, over_ranks, stack_ranks
-from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, step_sampling
+from dijax.runtime.sampler import MODES, StepSampling, sample, step_sampling
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
 from dijax.runtime.step_buffers import StepBuffers
 from dijax.runtime.step_timeline import StepRecord
@@ -273,9 +274,9 @@ class ModelRunner:
             self._mesh, RANKS if self._ranks_mesh is not None else PartitionSpec())
         self._jit = compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree, self._ranks_mesh,
                                   placed)
-        self.buffers = StepBuffers(placed)
-        self._sample = _compiled_sampler(cfg, self.num_ranks * self.max_rows,
-                                         None if self._mesh is None else NamedSharding(self._mesh, PartitionSpec()))
+        replicated = None if self._mesh is None else NamedSharding(self._mesh, PartitionSpec())
+        self.buffers = StepBuffers(placed, replicated)  # the sampler's arguments placed as its tokens are
+        self._sample = _compiled_sampler(cfg, self.num_ranks * self.max_rows, replicated)
         # the cache and prev_tokens_R of a step with no predecessor placed as the step and the sampler return them
         # (the cache replicated on the mesh, or split by rank; the tokens replicated): an executable is keyed on its
         # inputs' shardings, so a first step with another placement would compile every bucket twice
@@ -336,8 +337,7 @@ class ModelRunner:
             self.buffers.compile(batch, remap, prev_tokens, *logits_RV.shape)
             if first_of_rows[num_seqs] == i:  # the sampler's executables depend on S only (small, traced here)
                 for mode in MODES:
-                    sampling = StepSampling.of(sampling_inputs([], self.num_ranks * num_seqs), mode)
-                    self.lower_sampler(logits_RV, sampling).compile()
+                    self.lower_sampler(logits_RV, self.buffers.abstract_sampling(logits_RV.shape[0], mode)).compile()
 
         workers = max(1, min(threads or os.cpu_count() or 1, len(jobs)))
         with ThreadPoolExecutor(workers) as pool, tqdm(total=len(jobs), desc="compile step buckets",
@@ -440,7 +440,7 @@ class ModelRunner:
         with those placed first)."""
         batch, consts, prev_tokens, remap = inputs
         with jax.transfer_guard_device_to_host("disallow"):
-            staged = self.buffers.stage(batch, remap, prev_tokens)
+            staged, sampling = self.buffers.stage(batch, remap, prev_tokens, sampling)
             logits_RV = self.buffers.logits(self.logit_rows(batch), self.cfg.vocab_size)
             logits_RV, self.cache = self._step(self.param_leaves, self.cache, staged, consts, None, logits_RV)
             if record is not None:

@@ -116,11 +116,12 @@ COLUMN_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int3
 @dataclass(frozen=True)
 class StepSampling:
     """An engine step's sampling arguments, as one pytree: ``packed_6R`` (``sampling_inputs``' six columns as
-    uint32 bits, [6, R]: one host -> device copy per step instead of six) is its leaf and ``mode`` (one of ``MODES``)
-    its static part, so a jitted sampler taking it compiles once per mode. A ``greedy`` sampler never reads
-    ``packed_6R``, so jit drops it and the step copies nothing for sampling."""
+    uint32 bits, [6, R]: one host -> device copy per step instead of six; a host array as built, the engine's
+    fixed device buffer once ``StepBuffers.stage`` has written it) is its leaf and ``mode`` (one of ``MODES``) its
+    static part, so a jitted sampler taking it compiles once per mode. A ``greedy`` sampler never reads
+    ``packed_6R`` (jit drops it)."""
 
-    packed_6R: np.ndarray
+    packed_6R: np.ndarray | jax.Array
     mode: str
 
     @classmethod

@@ -11,11 +11,15 @@ their addresses, and the cache does too (donated, it comes back in place). What 
   call) and the previous step's sampled tokens (a fresh sampler output each step). ``StepBuffers.stage`` writes
   all three, in one small executable of their own, into one int32 buffer per bucket that is donated to that
   executable and so overwritten in place; the model step reads only that buffer (``StagedInputs``).
+* the sampler's per-row arguments (``StepSampling.packed_6R``, a host array). The same executable writes them into
+  a uint32 buffer per row count, in place, and the sampler reads that one. When they came as host arrays, the
+  sampler's graph was updated before every replay and, under ZOS, the tiny default's decode step took 2.18 ms a
+  step against 1.36 ms with them placed (H200, tools/dispatch_probe.py, fifteenth session).
 * the logits the step returns. ``StepBuffers.logits`` hands the step the logits array the previous step of the
   same rows bucket returned, donated: the step writes its logits into it. The previous step's sampler, launched
   before on the same stream, has read it by then.
 
-Memory held: the staged inputs (a few KB per bucket) and one float32 logits buffer per rows bucket, about twice
+Memory held: the staged inputs (a few KB per bucket), the sampler's (24 B a row per row bucket) and one float32 logits buffer per rows bucket, about twice
 the largest (V4.1-Flash at 256 rows: 2 x 256 x 129,280 x 4 B = 265 MB), where the logits used to be freed after
 each step's sampler.
 
@@ -24,7 +28,7 @@ addresses of its own arguments cost nothing. Buffers are created on first use of
 host transfer) with the placement the step gives them, so that the first step of a bucket and every later one key
 the same executable.
 
-Letters: N packed batch elements, T tokens, M previous-token rows, R logit rows, V vocab.
+Letters: N packed batch elements, T tokens, M previous-token rows, R logit rows (and sampled rows), V vocab.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from jax import lax
 from jax.sharding import Sharding
 
 from dijax.model.step import PackedBatch
+from dijax.runtime.sampler import StepSampling
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values_N"],
@@ -68,19 +73,21 @@ def _host_part(packed_N, remap_T):
     return jnp.concatenate([packed_N, remap_T], axis=-1)
 
 
-def _write(buffer_N, head_N, prev_tokens_R):
-    """The staged values (``buffer_N``, donated, is where they land): head_N (``_host_part``) ++ prev_tokens_R along
-    the last axis, the tokens repeated on every rank's row."""
+def _write(buffer_N, sampling_buffer_6R, head_N, prev_tokens_R, sampling_6R):
+    """(the staged values, the sampler's) written over ``buffer_N`` and ``sampling_buffer_6R`` (both donated: that
+    is where they land): head_N (``_host_part``) ++ prev_tokens_R along the last axis, the tokens repeated on every
+    rank's row; sampling_6R as it is."""
     prev = jnp.broadcast_to(prev_tokens_R, head_N.shape[:-1] + prev_tokens_R.shape)
     values = jnp.concatenate([head_N, prev], axis=-1).astype(buffer_N.dtype)
-    # an update of the whole buffer, not the values alone: jit drops an argument the result does not use, and a
+    # updates of the whole buffers, not the values alone: jit drops an argument the result does not use, and a
     # dropped argument cannot give the result its memory
-    return lax.dynamic_update_slice(buffer_N, values, (0,) * values.ndim)
+    return (lax.dynamic_update_slice(buffer_N, values, (0,) * values.ndim),
+            lax.dynamic_update_slice(sampling_buffer_6R, sampling_6R.astype(jnp.uint32), (0, 0)))
 
 
 @lru_cache(maxsize=8)
-def _writer(sharding: Sharding | None):
-    return jax.jit(_write, donate_argnums=0, out_shardings=sharding)
+def _writer(sharding: Sharding | None, sampling_sharding: Sharding | None):
+    return jax.jit(_write, donate_argnums=(0, 1), out_shardings=(sharding, sampling_sharding))
 
 
 @lru_cache(maxsize=None)  # one per buffer shape: bounded by the engine's buckets
@@ -89,13 +96,16 @@ def _filler(shape: tuple[int, ...], dtype: str, sharding: Sharding | None):
 
 
 class StepBuffers:
-    """The engine step's staged inputs (one buffer per input size) and logits (one per shape), all placed as
-    ``sharding`` (the step's outputs' placement; None: the default device). Inputs are host (numpy) or device arrays,
-    or ``jax.ShapeDtypeStruct``s where only shapes matter (``abstract``, ``compile``)."""
+    """The engine step's staged inputs (one buffer per input size), the sampler's arguments (one per row count) and
+    the logits (one per shape), placed as ``sharding`` (the step's outputs' placement; None: the default device),
+    the sampler's as ``sampling_sharding`` (the sampler's outputs' placement). Inputs are host (numpy) or device
+    arrays, or ``jax.ShapeDtypeStruct``s where only shapes matter (``abstract``, ``compile``)."""
 
-    def __init__(self, sharding: Sharding | None = None):
+    def __init__(self, sharding: Sharding | None = None, sampling_sharding: Sharding | None = None):
         self.sharding = sharding
+        self.sampling_sharding = sampling_sharding
         self._inputs: dict[tuple[int, ...], jax.Array] = {}
+        self._sampling: dict[tuple[int, ...], jax.Array] = {}
         self._logits: dict[tuple[int, ...], jax.Array] = {}
 
     @staticmethod
@@ -113,30 +123,44 @@ class StepBuffers:
         logits = jax.ShapeDtypeStruct((num_rows, vocab), jnp.float32, sharding=self.sharding)
         return self._staged(staged, batch, remap_T), logits
 
+    def abstract_sampling(self, num_rows: int, mode: str) -> StepSampling:
+        """The ``StepSampling`` of abstract values that ``stage`` gives a step of ``num_rows`` sampled rows in sampler
+        mode ``mode``: what the sampler is lowered for."""
+        return StepSampling(jax.ShapeDtypeStruct((6, num_rows), jnp.uint32, sharding=self.sampling_sharding), mode)
+
     @staticmethod
     def _staged(values, batch: PackedBatch, remap_T) -> StagedInputs:
         return StagedInputs(values, batch.shapes, batch.packed_N.shape[-1], remap_T.shape[-1])
 
     def compile(self, batch: PackedBatch, remap_T, prev_tokens_R, num_rows: int, vocab: int) -> None:
-        """Compile ahead of time what ``stage`` and ``logits`` run for a step with these inputs (the engine's
-        warm-up): the write and the two buffers' first fill."""
+        """Compile ahead of time what ``stage`` and ``logits`` run for a step with these inputs and ``num_rows``
+        logit (and sampled) rows (the engine's warm-up): the write and the three buffers' first fill."""
         staged, logits = self.abstract(batch, remap_T, prev_tokens_R, num_rows, vocab)
-        _writer(self.sharding).lower(staged.values_N, _host_part(batch.packed_N, remap_T),
-                                            prev_tokens_R).compile()
+        sampling = self.abstract_sampling(num_rows, "greedy").packed_6R
+        _writer(self.sharding, self.sampling_sharding).lower(
+            staged.values_N, sampling, _host_part(batch.packed_N, remap_T), prev_tokens_R, sampling).compile()
         _filler(staged.values_N.shape, "int32", self.sharding).lower().compile()
+        _filler(sampling.shape, "uint32", self.sampling_sharding).lower().compile()
         _filler(logits.shape, "float32", self.sharding).lower().compile()
 
-    def stage(self, batch: PackedBatch, remap_T, prev_tokens_R) -> StagedInputs:
-        """The step's inputs written into this size's buffer (created on first use), in place: one small launch,
-        one host -> device copy (``batch`` and ``remap_T`` as host arrays; device ones are joined on the device), no
-        host read. ``prev_tokens_R``: the previous step's tokens."""
+    def stage(self, batch: PackedBatch, remap_T, prev_tokens_R, sampling: StepSampling
+              ) -> tuple[StagedInputs, StepSampling]:
+        """(the step's inputs, ``sampling`` with its ``packed_6R``) written into this size's buffers (created on
+        first use), in place: one small launch, host -> device copies of the host arrays (``batch`` and ``remap_T``
+        joined into one), no host read. ``prev_tokens_R``: the previous step's tokens."""
         shape = self.staged_shape(batch, remap_T, prev_tokens_R)
+        sampling_shape = tuple(sampling.packed_6R.shape)
         buffer = self._inputs.pop(shape, None)
         if buffer is None:
             buffer = _filler(shape, "int32", self.sharding)()
-        values = _writer(self.sharding)(buffer, _host_part(batch.packed_N, remap_T), prev_tokens_R)
+        sampling_buffer = self._sampling.pop(sampling_shape, None)
+        if sampling_buffer is None:
+            sampling_buffer = _filler(sampling_shape, "uint32", self.sampling_sharding)()
+        values, packed_6R = _writer(self.sharding, self.sampling_sharding)(
+            buffer, sampling_buffer, _host_part(batch.packed_N, remap_T), prev_tokens_R, sampling.packed_6R)
         self._inputs[shape] = values
-        return self._staged(values, batch, remap_T)
+        self._sampling[sampling_shape] = packed_6R
+        return self._staged(values, batch, remap_T), StepSampling(packed_6R, sampling.mode)
 
     def logits(self, num_rows: int, vocab: int) -> jax.Array:
         """The float32 [R, V] array the step writes its logits into (donated to it): the one the last step of this
@@ -149,4 +173,3 @@ class StepBuffers:
         """Keep the step's logits (already handed to the sampler, and referenced nowhere else) for the next step of
         their shape."""
         self._logits[tuple(logits_RV.shape)] = logits_RV
-
