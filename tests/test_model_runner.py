@@ -128,3 +128,36 @@ def test_the_step_inputs_travel_as_one_array_per_executable(tiny):
     for field in dataclasses.fields(StepBatch):
         want, got = getattr(batch, field.name), np.asarray(getattr(unpacked, field.name))
         assert got.dtype == (bool if field.name == "valid_T" else np.int32) and np.array_equal(got, want), field.name
+
+
+@pytest.mark.parametrize("logits", ["last", "all", "none"])
+def test_build_step_lays_out_every_chunk(logits):
+    """``build_step`` (built column-wise) against a chunk-by-chunk reading of the StepBatch fields: tokens,
+    positions, sequence rows and validity of each chunk's tokens, back to back then padding; each row's slot,
+    start, query length and offset; block tables of several widths, zero-padded; the logit rows each chunk asks
+    for. Also a step of no chunks."""
+    rng = np.random.default_rng(3)
+    lengths, widths = [3, 1, 7, 1], [2, 5, 1, 3]
+    chunks = [SeqChunk(slot=int(rng.integers(0, 9)), block_table=tuple(rng.integers(0, 50, w).tolist()),
+                       start=int(rng.integers(0, 40)), tokens=tuple(rng.integers(0, 500, n).tolist()),
+                       logits=logits) for n, w in zip(lengths, widths)]
+    batch, rows_per_chunk = build_step(chunks, 16, 6, 5, 16)
+    t = 0
+    want_rows = []
+    for s, c in enumerate(chunks):
+        n = len(c.tokens)
+        np.testing.assert_array_equal(batch.tokens_T[t:t + n], c.tokens)
+        np.testing.assert_array_equal(batch.positions_T[t:t + n], np.arange(c.start, c.start + n))
+        assert (batch.seq_T[t:t + n] == s).all() and batch.valid_T[t:t + n].all()
+        assert (batch.slot_S[s], batch.start_S[s], batch.qlen_S[s], batch.qstart_S[s]) == (c.slot, c.start, n, t)
+        np.testing.assert_array_equal(batch.block_table_SB[s], list(c.block_table) + [0] * (5 - len(c.block_table)))
+        wanted = {"last": [t + n - 1], "all": list(range(t, t + n)), "none": []}[logits]
+        assert rows_per_chunk[s] == list(range(len(want_rows), len(want_rows) + len(wanted)))
+        want_rows += wanted
+        t += n
+    assert not batch.valid_T[t:].any() and not batch.tokens_T[t:].any() and not batch.block_table_SB[4:].any()
+    np.testing.assert_array_equal(batch.logit_rows_R, want_rows + [0] * (16 - len(want_rows)))
+    empty, rows = build_step([], 8, 2, 3, 2)
+    assert rows == [] and not empty.valid_T.any() and empty.block_table_SB.shape == (2, 3)
+    with pytest.raises(ValueError, match="max_blocks"):
+        build_step(chunks, 16, 6, 4, 16)

@@ -299,8 +299,9 @@ class Scheduler:
             self.running.append(seq)
             planned[seq.request_id] = (seq, n)
 
-        previous = self._pending[-1] if self._pending else None
-        chunks = tuple(self._emit(seq, n, previous) for seq, n in planned.values())
+        # the requests the previous step samples for: the only ones whose input may still be in flight
+        in_flight = frozenset(self._pending[-1].sampled_request_ids) if self._pending else frozenset()
+        chunks = tuple(self._emit(seq, n, in_flight) for seq, n in planned.values())
         output = SchedulerOutput(step=next(self._steps), chunks=chunks, num_tokens=sum(c.num_tokens for c in chunks),
                                  preempted=tuple(preempted))
         self._pending.append(output)
@@ -346,8 +347,9 @@ class Scheduler:
         blocks.allocate(seq, up_to)
         return True
 
-    def _emit(self, seq: Sequence, n: int, previous: SchedulerOutput | None) -> ScheduledChunk:
-        """Describe ``seq``'s chunk of ``n`` tokens and advance its reservations (num_cached, num_inflight)."""
+    def _emit(self, seq: Sequence, n: int, in_flight: frozenset[str]) -> ScheduledChunk:
+        """Describe ``seq``'s chunk of ``n`` tokens and advance its reservations (num_cached, num_inflight).
+        ``in_flight``: the request ids the previous step samples for."""
         start = seq.num_cached
         if start < len(seq):
             token_ids = seq.tokens(start, start + n)
@@ -355,7 +357,7 @@ class Scheduler:
         else:
             # Its input was sampled by the previous step and is not on the host yet.
             assert n == 1 and seq.num_inflight > 0, f"{seq!r}: only a decode may read an in-flight token"
-            assert previous is not None and seq.request_id in previous.sampled_request_ids, (
+            assert seq.request_id in in_flight, (
                 f"{seq!r}: in-flight input must come from the previous step")
             token_ids = (FROM_DEVICE,)
         sample = start + n == seq.reserved_len
