@@ -26,7 +26,8 @@
 #            memory fraction;
 #   dispatch where the tiny step's host dispatch goes (tools/dispatch_probe.py: the engine's launches apart, no-ops on
 #            the same arguments, launches as under ZOS, a host trace of those; issue 11 items 1-2), the ZOS rows again
-#            without loops in the step's graphs, then XLA's log of the step's graph updates;
+#            without loops in the step's graphs, then XLA's log of the graph updates per probe row (fifteenth
+#            session: it named the sampler's host arguments as what moved every step);
 #   flash    flash-slice step rows, every kernel on: decode at batch 1, 16, 64, 128 and context 4095, prefill of
 #            1024 and 8192 tokens (issues 12 and 13, item 5 / 4);
 #   bench    the tiny step with kernels off and on, a profiler trace and its summary, the GEMM fusions' tilings;
@@ -107,9 +108,13 @@ case "$stage" in
       run 150 python3 tools/compile_time.py --buckets 64x64,8192x16 --max-blocks 1024 --threads 2 $option
     done ;;
   engine)
+    # a persistent compilation cache of the stage's own: the device-only rows' ahead-of-time compiles load what the
+    # engine's first generate compiled (fifteenth session: 1 and 64 prompts then fit one call)
+    export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-engine-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     run 450 python3 tools/bench.py --kernels auto --decode-batch "" --prefill "" --block-size 16 --engine on \
       --engine-batch 1,64 --warmup 5 --iters 30 ;;
   flash-engine)
+    export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-engine-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     run 560 python3 tools/bench.py --model flash-slice --decode-batch "" --prefill "" --block-size 128 --engine on \
       --engine-batch 1,64 --warmup 3 --iters 10 ;;
   dispatch)
