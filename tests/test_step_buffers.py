@@ -53,8 +53,8 @@ def test_staged_inputs_are_the_inputs_in_place(ranks):
 
 def test_a_zos_run_keeps_every_step_buffer_in_place():
     """The tiny engine under ZOS (prefills, then decodes whose tokens come from the device): per bucket, the staged
-    inputs, the sampler's arguments and the logits sit at one address every step, and so does the cache; the tokens are those of a run
-    without ZOS."""
+    inputs, the sampler's arguments and the logits sit at one address every step, and so does the cache; the
+    tokens are those of a run without ZOS."""
     prompts = ["The license", "Permission is hereby granted, free of charge"]
     work = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=7 + i, ignore_eos=True)
             for i in range(len(prompts))]

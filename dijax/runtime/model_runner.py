@@ -26,9 +26,9 @@ step gathers it from the previous step's sampled-token array through ``remap_T``
 tokens) are first written into one buffer of the runner's and the sampler's arguments into another, in place, and
 the step writes its logits into the last step's logits buffer: every buffer the two executables read, and the
 step's output, keeps its address, so the step's CUDA graphs replay without an update (the sampler's small graph is
-updated for its tokens, a new array each step; dijax.runtime.step_buffers). Launching runs under ``jax.transfer_guard_device_to_host("disallow")``:
-an accidental device read there raises instead of silently serialising. ``StepHandle.wait()`` is the only place
-that reads device results.
+updated for its tokens, a new array each step; dijax.runtime.step_buffers). Launching runs under
+``jax.transfer_guard_device_to_host("disallow")``: an accidental device read there raises instead of silently
+serialising. ``StepHandle.wait()`` is the only place that reads device results.
 
 Attention data parallelism (``attention_dp``, with parameters on a mesh; dijax.parallel.ranks): every device is an
 attention rank with its own cache (the pool sizes given to the runner are per rank: each rank has ``num_blocks``

@@ -19,12 +19,12 @@ their addresses, and the cache does too (donated, it comes back in place). What 
   same rows bucket returned, donated: the step writes its logits into it. The previous step's sampler, launched
   before on the same stream, has read it by then.
 
-Memory held: the staged inputs (a few KB per bucket), the sampler's (24 B a row per row bucket) and one float32 logits buffer per rows bucket, about twice
-the largest (V4.1-Flash at 256 rows: 2 x 256 x 129,280 x 4 B = 265 MB), where the logits used to be freed after
-each step's sampler.
+Memory held: the staged inputs (a few KB per bucket), the sampler's (24 B a row per row bucket) and one float32
+logits buffer per rows bucket, about twice the largest (V4.1-Flash at 256 rows: 2 x 256 x 129,280 x 4 B = 265 MB),
+where the logits used to be freed after each step's sampler.
 
-On one device the staging executable is a single fusion, too small for XLA to put into a graph, so the moving
-addresses of its own arguments cost nothing. Buffers are created on first use of a bucket by a jitted fill (no
+On one device the staging executable is one or two small fusions, too small for XLA to put into a graph, so the
+moving addresses of its own arguments cost nothing. Buffers are created on first use of a bucket by a jitted fill (no
 host transfer) with the placement the step gives them, so that the first step of a bucket and every later one key
 the same executable.
 
