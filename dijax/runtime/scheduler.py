@@ -264,8 +264,12 @@ class Scheduler:
             return self.max_num_batched_tokens - sum(n for seq, n in planned.values() if seq.rank == rank)
 
         # 1. Decodes: one token per running sequence that has exactly one token left to feed.
+        prefilling = []  # the others, in admission order, for step 2
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or not seq.is_prefill_done:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if not seq.is_prefill_done:
+                prefilling.append(seq)
                 continue
             # Its in-flight token will finish the request (max_tokens / max_model_len): nothing more to compute.
             if seq.num_inflight and (seq.output_position >= seq.params.max_tokens
@@ -274,9 +278,10 @@ class Scheduler:
             if self._make_room(seq, 1, planned, preempted):
                 planned[seq.request_id] = (seq, 1)
 
-        # 2. Running prefills (chunked prompts and recomputes) continue, in admission order.
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill_done or budget(seq.rank) == 0:
+        # 2. Running prefills (chunked prompts and recomputes) continue, in admission order (step 1's decodes only
+        # preempt, which takes a sequence out of the running queue: the status check)
+        for seq in prefilling:
+            if seq.status is not SequenceStatus.RUNNING or budget(seq.rank) == 0:
                 continue
             n = min(seq.num_uncached, budget(seq.rank))
             room = self.block_managers[seq.rank].room(seq, seq.num_cached)
@@ -350,8 +355,8 @@ class Scheduler:
     def _emit(self, seq: Sequence, n: int, in_flight: frozenset[str]) -> ScheduledChunk:
         """Describe ``seq``'s chunk of ``n`` tokens and advance its reservations (num_cached, num_inflight).
         ``in_flight``: the request ids the previous step samples for."""
-        start = seq.num_cached
-        if start < len(seq):
+        start, known = seq.num_cached, len(seq)
+        if start < known:
             token_ids = seq.tokens(start, start + n)
             assert len(token_ids) == n, f"{seq!r}: chunk of {n} tokens runs past the known tokens"
         else:
@@ -360,7 +365,7 @@ class Scheduler:
             assert seq.request_id in in_flight, (
                 f"{seq!r}: in-flight input must come from the previous step")
             token_ids = (FROM_DEVICE,)
-        sample = start + n == seq.reserved_len
+        sample = start + n == known + seq.num_inflight  # the chunk reaches the sequence's reserved length
         chunk = ScheduledChunk(request_id=seq.request_id, slot=seq.slot, block_table=tuple(seq.block_table),
                                start=start, num_tokens=n, token_ids=token_ids, sample=sample, epoch=seq.epoch,
                                seed=seq.seed, output_position=seq.output_position, params=seq.params,
