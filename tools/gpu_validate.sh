@@ -20,9 +20,10 @@
 #            buckets of `compile` compiled into a fresh cache and loaded from it by a second run;
 #   stack    the flash-stack step (a stacked run of real-size layers whose weights the kernels read in place) and
 #            the XLA GEMMs' rows; stack-dsf the same decode rows with XLA's dynamic-slice fusion on;
-#   engine   the tiny engine's ZOS on / off timeline against the device-only step at 1 and 64 prompts in flight
-#            (issue 11 item 2; its first generate compiles every engine bucket);
-#   flash-engine  the same for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
+#   engine   the engine's host work per decode step without the device (tools/host_probe.py), then the tiny
+#            engine's ZOS on / off timeline against the device-only step at 1 and 64 prompts in flight (issue 11
+#            item 2; its first generate compiles every engine bucket);
+#   flash-engine  the ZOS timeline for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
 #            memory fraction;
 #   dispatch where the tiny step's host dispatch goes (tools/dispatch_probe.py: the engine's launches apart, no-ops on
 #            the same arguments, launches as under ZOS, a host trace of those; issue 11 items 1-2), the ZOS rows again
@@ -111,6 +112,7 @@ case "$stage" in
     # a persistent compilation cache of the stage's own: the device-only rows' ahead-of-time compiles load what the
     # engine's first generate compiled (fifteenth session: 1 and 64 prompts then fit one call)
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-engine-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+    run 60 python3 tools/host_probe.py --batch 1,64  # the host's share of a decode step, this host, no device
     run 450 python3 tools/bench.py --kernels auto --decode-batch "" --prefill "" --block-size 16 --engine on \
       --engine-batch 1,64 --warmup 5 --iters 30 ;;
   flash-engine)
