@@ -23,8 +23,8 @@
 #   engine   the engine's host work per decode step without the device (tools/host_probe.py), then the tiny
 #            engine's ZOS on / off timeline against the device-only step at 1 and 64 prompts in flight (issue 11
 #            item 2; its first generate compiles every engine bucket);
-#   flash-engine  the ZOS timeline for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's default
-#            memory fraction;
+#   flash-engine  the ZOS timeline for flash-slice with 1 and 64 prompts in flight (issue 11 item 2), under JAX's
+#            default memory fraction;
 #   dispatch where the tiny step's host dispatch goes (tools/dispatch_probe.py: the engine's launches apart, no-ops on
 #            the same arguments, launches as under ZOS, a host trace of those; issue 11 items 1-2), the ZOS rows again
 #            without loops in the step's graphs, then XLA's log of the graph updates per probe row (fifteenth
