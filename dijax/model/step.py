@@ -21,7 +21,8 @@ run's parameters (the layer of repeat i, member j is ``plan.layers[i][r][j]``):
 
 ``cache["engram_hist"]`` [num_slots, G - 1] int32: the Engram hash's ring of compressed ids (with Engram only).
 
-Letters: T tokens, S sequence rows, B blocks per sequence, R logit rows.
+Letters: T tokens, S sequence rows, B blocks per sequence, R logit rows; in ``build_step`` C chunks and F their
+block tables' entries end to end.
 """
 
 from __future__ import annotations
@@ -114,38 +115,38 @@ def build_step(chunks: list[SeqChunk], num_tokens: int, num_seqs: int, max_block
     # built column by column from Python lists, a few numpy calls per step whatever the number of chunks (the
     # engine's host work per step: at 64 decodes a loop of per-chunk slice writes took ~0.3 ms of it)
     k = len(chunks)
-    qlen_k = np.array([len(c.tokens) for c in chunks], np.int32)
-    widths_k = np.array([len(c.block_table) for c in chunks], np.int64)
-    total = int(qlen_k.sum())
+    qlen_C = np.array([len(c.tokens) for c in chunks], np.int32)
+    widths_C = np.array([len(c.block_table) for c in chunks], np.int64)
+    total = int(qlen_C.sum())
     if total > num_tokens or k > num_seqs:
         raise ValueError(f"step of {total} tokens / {k} sequences exceeds the bucket "
                          f"({num_tokens} tokens, {num_seqs} sequences)")
-    if k and widths_k.max() > max_blocks:
-        raise ValueError(f"block table of {widths_k.max()} blocks exceeds max_blocks={max_blocks}")
-    start_k = np.array([c.start for c in chunks], np.int32)
-    qstart_k = (np.cumsum(qlen_k) - qlen_k).astype(np.int32)
+    if k and widths_C.max() > max_blocks:
+        raise ValueError(f"block table of {widths_C.max()} blocks exceeds max_blocks={max_blocks}")
+    start_C = np.array([c.start for c in chunks], np.int32)
+    qstart_C = (np.cumsum(qlen_C) - qlen_C).astype(np.int32)
     tokens = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     seq = np.zeros(num_tokens, np.int32)
     valid = np.zeros(num_tokens, bool)
     tokens[:total] = list(itertools.chain.from_iterable(c.tokens for c in chunks))
-    seq[:total] = np.repeat(np.arange(k, dtype=np.int32), qlen_k)
-    positions[:total] = np.arange(total, dtype=np.int32) + np.repeat(start_k - qstart_k, qlen_k)
+    seq[:total] = np.repeat(np.arange(k, dtype=np.int32), qlen_C)
+    positions[:total] = np.arange(total, dtype=np.int32) + np.repeat(start_C - qstart_C, qlen_C)
     valid[:total] = True
     slot = np.zeros(num_seqs, np.int32)
     start = np.zeros(num_seqs, np.int32)
     qlen = np.zeros(num_seqs, np.int32)
     qstart = np.zeros(num_seqs, np.int32)
     slot[:k] = [c.slot for c in chunks]
-    start[:k], qlen[:k], qstart[:k] = start_k, qlen_k, qstart_k
+    start[:k], qlen[:k], qstart[:k] = start_C, qlen_C, qstart_C
     table = np.zeros((num_seqs, max_blocks), np.int32)
-    flat = list(itertools.chain.from_iterable(c.block_table for c in chunks))
-    first_k = np.cumsum(widths_k) - widths_k
-    row_b = np.repeat(np.arange(k), widths_k)
-    table[row_b, np.arange(len(flat)) - np.repeat(first_k, widths_k)] = flat
+    flat_F = list(itertools.chain.from_iterable(c.block_table for c in chunks))  # every table's blocks
+    first_C = np.cumsum(widths_C) - widths_C
+    row_F = np.repeat(np.arange(k), widths_C)
+    table[row_F, np.arange(len(flat_F)) - np.repeat(first_C, widths_C)] = flat_F
     rows: list[int] = []
     rows_per_chunk: list[list[int]] = []
-    for c, t, n in zip(chunks, qstart_k.tolist(), qlen_k.tolist()):
+    for c, t, n in zip(chunks, qstart_C.tolist(), qlen_C.tolist()):
         wanted = {"last": [t + n - 1], "all": list(range(t, t + n)), "none": []}[c.logits]
         rows_per_chunk.append(list(range(len(rows), len(rows) + len(wanted))))
         rows.extend(wanted)
