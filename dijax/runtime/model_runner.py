@@ -28,7 +28,8 @@ the step writes its logits into the last step's logits buffer: every buffer the 
 step's output, keeps its address, so the step's CUDA graphs replay without an update (the sampler's small graph is
 updated for its tokens, a new array each step; dijax.runtime.step_buffers). Launching runs under
 ``jax.transfer_guard_device_to_host("disallow")``: an accidental device read there raises instead of silently
-serialising. ``StepHandle.wait()`` is the only place that reads device results.
+serialising. The launch queues the sampled tokens' copy to the host right behind the sampler; ``StepHandle.wait()``
+is the only place that reads device results.
 
 Attention data parallelism (``attention_dp``, with parameters on a mesh; dijax.parallel.ranks): every device is an
 attention rank with its own cache (the pool sizes given to the runner are per rank: each rank has ``num_blocks``
@@ -446,6 +447,10 @@ class ModelRunner:
             if record is not None:
                 record.lap("model", output.step)
             tokens_R = self._sample(logits_RV, sampling)
+            # the tokens' copy to the host queued now, behind the sampler: ``StepHandle.wait`` then finds them on
+            # the host (or on their way) instead of asking for them only once the step is done (an explicit
+            # transfer: the guard allows it)
+            tokens_R.copy_to_host_async()
             kept = jnp.copy(logits_RV) if self.debug_logits else None  # the buffer itself goes to the next step
             self.buffers.recycle(logits_RV)
             if record is not None:
