@@ -158,7 +158,9 @@ case "$stage" in
       parity tiny 540 "$fixtures/tiny" &
     fi
     wait
-    for f in "$out"/parity-*.txt; do echo "== $f"; grep -E "tier|engine|chunk|checks|error" "$f" | tail -8; done >> "$log" ;;
+    for f in "$out"/parity-*.txt; do
+      echo "== $f"; grep -m1 "^parity on" "$f"; grep -E "tier|engine|chunk|checks|error" "$f" | tail -8
+    done >> "$log" ;;
   *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120

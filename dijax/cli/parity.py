@@ -447,6 +447,8 @@ def run(args: argparse.Namespace) -> int:
     if args.engine and args.chunk is not None:
         raise ValueError("--chunk prefills the teacher-forced run in chunks; with --engine the step's token budget "
                          "decides chunking: use --max-num-batched-tokens N")
+    # where this run computes: a GPU run that fell back to the CPU shows here before anything else
+    print(f"parity on {jax.default_backend()} ({jax.devices()[0].device_kind}), kernels {args.kernels}", flush=True)
     if args.engine:
         return 0 if run_engine(args.fixture, args.layout, args.weights, args.zos == "on",
                                args.max_num_batched_tokens, args.block_size, args.num_blocks,
