@@ -82,7 +82,7 @@ def _write(buffer_N, sampling_buffer_6R, head_N, prev_tokens_R, sampling_6R):
     # updates of the whole buffers, not the values alone: jit drops an argument the result does not use, and a
     # dropped argument cannot give the result its memory
     return (lax.dynamic_update_slice(buffer_N, values, (0,) * values.ndim),
-            lax.dynamic_update_slice(sampling_buffer_6R, sampling_6R.astype(jnp.uint32), (0, 0)))
+            lax.dynamic_update_slice(sampling_buffer_6R, sampling_6R, (0, 0)))
 
 
 @lru_cache(maxsize=8)
@@ -93,6 +93,13 @@ def _writer(sharding: Sharding | None, sampling_sharding: Sharding | None):
 @lru_cache(maxsize=None)  # one per buffer shape: bounded by the engine's buckets
 def _filler(shape: tuple[int, ...], dtype: str, sharding: Sharding | None):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _take(kept: dict[tuple[int, ...], jax.Array], shape: tuple[int, ...], dtype: str,
+          sharding: Sharding | None) -> jax.Array:
+    """The buffer of ``shape`` in ``kept`` (removed from it: the caller donates it), else a new zero one."""
+    buffer = kept.pop(shape, None)
+    return _filler(shape, dtype, sharding)() if buffer is None else buffer
 
 
 class StepBuffers:
@@ -126,7 +133,10 @@ class StepBuffers:
     def abstract_sampling(self, num_rows: int, mode: str) -> StepSampling:
         """The ``StepSampling`` of abstract values that ``stage`` gives a step of ``num_rows`` sampled rows in sampler
         mode ``mode``: what the sampler is lowered for."""
-        return StepSampling(jax.ShapeDtypeStruct((6, num_rows), jnp.uint32, sharding=self.sampling_sharding), mode)
+        return StepSampling(self._sampling_struct(num_rows), mode)
+
+    def _sampling_struct(self, num_rows: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((6, num_rows), jnp.uint32, sharding=self.sampling_sharding)
 
     @staticmethod
     def _staged(values, batch: PackedBatch, remap_T) -> StagedInputs:
@@ -136,7 +146,7 @@ class StepBuffers:
         """Compile ahead of time what ``stage`` and ``logits`` run for a step with these inputs and ``num_rows``
         logit (and sampled) rows (the engine's warm-up): the write and the three buffers' first fill."""
         staged, logits = self.abstract(batch, remap_T, prev_tokens_R, num_rows, vocab)
-        sampling = self.abstract_sampling(num_rows, "greedy").packed_6R
+        sampling = self._sampling_struct(num_rows)
         _writer(self.sharding, self.sampling_sharding).lower(
             staged.values_N, sampling, _host_part(batch.packed_N, remap_T), prev_tokens_R, sampling).compile()
         _filler(staged.values_N.shape, "int32", self.sharding).lower().compile()
@@ -150,12 +160,8 @@ class StepBuffers:
         joined into one), no host read. ``prev_tokens_R``: the previous step's tokens."""
         shape = self.staged_shape(batch, remap_T, prev_tokens_R)
         sampling_shape = tuple(sampling.packed_6R.shape)
-        buffer = self._inputs.pop(shape, None)
-        if buffer is None:
-            buffer = _filler(shape, "int32", self.sharding)()
-        sampling_buffer = self._sampling.pop(sampling_shape, None)
-        if sampling_buffer is None:
-            sampling_buffer = _filler(sampling_shape, "uint32", self.sampling_sharding)()
+        buffer = _take(self._inputs, shape, "int32", self.sharding)
+        sampling_buffer = _take(self._sampling, sampling_shape, "uint32", self.sampling_sharding)
         values, packed_6R = _writer(self.sharding, self.sampling_sharding)(
             buffer, sampling_buffer, _host_part(batch.packed_N, remap_T), prev_tokens_R, sampling.packed_6R)
         self._inputs[shape] = values
@@ -165,9 +171,7 @@ class StepBuffers:
     def logits(self, num_rows: int, vocab: int) -> jax.Array:
         """The float32 [R, V] array the step writes its logits into (donated to it): the one the last step of this
         shape returned (``recycle``), else a new one."""
-        shape = (num_rows, vocab)
-        buffer = self._logits.pop(shape, None)
-        return _filler(shape, "float32", self.sharding)() if buffer is None else buffer
+        return _take(self._logits, (num_rows, vocab), "float32", self.sharding)
 
     def recycle(self, logits_RV: jax.Array) -> None:
         """Keep the step's logits (already handed to the sampler, and referenced nowhere else) for the next step of
