@@ -8,6 +8,8 @@ import dataclasses
 
 import jax
 import pytest
+from jax import monitoring
+from jax._src.dispatch import BACKEND_COMPILE_EVENT  # XLA's compile event (jax.monitoring)
 
 import dijax.runtime.model_runner as model_runner
 from dijax.runtime.llm import LLM
@@ -36,38 +38,44 @@ def reference():
 
 @pytest.fixture(scope="module")
 def warm():
-    """(an LLM built with ``warmup=True`` first in this file, the model-step and the sampler executables its warm-up
-    compiled)."""
+    """(an LLM built with ``warmup=True`` first in this file, the model-step executables its warm-up compiled)."""
     jax.clear_caches()  # the runners of the tests before shared these executables: count every one
-    steps, samplers = sum(model_runner._COMPILES.values()), sum(model_runner._SAMPLER_COMPILES.values())
+    steps = sum(model_runner._COMPILES.values())
     llm = LLM(**SIZES, warmup=True)  # 4 blocks: width 4
-    return (llm, sum(model_runner._COMPILES.values()) - steps,
-            sum(model_runner._SAMPLER_COMPILES.values()) - samplers)
-
-
-def _counts(llm: LLM) -> tuple[int, int]:
-    return llm.engine.runner.compiles, llm.engine.runner.sampler_compiles
+    return llm, sum(model_runner._COMPILES.values()) - steps
 
 
 def test_no_new_compilations_after_warm_up(warm):
-    llm, steps, samplers = warm
+    """After the warm-up, generations taking every bucket and every sampler mode trace no model step and compile
+    nothing at all (XLA's compile events counted: the step, the inputs' writer, the buffers' fills, the tokens'
+    copy)."""
+    llm, steps = warm
     work = [_params(i) for i in range(3)]
     assert llm.engine.runner.buckets() == [(8, 4, 4), (16, 4, 4), (32, 4, 4)]  # S = min(T, 4 sequences)
-    # one model step per bucket, one sampler per mode for the one row bucket (min(T, 4 sequences) = 4 rows)
-    assert (steps, samplers) == (3, len(MODES))
-    warm_counts = _counts(llm)
-    llm.generate(PROMPTS[::-1], work, use_tqdm=False)
-    llm.generate(PROMPTS, work, use_tqdm=False)
-    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # greedy-mode steps
-    llm.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=4, seed=1), use_tqdm=False)  # temperature mode
-    assert _counts(llm) == warm_counts
+    assert steps == 3  # one model step per bucket, sampling in every mode
+    traces = llm.engine.runner.compiles
+    compiled = []
+
+    def count(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            compiled.append(kwargs.get("fun_name", "?"))
+
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        llm.generate(PROMPTS[::-1], work, use_tqdm=False)
+        llm.generate(PROMPTS, work, use_tqdm=False)
+        llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # greedy-mode steps
+        llm.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=4, seed=1), use_tqdm=False)  # temperature
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    assert llm.engine.runner.compiles == traces and compiled == []
 
 
 def test_a_mixed_workload_gives_the_same_tokens_in_every_sampler_mode(warm, monkeypatch):
     """Two greedy requests beside a filtered sampled one that finishes first and an unfiltered one that finishes
     next: the run takes all three sampler modes (sample, then temperature, then greedy), and forcing every step
     through the sample mode changes no token."""
-    llm, _, _ = warm
+    llm, _ = warm
     work = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
             dataclasses.replace(_params(1), max_tokens=3),
             SamplingParams(temperature=0.0, top_k=5, top_p=0.5, max_tokens=8, ignore_eos=True),

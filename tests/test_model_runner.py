@@ -1,6 +1,6 @@
 """The runner's bucket plan: the block-table width follows the step's longest sequence, not max_model_len,
-padding tokens are routed to no expert, and the sampler mode the step's rows pick keys the sampler executable, not
-the model step's."""
+padding tokens are routed to no expert, and the sampler mode the step's rows pick keys no executable: the model step
+samples in every mode."""
 
 from __future__ import annotations
 
@@ -74,22 +74,23 @@ def _decodes(*temperatures: float, start: int = 3, tokens: tuple[int, ...] | Non
     return SchedulerOutput(step=0, chunks=chunks, num_tokens=len(chunks), preempted=())
 
 
-def test_the_sampler_mode_keys_the_sampler_not_the_model_step(tiny):
+def test_the_sampler_mode_keys_no_executable(tiny):
+    """Steps of one bucket whose rows pick different sampler modes lower to one model step, which samples in every
+    mode on the device: it returns the bucket's 4 logit rows and the runner's token array, and branches (a
+    ``case``) between a sort-and-noise branch and argmax-only ones."""
     cfg, params, consts, _ = tiny
     runner = ModelRunner(cfg, params, consts, num_blocks=4, num_slots=4, block_size=16, max_model_len=64,
                          max_num_seqs=4, max_num_batched_tokens=8)
     (greedy_inputs, greedy, _), (mixed_inputs, mixed, _) = (runner.step_inputs(_decodes(*temperatures), None)
                                                       for temperatures in ((0.0, 0.0), (0.0, 0.8, 0.0)))
     assert greedy.mode == "greedy" and mixed.mode == "sample"
-    # the same bucket, one model step whatever the mode: it returns the logits of the bucket's 4 rows
     step = runner.lower(greedy_inputs)
-    assert step.as_text() == runner.lower(mixed_inputs).as_text()
-    logits_RV = step.out_info[0]
+    text = step.as_text()
+    assert text == runner.lower(mixed_inputs).as_text()
+    logits_RV, tokens_M = step.out_info[0]
     assert logits_RV.shape == (4, cfg.vocab_size) and logits_RV.dtype == jnp.float32
-    # two sampler executables for those rows: only the sample one sorts the vocabulary and draws noise
-    greedy_text, mixed_text = (runner.lower_sampler(logits_RV, sampling).as_text() for sampling in (greedy, mixed))
-    assert "stablehlo.sort" in mixed_text and "threefry" in mixed_text
-    assert "stablehlo.sort" not in greedy_text and "threefry" not in greedy_text
+    assert tokens_M.shape == (runner.max_rows,) and tokens_M.dtype == jnp.int32
+    assert "stablehlo.case" in text and "stablehlo.sort" in text and "threefry" in text
 
 
 def test_the_sampler_feeds_the_next_model_step_on_the_device(tiny):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dijax.runtime import sampler
-from dijax.runtime.sampler import MODES, StepSampling, sample, sampling_inputs, sampling_mode, step_sampling
+from dijax.runtime.sampler import (MODES, StepSampling, sample, sample_packed, sampling_inputs, sampling_mode,
+                                   step_sampling)
 from dijax.runtime.sampling_params import SamplingParams
 
 
@@ -140,7 +141,8 @@ def test_the_sampling_columns_travel_as_one_array_and_come_back_exact():
             _Row(SamplingParams(temperature=1e-30, top_p=1e-30), seed=2**32 + 5, output_position=0)]
     columns = sampling_inputs(rows, 3)
     step = StepSampling.of(columns, "sample")
-    assert step.packed_6R.shape == (6, 3) and step.packed_6R.dtype == np.uint32
+    assert step.packed_7R.shape == (7, 3) and step.packed_7R.dtype == np.uint32
+    assert step.packed_7R[6].tolist() == [MODES.index("sample")] * 3  # the mode, for the device
     assert len(jax.tree.leaves(step)) == 1  # one host -> device copy per step
     for host, packed in zip(columns, step.columns):  # unpacked eagerly: the same dtypes and bits
         assert packed.dtype == host.dtype and np.asarray(packed).tobytes() == host.tobytes()
@@ -222,3 +224,22 @@ def test_the_temperature_mode_draws_the_sample_modes_tokens():
     # the mode never reads the filters: rows that filter must not be sent to it (sampling_mode)
     assert len(set(_sample(np.zeros((64, 50), np.float32), seeds=np.full(64, 3), positions=np.arange(64),
                            mode="temperature").tolist())) > 10
+
+
+def test_the_packed_sampler_draws_what_each_mode_draws():
+    """``sample_packed`` (the engine step's sampler: the mode read on the device) gives exactly ``sample``'s tokens
+    in each of ``MODES``, for rows that mix greedy, unfiltered and filtered sampling; a mode outside the table is
+    refused on the host."""
+    rng = np.random.default_rng(11)
+    logits = rng.normal(0, 2, (6, 500)).astype(np.float32)
+    rows = [_Row(SamplingParams(temperature=t, top_k=k, top_p=p), seed=int(s), output_position=int(n))
+            for t, k, p, s, n in zip([0.0, 0.7, 1.3, 0.5, 0.0, 0.9], [0, 0, 20, 0, 5, 3], [1.0, 1.0, 0.9, 0.5, 1.0, 1.0],
+                                     rng.integers(0, 2**63, 6, dtype=np.uint64), rng.integers(0, 100, 6))]
+    columns = sampling_inputs(rows, 6)
+    packed_sampler = jax.jit(sample_packed)
+    for mode in MODES:
+        want = np.asarray(sample(jnp.asarray(logits), *columns, mode=mode))
+        got = np.asarray(packed_sampler(logits, StepSampling.of(columns, mode).packed_7R))
+        assert got.tolist() == want.tolist(), mode
+    with pytest.raises(ValueError, match="sampling mode must be one of"):
+        StepSampling.of(columns, "beam")

@@ -38,9 +38,9 @@ def test_staged_inputs_are_the_inputs_in_place(ranks):
                                                    seed=2**40 + i, output_position=9 + i)], 4)
         sampling = StepSampling.of(columns, "sample")
         staged, placed = buffers.stage(batch, remap_T, prev_R, sampling)
-        addresses.append((staged.values_N.unsafe_buffer_pointer(), placed.packed_6R.unsafe_buffer_pointer()))
-        assert placed.mode == "sample" and isinstance(placed.packed_6R, jax.Array)
-        np.testing.assert_array_equal(np.asarray(placed.packed_6R), sampling.packed_6R)
+        addresses.append((staged.values_N.unsafe_buffer_pointer(), placed.packed_7R.unsafe_buffer_pointer()))
+        assert placed.mode == "sample" and isinstance(placed.packed_7R, jax.Array)
+        np.testing.assert_array_equal(np.asarray(placed.packed_7R), sampling.packed_7R)
         want = np.concatenate([batch.packed_N, remap_T, np.broadcast_to(np.asarray(prev_R), lead + (4,))], -1)
         np.testing.assert_array_equal(np.asarray(staged.values_N), want)
         last_row = (lambda a: a) if ranks is None else (lambda a: a[ranks - 1])  # what the last rank's step reads
@@ -66,7 +66,7 @@ def test_a_zos_run_keeps_every_step_buffer_in_place():
     def watched(*args, **kwargs):
         handle = launch(*args, **kwargs)
         for kind, kept in (("inputs", runner.buffers._inputs), ("sampling", runner.buffers._sampling),
-                           ("logits", runner.buffers._logits)):
+                           ("logits", runner.buffers._logits), ("tokens", runner.buffers._tokens)):
             for shape, array in kept.items():
                 seen.setdefault((kind, shape), set()).add(array.unsafe_buffer_pointer())
         seen.setdefault(("cache",), set()).add(jax.tree.leaves(runner.cache)[0].unsafe_buffer_pointer())
@@ -74,7 +74,7 @@ def test_a_zos_run_keeps_every_step_buffer_in_place():
 
     runner.launch = watched
     outs = llm.generate(prompts, work, use_tqdm=False)
-    assert len(seen) >= 5  # the cache, a prefill and a decode bucket's inputs, the sampler's, the logits
+    assert len(seen) >= 6  # the cache, a prefill and a decode bucket's inputs, the sampling, the logits, the tokens
     assert all(len(addresses) == 1 for addresses in seen.values()), seen
     plain = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, zos=False)
     assert [o.token_ids for o in plain.generate(prompts, work, use_tqdm=False)] == [o.token_ids for o in outs]

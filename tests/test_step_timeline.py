@@ -39,14 +39,15 @@ def test_the_timeline_is_off_by_default(monkeypatch):
 
 @pytest.mark.parametrize("zos", [True, False])
 def test_zos_launches_step_n_plus_1_before_it_reads_step_n(zos):
-    """With ZOS the sampler of step n+1 is dispatched before the wait for step n's tokens begins; without it, step n
+    """With ZOS step n+1 (its tokens' copy the last of it) is dispatched before the wait for step n's tokens begins;
+    without it, step n
     is read before step n+1 is even scheduled. Either way every launched step is read once, and a record's phases
     tile the call in ``PHASES`` order per step."""
     llm = LLM(**SIZES, zos=zos, trace_steps=True)
     llm.generate(PROMPTS, WORK, use_tqdm=False)
     records = list(llm.engine.timeline.records)
     phases = _phases(llm)
-    launched = {p.step: p for p in phases if p.name == "sampler"}
+    launched = {p.step: p for p in phases if p.name == "tokens"}
     read = {p.step: p for p in phases if p.name == "wait"}
     scheduled = {p.step: p for p in phases if p.name == "schedule"}
     assert len(launched) >= 6 and set(launched) <= set(read)

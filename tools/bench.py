@@ -4,9 +4,9 @@
     python tools/bench.py --model flash-slice --decode-batch 1,16,64 --context 4096 --prefill 2048
     python tools/bench.py --ep 2                            # experts and Engram rows split over 2 devices
 
-Step rows: the step the engine runs (``ModelRunner``'s two executables: the model step with ``forward_step`` and the
-ZOS remap, then the sampler; no scheduler), a decode step of B sequences at context C or one prefill of P tokens, median wall time over
-``--iters`` runs after ``--warmup`` runs (each run ends in ``jax.block_until_ready``), on a cache filled with random
+Step rows: the step the engine runs (``ModelRunner.launch``: the model step with the ZOS remap, ``forward_step`` and
+the sampler, and the small launches around it; no scheduler), a decode step of B sequences at context C or one
+prefill of P tokens, median wall time over ``--iters`` runs after ``--warmup`` runs (each run ends in ``jax.block_until_ready``), on a cache filled with random
 values. Beside it, the step's floor: the larger of bytes / bandwidth and FLOPs / matrix rate, counted from the
 parameter shapes and the cache rows the step must read (``step_cost``), and the fraction of that floor reached.
 Engine rows: ``LLM.generate`` end to end (scheduler, runner, sampler) on the same model with ZOS on and off, output
@@ -291,37 +291,31 @@ def step_runner(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tupl
 def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[int, int]], block_size: int,
               warmup: int, iters: int, kernels: str, dump: str | None = None,
               label: str = "step", max_model_len: int | None = None, sampling: str = "sample") -> StepTiming:
-    """The timing of the engine's step (``StepTiming``): ``ModelRunner``'s two executables launched back to back, as
-    ``execute`` does, at the runner's buckets: the model step (the ZOS remap and ``forward_step``) and the sampler
-    on its logits, every sequence sampling one token in the sampler mode ``sampling`` (``sampler.MODES``: 'sample'
-    sorts each row's logits, 'temperature' and 'greedy' do not). Compile time, launches and temporary bytes are the
-    sums over both executables. Sequence i has ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off.
+    """The timing of the engine's step (``StepTiming``): ``ModelRunner.launch`` at the runner's buckets, as
+    ``execute`` does: the model step (the ZOS remap, ``forward_step`` and the sampler on its logits), every sequence
+    sampling one token in the sampler mode ``sampling`` (``sampler.MODES``: 'sample' sorts each row's logits,
+    'temperature' and 'greedy' do not), with the small launches around it. Compile time, launches and temporary
+    bytes are the model step's. Sequence i has ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off.
     ``max_model_len`` defaults to the longest sequence's blocks; a larger one must not change the step (the block
     table's width follows the step's sequences, not ``max_model_len``: issue 9's row). Each run is the engine's
-    ``ModelRunner.launch`` (the step's inputs staged, its logits written into the last step's logits buffer:
+    ``ModelRunner.launch`` (the step's inputs staged, its logits and tokens written into the last step's buffers:
     dijax.runtime.step_buffers); the first keeps a copy of its logits to check them finite. With ``dump``, the
-    optimised HLO of the model step goes to ``dump/<label>.hlo.txt``, the sampler's to
-    ``dump/<label>.sampler.hlo.txt``, and a JAX profiler trace of the timed runs to ``dump/<label>/`` (open it with
-    xprof / Perfetto, or summarise it with ``tools/trace_summary.py``)."""
+    optimised HLO of the model step goes to ``dump/<label>.hlo.txt`` and a JAX profiler trace of the timed runs to
+    ``dump/<label>/`` (open it with xprof / Perfetto, or summarise it with ``tools/trace_summary.py``)."""
     runner, output, inputs, sampler_inputs, rows = step_runner(cfg, params, consts, lengths, block_size, kernels,
                                                                max_model_len, sampling, debug_logits=True)
     start = time.perf_counter()
     step = runner.lower(inputs).compile()
-    logits_RV = step.out_info[0]  # the step's logits, their sharding; the sampler's arguments as launch stages them
-    sampler = runner.lower_sampler(logits_RV, runner.buffers.abstract_sampling(logits_RV.shape[0],
-                                                                                sampler_inputs.mode)).compile()
-    executables = {"": step, ".sampler": sampler}
-    launches = sum(kernel_launches(e.as_text()) for e in executables.values())
-    temp_bytes = sum(e.memory_analysis().temp_size_in_bytes for e in executables.values())
+    launches = kernel_launches(step.as_text())
+    temp_bytes = step.memory_analysis().temp_size_in_bytes
     name = re.sub(r"[^\w]+", "_", label).strip("_")
     if dump:
         os.makedirs(dump, exist_ok=True)
-        for suffix, executable in executables.items():
-            with open(os.path.join(dump, f"{name}{suffix}.hlo.txt"), "w") as f:
-                f.write(executable.as_text())
+        with open(os.path.join(dump, f"{name}.hlo.txt"), "w") as f:
+            f.write(step.as_text())
 
     def run():
-        """One engine step (the model step, then the sampler on its logits): (sampled tokens [max rows], the
+        """One engine step (the model step, which samples, and its tokens' copy): (sampled tokens [max rows], the
         logits' copy with debug logits on, else None)."""
         handle = runner.launch(output, inputs, sampler_inputs, rows)
         return handle.tokens_R, handle.logits_RV

@@ -94,9 +94,9 @@ def lower_bucket(cfg: ModelConfig, params, consts, tokens: int, seqs: int, max_b
         leaves, tree = jax.tree.flatten(params)
         batch, remap_T = bucket_inputs(tokens, seqs, max_blocks)
         prev_tokens_R = jax.ShapeDtypeStruct((seqs,), jnp.int32)
-        staged, logits_RV = StepBuffers().abstract(batch, remap_T, prev_tokens_R, seqs, cfg.vocab_size)
+        step_args = StepBuffers().abstract(batch, remap_T, prev_tokens_R, seqs, cfg.vocab_size)
         step = compiled_step(cfg, tuple(sorted(options.items())), tree)
-        traced = step.trace(leaves, cache, staged, consts, None, logits_RV)
+        traced = step.trace(leaves, cache, step_args[0], consts, None, *step_args[1:])
         return traced.lower(lowering_platforms=platforms), time.perf_counter() - start
     i32 = jnp.int32
     t, s = jax.ShapeDtypeStruct((tokens,), i32), jax.ShapeDtypeStruct((seqs,), i32)

@@ -1,4 +1,4 @@
-"""Where a step's host dispatch goes (issue 11 item 1): the engine's two launches timed apart, and no-op executables
+"""Where a step's host dispatch goes (issue 11 item 1): the engine's launches timed apart, and no-op executables
 that take the same arguments, so the per-argument cost and the executable's own launch cost show separately.
 
     PYTHONPATH=. python3 tools/dispatch_probe.py [--model tiny] [--batch 1,32] [--context 256] [--trace DIR]
@@ -8,12 +8,13 @@ outside the timed span), at the engine's bucket for B decode sequences at the gi
 of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's option):
 
 * ``engine launch``: ``ModelRunner.launch``, what an engine step launches (its inputs staged into their fixed
-  buffer, the model step writing into the last step's logits buffer, the sampler), the previous step's handle alive
-  as under ZOS; ``, a fresh logits buffer each step``: the same with the logits not recycled, so the step's output
-  moves every step, as before the twelfth session (XLA then updates the step's CUDA graphs before each replay);
-* ``stage`` / ``sampler``: those launches alone (host inputs; ``placed``: the inputs on the device first; the
-  engine's sampler takes its arguments from the buffer ``stage`` writes, which keeps its address);
-* ``model step, fixed buffers``: the model step alone on staged inputs, its logits buffer recycled;
+  buffers, the model step, which samples, writing into the last step's logits and tokens buffers, the tokens'
+  copy), the previous step's handle alive as under ZOS; ``, a fresh logits buffer each step``: the same with the
+  logits not recycled, so the step's output moves every step, as before the twelfth session (XLA then updates the
+  step's CUDA graphs before each replay);
+* ``stage``: that launch alone (host inputs; ``placed``: the inputs on the device first);
+* ``model step, fixed buffers``: the model step alone on staged inputs, its logits and tokens buffers recycled;
+* ``tokens' copy``: the copy of the step's tokens that the host and the next step read;
 * ``no-op on the step's arguments``: a jitted function that takes the parameters, the donated cache and the inputs
   and returns the cache: the argument handling alone;
 * ``no-op on the parameters`` and ``no-op on one array``: the same with fewer arguments.
@@ -23,7 +24,7 @@ of random values, ``tools/bench.step_runner``; ``--kernels`` as the engine's opt
 n + 1 launched, then step n's tokens read): the median launch and the time per step; ``tokens chained``: each
 launch's previous tokens are the last launch's sampled tokens, as in the engine. The fifteenth session's run named
 the cause of the engine's slow ZOS step (4.0 ms to launch against 1.3 ms without ZOS on the H200, fourteenth
-session): the sampler's host arguments, landing at new addresses every step (docs/benchmarks.md).
+session): the then separate sampler's host arguments, landing at new addresses every step (docs/benchmarks.md).
 ``--trace DIR`` writes a JAX profiler trace of 10 engine steps of the first batch size launched as under ZOS, tokens
 chained (host and device events: ``tools/trace_summary.py DIR --host --steps 10``). ``--step-xla-option`` changes
 the step's XLA options (A/B runs of its command buffers: ``tools/gpu_validate.sh dispatch``). First run on the H200
@@ -85,15 +86,17 @@ def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, 
         del taken
         return tokens_R
 
-    held = {}  # the model step's own staged inputs and logits buffer, taken after the rows that stage
+    held = {}  # the model step's own staged inputs and output buffers, taken after the rows that stage
 
     def model_step():
         if not held:
-            held["staged"] = runner.buffers.stage(batch, remap, prev_tokens, sampling)[0]
+            held["staged"], held["sampling"] = runner.buffers.stage(batch, remap, prev_tokens, sampling)
             held["logits"] = runner.buffers.logits(num_rows, vocab)
-        held["logits"], runner.cache = runner._step(leaves, runner.cache, held["staged"], consts, None,
-                                                    held["logits"])
-        return held["logits"]
+            held["tokens"] = runner.buffers.tokens(prev_tokens.shape[0])
+        (held["logits"], held["tokens"]), runner.cache = runner._step(
+            leaves, runner.cache, held["staged"], consts, None, held["logits"], held["tokens"],
+            held["sampling"].packed_7R)
+        return held["tokens"]
 
     placed_batch, placed_remap, placed_sampling = jax.device_put((batch, remap, sampling))
     take_all = jax.jit(lambda leaves, cache, *rest: (cache, jnp.zeros(())), donate_argnums=(1,))
@@ -111,8 +114,7 @@ def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, 
                ("stage, placed", lambda: launch_ms(lambda: runner.buffers.stage(
                    placed_batch, placed_remap, prev_tokens, placed_sampling)[1])),
                ("model step, fixed buffers", lambda: launch_ms(model_step, keep_last=False)),
-               ("sampler", lambda: launch_ms(lambda: runner._sample(held["logits"], sampling))),
-               ("sampler, placed", lambda: launch_ms(lambda: runner._sample(held["logits"], placed_sampling))),
+               ("tokens' copy", lambda: launch_ms(lambda: runner.buffers.copy(held["tokens"]))),
                ("no-op on the step's arguments", lambda: launch_ms(no_op_all)),
                ("no-op on the parameters", lambda: launch_ms(lambda: take_params(leaves))),
                ("no-op on one array", lambda: launch_ms(lambda: take_one(one)))]
@@ -120,7 +122,7 @@ def probe(runner: ModelRunner, output, inputs: tuple, sampling, rows: dict[str, 
     for name, measure in rows_ms:
         print(f"-- row: {name}", flush=True)  # splits an XLA log of the run by row (gpu_validate.sh dispatch)
         table[name] = measure()
-    runner.buffers.recycle(held["logits"])
+    runner.buffers.recycle(held["logits"], held["tokens"])
     jax.block_until_ready(engine())
     start = time.perf_counter()
     for _ in range(50):
@@ -139,7 +141,7 @@ def in_flight_ms(runner: ModelRunner, output, inputs: tuple, sampling, rows: dic
     """Engine launches as under ZOS: launch step n + 1 while step n runs, then wait for step n's tokens (one step in
     flight, as ``LLMEngine`` keeps). -> (median milliseconds of the launch, issued while the previous step runs;
     milliseconds per step of the whole run). ``chained``: each launch takes the previous launch's sampled tokens as
-    its previous tokens, as the engine's ZOS steps do (the staging then reads a sampler output not yet computed);
+    its previous tokens, as the engine's ZOS steps do (the staging then reads tokens not yet computed);
     else the same host tokens every time."""
     batch, consts, prev_tokens, remap = inputs
     previous = jax.block_until_ready(runner.launch(output, inputs, sampling, rows).tokens_R)

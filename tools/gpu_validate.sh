@@ -143,7 +143,6 @@ case "$stage" in
     done
     run 30 python3 tools/trace_summary.py "$out"/dump-on/*/ --top 15
     for hlo in "$out"/dump-on/*.hlo.txt; do  # the GEMM fusions' tilings: one 16 x 8 tiling for all = no autotuning
-      case "$hlo" in *sampler*) continue ;; esac
       run 30 python3 tools/hlo_kernels.py --gemm "$hlo"
     done ;;
   parity|parity2)

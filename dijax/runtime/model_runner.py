@@ -1,44 +1,40 @@
-"""The model runner: turns a ``SchedulerOutput`` into two padded, jitted launches and returns a ``StepHandle`` at once.
+"""The model runner: turns a ``SchedulerOutput`` into one padded, jitted model step that samples its own logits, and
+returns a ``StepHandle`` at once.
 
-Each step is padded to a bucket, so the number of compiled executables is bounded and known (``compiles`` and
-``sampler_compiles`` count them, ``warmup`` compiles them all): tokens T to a power of two (at least 8); sequence
-rows S to min(T, the sequence capacity), so decode steps (T = S) waste nothing and no (T, S) product is compiled;
-the block-table width W to a power of four times ``min_width`` (MIN_CONTEXT positions) covering the longest
-sequence of the step (capped at ``max_model_len``'s blocks), so the step's indexer and attention work follow the
-context the step's sequences really have, not ``max_model_len``. Padding tokens are routed to no expert.
+Each step is padded to a bucket, so the number of compiled executables is bounded and known (``compiles`` counts
+them, ``warmup`` compiles them all): tokens T to a power of two (at least 8); sequence rows S to min(T, the sequence
+capacity), so decode steps (T = S) waste nothing and no (T, S) product is compiled; the block-table width W to a
+power of four times ``min_width`` (MIN_CONTEXT positions) covering the longest sequence of the step (capped at
+``max_model_len``'s blocks), so the step's indexer and attention work follow the context the step's sequences
+really have, not ``max_model_len``. Padding tokens are routed to no expert.
 
-An engine step is two executables launched back to back, with no host read between them (after a one-kernel
-launch that writes the step's inputs into their fixed buffer, dijax.runtime.step_buffers):
-
-* the model step, one per (T, W) bucket, the kernel choice (``kernels``: auto / on / off, dijax.kernels) static:
-  the forward of the step's tokens, returning the float32 logits of its S sampling rows;
-* the sampler, one per (S, sampler mode): the mode (dijax.runtime.sampler.MODES: ``greedy`` when every sampled row
-  has temperature 0, ``temperature`` when none filters, both with no sort; else ``sample``) is picked on the host
-  from the step's SamplingParams. It
-  returns the tokens int32 [max rows], padded to the runner's row capacity so that every bucket's model step
-  takes the same token array. A sampler executable is small (XLA:CPU compiles one for 64 rows of V4.1-Flash's
-  vocabulary in under a second on a loaded 2-core host; a real-model step takes ~54 s per bucket on the H200), so
-  the mode costs no model-step executable.
+An engine step is three launches with no host read between them (dijax.runtime.step_buffers): a one-kernel launch
+that writes the step's inputs into their fixed buffers; the model step, one executable per (T, W) bucket, the
+kernel choice (``kernels``: auto / on / off, dijax.kernels) static, which runs the forward of the step's tokens and
+samples the float32 logits of its S sampling rows (dijax.runtime.sampler.sample_packed: the sampler mode, picked on
+the host from the step's SamplingParams, is data read on the device, so one executable serves every mode); and a
+copy of its tokens int32 [max rows] (padded to the runner's row capacity, so that every bucket's step takes the
+same token array) for the host and the next step.
 
 Under zero-overhead scheduling a decode whose input token is still in flight carries ``FROM_DEVICE``; the model
 step gathers it from the previous step's sampled-token array through ``remap_T`` (token t reads row
 ``remap_T[t]``) without a host round trip. The step's per-call inputs (the packed batch, ``remap_T``, the previous
-tokens) are first written into one buffer of the runner's and the sampler's arguments into another, in place, and
-the step writes its logits into the last step's logits buffer: every buffer the two executables read, and the
-step's output, keeps its address, so the step's CUDA graphs replay without an update (the sampler's small graph is
-updated for its tokens, a new array each step; dijax.runtime.step_buffers). Launching runs under
+tokens) are first written into one buffer of the runner's and the sampling arguments into another, in place, and
+the step writes its logits and tokens into the last step's buffers: every buffer the step reads or writes keeps
+its address, so the step's CUDA graphs replay without an update. Launching runs under
 ``jax.transfer_guard_device_to_host("disallow")``: an accidental device read there raises instead of silently
-serialising. The launch queues the sampled tokens' copy to the host right behind the sampler; ``StepHandle.wait()``
+serialising. The launch queues the sampled tokens' copy to the host right behind the step; ``StepHandle.wait()``
 is the only place that reads device results.
 
 Attention data parallelism (``attention_dp``, with parameters on a mesh; dijax.parallel.ranks): every device is an
 attention rank with its own cache (the pool sizes given to the runner are per rank: each rank has ``num_blocks``
 blocks and ``num_slots`` slots) and each scheduled chunk names its rank. Every rank takes the same (T, W) bucket,
 T the max over ranks of their query tokens, each rank's part padded to it, so one executable serves all ranks; the
-step's inputs and the cache carry a leading rank axis [R, ...] split over the devices, and the whole model step runs
-under one ``shard_map``. The sampler then sees the ranks' sampling rows end to end (rank r's S rows at [r S,
-(r + 1) S)) and samples them as on one device; the sampled-token array, replicated, holds R times the row capacity.
-Without a mesh there is no rank axis: the one-device path is the same as without attention DP.
+step's inputs and the cache carry a leading rank axis [R, ...] split over the devices, and the forward runs under
+one ``shard_map``. The sampler then sees the ranks' sampling rows end to end (rank r's S rows at [r S, (r + 1) S))
+and samples them as on one device; the sampled-token array (the step's split by rank like its other outputs, the
+copy the host and the next step read replicated) holds R times the row capacity. Without a mesh there is no rank axis: the one-device path is the same as without attention
+DP.
 
 ``forward`` is the model step, teacher-forced, for the parity checker, tests and diagnostics: the caller's chunks
 (slots and blocks are the caller's), every logit row a chunk asks for, the index sets every index source selected,
@@ -68,7 +64,7 @@ from dijax.model.step import CacheSpec, PackedBatch, SeqChunk, build_step, init_
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, param_specs, params_mesh
 from dijax.parallel.ranks import RANKS, num_ranks, over_ranks, stack_ranks
-from dijax.runtime.sampler import MODES, StepSampling, sample, step_sampling
+from dijax.runtime.sampler import StepSampling, sample_packed, step_sampling
 from dijax.runtime.scheduler import FROM_DEVICE, SchedulerOutput
 from dijax.runtime.step_buffers import StepBuffers
 from dijax.runtime.step_timeline import StepRecord
@@ -76,7 +72,7 @@ from dijax.runtime.step_timeline import StepRecord
 
 class StepHandle:
     """A launched step: its plan, the row of each sampling chunk in the step's outputs (``rows``: request id ->
-    row) and its device outputs (the sampler's tokens [max rows] and, with debug logits on, the model step's
+    row) and its device outputs (the sampled tokens [max rows] and, with debug logits on, the model step's
     logits_RV; not yet read)."""
 
     def __init__(self, output: SchedulerOutput, rows: dict[str, int], tokens_R: jax.Array,
@@ -99,7 +95,6 @@ class StepHandle:
 
 
 _COMPILES: dict[ModelConfig, int] = {}  # model-step traces per model
-_SAMPLER_COMPILES: dict[ModelConfig, int] = {}  # sampler traces per model
 MIN_TOKENS = 8
 
 
@@ -180,17 +175,19 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
                   ranks_mesh: Mesh | None = None, placement: Sharding | None = None):
     """One jitted model step per (config, kernel choice, parameter structure, attention-DP mesh, output placement),
     shared by every runner (and lowered from abstract shapes by tools/compile_time.py): step(param_leaves, cache,
-    batch, consts, inject_topk=None, logits_RV=None) -> (outputs, new cache), the cache and ``logits_RV`` donated.
+    batch, consts, inject_topk=None, logits_RV=None, tokens_M=None, packed_7R=None) -> (outputs, new cache), the
+    cache, ``logits_RV`` and ``tokens_M`` donated.
     ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the parameters, whose structure
     is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree (~340 variables for the tiny
     model) costs ~0.5 ms of Python per call on a 2-core host, every engine step. ``placement``: every output's
     placement on a mesh (the logits' and the cache's), None without one.
 
     The engine step (``batch`` a ``StagedInputs``: the packed batch, remap_T [T] and prev_tokens_R [M] in the one
-    buffer ``StepBuffers.stage`` keeps in place; ``inject_topk`` None; ``logits_RV`` float32 [S, V], the buffer the
-    logits are written into, dijax.runtime.step_buffers): in-flight tokens gathered through ``remap_T`` from
-    ``prev_tokens_R`` (the previous step's sampler output); outputs logits_RV float32 of the S sampling rows, what
-    ``_compiled_sampler``'s sampler takes.
+    buffer ``StepBuffers.stage`` keeps in place; ``inject_topk`` None; ``logits_RV`` float32 [S, V] and
+    ``tokens_M`` int32 [M], the buffers the logits and the tokens are written into; ``packed_7R`` the sampling
+    arguments, ``StepSampling.packed_7R``; dijax.runtime.step_buffers): in-flight tokens gathered through
+    ``remap_T`` from ``prev_tokens_R`` (the previous step's tokens); outputs (logits_RV float32 of the S sampling
+    rows, tokens_M: row r < S the token ``sample_packed`` draws from logits row r, the rest 0).
     The teacher-forced step (``batch`` a ``PackedBatch``, ``logits_RV`` None): outputs (logits_RV float32 of every
     row of ``batch.logit_rows_R``, {index-source layer: selected compressed positions int32 [T, N]}). The two steps
     are traces of one function, so they share the jit cache and its count.
@@ -201,7 +198,7 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
     [r S, (r + 1) S)).
     """
 
-    def step(param_leaves, cache, batch, consts, inject_topk=None, logits_RV=None):
+    def step(param_leaves, cache, batch, consts, inject_topk=None, logits_RV=None, tokens_M=None, packed_7R=None):
         _COMPILES[cfg] = _COMPILES.get(cfg, 0) + 1  # Python side effect: runs once per trace (= per bucket)
         params = jax.tree.unflatten(params_tree, param_leaves)
         if ranks_mesh is None:
@@ -211,8 +208,11 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
             outputs, cache = over_ranks(rank_step, ranks_mesh, specs)(params, cache, batch, consts, inject_topk)
         if logits_RV is None:
             return outputs, cache
-        # written over the donated buffer (a whole-array update: XLA writes the logits straight into it)
-        return lax.dynamic_update_slice(logits_RV, outputs.reshape(logits_RV.shape), (0, 0)), cache
+        # written over the donated buffers (whole-array updates: XLA writes the logits and tokens straight into them)
+        logits_RV = lax.dynamic_update_slice(logits_RV, outputs.reshape(logits_RV.shape), (0, 0))
+        tokens_S = sample_packed(logits_RV, packed_7R)
+        padded_M = jnp.zeros(tokens_M.shape, jnp.int32).at[:tokens_S.shape[0]].set(tokens_S)
+        return (logits_RV, lax.dynamic_update_slice(tokens_M, padded_M, (0,))), cache
 
     options = dict(kernels)
 
@@ -229,22 +229,7 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
         return logits_RV, cache
 
     placed = {} if placement is None else {"out_shardings": placement}
-    return jax.jit(step, donate_argnums=(1, 5), compiler_options=STEP_COMPILER_OPTIONS, **placed)
-
-
-@lru_cache(maxsize=8)
-def _compiled_sampler(cfg: ModelConfig, max_rows: int, out_sharding: NamedSharding | None = None):
-    """One jitted sampler per (config, sampled-row capacity, output placement), shared by every runner:
-    sampler(logits_RV float32 [S, V], sampling: a ``StepSampling`` of S rows) -> tokens int32 [max_rows], row r < S
-    the token of logits row r, the rest 0, placed as ``out_sharding`` (None: where XLA puts it). One executable per
-    (S, ``sampling.mode``)."""
-
-    def sampler(logits_RV, sampling):
-        _SAMPLER_COMPILES[cfg] = _SAMPLER_COMPILES.get(cfg, 0) + 1  # once per trace (= per rows and mode)
-        tokens_S = sample(logits_RV, *sampling.columns, mode=sampling.mode)
-        return jnp.zeros(max_rows, jnp.int32).at[:tokens_S.shape[0]].set(tokens_S)
-
-    return jax.jit(sampler, out_shardings=out_sharding)
+    return jax.jit(step, donate_argnums=(1, 5, 6), compiler_options=STEP_COMPILER_OPTIONS, **placed)
 
 
 class ModelRunner:
@@ -276,11 +261,11 @@ class ModelRunner:
         self._jit = compiled_step(cfg, tuple(sorted(self.kernel_options.items())), params_tree, self._ranks_mesh,
                                   placed)
         replicated = None if self._mesh is None else NamedSharding(self._mesh, PartitionSpec())
-        self.buffers = StepBuffers(placed, replicated)  # the sampler's arguments placed as its tokens are
-        self._sample = _compiled_sampler(cfg, self.num_ranks * self.max_rows, replicated)
-        # the cache and prev_tokens_R of a step with no predecessor placed as the step and the sampler return them
-        # (the cache replicated on the mesh, or split by rank; the tokens replicated): an executable is keyed on its
-        # inputs' shardings, so a first step with another placement would compile every bucket twice
+        self.buffers = StepBuffers(placed, replicated)
+        # the cache and prev_tokens_R of a step with no predecessor placed as later steps get them (the cache as the
+        # step returns it: replicated on the mesh, or split by rank; the tokens as ``StepBuffers.copy`` returns
+        # them: replicated): an executable is keyed on its inputs' shardings, so a first step with another placement
+        # would compile every bucket (or the inputs' writer) twice
         self._no_previous = self._replicated(jnp.zeros(self.num_ranks * self.max_rows, jnp.int32))
         if self._ranks_mesh is None:
             self.cache = self._replicated(init_cache(cfg, spec))
@@ -299,21 +284,14 @@ class ModelRunner:
         """Model-step executables compiled so far for this model (shared by all its runners)."""
         return _COMPILES.get(self.cfg, 0)
 
-    @property
-    def sampler_compiles(self) -> int:
-        """Sampler executables compiled so far for this model (shared by all its runners)."""
-        return _SAMPLER_COMPILES.get(self.cfg, 0)
-
     def buckets(self) -> list[tuple[int, int, int]]:
         """Every (tokens, sequence rows, block-table width) bucket a step can take (``engine_buckets``)."""
         return self._buckets
 
     def warmup(self, threads: int | None = None, progress: bool = False) -> None:
         """Compile the engine step's executables ahead of time, without running them: the model step of every
-        bucket (``buckets``: ``len(buckets())`` executables) and, for its logits, the sampler in every mode
-        (``MODES``: any step can take any of them) for every row bucket S = min(T, max rows) of the buckets
-        (``len({S}) * len(MODES)`` small executables). The teacher-forced step of ``forward`` compiles on first
-        use.
+        bucket (``buckets``: ``len(buckets())`` executables, each sampling in every mode) and the small launches
+        around it (``StepBuffers.compile``). The teacher-forced step of ``forward`` compiles on first use.
 
         Buckets are traced one after another here and compiled in ``threads`` parallel threads (default: one per
         CPU core, at most one per bucket): tracing holds the GIL (concurrent traces only slow each other down:
@@ -328,22 +306,18 @@ class ModelRunner:
         jobs = []
         for num_tokens, num_seqs, width in self.buckets():
             batch, remap = bucket_inputs(num_tokens, num_seqs, width)
-            jobs.append(((self._ranked([batch] * self.num_ranks), self.consts, self._no_previous,
-                          self._ranked([remap] * self.num_ranks)), num_seqs))
-        first_of_rows = {num_seqs: i for i, (_, num_seqs) in reversed(list(enumerate(jobs)))}
+            jobs.append((self._ranked([batch] * self.num_ranks), self.consts, self._no_previous,
+                         self._ranked([remap] * self.num_ranks)))
 
         def compile_bucket(i: int, lowered: jax.stages.Lowered) -> None:
-            logits_RV = lowered.compile().out_info[0]
-            (batch, _, prev_tokens, remap), num_seqs = jobs[i]
-            self.buffers.compile(batch, remap, prev_tokens, *logits_RV.shape)
-            if first_of_rows[num_seqs] == i:  # the sampler's executables depend on S only (small, traced here)
-                for mode in MODES:
-                    self.lower_sampler(logits_RV, self.buffers.abstract_sampling(logits_RV.shape[0], mode)).compile()
+            lowered.compile()
+            batch, _, prev_tokens, remap = jobs[i]
+            self.buffers.compile(batch, remap, prev_tokens, self.logit_rows(batch), self.cfg.vocab_size)
 
         workers = max(1, min(threads or os.cpu_count() or 1, len(jobs)))
         with ThreadPoolExecutor(workers) as pool, tqdm(total=len(jobs), desc="compile step buckets",
                                                        disable=not progress) as bar:
-            futures = [pool.submit(compile_bucket, i, self.lower(inputs)) for i, (inputs, _) in enumerate(jobs)]
+            futures = [pool.submit(compile_bucket, i, self.lower(inputs)) for i, inputs in enumerate(jobs)]
             for future in as_completed(futures):
                 future.result()  # re-raises a failed compile here
                 bar.update()
@@ -380,9 +354,9 @@ class ModelRunner:
     def step_inputs(self, output: SchedulerOutput, previous: StepHandle | None
                     ) -> tuple[tuple, StepSampling, dict[str, int]]:
         """The engine step's arguments for ``output``: (the model step's after (param_leaves, cache): (batch, consts,
-        prev_tokens_R, remap_T int32 [T]), the sampler's after the logits: a ``StepSampling`` of S rows per rank
-        whose mode the sampling chunks' SamplingParams pick, and each sampling chunk's row: request id -> row of
-        the step's logits and tokens); host arrays except the previous step's device tokens."""
+        prev_tokens_R, remap_T int32 [T]), its sampling arguments: a ``StepSampling`` of S rows per rank whose mode
+        the sampling chunks' SamplingParams pick, and each sampling chunk's row: request id -> row of the step's
+        logits and tokens); host arrays except the previous step's device tokens."""
         chunks = [SeqChunk(slot=c.slot, block_table=c.block_table, start=c.start, tokens=c.token_ids,
                            logits="last" if c.sample else "none") for c in output.chunks]
         ranks = [c.rank for c in output.chunks]
@@ -403,30 +377,22 @@ class ModelRunner:
 
     def lower(self, inputs: tuple) -> jax.stages.Lowered:
         """The engine's model step lowered for ``inputs`` (the first of ``step_inputs``) under the runner's mesh:
-        ``.compile()`` is the executable ``launch`` runs for that bucket, whatever the sampler mode
-        (tools/bench.py reads its HLO and memory, and times it with ``lower_sampler``'s)."""
+        ``.compile()`` is the executable ``launch`` runs for that bucket, whatever the sampler mode (tools/bench.py
+        reads its HLO and memory)."""
         batch, consts, prev_tokens, remap = inputs
-        staged, logits = self.buffers.abstract(batch, remap, prev_tokens, self.logit_rows(batch),
-                                                self.cfg.vocab_size)
+        staged, logits, tokens, packed = self.buffers.abstract(batch, remap, prev_tokens, self.logit_rows(batch),
+                                                               self.cfg.vocab_size)
         with mesh_context(self._mesh):
-            return self._jit.lower(self.param_leaves, self.cache, staged, consts, None, logits)
+            return self._jit.lower(self.param_leaves, self.cache, staged, consts, None, logits, tokens, packed)
 
     def logit_rows(self, batch: PackedBatch) -> int:
         """The engine step's logit rows for ``batch``: its S sampling rows on every rank."""
         return self.num_ranks * batch.shapes[-1][0]  # logit_rows_R, the last field
 
-    def lower_sampler(self, logits_RV: jax.Array | jax.ShapeDtypeStruct, sampling: StepSampling
-                      ) -> jax.stages.Lowered:
-        """The sampler lowered for ``logits_RV`` float32 [S, V] (the model step's output: an array, or its
-        ``jax.ShapeDtypeStruct``, e.g. a compiled model step's ``out_info[0]``, which carries its sharding) and
-        ``sampling`` (the second of ``step_inputs``): ``.compile()`` is the executable ``execute`` launches after
-        the model step for that row bucket and sampler mode."""
-        return self._sample.lower(logits_RV, sampling)
-
     def execute(self, output: SchedulerOutput, previous: StepHandle | None,
                 record: StepRecord | None = None) -> StepHandle:
-        """Launch ``output``'s model step and its sampler on the step's logits; returns immediately (JAX dispatch is
-        asynchronous). ``record``: the engine step's timeline record, given its inputs, model and sampler phases."""
+        """Launch ``output``'s model step, which samples its logits; returns immediately (JAX dispatch is
+        asynchronous). ``record``: the engine step's timeline record, given its inputs, model and tokens phases."""
         inputs, sampling, rows = self.step_inputs(output, previous)
         if record is not None:
             record.lap("inputs", output.step)
@@ -434,8 +400,8 @@ class ModelRunner:
 
     def launch(self, output: SchedulerOutput, inputs: tuple, sampling: StepSampling, rows: dict[str, int],
                record: StepRecord | None = None) -> StepHandle:
-        """Dispatch the model step on ``inputs`` and the sampler on its logits with ``sampling`` (``step_inputs``'s
-        parts for ``output``; ``rows``: each sampling chunk's row); no device read: it runs under
+        """Dispatch the model step on ``inputs``, sampling with ``sampling`` (``step_inputs``'s parts for ``output``;
+        ``rows``: each sampling chunk's row), then the copy of its tokens; no device read: it runs under
         ``transfer_guard_device_to_host("disallow")``, and the only transfers it makes are the host arrays of
         ``inputs`` and ``sampling`` (tests/test_step_timeline.py runs it under ``jax.transfer_guard("disallow")``
         with those placed first)."""
@@ -443,18 +409,20 @@ class ModelRunner:
         with jax.transfer_guard_device_to_host("disallow"):
             staged, sampling = self.buffers.stage(batch, remap, prev_tokens, sampling)
             logits_RV = self.buffers.logits(self.logit_rows(batch), self.cfg.vocab_size)
-            logits_RV, self.cache = self._step(self.param_leaves, self.cache, staged, consts, None, logits_RV)
+            tokens_M = self.buffers.tokens(self._no_previous.shape[0])
+            (logits_RV, tokens_M), self.cache = self._step(self.param_leaves, self.cache, staged, consts, None,
+                                                           logits_RV, tokens_M, sampling.packed_7R)
             if record is not None:
                 record.lap("model", output.step)
-            tokens_R = self._sample(logits_RV, sampling)
-            # the tokens' copy to the host queued now, behind the sampler: ``StepHandle.wait`` then finds them on
-            # the host (or on their way) instead of asking for them only once the step is done (an explicit
-            # transfer: the guard allows it)
+            tokens_R = self.buffers.copy(tokens_M)
+            # the tokens' copy to the host queued now, behind the step: ``StepHandle.wait`` then finds them on the
+            # host (or on their way) instead of asking for them only once the step is done (an explicit transfer:
+            # the guard allows it)
             tokens_R.copy_to_host_async()
             kept = jnp.copy(logits_RV) if self.debug_logits else None  # the buffer itself goes to the next step
-            self.buffers.recycle(logits_RV)
+            self.buffers.recycle(logits_RV, tokens_M)
             if record is not None:
-                record.lap("sampler", output.step)
+                record.lap("tokens", output.step)
         return StepHandle(output, rows, tokens_R, kept)
 
     def forward(self, chunks: list[SeqChunk], inject_topk: dict[int, np.ndarray] | None = None,

@@ -5,10 +5,12 @@ into two uint32 halves: it does not depend on the batch row, the batch size or a
 recomputed (preempted) request draws the same tokens (DESIGN.md promise 3), and seeds differing in any bit draw
 different noise.
 
-A step samples in one of three static modes (``MODES``), picked on the host from its rows' SamplingParams
-(``sampling_mode``) and carried in the jit key of the runner's sampler executable (``StepSampling.mode``; the
-model step before it is the same in all), so the choice costs the device nothing (a ``lax.cond`` would read its
-predicate back to the host mid-step on GPU):
+A step samples in one of three modes (``MODES``), picked on the host from its rows' SamplingParams
+(``sampling_mode``) and carried to the device as data (``StepSampling.packed_7R``'s last row): the engine's model
+step samples its own logits (``sample_packed``) and branches on the mode with ``lax.switch``, so one executable
+serves every mode and a greedy step runs none of the sample mode's work. On the GPU the branch stays on the device:
+the step's command buffers record CONDITIONAL (dijax.runtime.model_runner.STEP_COMPILER_OPTIONS), so no predicate
+is read back to the host mid-step.
 
 * ``greedy``: every row has temperature 0 (a step that samples no row included): each row's argmax, with no sort,
   no softmax and no noise.
@@ -30,6 +32,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 MODES = ("greedy", "temperature", "sample")
 
@@ -108,32 +111,49 @@ def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
             np.array([0 if c is None else c.output_position for c in rows], np.int32))
 
 
-# ``sampling_inputs``' column dtypes, all 4 bytes wide: packed as uint32 bits into one array per step
+# ``sampling_inputs``' column dtypes, all 4 bytes wide, then the mode's index in ``MODES``: packed as uint32 bits
+# into one array per step
 COLUMN_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["packed_6R"], meta_fields=["mode"])
+@partial(jax.tree_util.register_dataclass, data_fields=["packed_7R"], meta_fields=["mode"])
 @dataclass(frozen=True)
 class StepSampling:
-    """An engine step's sampling arguments, as one pytree: ``packed_6R`` (``sampling_inputs``' six columns as
-    uint32 bits, [6, R]: one host -> device copy per step instead of six; a host array as built, the engine's
-    fixed device buffer once ``StepBuffers.stage`` has written it) is its leaf and ``mode`` (one of ``MODES``) its
-    static part, so a jitted sampler taking it compiles once per mode. A ``greedy`` sampler never reads
-    ``packed_6R`` (jit drops it)."""
+    """An engine step's sampling arguments, as one pytree: ``packed_7R`` (``sampling_inputs``' six columns as
+    uint32 bits, then a row holding the index of ``mode`` in ``MODES``, [7, R]: one host -> device copy per step; a
+    host array as built, the engine's fixed device buffer once ``StepBuffers.stage`` has written it) is its leaf;
+    ``mode`` (one of ``MODES``) is kept on the host for reading only: the device reads the mode from ``packed_7R``
+    (``sample_packed``), so no executable is keyed on it."""
 
-    packed_6R: np.ndarray | jax.Array
+    packed_7R: np.ndarray | jax.Array
     mode: str
 
     @classmethod
     def of(cls, columns: tuple[np.ndarray, ...], mode: str) -> StepSampling:
         """``columns`` (``sampling_inputs``' host arrays, each [R], of ``COLUMN_DTYPES``) packed, with ``mode``."""
-        return cls(np.stack([np.asarray(c, d).view(np.uint32) for c, d in zip(columns, COLUMN_DTYPES)]), mode)
+        if mode not in MODES:
+            raise ValueError(f"sampling mode must be one of {MODES}, got {mode!r}")
+        rows = [np.asarray(c, d).view(np.uint32) for c, d in zip(columns, COLUMN_DTYPES)]
+        return cls(np.stack(rows + [np.full(len(rows[0]), MODES.index(mode), np.uint32)]), mode)
 
     @property
     def columns(self) -> tuple[jax.Array, ...]:
-        """The six columns back in their dtypes (bitcasts; inside the sampler's trace): ``sample``'s row
+        """The six columns back in their dtypes (bitcasts; inside a trace, or eagerly): ``sample``'s row
         arguments."""
-        return tuple(jax.lax.bitcast_convert_type(row, d) for row, d in zip(self.packed_6R, COLUMN_DTYPES))
+        return unpack_columns(self.packed_7R)
+
+
+def unpack_columns(packed_7R: jax.Array) -> tuple[jax.Array, ...]:
+    """``StepSampling.packed_7R``'s six sampling columns in their dtypes (bitcasts): ``sample``'s row arguments."""
+    return tuple(lax.bitcast_convert_type(row, d) for row, d in zip(packed_7R[:len(COLUMN_DTYPES)], COLUMN_DTYPES))
+
+
+def sample_packed(logits_RV: jax.Array, packed_7R: jax.Array) -> jax.Array:
+    """One token per row, int32 [R], in the mode ``packed_7R`` names (``StepSampling``): ``lax.switch`` over the
+    ``MODES`` branches of ``sample``, on the device. Each branch gives exactly what ``sample`` gives in that mode."""
+    branches = [partial(sample, mode=mode) for mode in MODES]
+    mode = jnp.clip(packed_7R[len(COLUMN_DTYPES), 0].astype(jnp.int32), 0, len(MODES) - 1)
+    return lax.switch(mode, branches, logits_RV, *unpack_columns(packed_7R))
 
 
 def step_sampling(chunks: Sequence, num_rows: int) -> StepSampling:

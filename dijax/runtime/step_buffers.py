@@ -8,20 +8,20 @@ tiny default's decode step: the launch on unchanged addresses takes 0.68 ms, wit
 their addresses, and the cache does too (donated, it comes back in place). What moved every step:
 
 * the per-call inputs: the packed batch and the ZOS remap (host arrays, transferred into fresh buffers by each
-  call) and the previous step's sampled tokens (a fresh sampler output each step). ``StepBuffers.stage`` writes
+  call) and the previous step's sampled tokens (a fresh array each step). ``StepBuffers.stage`` writes
   all three, in one small executable of their own, into one int32 buffer per bucket that is donated to that
   executable and so overwritten in place; the model step reads only that buffer (``StagedInputs``).
-* the sampler's per-row arguments (``StepSampling.packed_6R``, a host array). The same executable writes them into
-  a uint32 buffer per row count, in place, and the sampler reads that one. When they came as host arrays, the
-  sampler's graph was updated before every replay and, under ZOS, the tiny default's decode step took 2.18 ms a
-  step against 1.36 ms with them placed (H200, tools/dispatch_probe.py, fifteenth session).
-* the logits the step returns. ``StepBuffers.logits`` hands the step the logits array the previous step of the
-  same rows bucket returned, donated: the step writes its logits into it. The previous step's sampler, launched
-  before on the same stream, has read it by then.
+* the sampling arguments (``StepSampling.packed_7R``, a host array). The same executable writes them into a
+  uint32 buffer per row count, in place, and the step's sampler reads that one. When they came as host arrays, the
+  (then separate) sampler's graph was updated before every replay and, under ZOS, the tiny default's decode step
+  took 2.18 ms a step against 1.36 ms with them placed (H200, tools/dispatch_probe.py, fifteenth session).
+* the step's outputs, the logits and the sampled tokens. ``StepBuffers.logits`` and ``StepBuffers.tokens`` hand
+  the step the arrays the previous step of the same shape returned, donated: the step writes into them. The host
+  and the next step read the tokens from a copy (``StepBuffers.copy``, one small launch, too small for a graph)
+  taken right after the step, since the next step overwrites the buffer before the host reads step n's tokens.
 
-Memory held: the staged inputs (a few KB per bucket), the sampler's (24 B a row per row bucket) and one float32
-logits buffer per rows bucket, about twice the largest (V4.1-Flash at 256 rows: 2 x 256 x 129,280 x 4 B = 265 MB),
-where the logits used to be freed after each step's sampler.
+Memory held: the staged inputs (a few KB per bucket), the sampling arguments (28 B a row per row bucket), the tokens
+(4 B a row) and one float32 logits buffer per rows bucket (V4.1-Flash at 256 rows: 256 x 129,280 x 4 B = 132 MB).
 
 On one device the staging executable is one or two small fusions, too small for XLA to put into a graph, so the
 moving addresses of its own arguments cost nothing. Buffers are created on first use of a bucket by a jitted fill (no
@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import Sharding
 
 from dijax.model.step import PackedBatch
-from dijax.runtime.sampler import StepSampling
+from dijax.runtime.sampler import COLUMN_DTYPES, StepSampling
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values_N"],
@@ -73,21 +73,28 @@ def _host_part(packed_N, remap_T):
     return jnp.concatenate([packed_N, remap_T], axis=-1)
 
 
-def _write(buffer_N, sampling_buffer_6R, head_N, prev_tokens_R, sampling_6R):
-    """(the staged values, the sampler's) written over ``buffer_N`` and ``sampling_buffer_6R`` (both donated: that
-    is where they land): head_N (``_host_part``) ++ prev_tokens_R along the last axis, the tokens repeated on every
-    rank's row; sampling_6R as it is."""
+def _write(buffer_N, sampling_buffer_7R, head_N, prev_tokens_R, sampling_7R):
+    """(the staged values, the sampling arguments) written over ``buffer_N`` and ``sampling_buffer_7R`` (both
+    donated: that is where they land): head_N (``_host_part``) ++ prev_tokens_R along the last axis, the tokens
+    repeated on every rank's row; sampling_7R as it is."""
     prev = jnp.broadcast_to(prev_tokens_R, head_N.shape[:-1] + prev_tokens_R.shape)
     values = jnp.concatenate([head_N, prev], axis=-1).astype(buffer_N.dtype)
     # updates of the whole buffers, not the values alone: jit drops an argument the result does not use, and a
     # dropped argument cannot give the result its memory
     return (lax.dynamic_update_slice(buffer_N, values, (0,) * values.ndim),
-            lax.dynamic_update_slice(sampling_buffer_6R, sampling_6R, (0, 0)))
+            lax.dynamic_update_slice(sampling_buffer_7R, sampling_7R, (0, 0)))
 
 
 @lru_cache(maxsize=8)
 def _writer(sharding: Sharding | None, sampling_sharding: Sharding | None):
     return jax.jit(_write, donate_argnums=(0, 1), out_shardings=(sharding, sampling_sharding))
+
+
+@lru_cache(maxsize=8)
+def _copier(sharding: Sharding | None):
+    """A jitted copy placed as ``sharding``: a fresh array (jit forwards only an output that is its input
+    unchanged; this one is a copy)."""
+    return jax.jit(jnp.copy, out_shardings=sharding)
 
 
 @lru_cache(maxsize=None)  # one per buffer shape: bounded by the engine's buckets
@@ -103,9 +110,9 @@ def _take(kept: dict[tuple[int, ...], jax.Array], shape: tuple[int, ...], dtype:
 
 
 class StepBuffers:
-    """The engine step's staged inputs (one buffer per input size), the sampler's arguments (one per row count) and
-    the logits (one per shape), placed as ``sharding`` (the step's outputs' placement; None: the default device),
-    the sampler's as ``sampling_sharding`` (the sampler's outputs' placement). Inputs are host (numpy) or device
+    """The engine step's staged inputs (one buffer per input size), its sampling arguments (one per row count), its
+    logits and its tokens (one per shape), placed as ``sharding`` (the step's outputs' placement; None: the default
+    device), the sampling arguments as ``sampling_sharding`` (replicated on a mesh). Inputs are host (numpy) or device
     arrays, or ``jax.ShapeDtypeStruct``s where only shapes matter (``abstract``, ``compile``)."""
 
     def __init__(self, sharding: Sharding | None = None, sampling_sharding: Sharding | None = None):
@@ -114,6 +121,7 @@ class StepBuffers:
         self._inputs: dict[tuple[int, ...], jax.Array] = {}
         self._sampling: dict[tuple[int, ...], jax.Array] = {}
         self._logits: dict[tuple[int, ...], jax.Array] = {}
+        self._tokens: dict[tuple[int, ...], jax.Array] = {}
 
     @staticmethod
     def staged_shape(batch: PackedBatch, remap_T, prev_tokens_R) -> tuple[int, ...]:
@@ -122,58 +130,68 @@ class StepBuffers:
         return lead + (batch.packed_N.shape[-1] + remap_T.shape[-1] + prev_tokens_R.shape[-1],)
 
     def abstract(self, batch: PackedBatch, remap_T, prev_tokens_R, num_rows: int, vocab: int
-                 ) -> tuple[StagedInputs, jax.ShapeDtypeStruct]:
-        """(``StagedInputs`` of abstract values, the logits buffer's abstract value) of a step with these inputs and
-        ``num_rows`` logit rows: what the step is lowered for."""
+                 ) -> tuple[StagedInputs, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """The abstract values of a step with these inputs and ``num_rows`` logit (and sampled) rows, what the step
+        is lowered for: (``StagedInputs``, the logits buffer, the tokens buffer (the shape of ``prev_tokens_R``),
+        the sampling arguments' ``packed_7R``)."""
         staged = jax.ShapeDtypeStruct(self.staged_shape(batch, remap_T, prev_tokens_R), jnp.int32,
                                       sharding=self.sharding)
         logits = jax.ShapeDtypeStruct((num_rows, vocab), jnp.float32, sharding=self.sharding)
-        return self._staged(staged, batch, remap_T), logits
-
-    def abstract_sampling(self, num_rows: int, mode: str) -> StepSampling:
-        """The ``StepSampling`` of abstract values that ``stage`` gives a step of ``num_rows`` sampled rows in sampler
-        mode ``mode``: what the sampler is lowered for."""
-        return StepSampling(self._sampling_struct(num_rows), mode)
+        tokens = jax.ShapeDtypeStruct(prev_tokens_R.shape, jnp.int32, sharding=self.sharding)
+        return self._staged(staged, batch, remap_T), logits, tokens, self._sampling_struct(num_rows)
 
     def _sampling_struct(self, num_rows: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((6, num_rows), jnp.uint32, sharding=self.sampling_sharding)
+        return jax.ShapeDtypeStruct((len(COLUMN_DTYPES) + 1, num_rows), jnp.uint32, sharding=self.sampling_sharding)
 
     @staticmethod
     def _staged(values, batch: PackedBatch, remap_T) -> StagedInputs:
         return StagedInputs(values, batch.shapes, batch.packed_N.shape[-1], remap_T.shape[-1])
 
     def compile(self, batch: PackedBatch, remap_T, prev_tokens_R, num_rows: int, vocab: int) -> None:
-        """Compile ahead of time what ``stage`` and ``logits`` run for a step with these inputs and ``num_rows``
-        logit (and sampled) rows (the engine's warm-up): the write and the three buffers' first fill."""
-        staged, logits = self.abstract(batch, remap_T, prev_tokens_R, num_rows, vocab)
-        sampling = self._sampling_struct(num_rows)
+        """Compile ahead of time what ``stage``, ``logits``, ``tokens`` and ``copy`` run for a step with these
+        inputs and ``num_rows`` logit (and sampled) rows (the engine's warm-up): the write, the four buffers' first
+        fill and the tokens' copy."""
+        staged, logits, tokens, sampling = self.abstract(batch, remap_T, prev_tokens_R, num_rows, vocab)
         _writer(self.sharding, self.sampling_sharding).lower(
             staged.values_N, sampling, _host_part(batch.packed_N, remap_T), prev_tokens_R, sampling).compile()
         _filler(staged.values_N.shape, "int32", self.sharding).lower().compile()
         _filler(sampling.shape, "uint32", self.sampling_sharding).lower().compile()
         _filler(logits.shape, "float32", self.sharding).lower().compile()
+        _filler(tokens.shape, "int32", self.sharding).lower().compile()
+        _copier(self.sampling_sharding).lower(tokens).compile()
 
     def stage(self, batch: PackedBatch, remap_T, prev_tokens_R, sampling: StepSampling
               ) -> tuple[StagedInputs, StepSampling]:
-        """(the step's inputs, ``sampling`` with its ``packed_6R``) written into this size's buffers (created on
+        """(the step's inputs, ``sampling`` with its ``packed_7R``) written into this size's buffers (created on
         first use), in place: one small launch, host -> device copies of the host arrays (``batch`` and ``remap_T``
-        joined into one), no host read. ``prev_tokens_R``: the previous step's tokens."""
+        joined into one), no host read. ``prev_tokens_R``: the previous step's tokens (``copy``)."""
         shape = self.staged_shape(batch, remap_T, prev_tokens_R)
-        sampling_shape = tuple(sampling.packed_6R.shape)
+        sampling_shape = tuple(sampling.packed_7R.shape)
         buffer = _take(self._inputs, shape, "int32", self.sharding)
         sampling_buffer = _take(self._sampling, sampling_shape, "uint32", self.sampling_sharding)
-        values, packed_6R = _writer(self.sharding, self.sampling_sharding)(
-            buffer, sampling_buffer, _host_part(batch.packed_N, remap_T), prev_tokens_R, sampling.packed_6R)
+        values, packed_7R = _writer(self.sharding, self.sampling_sharding)(
+            buffer, sampling_buffer, _host_part(batch.packed_N, remap_T), prev_tokens_R, sampling.packed_7R)
         self._inputs[shape] = values
-        self._sampling[sampling_shape] = packed_6R
-        return self._staged(values, batch, remap_T), StepSampling(packed_6R, sampling.mode)
+        self._sampling[sampling_shape] = packed_7R
+        return self._staged(values, batch, remap_T), StepSampling(packed_7R, sampling.mode)
 
     def logits(self, num_rows: int, vocab: int) -> jax.Array:
         """The float32 [R, V] array the step writes its logits into (donated to it): the one the last step of this
         shape returned (``recycle``), else a new one."""
         return _take(self._logits, (num_rows, vocab), "float32", self.sharding)
 
-    def recycle(self, logits_RV: jax.Array) -> None:
-        """Keep the step's logits (already handed to the sampler, and referenced nowhere else) for the next step of
-        their shape."""
+    def tokens(self, num_rows: int) -> jax.Array:
+        """The int32 [num_rows] array the step writes its sampled tokens into (donated to it): the one the last
+        step returned (``recycle``), else a new one."""
+        return _take(self._tokens, (num_rows,), "int32", self.sharding)
+
+    def copy(self, tokens_M: jax.Array) -> jax.Array:
+        """A new array of the step's tokens, for the host and the next step's inputs, placed as the sampling
+        arguments (replicated on a mesh): the step's own buffer is overwritten by the next step, which is launched
+        before the host reads this one's (ZOS)."""
+        return _copier(self.sampling_sharding)(tokens_M)
+
+    def recycle(self, logits_RV: jax.Array, tokens_M: jax.Array) -> None:
+        """Keep the step's logits and tokens buffers (referenced nowhere else) for the next step of their shapes."""
         self._logits[tuple(logits_RV.shape)] = logits_RV
+        self._tokens[tuple(tokens_M.shape)] = tokens_M

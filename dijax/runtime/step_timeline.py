@@ -7,9 +7,10 @@ a ``Phase`` (name, the scheduler step it worked on, start, end), every stamp ``t
 
   schedule  ``Scheduler.schedule()``: the step planned from reservations.
   inputs    ``ModelRunner.step_inputs``: the step's host arrays (batch, ZOS remap, sampling columns).
-  model     dispatch of the model step, with the host -> device copy of those arrays (the jitted call takes
-            them): it returns once the step is queued, unless the device's queue is full.
-  sampler   dispatch of the sampler on the step's logits.
+  model     dispatch of the model step (which samples its logits), with the host -> device copy of those arrays
+            (written into the step's fixed buffers first): it returns once the step is queued, unless the device's
+            queue is full.
+  tokens    dispatch of the sampled tokens' copy and of its transfer to the host.
   wait      ``StepHandle.wait()``: the host blocked until a launched step's sampled tokens are on it (device ->
             host). The one phase in which the host only waits for the device.
   process   ``Scheduler.process`` and the stop strings: the sampled tokens applied.
@@ -17,7 +18,7 @@ a ``Phase`` (name, the scheduler step it worked on, start, end), every stamp ``t
 
 Phases are laps: each runs from the end of the one before (the call's entry for the first) to its own stamp, so the
 phases of a record tile it and the little bookkeeping between two stamps counts in the later phase. With
-zero-overhead scheduling a call launches step n (schedule, inputs, model, sampler of step n) and then waits for and
+zero-overhead scheduling a call launches step n (schedule, inputs, model, tokens of step n) and then waits for and
 processes step n-1: ``Phase.step`` says which.
 """
 
@@ -30,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-PHASES = ("schedule", "inputs", "model", "sampler", "wait", "process", "output")
+PHASES = ("schedule", "inputs", "model", "tokens", "wait", "process", "output")
 
 
 class Phase(NamedTuple):
