@@ -23,8 +23,8 @@ tokens) are first written into one buffer of the runner's and the sampling argum
 the step writes its logits and tokens into the last step's buffers: every buffer the step reads or writes keeps
 its address, so the step's CUDA graphs replay without an update. Launching runs under
 ``jax.transfer_guard_device_to_host("disallow")``: an accidental device read there raises instead of silently
-serialising. The launch queues the sampled tokens' copy to the host right behind the step; ``StepHandle.wait()``
-is the only place that reads device results.
+serialising. ``execute`` then queues the sampled tokens' copy to the host right behind the step;
+``StepHandle.wait()`` is the only place that reads device results.
 
 Attention data parallelism (``attention_dp``, with parameters on a mesh; dijax.parallel.ranks): every device is an
 attention rank with its own cache (the pool sizes given to the runner are per rank: each rank has ``num_blocks``
@@ -396,7 +396,12 @@ class ModelRunner:
         inputs, sampling, rows = self.step_inputs(output, previous)
         if record is not None:
             record.lap("inputs", output.step)
-        return self.launch(output, inputs, sampling, rows, record)
+        handle = self.launch(output, inputs, sampling, rows, record)
+        # the tokens' copy to the host queued now, behind the step: ``StepHandle.wait`` then finds them on the host
+        # (or on their way) instead of asking for them only once the step is done. Outside ``launch``'s transfer
+        # guard: on the GPU the guard refuses this asynchronous read too.
+        handle.tokens_R.copy_to_host_async()
+        return handle
 
     def launch(self, output: SchedulerOutput, inputs: tuple, sampling: StepSampling, rows: dict[str, int],
                record: StepRecord | None = None) -> StepHandle:
@@ -415,10 +420,6 @@ class ModelRunner:
             if record is not None:
                 record.lap("model", output.step)
             tokens_R = self.buffers.copy(tokens_M)
-            # the tokens' copy to the host queued now, behind the step: ``StepHandle.wait`` then finds them on the
-            # host (or on their way) instead of asking for them only once the step is done (an explicit transfer:
-            # the guard allows it)
-            tokens_R.copy_to_host_async()
             kept = jnp.copy(logits_RV) if self.debug_logits else None  # the buffer itself goes to the next step
             self.buffers.recycle(logits_RV, tokens_M)
             if record is not None:

@@ -7,10 +7,12 @@ different noise.
 
 A step samples in one of three modes (``MODES``), picked on the host from its rows' SamplingParams
 (``sampling_mode``) and carried to the device as data (``StepSampling.packed_7R``'s last row): the engine's model
-step samples its own logits (``sample_packed``) and branches on the mode with ``lax.switch``, so one executable
-serves every mode and a greedy step runs none of the sample mode's work. On the GPU the branch stays on the device:
-the step's command buffers record CONDITIONAL (dijax.runtime.model_runner.STEP_COMPILER_OPTIONS), so no predicate
-is read back to the host mid-step.
+step samples its own logits (``sample_packed``), so one executable serves every mode. It computes every mode's
+tokens and selects one by the mode, with no control flow: on the GPU XLA sorts a vocabulary as large as
+V4.1-Flash's with a CUB radix sort, which cannot be recorded into the step's CUDA graph, so a ``lax.switch`` around
+the sort ran on the host, reading its predicate back mid-step (H200, flash-slice: the step's launch blocked for the
+device's whole forward, 1.2 ms a step slower back to back; docs/benchmarks.md, sixteenth session). The mode still
+says what a step needs: a greedy step's tokens are the argmax, whatever else was computed.
 
 * ``greedy``: every row has temperature 0 (a step that samples no row included): each row's argmax, with no sort,
   no softmax and no noise.
@@ -149,11 +151,15 @@ def unpack_columns(packed_7R: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def sample_packed(logits_RV: jax.Array, packed_7R: jax.Array) -> jax.Array:
-    """One token per row, int32 [R], in the mode ``packed_7R`` names (``StepSampling``): ``lax.switch`` over the
-    ``MODES`` branches of ``sample``, on the device. Each branch gives exactly what ``sample`` gives in that mode."""
-    branches = [partial(sample, mode=mode) for mode in MODES]
-    mode = jnp.clip(packed_7R[len(COLUMN_DTYPES), 0].astype(jnp.int32), 0, len(MODES) - 1)
-    return lax.switch(mode, branches, logits_RV, *unpack_columns(packed_7R))
+    """One token per row, int32 [R], in the mode ``packed_7R`` names (``StepSampling``): exactly what ``sample``
+    gives in that mode. Every mode's tokens are computed and the named one is selected (no control flow: module
+    docstring)."""
+    columns = unpack_columns(packed_7R)
+    mode = packed_7R[len(COLUMN_DTYPES), 0]
+    tokens_R = sample(logits_RV, *columns, mode=MODES[-1])
+    for index in range(len(MODES) - 2, -1, -1):
+        tokens_R = jnp.where(mode == index, sample(logits_RV, *columns, mode=MODES[index]), tokens_R)
+    return tokens_R
 
 
 def step_sampling(chunks: Sequence, num_rows: int) -> StepSampling:
