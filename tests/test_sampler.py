@@ -232,9 +232,10 @@ def test_the_packed_sampler_draws_what_each_mode_draws():
     refused on the host."""
     rng = np.random.default_rng(11)
     logits = rng.normal(0, 2, (6, 500)).astype(np.float32)
+    temperatures, top_ks, top_ps = [0.0, 0.7, 1.3, 0.5, 0.0, 0.9], [0, 0, 20, 0, 5, 3], [1.0, 1.0, 0.9, 0.5, 1.0, 1.0]
     rows = [_Row(SamplingParams(temperature=t, top_k=k, top_p=p), seed=int(s), output_position=int(n))
-            for t, k, p, s, n in zip([0.0, 0.7, 1.3, 0.5, 0.0, 0.9], [0, 0, 20, 0, 5, 3], [1.0, 1.0, 0.9, 0.5, 1.0, 1.0],
-                                     rng.integers(0, 2**63, 6, dtype=np.uint64), rng.integers(0, 100, 6))]
+            for t, k, p, s, n in zip(temperatures, top_ks, top_ps, rng.integers(0, 2**63, 6, dtype=np.uint64),
+                                     rng.integers(0, 100, 6))]
     columns = sampling_inputs(rows, 6)
     packed_sampler = jax.jit(sample_packed)
     for mode in MODES:

@@ -6,8 +6,8 @@
 
 Step rows: the step the engine runs (``ModelRunner.launch``: the model step with the ZOS remap, ``forward_step`` and
 the sampler, and the small launches around it; no scheduler), a decode step of B sequences at context C or one
-prefill of P tokens, median wall time over ``--iters`` runs after ``--warmup`` runs (each run ends in ``jax.block_until_ready``), on a cache filled with random
-values. Beside it, the step's floor: the larger of bytes / bandwidth and FLOPs / matrix rate, counted from the
+prefill of P tokens, median wall time over ``--iters`` runs after ``--warmup`` runs (each run ends in
+``jax.block_until_ready``), on a cache filled with random values. Beside it, the step's floor: the larger of bytes / bandwidth and FLOPs / matrix rate, counted from the
 parameter shapes and the cache rows the step must read (``step_cost``), and the fraction of that floor reached.
 Engine rows: ``LLM.generate`` end to end (scheduler, runner, sampler) on the same model with ZOS on and off, output
 tokens per second, each engine's decode-step timeline against the device-only step at its shape

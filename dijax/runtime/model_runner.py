@@ -33,8 +33,8 @@ T the max over ranks of their query tokens, each rank's part padded to it, so on
 step's inputs and the cache carry a leading rank axis [R, ...] split over the devices, and the forward runs under
 one ``shard_map``. The sampler then sees the ranks' sampling rows end to end (rank r's S rows at [r S, (r + 1) S))
 and samples them as on one device; the sampled-token array (the step's split by rank like its other outputs, the
-copy the host and the next step read replicated) holds R times the row capacity. Without a mesh there is no rank axis: the one-device path is the same as without attention
-DP.
+copy the host and the next step read replicated) holds R times the row capacity. Without a mesh there is no rank
+axis: the one-device path is the same as without attention DP.
 
 ``forward`` is the model step, teacher-forced, for the parity checker, tests and diagnostics: the caller's chunks
 (slots and blocks are the caller's), every logit row a chunk asks for, the index sets every index source selected,
@@ -180,7 +180,7 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
     ``param_leaves``: the parameter arrays as one flat list (``jax.tree.leaves`` of the parameters, whose structure
     is ``params_tree``): a call flattens a list in C++, where the nnx parameter tree (~340 variables for the tiny
     model) costs ~0.5 ms of Python per call on a 2-core host, every engine step. ``placement``: every output's
-    placement on a mesh (the logits' and the cache's), None without one.
+    placement on a mesh (the logits', the tokens' and the cache's), None without one.
 
     The engine step (``batch`` a ``StagedInputs``: the packed batch, remap_T [T] and prev_tokens_R [M] in the one
     buffer ``StepBuffers.stage`` keeps in place; ``inject_topk`` None; ``logits_RV`` float32 [S, V] and
