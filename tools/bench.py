@@ -7,11 +7,11 @@
 Step rows: the step the engine runs (``ModelRunner.launch``: the model step with the ZOS remap, ``forward_step`` and
 the sampler, and the small launches around it; no scheduler), a decode step of B sequences at context C or one
 prefill of P tokens, median wall time over ``--iters`` runs after ``--warmup`` runs (each run ends in
-``jax.block_until_ready``), on a cache filled with random values. Beside it, the step's floor: the larger of bytes / bandwidth and FLOPs / matrix rate, counted from the
-parameter shapes and the cache rows the step must read (``step_cost``), and the fraction of that floor reached.
-Engine rows: ``LLM.generate`` end to end (scheduler, runner, sampler) on the same model with ZOS on and off, output
-tokens per second, each engine's decode-step timeline against the device-only step at its shape
-(``--engine-batch 1,64`` runs 1 and 64 prompts in flight).
+``jax.block_until_ready``), on a cache filled with random values. Beside it, the step's floor: the larger of bytes /
+bandwidth and FLOPs / matrix rate, counted from the parameter shapes and the cache rows the step must read
+(``step_cost``), and the fraction of that floor reached. Engine rows: ``LLM.generate`` end to end (scheduler,
+runner, sampler) on the same model with ZOS on and off, output tokens per second, each engine's decode-step timeline
+against the device-only step at its shape (``--engine-batch 1,64`` runs 1 and 64 prompts in flight).
 
 Models: ``tiny`` (the embedded default, random weights) and ``flash-slice``: DeepSeek-V4.1-Flash's real dimensions
 (dim 5120, 64 heads of 512, 384 experts of 2304, vocab 129280, indexer 32x128 top-512, candidates 2048x8, window
