@@ -113,8 +113,8 @@ def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
             np.array([0 if c is None else c.output_position for c in rows], np.int32))
 
 
-# ``sampling_inputs``' column dtypes, all 4 bytes wide, then the mode's index in ``MODES``: packed as uint32 bits
-# into one array per step
+# ``sampling_inputs``' column dtypes, all 4 bytes wide: packed as uint32 bits into one array per step, with a last
+# row for the mode (``StepSampling``)
 COLUMN_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
 
 
