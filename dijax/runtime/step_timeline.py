@@ -10,7 +10,7 @@ a ``Phase`` (name, the scheduler step it worked on, start, end), every stamp ``t
   model     dispatch of the model step (which samples its logits), with the host -> device copy of those arrays
             (written into the step's fixed buffers first): it returns once the step is queued, unless the device's
             queue is full.
-  tokens    dispatch of the sampled tokens' copy and of its transfer to the host.
+  tokens    dispatch of the sampled tokens' copy (the queueing of its transfer to the host counts in ``wait``).
   wait      ``StepHandle.wait()``: the host blocked until a launched step's sampled tokens are on it (device ->
             host). The one phase in which the host only waits for the device.
   process   ``Scheduler.process`` and the stop strings: the sampled tokens applied.
