@@ -276,7 +276,7 @@ def step_runner(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tupl
                          max_num_seqs=len(lengths), max_num_batched_tokens=total, debug_logits=debug_logits,
                          kernels=kernels)
     runner.cache = _randomised(runner.cache, seed=1)
-    sampling_params = SAMPLING[sampling]  # the sampler's cost depends on its mode only
+    sampling_params = SAMPLING[sampling]
     chunks = []
     for i, (c, n) in enumerate(lengths):
         blocks = tuple(range(i * max_blocks, (i + 1) * max_blocks))
@@ -293,8 +293,9 @@ def time_step(cfg: ModelConfig, params: dict, consts: dict, lengths: list[tuple[
               label: str = "step", max_model_len: int | None = None, sampling: str = "sample") -> StepTiming:
     """The timing of the engine's step (``StepTiming``): ``ModelRunner.launch`` at the runner's buckets, as
     ``execute`` does: the model step (the ZOS remap, ``forward_step`` and the sampler on its logits), every sequence
-    sampling one token in the sampler mode ``sampling`` (``sampler.MODES``: 'sample' sorts each row's logits,
-    'temperature' and 'greedy' do not), with the small launches around it. Compile time, launches and temporary
+    sampling one token in the sampler mode ``sampling`` (``sampler.MODES``; the step computes every mode's tokens
+    and selects this one, so the mode changes the tokens, not the device's work), with the small launches around
+    it. Compile time, launches and temporary
     bytes are the model step's. Sequence i has ``lengths[i] = (cached, new)``; ``kernels``: auto / on / off.
     ``max_model_len`` defaults to the longest sequence's blocks; a larger one must not change the step (the block
     table's width follows the step's sequences, not ``max_model_len``: issue 9's row). Each run is the engine's
@@ -457,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="routed-experts path: auto (gathered when T*X < E) or forced, for A/B comparisons")
     add_model_options(parser)  # --kernels (run once with each to compare) and --ep
     parser.add_argument("--sampling", choices=tuple(SAMPLING), default="sample",
-                        help="step rows: the sampler mode every sequence samples in (default: sample, one sort per "
-                             "row; temperature and greedy sort nothing)")
+                        help="step rows: the sampler mode every sequence samples in (default: sample; the step "
+                             "computes every mode and selects this one)")
     add_step_option_argument(parser)
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dump", help="write each step's optimised HLO and a profiler trace of 3 steps here")

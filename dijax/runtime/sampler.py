@@ -116,6 +116,7 @@ def sampling_inputs(chunks: Sequence, num_rows: int) -> tuple[np.ndarray, ...]:
 # ``sampling_inputs``' column dtypes, all 4 bytes wide: packed as uint32 bits into one array per step, with a last
 # row for the mode (``StepSampling``)
 COLUMN_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
+PACKED_ROWS = len(COLUMN_DTYPES) + 1  # ``StepSampling.packed_7R``: the columns, then the mode
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["packed_7R"], meta_fields=["mode"])
@@ -155,7 +156,7 @@ def sample_packed(logits_RV: jax.Array, packed_7R: jax.Array) -> jax.Array:
     gives in that mode. Every mode's tokens are computed and the named one is selected (no control flow: module
     docstring)."""
     columns = unpack_columns(packed_7R)
-    mode = packed_7R[len(COLUMN_DTYPES), 0]
+    mode = packed_7R[PACKED_ROWS - 1, 0]
     tokens_R = sample(logits_RV, *columns, mode=MODES[-1])
     for index in range(len(MODES) - 2, -1, -1):
         tokens_R = jnp.where(mode == index, sample(logits_RV, *columns, mode=MODES[index]), tokens_R)

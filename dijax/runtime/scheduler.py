@@ -23,6 +23,7 @@ rank is the one-device case.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -90,10 +91,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
-    @property
-    def sampled_request_ids(self) -> tuple[str, ...]:
-        """Request ids of the sampling chunks, in row order (the order of the step's sampled-token output)."""
-        return tuple(c.request_id for c in self.chunks if c.sample)
+    @functools.cached_property
+    def sampled_request_ids(self) -> frozenset[str]:
+        """Request ids of the sampling chunks (computed on first use, then kept: the next step's in-flight check
+        asks it once per decode)."""
+        return frozenset(c.request_id for c in self.chunks if c.sample)
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -304,9 +306,8 @@ class Scheduler:
             self.running.append(seq)
             planned[seq.request_id] = (seq, n)
 
-        # the requests the previous step samples for: the only ones whose input may still be in flight
-        in_flight = frozenset(self._pending[-1].sampled_request_ids) if self._pending else frozenset()
-        chunks = tuple(self._emit(seq, n, in_flight) for seq, n in planned.values())
+        previous = self._pending[-1] if self._pending else None
+        chunks = tuple(self._emit(seq, n, previous) for seq, n in planned.values())
         output = SchedulerOutput(step=next(self._steps), chunks=chunks, num_tokens=sum(c.num_tokens for c in chunks),
                                  preempted=tuple(preempted))
         self._pending.append(output)
@@ -352,20 +353,19 @@ class Scheduler:
         blocks.allocate(seq, up_to)
         return True
 
-    def _emit(self, seq: Sequence, n: int, in_flight: frozenset[str]) -> ScheduledChunk:
-        """Describe ``seq``'s chunk of ``n`` tokens and advance its reservations (num_cached, num_inflight).
-        ``in_flight``: the request ids the previous step samples for."""
-        start, known = seq.num_cached, len(seq)
-        if start < known:
+    def _emit(self, seq: Sequence, n: int, previous: SchedulerOutput | None) -> ScheduledChunk:
+        """Describe ``seq``'s chunk of ``n`` tokens and advance its reservations (num_cached, num_inflight)."""
+        start = seq.num_cached
+        if start < len(seq):
             token_ids = seq.tokens(start, start + n)
             assert len(token_ids) == n, f"{seq!r}: chunk of {n} tokens runs past the known tokens"
         else:
             # Its input was sampled by the previous step and is not on the host yet.
             assert n == 1 and seq.num_inflight > 0, f"{seq!r}: only a decode may read an in-flight token"
-            assert seq.request_id in in_flight, (
+            assert previous is not None and seq.request_id in previous.sampled_request_ids, (
                 f"{seq!r}: in-flight input must come from the previous step")
             token_ids = (FROM_DEVICE,)
-        sample = start + n == known + seq.num_inflight  # the chunk reaches the sequence's reserved length
+        sample = start + n == seq.reserved_len
         chunk = ScheduledChunk(request_id=seq.request_id, slot=seq.slot, block_table=tuple(seq.block_table),
                                start=start, num_tokens=n, token_ids=token_ids, sample=sample, epoch=seq.epoch,
                                seed=seq.seed, output_position=seq.output_position, params=seq.params,

@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import Sharding
 
 from dijax.model.step import PackedBatch
-from dijax.runtime.sampler import COLUMN_DTYPES, StepSampling
+from dijax.runtime.sampler import PACKED_ROWS, StepSampling
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values_N"],
@@ -141,7 +141,7 @@ class StepBuffers:
         return self._staged(staged, batch, remap_T), logits, tokens, self._sampling_struct(num_rows)
 
     def _sampling_struct(self, num_rows: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((len(COLUMN_DTYPES) + 1, num_rows), jnp.uint32, sharding=self.sampling_sharding)
+        return jax.ShapeDtypeStruct((PACKED_ROWS, num_rows), jnp.uint32, sharding=self.sampling_sharding)
 
     @staticmethod
     def _staged(values, batch: PackedBatch, remap_T) -> StagedInputs:
