@@ -91,6 +91,41 @@ def test_decode_matches_dequant_for_every_byte_and_exponent():
     assert np.isfinite(got).all() and (got != 0).any()
 
 
+def test_gemm_decode_is_exact_for_every_byte_in_its_exponent_range():
+    """The grouped GEMM's weight tiles: both forms give dequant * 2^-_GEMM_SHIFT bit for bit, every byte, every
+    exponent of the documented range. The GPU form (bf16 bits times a bf16x2 multiplier, through bf16 subnormals)
+    is replayed in numpy, which keeps subnormals (XLA on the CPU flushes them)."""
+    lo, hi = rx._GEMM_SHIFT + 2, 128 + rx._GEMM_SHIFT
+    exponents = np.arange(lo, hi + 1, dtype=np.uint8)
+    packed = np.tile(np.arange(256, dtype=np.uint8), (exponents.size, 1))  # [S, 256 bytes] = 512 codes a row
+    scale = np.repeat(exponents[:, None], 512 // 32, axis=1)
+    expected = np.asarray(quant.dequant_fp4_weight(jnp.asarray(packed), jnp.asarray(scale)), np.float32)
+    expected = expected * np.float32(2.0 ** -rx._GEMM_SHIFT)
+    words = rx.pack_words(jnp.asarray(packed))
+    s_words = words.shape[1]
+
+    def natural(tiles) -> np.ndarray:  # 4 tiles [S, 2 words] (codes j, j + 4 side by side) -> [S, 512]
+        out = np.zeros((exponents.size, s_words, 8), np.float32)
+        for j, tile in enumerate(tiles):
+            pair = np.asarray(tile, np.float32).reshape(exponents.size, s_words, 2)
+            out[:, :, j], out[:, :, j + 4] = pair[..., 0], pair[..., 1]
+        return out.reshape(expected.shape)
+
+    got = natural(rx._dequant_pairs(words, jnp.asarray(scale), asm=False))
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    scale_W = np.repeat(np.asarray(rx.gemm_scale_bits(jnp.asarray(scale))), rx.WORDS_PER_SCALE, axis=1)
+    gpu_form = []
+    for j in range(4):
+        bits = np.asarray(rx._pair_bits_bf16(words, j))
+        halves = [(v >> np.uint32(16 * h)).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+                  for v in (bits, scale_W) for h in (0, 1)]
+        low, high = halves[0] * halves[2], halves[1] * halves[3]  # exact products: no rounding to bf16 needed
+        gpu_form.append(np.stack([low, high], axis=-1).reshape(exponents.size, -1))
+    got = natural(gpu_form)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    assert np.isfinite(got).all() and (got != 0).any()
+
+
 CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
     "one-token": (1, 8, 2, 256, 128, None, (), (), (118, 124)),
     "padding": (4, 8, 2, 256, 128, None, (1,), (3,), (118, 124)),

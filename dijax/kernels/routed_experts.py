@@ -343,21 +343,74 @@ def pair_major(x_TD: jax.Array, words: int) -> jax.Array:
     return x_TD.reshape(t, d // (CODES_PER_WORD * words), words, 2, 4).transpose(0, 1, 4, 2, 3).reshape(t, d)
 
 
-def _dequant_pairs(w_NW: jax.Array, s_NB: jax.Array) -> list[jax.Array]:
-    """Weight words w_NW [cols, words] with their ue8m0 bytes s_NB dequantised to 4 bf16 tiles [cols, 2 words]
-    (exact values), tile j holding codes j and j + 4 of each word side by side: the column order ``pair_major`` gives the
-    activations, so no tile is interleaved back into natural order (that interleave cost the gate-up GEMM 72
-    registers in its sm_90 build and the layer 6-11 % on the H200 at T >= 64: docs/benchmarks.md, ninth session)."""
+# The grouped GEMM's weights carry an extra 2^-_GEMM_SHIFT, which its epilogue multiplies back (exact in fp32):
+# it moves the range of scale bytes whose weight tiles are exact normal bf16 values from [2, 128] to [34, 160].
+_GEMM_SHIFT = 32
+_GEMM_UNSHIFT = np.float32(2.0 ** _GEMM_SHIFT)
+
+
+def gemm_scale_bits(scale_u8: jax.Array) -> jax.Array:
+    """ue8m0 bytes s -> uint32 holding the bf16 ``2^(s - 1 - _GEMM_SHIFT)`` in both halves (a bf16x2 multiplier).
+
+    ``_pair_bits_bf16`` gives ``e2m1 * 2^-126``; times this it is the weight ``e2m1 * 2^(s - 127)`` times
+    ``2^-_GEMM_SHIFT``, exact and normal for s in [_GEMM_SHIFT + 2, 128 + _GEMM_SHIFT]. (Real MXFP4 scales sit
+    near 2^-8, s = 119.)
+    """
+    e = scale_u8.astype(jnp.uint32) + np.uint32(126 - _GEMM_SHIFT)
+    return (e << 7) | (e << 23)
+
+
+def _pair_bits_bf16(words_u32: jax.Array, j: int) -> jax.Array:
+    """Nibbles ``j`` and ``j + 4`` of each word as a bf16 pair's bits, each ``e2m1 * 2^-126``, uint32.
+
+    The 3 magnitude bits go to bf16's bits 8..6 (exponent's low 2 bits, mantissa's top bit) and the sign to bit 15:
+    e2m1 and bf16 then differ only by their exponent bias (1 vs 127); e2m1's subnormal (0.5) lands on a bf16
+    subnormal, so all 16 codes are exact."""
+    v = words_u32 >> (4 * j)
+    return ((v & 0x00070007) << 6) | ((v & 0x00080008) << 12)
+
+
+def _scaled_pair_asm(bits_u32: jax.Array, scale_u32: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Both halves of bf16 pairs ``bits`` times the bf16x2 ``scale`` by ``mul.rn.bf16x2`` (GPU lowering only)
+    -> (low, high) bf16, each the shape of ``bits``. (Pallas' Triton lowering takes one result per inline-asm
+    call: each half's call repeats the multiply, which ptxas merges.)"""
+    args = [jax.lax.bitcast_convert_type(a, jnp.int32) for a in (bits_u32, scale_u32)]
+    shape = jax.ShapeDtypeStruct(bits_u32.shape, jnp.bfloat16)
+
+    def half(h: int) -> jax.Array:
+        halves = ("$0, u", "u, $0")[h]
+        [out] = pltriton.elementwise_inline_asm(
+            f"{{ .reg .b32 t; .reg .b16 u; mul.rn.bf16x2 t, $1, $2; mov.b32 {{{halves}}}, t; }}",
+            args=args, constraints="=h,r,r", pack=1, result_shape_dtypes=[shape])
+        return out
+
+    return half(0), half(1)
+
+
+def _dequant_pairs(w_NW: jax.Array, s_NB: jax.Array, asm: bool) -> list[jax.Array]:
+    """Weight words w_NW [cols, words] with their ue8m0 bytes s_NB dequantised to 4 bf16 tiles [cols, 2 words],
+    times 2^-_GEMM_SHIFT (exact values; ``gemm_scale_bits``), tile j holding codes j and j + 4 of each word side by
+    side: the column order ``pair_major`` gives the activations, so no tile is interleaved back into natural order
+    (that interleave cost the gate-up GEMM 72 registers in its sm_90 build and the layer 6-11 % on the H200 at
+    T >= 64: docs/benchmarks.md, ninth session).
+
+    ``asm`` (GPU): each code pair decoded straight to bf16 bits and scaled by one ``mul.bf16x2``. Otherwise the
+    same bits through float32 (``decode_pair``; the CPU flushes the bf16 subnormals that the GPU form goes through).
+    """
     cols, words = w_NW.shape
-    scale_NB = scale_multiplier(s_NB)
-    scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
-    scale_NW = scale_NW.reshape(cols, words)
-    tiles = []
-    for j in range(CODES_PER_WORD // 2):
-        low, high = decode_pair(w_NW, j)
-        pair = jnp.stack([(low * scale_NW).astype(jnp.bfloat16), (high * scale_NW).astype(jnp.bfloat16)], axis=-1)
-        tiles.append(pair.reshape(cols, 2 * words))
-    return tiles
+
+    def per_word(scale_NB: jax.Array) -> jax.Array:
+        scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
+        return scale_NW.reshape(cols, words)
+
+    if asm:
+        scale_NW = per_word(gemm_scale_bits(s_NB))
+        pairs = [_scaled_pair_asm(_pair_bits_bf16(w_NW, j), scale_NW) for j in range(CODES_PER_WORD // 2)]
+    else:
+        scale_NW = per_word(quant.ue8m0_pow2(s_NB, _F16_BIAS_FIX - _GEMM_SHIFT))
+        pairs = [tuple((v * scale_NW).astype(jnp.bfloat16) for v in decode_pair(w_NW, j))
+                 for j in range(CODES_PER_WORD // 2)]
+    return [jnp.stack(pair, axis=-1).reshape(cols, 2 * words) for pair in pairs]
 
 
 def _dot_nt(lhs_MK: jax.Array, rhs_NK: jax.Array) -> jax.Array:
@@ -373,7 +426,7 @@ def _dots_nt(acc_MN: jax.Array, lhs: list[jax.Array], rhs: list[jax.Array]) -> j
 
 
 def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                         limit: float, rows: int, cols: int, words: int, n_words: int):
+                         limit: float, rows: int, cols: int, words: int, n_words: int, asm: bool):
     """Program (i, n): tile i's rows (one expert's assignments, gathered from x by token) times w1 / w3 columns
     [n*cols, (n+1)*cols), SwiGLU, routing weight -> h rows of tile i. Tiles past the last expert do nothing.
     x is in ``pair_major`` order: each K step runs 4 dots per weight, one per code pair."""
@@ -386,19 +439,19 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
 
         def step(k, acc):
             w0 = k * words
+            tiles = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, n0, cols, w0, words)
             x_J = [x_ref[token_M, pl.ds(w0 * CODES_PER_WORD + 2 * j * words, 2 * words)]
                    for j in range(CODES_PER_WORD // 2)]
-            tiles = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, n0, cols, w0, words)
-            return tuple(_dots_nt(a, x_J, _dequant_pairs(*tile)) for a, tile in zip(acc, tiles))
+            return tuple(_dots_nt(a, x_J, _dequant_pairs(*tile, asm)) for a, tile in zip(acc, tiles))
 
         zeros = jnp.zeros((rows, cols), jnp.float32)
-        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
+        g, u = (a * _GEMM_UNSHIFT for a in jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros)))
         weight_M1 = weight_ref[pl.ds(i * rows, rows)][:, None]
         h_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = _weighted_swiglu(g, u, limit, weight_M1)
 
 
 def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, cols: int, words: int,
-                      n_words: int):
+                      n_words: int, asm: bool):
     """Program (i, n): y rows of tile i, columns [n*cols, (n+1)*cols) = h rows (``pair_major`` order) times w2,
     rounded to bf16."""
     i, n0 = pl.program_id(0), pl.program_id(1) * cols
@@ -408,12 +461,12 @@ def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: in
     def _():
         def step(k, acc):
             w0 = k * words
+            [tile] = _weight_tiles((w2_ref,), (s2_ref,), e, n0, cols, w0, words)
             h_J = [h_ref[pl.ds(i * rows, rows), pl.ds(w0 * CODES_PER_WORD + 2 * j * words, 2 * words)]
                    for j in range(CODES_PER_WORD // 2)]
-            [tile] = _weight_tiles((w2_ref,), (s2_ref,), e, n0, cols, w0, words)
-            return _dots_nt(acc, h_J, _dequant_pairs(*tile))
+            return _dots_nt(acc, h_J, _dequant_pairs(*tile, asm))
 
-        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows, cols), jnp.float32))
+        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows, cols), jnp.float32)) * _GEMM_UNSHIFT
         y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
 
 
@@ -524,10 +577,11 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
     words_f = _block(f // 8, config.gemm_words, "moe_inter_dim/8", 2)
     params = _compiler_params(config.gemm_warps, config.gemm_stages)
     h_RF = call(functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
-                                   n_words=d // 8),
+                                   n_words=d // 8, asm=not interpret),
                  (n_rows, f), (n_tiles, f // cols_f), params, "routed_gate_up_gemm",
                  tile_expert_I, token_R, weight_R, pair_major(x_act_TD, words_d), w1, s1, w3, s3)
-    y_RD = call(functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8),
+    y_RD = call(functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8,
+                                   asm=not interpret),
                  (n_rows, d), (n_tiles, d // cols_d), params, "routed_down_gemm",
                  tile_expert_I, pair_major(quant.fq8(h_RF), words_f), w2, s2)
     return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
