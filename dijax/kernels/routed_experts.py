@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import interpret_mode, poison, quant
+from dijax.kernels import bf16_pairs, interpret_mode, poison, quant
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
@@ -357,7 +357,7 @@ def gemm_scale_bits(scale_u8: jax.Array) -> jax.Array:
     near 2^-8, s = 119.)
     """
     e = scale_u8.astype(jnp.uint32) + np.uint32(126 - _GEMM_SHIFT)
-    return (e << 7) | (e << 23)
+    return bf16_pairs.pow2_pair(e)
 
 
 def _pair_bits_bf16(words_u32: jax.Array, j: int) -> jax.Array:
@@ -368,23 +368,6 @@ def _pair_bits_bf16(words_u32: jax.Array, j: int) -> jax.Array:
     subnormal, so all 16 codes are exact."""
     v = words_u32 >> (4 * j)
     return ((v & 0x00070007) << 6) | ((v & 0x00080008) << 12)
-
-
-def _scaled_pair_asm(bits_u32: jax.Array, scale_u32: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Both halves of bf16 pairs ``bits`` times the bf16x2 ``scale`` by ``mul.rn.bf16x2`` (GPU lowering only)
-    -> (low, high) bf16, each the shape of ``bits``. (Pallas' Triton lowering takes one result per inline-asm
-    call: each half's call repeats the multiply, which ptxas merges.)"""
-    args = [jax.lax.bitcast_convert_type(a, jnp.int32) for a in (bits_u32, scale_u32)]
-    shape = jax.ShapeDtypeStruct(bits_u32.shape, jnp.bfloat16)
-
-    def half(h: int) -> jax.Array:
-        halves = ("$0, u", "u, $0")[h]
-        [out] = pltriton.elementwise_inline_asm(
-            f"{{ .reg .b32 t; .reg .b16 u; mul.rn.bf16x2 t, $1, $2; mov.b32 {{{halves}}}, t; }}",
-            args=args, constraints="=h,r,r", pack=1, result_shape_dtypes=[shape])
-        return out
-
-    return half(0), half(1)
 
 
 def _dequant_pairs(w_NW: jax.Array, s_NB: jax.Array, asm: bool) -> list[jax.Array]:
@@ -405,23 +388,19 @@ def _dequant_pairs(w_NW: jax.Array, s_NB: jax.Array, asm: bool) -> list[jax.Arra
 
     if asm:
         scale_NW = per_word(gemm_scale_bits(s_NB))
-        pairs = [_scaled_pair_asm(_pair_bits_bf16(w_NW, j), scale_NW) for j in range(CODES_PER_WORD // 2)]
+        pairs = [bf16_pairs.scaled_pair_asm(_pair_bits_bf16(w_NW, j), scale_NW) for j in range(CODES_PER_WORD // 2)]
     else:
         scale_NW = per_word(quant.ue8m0_pow2(s_NB, _F16_BIAS_FIX - _GEMM_SHIFT))
         pairs = [tuple((v * scale_NW).astype(jnp.bfloat16) for v in decode_pair(w_NW, j))
                  for j in range(CODES_PER_WORD // 2)]
-    return [jnp.stack(pair, axis=-1).reshape(cols, 2 * words) for pair in pairs]
-
-
-def _dot_nt(lhs_MK: jax.Array, rhs_NK: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(lhs_MK, rhs_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return [bf16_pairs.side_by_side(*pair) for pair in pairs]
 
 
 def _dots_nt(acc_MN: jax.Array, lhs: list[jax.Array], rhs: list[jax.Array]) -> jax.Array:
-    """acc + the ``_dot_nt`` of each (lhs, rhs) pair, added to acc one at a time: summing the dots first and adding
-    once cost the gate-up GEMM 65 more registers in its sm_90 build (tools/kernel_report.py)."""
+    """acc + the ``bf16_pairs.dot_nt`` of each (lhs, rhs) pair, added to acc one at a time: summing the dots first
+    and adding once cost the gate-up GEMM 65 more registers in its sm_90 build (tools/kernel_report.py)."""
     for lhs_MK, rhs_NK in zip(lhs, rhs):
-        acc_MN = acc_MN + _dot_nt(lhs_MK, rhs_NK)
+        acc_MN = acc_MN + bf16_pairs.dot_nt(lhs_MK, rhs_NK)
     return acc_MN
 
 
