@@ -9,7 +9,7 @@
 | the hyper-connection Sinkhorn rounds | ``sinkhorn`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
-| bf16 pairs in uint32 words: the weight-only kernels' shared decode pieces | ``bf16_pairs`` | (kernel helpers) |
+| bf16 pairs in uint32 words: the in-register weight decode's pieces (grouped GEMM) | ``bf16_pairs`` | (kernel helpers) |
 
 The choice is static (part of the step's jit key) and made once per engine by ``kernel_options``.
 """

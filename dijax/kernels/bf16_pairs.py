@@ -1,9 +1,10 @@
-"""Pairs of bf16 values in one uint32 word: the pieces the weight-only kernels share (routed experts' MXFP4 codes,
-the fp8 linear's e4m3 codes).
+"""Pairs of bf16 values in one uint32 word: the pieces of a weight-only kernel's in-register decode, kept apart from
+any one code format (today the routed experts' grouped GEMM on MXFP4 codes; branch ``fp8-bf16-pairs`` builds the
+fp8 linear's e4m3 decode on the same pieces).
 
-Both kernels decode two packed codes at once into the two bf16 halves of a uint32 (integer shifts and masks; each
-half is the code's value times a fixed power of two), then scale both halves by one ``mul.rn.bf16x2`` against a
-per-block power of two, and feed the pairs to a tensor-core dot. No float16 / float32 round trip, no conversions:
+The kernel decodes two packed codes at once into the two bf16 halves of a uint32 (integer shifts and masks; each
+half is the code's value times a fixed power of two), then scales both halves by one ``mul.rn.bf16x2`` against a
+per-block power of two, and feeds the pairs to a tensor-core dot. No float16 / float32 round trip, no conversions:
 at decode shapes the kernels are bound by instruction issue, so the instructions per code set their speed.
 """
 
