@@ -54,17 +54,63 @@ def test_scale_multiplier_every_exponent_in_range():
     np.testing.assert_array_equal(got, np.asarray(quant.ue8m0_to_f32(jnp.asarray(s))))
 
 
-def test_fq8_tile_matches_fq8():
-    """Blocks of every magnitude, an all-zero block (the 1e-4 amax floor) and exact powers of two."""
+def test_fq8_tiles_match_fq8():
+    """Blocks of every magnitude, an all-zero block (the 1e-4 amax floor) and exact powers of two; one tile, and the
+    kernel's two tiles in ``pair_columns``' order."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((6, 8, 32)) * np.exp2(rng.integers(-30, 20, (6, 8, 1)))
     x = x.astype(np.float32).reshape(6, 256)
     x[0, :32] = 0
     x[1, 32:64] = np.exp2(np.arange(32) - 16)
     x_bf16 = jnp.asarray(x, jnp.bfloat16)
-    got = np.asarray(fl.fq8_tile(x_bf16.astype(jnp.float32)).astype(jnp.float32))
     want = np.asarray(quant.fq8(x_bf16).astype(jnp.float32))
-    np.testing.assert_array_equal(got, want)
+    [got] = fl.fq8_tiles([x_bf16.astype(jnp.float32)])
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    columns = [np.asarray(c) for c in fl.pair_columns(128)]
+    for k0 in (0, 128):
+        tiles = fl.fq8_tiles([x_bf16[:, k0 + c].astype(jnp.float32) for c in columns])
+        for c, got in zip(columns, tiles):
+            np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want[:, k0 + c])
+
+
+def test_pair_columns_cover_each_slice_once():
+    a, b = (np.asarray(c) for c in fl.pair_columns(64))
+    np.testing.assert_array_equal(np.sort(np.concatenate([a, b])), np.arange(64))
+
+
+def _natural(tiles, shape) -> np.ndarray:
+    """``dequant_pairs``' tiles A and B [N, 2 W] back in natural K order [N, 4 W] (float32)."""
+    out = np.zeros(shape, np.float32)
+    for columns, tile in zip(fl.pair_columns(shape[1]), tiles):
+        out[:, np.asarray(columns)] = np.asarray(tile, np.float32)
+    return out
+
+
+def test_pair_decode_is_exact_for_every_code_and_scale_in_range():
+    """Every e4m3 code (NaN excepted) at every scale byte of ``SCALE_RANGE``: the GPU form (bf16 pair bits times a
+    bf16x2 multiplier, through bf16 subnormals) replayed in numpy, which keeps subnormals (XLA on the CPU flushes
+    them), and the interpreted form, both equal to ``quant.dequant_fp8_weight`` bit for bit."""
+    lo, hi = fl.SCALE_RANGE
+    exponents = np.arange(lo, hi + 1, dtype=np.uint8)
+    codes = np.tile(np.arange(256, dtype=np.uint8), (32 * exponents.size, 1))  # rows of every code
+    codes[(codes & 0x7F) == 0x7F] = 0x38
+    scale = np.repeat(exponents[:, None], 256 // 32, axis=1)
+    expected = np.asarray(quant.dequant_fp8_weight(jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn)),
+                                                   jnp.asarray(scale)).astype(jnp.float32))
+    words = codes.view(np.uint32)  # little-endian: byte j of word w is code 4 w + j
+    got = _natural(fl.dequant_pairs(jnp.asarray(words), jnp.asarray(scale), asm=False), codes.shape)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    scale_W = np.repeat(np.repeat(np.asarray(fl.scale_pair(jnp.asarray(scale))), 32, axis=0), 8, axis=1)
+    gpu_form = []
+    for j in range(2):
+        bits = np.asarray(fl.pair_bits(jnp.asarray(words), j))
+        halves = [(v >> np.uint32(16 * h)).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+                  for v in (bits, scale_W) for h in (0, 1)]
+        low, high = halves[0] * halves[2], halves[1] * halves[3]  # exact products: no rounding to bf16 needed
+        assert np.all((np.abs(low) >= 2.0 ** -126) | (low == 0)), "a weight below bf16's normal range"
+        gpu_form.append(np.stack([low, high], axis=-1).reshape(codes.shape[0], -1))
+    got = _natural(gpu_form, codes.shape)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 
 def _weights(out_dim: int, in_dim: int, seed: int, exponents: tuple[int, int] = (110, 135)):
@@ -109,7 +155,8 @@ def test_pallas_matches_reference(monkeypatch, poison, t, out_dim, in_dim, targe
 
 
 def test_every_scale_exponent_in_range(monkeypatch, poison):
-    """Scale exponents 0..246 (the kernel's exact range), several per tile row."""
+    """Scale exponents 0..246 (the interpreted kernel's exact range; the GPU form's is narrower:
+    ``test_pair_decode_is_exact_for_every_code_and_scale_in_range``), several per tile row."""
     weight, _, _ = _weights(64, 8 * 32, seed=9)
     scale = jnp.asarray(np.arange(0, 247, 16, dtype=np.uint8)[:16].reshape(2, 8))
     x = jax.random.normal(jax.random.key(3), (4, 256), jnp.bfloat16)

@@ -1,6 +1,6 @@
 """Pairs of bf16 values in one uint32 word: the pieces of a weight-only kernel's in-register decode, kept apart from
-any one code format (today the routed experts' grouped GEMM on MXFP4 codes; branch ``fp8-bf16-pairs`` builds the
-fp8 linear's e4m3 decode on the same pieces).
+any one code format: the routed experts' grouped GEMM (MXFP4 codes) and the fp8 linear (e4m3 codes) build their
+decodes on them.
 
 The kernel decodes two packed codes at once into the two bf16 halves of a uint32 (integer shifts and masks; each
 half is the code's value times a fixed power of two), then scales both halves by one ``mul.rn.bf16x2`` against a

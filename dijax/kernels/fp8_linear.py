@@ -6,21 +6,31 @@
   * 'pallas': one Triton-lowered ``pl.pallas_call`` per call. Each program owns a [rows x cols] output tile and
     one of ``splits`` parts of K, walks its part in slices, fake-quantises its activation slice in registers
     (per-32 amax, power-of-two scale from the bits, e4m3 rounding by float arithmetic), decodes its e4m3 weight
-    codes with integer bit operations, applies the 32 x 32 tile scales, and runs a tensor-core bf16 dot with fp32
-    accumulation. The weight is read once, as bytes. Split K (flash-decoding style) keeps a decode step's grid
-    wide enough to fill the GPU when O / cols tiles are few: the splits' fp32 partial sums are added in XLA.
+    codes two at a time straight to bf16 bits with integer bit operations, applies the 32 x 32 tile scales with
+    one ``mul.rn.bf16x2`` per pair, and runs two tensor-core bf16 dots per slice with fp32 accumulation. The
+    weight is read once, as bytes. Split K (flash-decoding style) keeps a decode step's grid wide enough to fill
+    the GPU when O / cols tiles are few: the splits' fp32 partial sums are added in XLA. (Fake-quantising x once
+    in XLA before the kernel instead was no faster on the H200: docs/benchmarks.md, eighteenth session.)
 
 Numerics: every fake-quantised activation and every dequantised weight is a bf16 value, so each product is exact in
 fp32 and both implementations sum the same exact products in fp32; only the summation order differs (a bf16 ulp
-at rounding ties of the output). Weight scales are exact for ue8m0 exponents 0..246 (real scales sit near 2^-8).
+at rounding ties of the output). On the GPU the weights are exact normal bf16 values for ue8m0 exponent bytes
+``SCALE_RANGE`` = [10, 134] (2^-117 .. 2^7; real scales sit near 2^-8, s = 119; the parity fixtures' at 114..123);
+the interpreted kernel (CPU) is exact for every byte 0..246.
 
 Stacked layers: ``weight`` and ``scale`` may be ``LayerSlice``s (dijax.kernels.stacked), one layer of a scanned
 stack of layers. The kernel then reads that layer's rows of the stack in place (the layer index is an operand), so
 the scan never copies the weight out of the stack; the reference takes the slice.
 
-Why integer decoding of the weight: Mosaic GPU's e4m3 -> bf16 needs PTX ISA 9.2 (the H200 image has 9.0), and the
-bit trick is two shifts, a mask and an or: the 7 magnitude bits of e4m3 land on float16's exponent / mantissa
-boundary, so the float16 equals the e4m3 value times 2^-8 for every code, subnormals included.
+Why integer decoding of the weight: Mosaic GPU's e4m3 -> bf16 needs PTX ISA 9.2 (the H200 image has 9.0), and at
+decode shapes the kernel is bound by instruction issue, so the instructions per weight code set its speed. Bytes 0
+and 2 of a uint32 word of codes (and bytes 1 and 3) are 16 bits apart: one shift-and-mask chain moves both codes'
+7 magnitude bits onto bf16's exponent / mantissa boundary (bits 10..4) and their signs onto bits 15 and 31, so each
+half is the e4m3 value times 2^-120 for every code (e4m3 subnormals land on bf16 subnormals), and one
+``mul.rn.bf16x2`` by the bf16 pair ``2^(s - 7)`` gives both weights (``pair_bits`` / ``scale_pair``). The
+activations are loaded in the matching column order: tile A holds K positions 4w and 4w + 2 side by side, tile B
+4w + 1 and 4w + 3 (``pair_columns``). XLA on the CPU flushes bf16 subnormals, so the interpreted kernel decodes
+through float16 and float32 (``decode_e4m3``) to the same values.
 
 Letters: T tokens (rows of x), I input features, O output features, B 32-wide scale blocks.
 """
@@ -36,13 +46,19 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import interpret_mode, poison, quant
+from dijax.kernels import bf16_pairs, interpret_mode, poison, quant
 from dijax.kernels.quant import FP8_BLOCK
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
 MIN_DOT = 16  # Triton's dot needs every dimension >= 16
-_F16_BIAS_FIX = 8  # a decoded e4m3 code is value * 2^-8 (float16 bias 15 against e4m3's 7)
+CODES_PER_WORD = 4  # e4m3 codes per uint32 word of the kernel's weight view
+_F16_BIAS_FIX = 8  # ``decode_e4m3``: a code's float16 is value * 2^-8 (float16 bias 15 against e4m3's 7)
+_BF16_BIAS_FIX = 120  # ``pair_bits``: each bf16 half is value * 2^-120 (bf16 bias 127 against e4m3's 7)
+# ue8m0 bytes whose weights the GPU kernel forms exactly as normal bf16 values: the smallest code (2^-9) times
+# 2^(s - 127) stays >= 2^-126, and the bf16 multiplier 2^(s - 7) stays finite.
+SCALE_RANGE = (10, 134)
+_MAGNITUDE_PAIR, _SIGN_PAIR = 0x07F007F0, 0x80008000  # both halves' bits 10..4 and bit 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +94,10 @@ def fp8_linear_reference(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight) -
     return y.astype(jnp.bfloat16)
 
 
-def decode_e4m3(codes_u8: jax.Array) -> jax.Array:
-    """e4m3 bytes (uint8, any shape) -> float32 ``value * 2^-8`` by integer bit operations (exact; NaN not kept)."""
-    c = codes_u8.astype(jnp.int32)
+def decode_e4m3(codes: jax.Array) -> jax.Array:
+    """e4m3 codes (integers 0..255, any shape) -> float32 ``value * 2^-8`` by integer bit operations (exact; NaN
+    not kept): the 7 magnitude bits land on float16's exponent / mantissa boundary."""
+    c = codes.astype(jnp.int32)
     bits = ((c & 0x7F) << 7) | ((c & 0x80) << 8)
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
 
@@ -90,51 +107,96 @@ def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
     return quant.ue8m0_pow2(scale_u8, _F16_BIAS_FIX)
 
 
-def fq8_tile(x_TK: jax.Array) -> jax.Array:
-    """``quant.fq8`` of a float32 tile [T, K] (K a multiple of 32) with kernel-friendly arithmetic -> bf16 [T, K].
-
-    The scale comes from the amax's bits as in ``quant.pow2_scale``; x / s is a multiplication by the exact power
-    of two 1 / s; e4m3 rounding is ``quant.e4m3_round_arith``. Equal to ``quant.fq8`` bit for bit."""
-    t, k = x_TK.shape
-    xg = x_TK.reshape(t, k // FP8_BLOCK, FP8_BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), np.float32(1e-4))
-    scale = quant.pow2_scale(amax, np.float32(1.0 / quant.FP8_MAX))
-    inverse = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(scale, jnp.int32), jnp.float32)
-    q = quant.e4m3_round_arith(xg * inverse[:, :, None])
-    return (q * scale[:, :, None]).reshape(t, k).astype(jnp.bfloat16)
+def pair_bits(words_u32: jax.Array, j: int) -> jax.Array:
+    """Bytes j and j + 2 (j < 2) of each uint32 word of e4m3 codes -> a bf16 pair's bits (uint32), each half the
+    code's value times 2^-120 (module docstring)."""
+    if j == 0:
+        return ((words_u32 << 4) & np.uint32(_MAGNITUDE_PAIR)) | ((words_u32 << 8) & np.uint32(_SIGN_PAIR))
+    return ((words_u32 >> 4) & np.uint32(_MAGNITUDE_PAIR)) | (words_u32 & np.uint32(_SIGN_PAIR))
 
 
-def _expand_scales(scale_BB: jax.Array, cols: int, depth: int) -> jax.Array:
-    """Tile scales [cols/32, depth/32] -> one multiplier per weight element [cols, depth] (float32)."""
+def scale_pair(scale_u8: jax.Array) -> jax.Array:
+    """ue8m0 bytes s -> uint32 holding the bf16 ``2^(s - 7)`` in both halves: ``pair_bits`` times it is the weight
+    ``e4m3 * 2^(s - 127)`` (exact for s in ``SCALE_RANGE``)."""
+    return bf16_pairs.pow2_pair(scale_u8.astype(jnp.uint32) + np.uint32(_BF16_BIAS_FIX))
+
+
+def pair_columns(depth: int) -> tuple[jax.Array, jax.Array]:
+    """The K offsets inside a ``depth``-wide slice of the columns of tiles A and B (``dequant_pairs``'s order):
+    column 2 w + h of tile A is K position 4 w + 2 h, of tile B 4 w + 2 h + 1. Two int32 [depth / 2]."""
+    c = jnp.arange(depth // 2, dtype=jnp.int32)
+    col_a = CODES_PER_WORD * (c // 2) + 2 * (c % 2)
+    return col_a, col_a + 1
+
+
+def _expand_scales(scale_BB: jax.Array, cols: int, width: int) -> jax.Array:
+    """Tile scales [cols/32, kb] -> one per row and K position of a [cols, width] tile (width a multiple of kb)."""
     rb, kb = scale_BB.shape
     per_row = jnp.broadcast_to(scale_BB[:, None, :], (rb, FP8_BLOCK, kb)).reshape(cols, kb)
-    return jnp.broadcast_to(per_row[:, :, None], (cols, kb, FP8_BLOCK)).reshape(cols, depth)
+    return jnp.broadcast_to(per_row[:, :, None], (cols, kb, width // kb)).reshape(cols, width)
+
+
+def dequant_pairs(words_NW: jax.Array, scale_BB: jax.Array, asm: bool) -> list[jax.Array]:
+    """Weight words [cols, words] (4 e4m3 codes each) with their tile scales [cols/32, words/8] -> tiles A and B,
+    bf16 [cols, 2 words] (``pair_columns``' order), the exact dequantised weights.
+
+    ``asm`` (GPU): ``pair_bits`` times ``scale_pair`` by one ``mul.rn.bf16x2`` per pair (exact for scale bytes in
+    ``SCALE_RANGE``). Otherwise the same values through float16 and float32 (exact for s <= 246): XLA on the CPU
+    flushes the bf16 subnormals the GPU form passes through."""
+    cols, words = words_NW.shape
+    if asm:
+        scale_NW = _expand_scales(scale_pair(scale_BB), cols, words)
+        pairs = [bf16_pairs.scaled_pair_asm(pair_bits(words_NW, j), scale_NW) for j in range(2)]
+    else:
+        scale_NW = _expand_scales(scale_multiplier(scale_BB), cols, words)
+        pairs = [tuple((decode_e4m3((words_NW >> (8 * (j + 2 * h))) & 0xFF) * scale_NW).astype(jnp.bfloat16)
+                       for h in range(2)) for j in range(2)]
+    return [bf16_pairs.side_by_side(*pair) for pair in pairs]
+
+
+def fq8_tiles(x_tiles: list[jax.Array]) -> list[jax.Array]:
+    """``quant.fq8`` of float32 tiles [T, K] that share each 32-wide block: with n tiles, block b is columns
+    [b * 32/n, (b + 1) * 32/n) of every tile (n = 1: plain 32-wide blocks; n = 2: ``pair_columns``' tiles, as
+    ``dequant_pairs`` orders them). -> bf16 tiles, bit for bit ``quant.fq8``'s values.
+
+    The scale comes from the amax's bits as in ``quant.pow2_scale``; x / s is a multiplication by the exact power
+    of two 1 / s; e4m3 rounding is ``quant.e4m3_round_arith``."""
+    t, k = x_tiles[0].shape
+    group = FP8_BLOCK // len(x_tiles)
+    groups = [x.reshape(t, k // group, group) for x in x_tiles]
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in groups])
+    scale = quant.pow2_scale(jnp.maximum(amax, np.float32(1e-4)), np.float32(1.0 / quant.FP8_MAX))
+    inverse = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(scale, jnp.int32), jnp.float32)
+    return [(quant.e4m3_round_arith(x * inverse[:, :, None]) * scale[:, :, None]).reshape(t, k).astype(jnp.bfloat16)
+            for x in groups]
 
 
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int,
-            n_depth: int):
+            n_depth: int, asm: bool):
     """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...),
-    over K slices [k*n_depth, (k+1)*n_depth) of ``depth``, reading layer ``layer_ref[0]`` of the weight stack
-    [L, O, I] and of the scale stack. The output is bf16 [T, O], or with split K the fp32 partial sums
-    [splits, T, O]."""
+    over K slices [k*n_depth, (k+1)*n_depth) of ``depth``, reading layer ``layer_ref[0]`` of the weight words
+    [L, O, I/4] and of the scale stack; x bf16 [T, I]. The output is bf16 [T, O], or with split K the fp32
+    partial sums [splits, T, O]."""
     n0, m0 = pl.program_id(0) * cols, pl.program_id(1) * rows
     layer = layer_ref[0]
     first = pl.program_id(2) * n_depth
     row_R = m0 + jnp.arange(rows)
     live_R1 = (row_R < n_tokens)[:, None]
     safe_R1 = jnp.minimum(row_R, n_tokens - 1)[:, None]
+    live_RH = jnp.broadcast_to(live_R1, (rows, depth // 2))
+    words = depth // CODES_PER_WORD
 
     def step(k, acc):
         k0 = (first + k) * depth
-        col_K = k0 + jnp.arange(depth)
-        x_RK = pltriton.load(x_ref.at[safe_R1, col_K[None, :]], mask=jnp.broadcast_to(live_R1, (rows, depth)),
-                             other=0).astype(jnp.float32)
-        codes_NK = w_ref[layer, pl.ds(n0, cols), pl.ds(k0, depth)]
+        x_tiles = [pltriton.load(x_ref.at[safe_R1, (k0 + col_H)[None, :]], mask=live_RH, other=0)
+                   for col_H in pair_columns(depth)]
+        x_tiles = fq8_tiles([x.astype(jnp.float32) for x in x_tiles])
+        words_NW = w_ref[layer, pl.ds(n0, cols), pl.ds(k0 // CODES_PER_WORD, words)]
         scale_BB = s_ref[layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK),
                          pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]
-        w_NK = (decode_e4m3(codes_NK) * _expand_scales(scale_multiplier(scale_BB), cols, depth)).astype(jnp.bfloat16)
-        return acc + jax.lax.dot_general(fq8_tile(x_RK), w_NK, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+        for x_RH, w_NH in zip(x_tiles, dequant_pairs(words_NW, scale_BB, asm)):
+            acc = acc + bf16_pairs.dot_nt(x_RH, w_NH)
+        return acc
 
     acc = jax.lax.fori_loop(0, n_depth, step, jnp.zeros((rows, cols), jnp.float32))
     col_N = n0 + jnp.arange(cols)
@@ -197,14 +259,16 @@ def _fp8_linear_call(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, *, co
     tiles = (out_dim // cols) * -(-t // rows)
     splits = k_splits(tiles, in_dim // depth, config.target_programs)
     kernel = functools.partial(_kernel, n_tokens=t, rows=rows, cols=cols, depth=depth,
-                               n_depth=in_dim // depth // splits)
+                               n_depth=in_dim // depth // splits, asm=not interpret)
     grid = (out_dim // cols, -(-t // rows), splits)
     out = jax.ShapeDtypeStruct((t, out_dim) if splits == 1 else (splits, t, out_dim),
                                jnp.bfloat16 if splits == 1 else jnp.float32)
     params = pltriton.CompilerParams(num_warps=config.warps, num_stages=config.stages)
-    codes_LOI = jax.lax.bitcast_convert_type(w_LOI, jnp.uint8)
-    y = poison.pallas_call(kernel, layer[None], x_TI, codes_LOI, s_LBB, out_shape=out, poison=config.poison, grid=grid,
-                           compiler_params=params, name="fp8_linear", interpret=interpret)
+    # the codes as uint32 words (4 a word, little-endian): a bitcast, no copy of the stack
+    words_LOW = jax.lax.bitcast_convert_type(
+        w_LOI.reshape(*w_LOI.shape[:-1], in_dim // CODES_PER_WORD, CODES_PER_WORD), jnp.uint32)
+    y = poison.pallas_call(kernel, layer[None], x_TI, words_LOW, s_LBB, out_shape=out, poison=config.poison,
+                           grid=grid, compiler_params=params, name="fp8_linear", interpret=interpret)
     return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
 
 

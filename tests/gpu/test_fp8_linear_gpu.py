@@ -2,7 +2,8 @@
 
 Outputs start NaN-filled (``KernelConfig.poison``), so an element no program writes shows as NaN. Covers token
 counts below, at and above one tile of rows (masked rows), the real V4.1-Flash linear shapes, and the whole range
-of scale exponents the kernel is exact for. Run on the device: ``PYTHONPATH=. python3 -m pytest -q tests/gpu``.
+of scale exponents the GPU kernel is exact for (``SCALE_RANGE``). Run on the device:
+``PYTHONPATH=. python3 -m pytest -q tests/gpu``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ def test_kernel_matches_reference(t, out_dim, in_dim, monkeypatch):
 
 
 def test_every_scale_exponent_in_range(monkeypatch):
-    weight, _, _ = _weights(64, 8 * 32, seed=9)
-    scale = jnp.arange(0, 247, 16, dtype=jnp.uint8)[:16].reshape(2, 8)
-    x = jax.random.normal(jax.random.key(3), (4, 256), jnp.bfloat16)
+    """Every byte of ``SCALE_RANGE``, 16 per tile row; both ends included."""
+    lo, hi = fl.SCALE_RANGE
+    exponents = jnp.arange(lo, hi + 1, dtype=jnp.uint8)
+    exponents = jnp.concatenate([exponents, jnp.full((-exponents.size % 16,), hi, jnp.uint8)])
+    weight, _, _ = _weights(32 * exponents.size // 16, 16 * 32, seed=9)
+    scale = exponents.reshape(-1, 16)
+    x = jax.random.normal(jax.random.key(3), (4, 16 * 32), jnp.bfloat16)
     assert_close_bf16(jax.jit(fl.fp8_linear_pallas)(x, weight, scale),
                       jax.jit(fl.fp8_linear_reference)(x, weight, scale), x, weight, scale)
