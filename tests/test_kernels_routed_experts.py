@@ -95,7 +95,7 @@ def test_gemm_decode_is_exact_for_every_byte_in_its_exponent_range():
     """The grouped GEMM's weight tiles: both forms give dequant * 2^-_GEMM_SHIFT bit for bit, every byte, every
     exponent of the documented range. The GPU form (bf16 bits times a bf16x2 multiplier, through bf16 subnormals)
     is replayed in numpy, which keeps subnormals (XLA on the CPU flushes them)."""
-    lo, hi = rx._GEMM_SHIFT + 2, 128 + rx._GEMM_SHIFT
+    lo, hi = rx.GEMM_SCALE_RANGE
     exponents = np.arange(lo, hi + 1, dtype=np.uint8)
     packed = np.tile(np.arange(256, dtype=np.uint8), (exponents.size, 1))  # [S, 256 bytes] = 512 codes a row
     scale = np.repeat(exponents[:, None], 512 // 32, axis=1)

@@ -9,7 +9,8 @@
 | the hyper-connection Sinkhorn rounds | ``sinkhorn`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
-| bf16 pairs in uint32 words: the in-register weight decode's pieces (grouped GEMM) | ``bf16_pairs`` | (kernel helpers) |
+| bf16 pairs in uint32 words: the weight decode's pieces (grouped GEMM, fp8 linear) | ``bf16_pairs`` | (helpers) |
+| are a checkpoint's scales where those decodes are exact (else the reference) | ``scale_range`` | (engine start) |
 
 The choice is static (part of the step's jit key) and made once per engine by ``kernel_options``.
 """

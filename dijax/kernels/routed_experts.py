@@ -347,13 +347,14 @@ def pair_major(x_TD: jax.Array, words: int) -> jax.Array:
 # it moves the range of scale bytes whose weight tiles are exact normal bf16 values from [2, 128] to [34, 160].
 _GEMM_SHIFT = 32
 _GEMM_UNSHIFT = np.float32(2.0 ** _GEMM_SHIFT)
+GEMM_SCALE_RANGE = (_GEMM_SHIFT + 2, 128 + _GEMM_SHIFT)  # ue8m0 bytes the grouped GEMM's GPU form is exact for
 
 
 def gemm_scale_bits(scale_u8: jax.Array) -> jax.Array:
     """ue8m0 bytes s -> uint32 holding the bf16 ``2^(s - 1 - _GEMM_SHIFT)`` in both halves (a bf16x2 multiplier).
 
     ``_pair_bits_bf16`` gives ``e2m1 * 2^-126``; times this it is the weight ``e2m1 * 2^(s - 127)`` times
-    ``2^-_GEMM_SHIFT``, exact and normal for s in [_GEMM_SHIFT + 2, 128 + _GEMM_SHIFT]. (Real MXFP4 scales sit
+    ``2^-_GEMM_SHIFT``, exact and normal for s in ``GEMM_SCALE_RANGE``. (Real MXFP4 scales sit
     near 2^-8, s = 119.)
     """
     e = scale_u8.astype(jnp.uint32) + np.uint32(126 - _GEMM_SHIFT)

@@ -60,6 +60,7 @@ from tqdm import tqdm
 
 from dijax.config import ModelConfig
 from dijax.kernels import kernel_options
+from dijax.kernels.scale_range import exact_kernels
 from dijax.model.step import CacheSpec, PackedBatch, SeqChunk, build_step, init_cache, pack_batch, unpack_batch
 from dijax.model.transformer import forward_step
 from dijax.parallel.mesh import mesh_context, on_mesh, param_specs, params_mesh
@@ -241,7 +242,8 @@ class ModelRunner:
                  debug_logits: bool = False, kernels: str = "auto", attention_dp: bool = False):
         self.cfg, self.params, self.consts = cfg, params, consts
         self.param_leaves, params_tree = jax.tree.flatten(params)  # what the model step takes (compiled_step)
-        self.kernel_options = kernel_options(kernels, jax.default_backend())
+        # a Pallas kernel whose exact scale range a weight leaves hands its op to the reference (warning)
+        self.kernel_options = exact_kernels(kernel_options(kernels, jax.default_backend()), params)
         spec = CacheSpec(num_blocks=num_blocks, num_slots=num_slots, block_size=block_size)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
