@@ -101,7 +101,9 @@ def lower_step_kernels(buckets: list[tuple[int, int, int]]) -> list[tuple[str, s
 
 try:
     import triton
+    from triton._C.libtriton import ir as triton_ir
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
 except ImportError:  # reported by main(): the lowering half works without it
     triton = None
 
@@ -110,13 +112,35 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def first_stage(path: str, options: dict) -> str:
+    """The Triton IR at ``path`` after Triton's own first stage (``make_ttir``: inlining, canonicalisation, the
+    combine patterns such as ``acc + dot`` into the dot's accumulator, CSE, loop unrolling), as text.
+
+    ``triton.compile`` skips the stage of the file it is given, but XLA runs these passes on a Pallas kernel's IR
+    before the rest of the pipeline; compiling the lowering's raw IR counted instructions the GPU build does not
+    have (an unfused accumulator add: 16 FADD per K step of the routed experts' GEMM)."""
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    context = triton_ir.context()
+    triton_ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = triton_ir.parse_mlir_module(path, context)
+    module.context = context
+    backend.make_ttir(module, {}, backend.parse_options(options), target.arch)
+    return str(module)
+
+
 def build(text: str, warps: int, stages: int, workdir: str, stem: str) -> dict:
-    """Compile one Triton module for sm_90: registers, spills, shared bytes and the SASS opcode counts."""
+    """Compile one Triton module for sm_90 as XLA does (``first_stage``, then the rest of Triton's pipeline):
+    registers, spills, shared bytes and the SASS opcode counts."""
+    options = {"num_warps": warps, "num_stages": stages}
     path = os.path.join(workdir, f"{stem}.ttir")
     with open(path, "w") as f:
         f.write(text)
-    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
+    text = first_stage(path, options)
+    with open(path, "w") as f:
+        f.write(text)
+    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=options)
     ptx, cubin = os.path.join(workdir, f"{stem}.ptx"), os.path.join(workdir, f"{stem}.cubin")
     with open(ptx, "w") as f:
         f.write(kernel.asm["ptx"])
