@@ -11,6 +11,7 @@ copy bandwidth, 4.3 TB/s measured on this workplace's H200: device KINDS.md) and
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import os
 import sys
@@ -278,7 +279,8 @@ def routed_experts_inputs(tokens: int) -> tuple[dict, float, tuple[jax.Array, ja
     return experts, limit, (x_TD, weights_TX, experts_TX.astype(jnp.int32))
 
 
-def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **timing) -> list[dict]:
+def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, changes: tuple[dict, ...] = (),
+                        **timing) -> list[dict]:
     """The routed-experts layer alone at the flash-slice dimensions (tools/bench.py: 384 MXFP4 experts of
     2304 x dim, 6 per token, random codes and ue8m0 exponents 116..120, uniformly random routing): the jnp
     reference (its own path choice) against the Pallas kernels on each path ('*' marks the default pick).
@@ -286,11 +288,11 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
     Floor: the larger of the packed bytes of the distinct experts the routing touches (codes and ue8m0 scales,
     plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
     ``sweep`` adds a 64-column tiling, two pipeline stages instead of three, and split K to 264 or 528 programs
-    (``gemm_target_programs``). (Swept before: the tile rows in the
-    first session, ``gemm_rows``' docstring; a prefetching mat-vec K loop, 8 warps and a 32-word K step in the
-    eighth / ninth, none faster; the lean mat-vec in the eleventh, now the mat-vecs' only form; 32 columns in the
-    eleventh; the other tensor-core orientation (weights on M, tokens on N: wgmma with the weights in registers),
-    8-9 % slower at T = 16-256 in the seventeenth; docs/benchmarks.md.)
+    (``gemm_target_programs``); ``changes``: more KernelConfig changes, each timed on the GEMM path. (Swept
+    before: the tile rows in the first session, ``gemm_rows``' docstring; a prefetching mat-vec K loop, 8 warps
+    and a 32-word K step in the eighth / ninth, none faster; the lean mat-vec in the eleventh, now the mat-vecs'
+    only form; 32 columns in the eleventh; the other tensor-core orientation (weights on M, tokens on N: wgmma
+    with the weights in registers), 8-9 % slower at T = 16-256 in the seventeenth; docs/benchmarks.md.)
     """
     import dataclasses
 
@@ -316,6 +318,7 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, **ti
         if sweep:
             variants += [("ragged", {"gemm_cols": 64}), ("ragged", {"gemm_stages": 2}),
                          ("ragged", {"gemm_target_programs": 264}), ("ragged", {"gemm_target_programs": 528})]
+        variants += [("ragged", change) for change in changes]
         for path, change in variants:
             saved = rx.CONFIG
             rx.CONFIG = dataclasses.replace(saved, **change)
@@ -345,13 +348,15 @@ def random_fp8_weight(o: int, i: int, seed: int) -> tuple[jax.Array, jax.Array]:
     return codes, jax.random.randint(k2, (o // 32, i // 32), 116, 121).astype(jnp.uint8)
 
 
-def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: int = 8, **timing) -> list[dict]:
+def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: int = 8, changes: tuple[dict, ...] = (),
+                    **timing) -> list[dict]:
     """The fp8 block-scaled linears at the flash-slice dimensions (attention wq_a / wq_b / wkv / wo_b, the indexer's
     wq_b, the shared expert's w1 and w2; random e4m3 codes, ue8m0 exponents 116..120): the jnp reference against
     the Pallas kernel (every T through the kernel, whatever ``CONFIG.max_tokens`` says). One timed call applies
     the linear to ``reps`` distinct weights (so a call's ~50 us of host dispatch does not hide a few-us kernel, and
     no weight is served from L2); the row is per linear. Floor: the larger of (codes + scales + x + y bytes) /
-    4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns, K slice, warps, K split target)."""
+    4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns, K slice, warps, K split target);
+    ``changes``: more KernelConfig changes, each timed."""
     import dataclasses
 
     from dijax.kernels import fp8_linear as fl
@@ -369,6 +374,7 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
                                                                 ("depth", 256), ("warps", 8), ("stages", 2),
                                                                 ("target_programs", 1), ("target_programs", 528),
                                                                 ("rows_max", 128))]
+    variants += [("pallas " + " ".join(f"{k}={v}" for k, v in change.items()), change) for change in changes]
 
     def repeated(fn):
         return jax.jit(lambda x, ws, ss: [fn(x, w, s) for w, s in zip(ws, ss)])
@@ -496,6 +502,17 @@ def print_table(rows: list[dict]) -> None:
               f"{r['floor_pct']:.1f} | {r['speedup']:.2f} |")
 
 
+def parse_change(text: str) -> dict:
+    """'key=value,key=value' -> a KernelConfig change (values as Python literals: True, 528, ...)."""
+    change = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--variant: expected KEY=VALUE, got {item!r}")
+        change[key.strip()] = ast.literal_eval(value.strip())
+    return change
+
+
 BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
            "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "xla_gemm": xla_gemm_rows,
            "sinkhorn": sinkhorn_rows}
@@ -509,6 +526,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", help="routed_experts and fp8_linear: comma-separated token counts (default "
                                      "1,16,64,256,1024)")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="routed_experts and fp8_linear: one more KernelConfig change to time (repeatable), e.g. "
+                         "quantize_live_rows=True or gemm_target_programs=528")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - set(BENCHES))
@@ -520,8 +540,11 @@ def main() -> None:
     time_call(jax.jit(lambda a: a @ a), warm, iters=200, repeats=1)
     rows = []
     for name in names:
-        extra = {"tokens": tuple(int(t) for t in args.tokens.split(","))} if args.tokens and \
-            name in ("routed_experts", "fp8_linear") else {}
+        extra = {}
+        if name in ("routed_experts", "fp8_linear"):
+            extra["changes"] = tuple(parse_change(v) for v in args.variant)
+            if args.tokens:
+                extra["tokens"] = tuple(int(t) for t in args.tokens.split(","))
         rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats, **extra)
     print_table(rows)
 
