@@ -413,12 +413,13 @@ def _dots_nt(acc_MN: jax.Array, lhs: list[jax.Array], rhs: list[jax.Array]) -> j
 
 def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                          limit: float, rows: int, cols: int, words: int, n_steps: int, asm: bool):
-    """Program (i, n, p): tile i's rows (one expert's assignments, gathered from x by token) times w1 / w3 columns
+    """Program (i, n[, p]): tile i's rows (one expert's assignments, gathered from x by token) times w1 / w3 columns
     [n*cols, (n+1)*cols), over K steps [p*n_steps, (p+1)*n_steps), SwiGLU, routing weight -> h rows of tile i
     (bf16 [R, F]); with split K instead part p's fp32 sums of w1 x and w3 x into h [splits, 2, R, F]. Tiles past
     the last expert do nothing. x is in ``pair_major`` order: each K step runs 4 dots per weight, one per code
     pair."""
-    i, n0, part = pl.program_id(0), pl.program_id(1) * cols, pl.program_id(2)
+    split = len(h_ref.shape) == 4
+    i, n0, part = pl.program_id(0), pl.program_id(1) * cols, pl.program_id(2) if split else 0
     e = tile_expert_ref[i]
 
     @pl.when(e >= 0)
@@ -434,7 +435,7 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
 
         zeros = jnp.zeros((rows, cols), jnp.float32)
         g, u = (a * _GEMM_UNSHIFT for a in jax.lax.fori_loop(0, n_steps, step, (zeros, zeros)))
-        if len(h_ref.shape) == 4:  # split K
+        if split:
             h_ref[part, 0, pl.ds(i * rows, rows), pl.ds(n0, cols)] = g
             h_ref[part, 1, pl.ds(i * rows, rows), pl.ds(n0, cols)] = u
         else:
@@ -444,10 +445,11 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
 
 def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, cols: int, words: int,
                       n_steps: int, asm: bool):
-    """Program (i, n, p): y rows of tile i, columns [n*cols, (n+1)*cols) = h rows (``pair_major`` order) times w2
+    """Program (i, n[, p]): y rows of tile i, columns [n*cols, (n+1)*cols) = h rows (``pair_major`` order) times w2
     over K steps [p*n_steps, (p+1)*n_steps), rounded to bf16 (y [R, D]); with split K part p's fp32 sums (y
     [splits, R, D])."""
-    i, n0, part = pl.program_id(0), pl.program_id(1) * cols, pl.program_id(2)
+    split = len(y_ref.shape) == 3
+    i, n0, part = pl.program_id(0), pl.program_id(1) * cols, pl.program_id(2) if split else 0
     e = tile_expert_ref[i]
 
     @pl.when(e >= 0)
@@ -460,7 +462,7 @@ def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: in
             return _dots_nt(acc, h_J, _dequant_pairs(*tile, asm))
 
         y = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((rows, cols), jnp.float32)) * _GEMM_UNSHIFT
-        if len(y_ref.shape) == 3:  # split K
+        if split:
             y_ref[part, pl.ds(i * rows, rows), pl.ds(n0, cols)] = y
         else:
             y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
@@ -581,7 +583,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
     gate_up = functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
                                 n_steps=steps_d // split_up, asm=not interpret)
     inputs = (tile_expert_I, token_R, weight_R, pair_major(x_act_TD, words_d), w1, s1, w3, s3)
-    grid = (n_tiles, f // cols_f, split_up)
+    grid = (n_tiles, f // cols_f) + ((split_up,) if split_up > 1 else ())
     if split_up == 1:
         h_RF = call(gate_up, (n_rows, f), grid, params, "routed_gate_up_gemm", *inputs)
     else:  # the parts' sums of w1 x and w3 x, then the SwiGLU in XLA
@@ -591,7 +593,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
     down = functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_steps=steps_f // split_down,
                              asm=not interpret)
     inputs = (tile_expert_I, pair_major(quant.fq8(h_RF), words_f), w2, s2)
-    grid = (n_tiles, d // cols_d, split_down)
+    grid = (n_tiles, d // cols_d) + ((split_down,) if split_down > 1 else ())
     if split_down == 1:
         y_RD = call(down, (n_rows, d), grid, params, "routed_down_gemm", *inputs)
     else:
