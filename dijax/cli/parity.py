@@ -40,6 +40,7 @@ from dijax.config import ModelConfig
 from dijax.io.checkpoint import load_params, resolve_checkpoint
 from dijax.io.safetensors import SafetensorsFile
 from dijax.kernels import kernel_options
+from dijax.kernels.scale_range import exact_kernels
 from dijax.model.engram import EngramTables
 from dijax.model.step import SeqChunk
 from dijax.parallel.mesh import make_mesh
@@ -405,6 +406,7 @@ def run_fixture(folder: str, layout: str = "reference", weights: str | None = No
     fixture = Fixture(folder, layout, weights)
     mesh = make_mesh(ep, fixture.cfg.n_routed_experts) if ep > 1 else None
     params, consts = load_model(fixture, mesh)
+    options = exact_kernels(options, params)  # what the runners will use (scale_range)
     checks = fixture.manifest["checks"]
     print(f"parity: {fixture.manifest.get('name', folder)}: {len(fixture.case_names)} cases, "
           f"weights {fixture.weights}, prefill {'in chunks of ' + str(chunk) if chunk else 'in one step'}, "
