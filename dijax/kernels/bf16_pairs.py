@@ -39,6 +39,17 @@ def scaled_pair_asm(bits_u32: jax.Array, scale_u32: jax.Array) -> tuple[jax.Arra
     return half(0), half(1)
 
 
+def repeat_blocks(x_AB: jax.Array, rows: int, cols: int) -> jax.Array:
+    """[A, B] -> [A * rows, B * cols], each element repeated over a rows x cols block (a block scale spread over
+    the weights it scales), by broadcasts and reshapes only."""
+    a, b = x_AB.shape
+    if rows > 1:
+        x_AB = jnp.broadcast_to(x_AB[:, None, :], (a, rows, b)).reshape(a * rows, b)
+    if cols > 1:
+        x_AB = jnp.broadcast_to(x_AB[:, :, None], (a * rows, b, cols)).reshape(a * rows, b * cols)
+    return x_AB
+
+
 def side_by_side(low: jax.Array, high: jax.Array) -> jax.Array:
     """Two [N, W] tiles -> [N, 2 W] with low[:, w] and high[:, w] in columns 2 w and 2 w + 1."""
     n, w = low.shape

@@ -136,13 +136,6 @@ def pair_columns(depth: int) -> tuple[jax.Array, jax.Array]:
     return col_a, col_a + 1
 
 
-def _expand_scales(scale_BB: jax.Array, cols: int, width: int) -> jax.Array:
-    """Tile scales [cols/32, kb] -> one per row and K position of a [cols, width] tile (width a multiple of kb)."""
-    rb, kb = scale_BB.shape
-    per_row = jnp.broadcast_to(scale_BB[:, None, :], (rb, FP8_BLOCK, kb)).reshape(cols, kb)
-    return jnp.broadcast_to(per_row[:, :, None], (cols, kb, width // kb)).reshape(cols, width)
-
-
 def dequant_pairs(words_NW: jax.Array, scale_BB: jax.Array, asm: bool) -> list[jax.Array]:
     """Weight words [cols, words] (4 e4m3 codes each) with their tile scales [cols/32, words/8] -> tiles A and B,
     bf16 [cols, 2 words] (``pair_columns``' order), the exact dequantised weights.
@@ -150,12 +143,12 @@ def dequant_pairs(words_NW: jax.Array, scale_BB: jax.Array, asm: bool) -> list[j
     ``asm`` (GPU): ``pair_bits`` times ``scale_pair`` by one ``mul.rn.bf16x2`` per pair (exact for scale bytes in
     ``SCALE_RANGE``). Otherwise the same values through float16 and float32 (exact for s <= 246): XLA on the CPU
     flushes the bf16 subnormals the GPU form passes through."""
-    cols, words = words_NW.shape
+    words_per_block = words_NW.shape[1] // scale_BB.shape[1]
     if asm:
-        scale_NW = _expand_scales(scale_pair(scale_BB), cols, words)
+        scale_NW = bf16_pairs.repeat_blocks(scale_pair(scale_BB), FP8_BLOCK, words_per_block)
         pairs = [bf16_pairs.scaled_pair_asm(pair_bits(words_NW, j), scale_NW) for j in range(2)]
     else:
-        scale_NW = _expand_scales(scale_multiplier(scale_BB), cols, words)
+        scale_NW = bf16_pairs.repeat_blocks(scale_multiplier(scale_BB), FP8_BLOCK, words_per_block)
         pairs = [tuple((decode_e4m3((words_NW >> (8 * (j + 2 * h))) & 0xFF) * scale_NW).astype(jnp.bfloat16)
                        for h in range(2)) for j in range(2)]
     return [bf16_pairs.side_by_side(*pair) for pair in pairs]

@@ -387,17 +387,11 @@ def _dequant_pairs(w_NW: jax.Array, s_NB: jax.Array, asm: bool) -> list[jax.Arra
     ``asm`` (GPU): each code pair decoded straight to bf16 bits and scaled by one ``mul.bf16x2``. Otherwise the
     same bits through float32 (``decode_pair``; the CPU flushes the bf16 subnormals that the GPU form goes through).
     """
-    cols, words = w_NW.shape
-
-    def per_word(scale_NB: jax.Array) -> jax.Array:
-        scale_NW = jnp.broadcast_to(scale_NB[:, :, None], (cols, words // WORDS_PER_SCALE, WORDS_PER_SCALE))
-        return scale_NW.reshape(cols, words)
-
     if asm:
-        scale_NW = per_word(gemm_scale_bits(s_NB))
+        scale_NW = bf16_pairs.repeat_blocks(gemm_scale_bits(s_NB), 1, WORDS_PER_SCALE)
         pairs = [bf16_pairs.scaled_pair_asm(_pair_bits_bf16(w_NW, j), scale_NW) for j in range(CODES_PER_WORD // 2)]
     else:
-        scale_NW = per_word(quant.ue8m0_pow2(s_NB, _F16_BIAS_FIX - _GEMM_SHIFT))
+        scale_NW = bf16_pairs.repeat_blocks(quant.ue8m0_pow2(s_NB, _F16_BIAS_FIX - _GEMM_SHIFT), 1, WORDS_PER_SCALE)
         pairs = [tuple((v * scale_NW).astype(jnp.bfloat16) for v in decode_pair(w_NW, j))
                  for j in range(CODES_PER_WORD // 2)]
     return [bf16_pairs.side_by_side(*pair) for pair in pairs]
