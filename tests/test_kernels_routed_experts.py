@@ -7,7 +7,6 @@ the SwiGLU clamp firing, padding assignments (expert -1), the tile layout's inva
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -19,7 +18,7 @@ import pytest
 import dijax
 from dijax.config import ModelConfig
 from dijax.io.random_init import random_params
-from dijax.kernels import lowering_for_gpu, quant
+from dijax.kernels import quant
 from dijax.kernels import routed_experts as rx
 from dijax.model import moe
 from dijax.model.param_map import checkpoint_tree
@@ -182,35 +181,6 @@ def test_several_k_steps_on_both_paths():
     for path in rx.PATHS:
         got = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas", path=path))
         assert_close(got, expected)
-
-
-@pytest.mark.parametrize("target", (64, 1 << 20))
-def test_split_k_grouped_gemm_matches_reference(monkeypatch, target):
-    """``gemm_target_programs`` splits both GEMMs' K: at D = F = 1024 each has 8 K steps and 5 tiles x 8 column
-    blocks, so 64 programs take 2 parts and 1 << 20 all 8. Outputs start NaN-filled, a token is all padding."""
-    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_target_programs=target, poison=True))
-    rng = np.random.default_rng(22)
-    experts = make_experts(rng, 4, 1024, 1024, (116, 122))
-    weights_TX, experts_TX = make_routing(rng, 3, 4, 2, pad_tokens=(2,), pad_slots=(1,))
-    x_TD = make_x(rng, 3, 1024, 3.0)
-    expected = np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT))
-    got = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas", path="ragged"))
-    assert_close(got, expected)
-    assert np.all(got[2] == 0) and np.all(expected[2] == 0)
-
-
-def test_split_k_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch):
-    """The split-K grouped GEMM (fp32 partial outputs, 3-D and 4-D) lowers to Triton IR for the GPU."""
-    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_target_programs=528))
-    n_experts, d, f, t, x = 16, 512, 256, 4, 2
-    experts = {name: {"weight": jax.ShapeDtypeStruct((n_experts, out, inner // 2), jnp.uint8),
-                      "scale": jax.ShapeDtypeStruct((n_experts, out, inner // 32), jnp.uint8)}
-               for name, (out, inner) in {"w1": (f, d), "w3": (f, d), "w2": (d, f)}.items()}
-    args = (experts, jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, x), jnp.float32),
-            jax.ShapeDtypeStruct((t, x), jnp.int32))
-    with lowering_for_gpu():
-        text = lower_for_cuda(lambda *a: rx.routed_experts_pallas(*a, LIMIT, path="ragged"), *args)
-    assert text.count("routed_gate_up_gemm") >= 1 and text.count("routed_down_gemm") >= 1
 
 
 def test_a_padding_slot_adds_exactly_nothing():

@@ -287,12 +287,12 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
 
     Floor: the larger of the packed bytes of the distinct experts the routing touches (codes and ue8m0 scales,
     plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
-    ``sweep`` adds a 64-column tiling, two pipeline stages instead of three, and split K to 264 or 528 programs
-    (``gemm_target_programs``); ``changes``: more KernelConfig changes, each timed on the GEMM path. (Swept
-    before: the tile rows in the first session, ``gemm_rows``' docstring; a prefetching mat-vec K loop, 8 warps
-    and a 32-word K step in the eighth / ninth, none faster; the lean mat-vec in the eleventh, now the mat-vecs'
-    only form; 32 columns in the eleventh; the other tensor-core orientation (weights on M, tokens on N: wgmma
-    with the weights in registers), 8-9 % slower at T = 16-256 in the seventeenth; docs/benchmarks.md.)
+    ``sweep`` adds a 64-column tiling and two pipeline stages instead of three; ``changes``: more KernelConfig
+    changes, each timed on the GEMM path. (Swept before: the tile rows in the first session, ``gemm_rows``'
+    docstring; a prefetching mat-vec K loop, 8 warps and a 32-word K step in the eighth / ninth, none faster; the
+    lean mat-vec in the eleventh, now the mat-vecs' only form; 32 columns in the eleventh; the other tensor-core
+    orientation (weights on M, tokens on N: wgmma with the weights in registers), 8-9 % slower at T = 16-256 in the
+    seventeenth; split K to 264 or 528 programs at T = 1 and 16 in the nineteenth, no faster: docs/benchmarks.md.)
     """
     import dataclasses
 
@@ -316,8 +316,7 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
         if t * x <= 4 * n_experts:
             variants.insert(0, ("gathered", {}))
         if sweep:
-            variants += [("ragged", {"gemm_cols": 64}), ("ragged", {"gemm_stages": 2}),
-                         ("ragged", {"gemm_target_programs": 264}), ("ragged", {"gemm_target_programs": 528})]
+            variants += [("ragged", {"gemm_cols": 64}), ("ragged", {"gemm_stages": 2})]
         variants += [("ragged", change) for change in changes]
         for path, change in variants:
             saved = rx.CONFIG

@@ -49,7 +49,6 @@ from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import bf16_pairs, interpret_mode, poison, quant
 from dijax.kernels.quant import FP8_BLOCK
-from dijax.kernels.split_k import k_splits
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
@@ -222,6 +221,14 @@ def _tile(dim: int, preferred: int) -> int:
     while block >= FP8_BLOCK and dim % block:
         block //= 2
     return block if block >= FP8_BLOCK else 0
+
+
+def k_splits(programs: int, n_slices: int, target: int) -> int:
+    """The fewest parts of ``n_slices`` K slices (a divisor of it) giving ``programs * parts >= target``."""
+    for parts in range(1, n_slices + 1):
+        if n_slices % parts == 0 and programs * parts >= target:
+            return parts
+    return n_slices
 
 
 def pallas_supports(x_TI: jax.Array, weight_OI: Weight) -> bool:

@@ -41,7 +41,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import bf16_pairs, interpret_mode, poison, quant
-from dijax.kernels.split_k import k_splits
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
@@ -167,10 +166,6 @@ class KernelConfig:
       H200 the same values bit for bit, and the gathered path 1.13x faster at T = 1 (151.9 -> 134.3 us) and 1.05x
       at T = 16 (813 -> 774 us) at the real sizes (eleventh session);
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
-    gemm_target_programs: split the grouped GEMM's K range until its grid has this many programs (0: never). With
-      few tokens the tiles are few (T = 1: 7 tiles of the gate-up GEMM times 18 column blocks, on 132
-      multiprocessors); the parts' fp32 partial sums are added, and the SwiGLU applied, in XLA. Built and tested,
-      not yet timed on a GPU (eighteenth session), so off;
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
@@ -186,7 +181,6 @@ class KernelConfig:
     gemm_words: int = 16
     gemm_warps: int = 4
     gemm_stages: int = 3
-    gemm_target_programs: int = 0
     gathered_max: int = 96
     poison: bool = False
 
@@ -406,14 +400,11 @@ def _dots_nt(acc_MN: jax.Array, lhs: list[jax.Array], rhs: list[jax.Array]) -> j
 
 
 def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                         limit: float, rows: int, cols: int, words: int, n_steps: int, asm: bool):
-    """Program (i, n[, p]): tile i's rows (one expert's assignments, gathered from x by token) times w1 / w3 columns
-    [n*cols, (n+1)*cols), over K steps [p*n_steps, (p+1)*n_steps), SwiGLU, routing weight -> h rows of tile i
-    (bf16 [R, F]); with split K instead part p's fp32 sums of w1 x and w3 x into h [splits, 2, R, F]. Tiles past
-    the last expert do nothing. x is in ``pair_major`` order: each K step runs 4 dots per weight, one per code
-    pair."""
-    split = len(h_ref.shape) == 4
-    i, n0, part = pl.program_id(0), pl.program_id(1) * cols, pl.program_id(2) if split else 0
+                         limit: float, rows: int, cols: int, words: int, n_words: int, asm: bool):
+    """Program (i, n): tile i's rows (one expert's assignments, gathered from x by token) times w1 / w3 columns
+    [n*cols, (n+1)*cols), SwiGLU, routing weight -> h rows of tile i. Tiles past the last expert do nothing.
+    x is in ``pair_major`` order: each K step runs 4 dots per weight, one per code pair."""
+    i, n0 = pl.program_id(0), pl.program_id(1) * cols
     e = tile_expert_ref[i]
 
     @pl.when(e >= 0)
@@ -421,45 +412,36 @@ def _gate_up_gemm_kernel(tile_expert_ref, token_ref, weight_ref, x_ref, w1_ref, 
         token_M = token_ref[pl.ds(i * rows, rows)]
 
         def step(k, acc):
-            w0 = (part * n_steps + k) * words
+            w0 = k * words
             tiles = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, n0, cols, w0, words)
             x_J = [x_ref[token_M, pl.ds(w0 * CODES_PER_WORD + 2 * j * words, 2 * words)]
                    for j in range(CODES_PER_WORD // 2)]
             return tuple(_dots_nt(a, x_J, _dequant_pairs(*tile, asm)) for a, tile in zip(acc, tiles))
 
         zeros = jnp.zeros((rows, cols), jnp.float32)
-        g, u = (a * _GEMM_UNSHIFT for a in jax.lax.fori_loop(0, n_steps, step, (zeros, zeros)))
-        if split:
-            h_ref[part, 0, pl.ds(i * rows, rows), pl.ds(n0, cols)] = g
-            h_ref[part, 1, pl.ds(i * rows, rows), pl.ds(n0, cols)] = u
-        else:
-            weight_M1 = weight_ref[pl.ds(i * rows, rows)][:, None]
-            h_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = _weighted_swiglu(g, u, limit, weight_M1)
+        g, u = (a * _GEMM_UNSHIFT for a in jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros)))
+        weight_M1 = weight_ref[pl.ds(i * rows, rows)][:, None]
+        h_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = _weighted_swiglu(g, u, limit, weight_M1)
 
 
 def _down_gemm_kernel(tile_expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, cols: int, words: int,
-                      n_steps: int, asm: bool):
-    """Program (i, n[, p]): y rows of tile i, columns [n*cols, (n+1)*cols) = h rows (``pair_major`` order) times w2
-    over K steps [p*n_steps, (p+1)*n_steps), rounded to bf16 (y [R, D]); with split K part p's fp32 sums (y
-    [splits, R, D])."""
-    split = len(y_ref.shape) == 3
-    i, n0, part = pl.program_id(0), pl.program_id(1) * cols, pl.program_id(2) if split else 0
+                      n_words: int, asm: bool):
+    """Program (i, n): y rows of tile i, columns [n*cols, (n+1)*cols) = h rows (``pair_major`` order) times w2,
+    rounded to bf16."""
+    i, n0 = pl.program_id(0), pl.program_id(1) * cols
     e = tile_expert_ref[i]
 
     @pl.when(e >= 0)
     def _():
         def step(k, acc):
-            w0 = (part * n_steps + k) * words
+            w0 = k * words
             [tile] = _weight_tiles((w2_ref,), (s2_ref,), e, n0, cols, w0, words)
             h_J = [h_ref[pl.ds(i * rows, rows), pl.ds(w0 * CODES_PER_WORD + 2 * j * words, 2 * words)]
                    for j in range(CODES_PER_WORD // 2)]
             return _dots_nt(acc, h_J, _dequant_pairs(*tile, asm))
 
-        y = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((rows, cols), jnp.float32)) * _GEMM_UNSHIFT
-        if split:
-            y_ref[part, pl.ds(i * rows, rows), pl.ds(n0, cols)] = y
-        else:
-            y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
+        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows, cols), jnp.float32)) * _GEMM_UNSHIFT
+        y_ref[pl.ds(i * rows, rows), pl.ds(n0, cols)] = y.astype(jnp.bfloat16)
 
 
 def gemm_rows(n_assignments: int, n_experts: int, config: KernelConfig = CONFIG) -> int:
@@ -568,31 +550,14 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
     words_d = _block(d // 8, config.gemm_words, "dim/8", 2)
     words_f = _block(f // 8, config.gemm_words, "moe_inter_dim/8", 2)
     params = _compiler_params(config.gemm_warps, config.gemm_stages)
-
-    def parts(programs: int, n_steps: int) -> int:  # K splits (1: none)
-        return k_splits(programs, n_steps, config.gemm_target_programs) if config.gemm_target_programs else 1
-
-    steps_d, steps_f = d // 8 // words_d, f // 8 // words_f
-    split_up, split_down = parts(n_tiles * (f // cols_f), steps_d), parts(n_tiles * (d // cols_d), steps_f)
-    gate_up = functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
-                                n_steps=steps_d // split_up, asm=not interpret)
-    inputs = (tile_expert_I, token_R, weight_R, pair_major(x_act_TD, words_d), w1, s1, w3, s3)
-    grid = (n_tiles, f // cols_f) + ((split_up,) if split_up > 1 else ())
-    if split_up == 1:
-        h_RF = call(gate_up, (n_rows, f), grid, params, "routed_gate_up_gemm", *inputs)
-    else:  # the parts' sums of w1 x and w3 x, then the SwiGLU in XLA
-        g_RF, u_RF = jnp.sum(call(gate_up, (split_up, 2, n_rows, f), grid, params, "routed_gate_up_gemm", *inputs,
-                                  dtype=jnp.float32), axis=0)
-        h_RF = _weighted_swiglu(g_RF, u_RF, limit, weight_R[:, None])
-    down = functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_steps=steps_f // split_down,
-                             asm=not interpret)
-    inputs = (tile_expert_I, pair_major(quant.fq8(h_RF), words_f), w2, s2)
-    grid = (n_tiles, d // cols_d) + ((split_down,) if split_down > 1 else ())
-    if split_down == 1:
-        y_RD = call(down, (n_rows, d), grid, params, "routed_down_gemm", *inputs)
-    else:
-        y_RD = jnp.sum(call(down, (split_down, n_rows, d), grid, params, "routed_down_gemm", *inputs,
-                            dtype=jnp.float32), axis=0).astype(jnp.bfloat16)
+    h_RF = call(functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
+                                   n_words=d // 8, asm=not interpret),
+                 (n_rows, f), (n_tiles, f // cols_f), params, "routed_gate_up_gemm",
+                 tile_expert_I, token_R, weight_R, pair_major(x_act_TD, words_d), w1, s1, w3, s3)
+    y_RD = call(functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8,
+                                   asm=not interpret),
+                 (n_rows, d), (n_tiles, d // cols_d), params, "routed_down_gemm",
+                 tile_expert_I, pair_major(quant.fq8(h_RF), words_f), w2, s2)
     return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
 
 
@@ -610,11 +575,11 @@ def _expert_stacks(experts: dict) -> tuple[list[tuple[jax.Array, jax.Array]], ja
     return list(zip(flat[:3], flat[3:])), layer * stacks[0].shape[1]
 
 
-def _call(kernel, out_shape: tuple[int, ...], grid: tuple[int, ...], params, name: str, *args, poisoned: bool,
-          interpret: bool, dtype=jnp.bfloat16) -> jax.Array:
-    """One ``pallas_call`` with one output (bf16 unless ``dtype``); when ``poisoned`` the output starts NaN-filled
-    (dijax.kernels.poison), so elements that no program writes stay NaN."""
-    return poison.pallas_call(kernel, *args, out_shape=jax.ShapeDtypeStruct(out_shape, dtype),
+def _call(kernel, out_shape: tuple[int, int], grid: tuple[int, int], params, name: str, *args, poisoned: bool,
+          interpret: bool) -> jax.Array:
+    """One bf16-output ``pallas_call``; when ``poisoned`` the output starts NaN-filled (dijax.kernels.poison), so
+    elements that no program writes stay NaN."""
+    return poison.pallas_call(kernel, *args, out_shape=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
                               poison=poisoned, grid=grid, compiler_params=params, name=name, interpret=interpret)
 
 

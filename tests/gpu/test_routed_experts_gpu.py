@@ -36,8 +36,7 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 }
 
 
-VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the benchmark sweeps
-            "ragged-split": ("ragged", {"gemm_target_programs": 528})}
+VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64})}  # the variants the benchmark sweeps
 
 
 @pytest.mark.parametrize("path", [*rx.PATHS, *VARIANTS])
