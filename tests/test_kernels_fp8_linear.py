@@ -142,14 +142,11 @@ def poison(monkeypatch):  # and every token count through the kernel
     monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, poison=True, max_tokens=1 << 20))
 
 
-@pytest.mark.parametrize("t, out_dim, in_dim, target, live", [
-    (1, 64, 256, 264, False), (5, 96, 160, 264, False), (16, 256, 64, 1, False), (70, 128, 96, 1, False),
-    (70, 128, 96, 264, False), (1, 64, 256, 264, True), (5, 96, 160, 264, True), (3, 64, 256, 1, True)])
-def test_pallas_matches_reference(monkeypatch, poison, t, out_dim, in_dim, target, live):
-    """``target`` 1: no K split (bf16 out of the kernel); 264: K split into as many parts as it has slices;
-    ``live``: ``quantize_live_rows`` (1, 8 and 4 of the 16 rows fake-quantised)."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, target_programs=target,
-                                                          quantize_live_rows=live))
+@pytest.mark.parametrize("t, out_dim, in_dim, target", [(1, 64, 256, 264), (5, 96, 160, 264), (16, 256, 64, 1),
+                                                        (70, 128, 96, 1), (70, 128, 96, 264)])
+def test_pallas_matches_reference(monkeypatch, poison, t, out_dim, in_dim, target):
+    """``target`` 1: no K split (bf16 out of the kernel); 264: K split into as many parts as it has slices."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, target_programs=target))
     weight, scale, _ = _weights(out_dim, in_dim, seed=t)
     x = jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3
     x = x.astype(jnp.bfloat16)
@@ -205,13 +202,11 @@ def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkey
 
 @pytest.mark.parametrize("t, out_dim, in_dim", [(1, 512, 5120), (64, 5120, 8192), (8, 96, 160)])
 def test_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch, t, out_dim, in_dim):
-    """Both output forms (bf16, and split K's fp32 partial sums), the poisoned output and ``quantize_live_rows``
-    lower to Triton IR."""
+    """Both output forms (bf16, and split K's fp32 partial sums) and the poisoned output lower to Triton IR."""
     x = jax.ShapeDtypeStruct((t, in_dim), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((out_dim, in_dim), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((out_dim // 32, in_dim // 32), jnp.uint8)
     for config in (dataclasses.replace(fl.CONFIG, max_tokens=t),
-                   dataclasses.replace(fl.CONFIG, max_tokens=t, target_programs=1, poison=True),
-                   dataclasses.replace(fl.CONFIG, max_tokens=t, quantize_live_rows=True)):
+                   dataclasses.replace(fl.CONFIG, max_tokens=t, target_programs=1, poison=True)):
         monkeypatch.setattr(fl, "CONFIG", config)
         assert "triton" in lower_for_cuda(functools.partial(fl.fp8_linear_pallas, interpret=False), x, w, s)

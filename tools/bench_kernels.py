@@ -368,8 +368,7 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
               "shared w2": (d, cfg.moe_inter_dim)}
     variants = [("pallas", {})]
     if sweep:
-        variants += [(f"pallas {k}={v}", {k: v}) for k, v in (("quantize_live_rows", True), ("cols", 32),
-                                                                ("cols", 128), ("depth", 64),
+        variants += [(f"pallas {k}={v}", {k: v}) for k, v in (("cols", 32), ("cols", 128), ("depth", 64),
                                                                 ("depth", 256), ("warps", 8), ("stages", 2),
                                                                 ("target_programs", 1), ("target_programs", 528),
                                                                 ("rows_max", 128))]

@@ -70,10 +70,6 @@ class KernelConfig:
     more than ``max_tokens`` tokens take the reference (XLA's dequantisation, then cuBLAS: faster on the H200
     once the GEMM is compute bound, see docs/benchmarks.md).
 
-    quantize_live_rows: with fewer tokens than the dot's 16 rows, fake-quantise only the next power of two of them
-      and repeat those rows, instead of all 16 (of which one is live at T = 1). The sm_90 build of a T = 1 step's
-      8 fp8-linear kernels has 5342 SASS instructions against 7654 (tools/kernel_report.py, eighteenth session):
-      fq8 was most of the K loop's float work. Not yet run on a GPU, so off.
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
     cols: int = 64
@@ -82,7 +78,6 @@ class KernelConfig:
     stages: int = 3
     target_programs: int = 264  # two per multiprocessor of an H200: K is split until the grid has this many
     max_tokens: int = 32
-    quantize_live_rows: bool = False
     poison: bool = False
 
 
@@ -171,33 +166,25 @@ def fq8_tiles(x_tiles: list[jax.Array]) -> list[jax.Array]:
 
 
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int,
-            n_depth: int, quantized: int, asm: bool):
+            n_depth: int, asm: bool):
     """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...),
     over K slices [k*n_depth, (k+1)*n_depth) of ``depth``, reading layer ``layer_ref[0]`` of the weight words
     [L, O, I/4] and of the scale stack; x bf16 [T, I]. The output is bf16 [T, O], or with split K the fp32
-    partial sums [splits, T, O]. ``quantized``: rows fake-quantised per K slice (``quantize_live_rows``)."""
+    partial sums [splits, T, O]."""
     n0, m0 = pl.program_id(0) * cols, pl.program_id(1) * rows
     layer = layer_ref[0]
     first = pl.program_id(2) * n_depth
     row_R = m0 + jnp.arange(rows)
     live_R1 = (row_R < n_tokens)[:, None]
-    # with quantized < rows, rows r >= quantized repeat row r % quantized: rows past the last token are never
-    # stored, so they may hold any finite values
-    row_Q = m0 + jnp.arange(quantized)
-    safe_Q1 = jnp.minimum(row_Q, n_tokens - 1)[:, None]
-    live_QH = jnp.broadcast_to((row_Q < n_tokens)[:, None], (quantized, depth // 2))
+    safe_R1 = jnp.minimum(row_R, n_tokens - 1)[:, None]
+    live_RH = jnp.broadcast_to(live_R1, (rows, depth // 2))
     words = depth // CODES_PER_WORD
-
-    def repeated(x_QH: jax.Array) -> jax.Array:  # [quantized, H] -> [rows, H], row r holding row r % quantized
-        if quantized == rows:
-            return x_QH
-        return jnp.broadcast_to(x_QH[None], (rows // quantized, quantized, depth // 2)).reshape(rows, depth // 2)
 
     def step(k, acc):
         k0 = (first + k) * depth
-        x_tiles = [pltriton.load(x_ref.at[safe_Q1, (k0 + col_H)[None, :]], mask=live_QH, other=0)
+        x_tiles = [pltriton.load(x_ref.at[safe_R1, (k0 + col_H)[None, :]], mask=live_RH, other=0)
                    for col_H in pair_columns(depth)]
-        x_tiles = [repeated(x) for x in fq8_tiles([x.astype(jnp.float32) for x in x_tiles])]
+        x_tiles = fq8_tiles([x.astype(jnp.float32) for x in x_tiles])
         words_NW = w_ref[layer, pl.ds(n0, cols), pl.ds(k0 // CODES_PER_WORD, words)]
         scale_BB = s_ref[layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK),
                          pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]
@@ -265,9 +252,8 @@ def _fp8_linear_call(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, *, co
     cols, depth = _tile(out_dim, config.cols), _tile(in_dim, config.depth)
     tiles = (out_dim // cols) * -(-t // rows)
     splits = k_splits(tiles, in_dim // depth, config.target_programs)
-    quantized = min(rows, pl.next_power_of_2(t)) if config.quantize_live_rows else rows
     kernel = functools.partial(_kernel, n_tokens=t, rows=rows, cols=cols, depth=depth,
-                               n_depth=in_dim // depth // splits, quantized=int(quantized), asm=not interpret)
+                               n_depth=in_dim // depth // splits, asm=not interpret)
     grid = (out_dim // cols, -(-t // rows), splits)
     out = jax.ShapeDtypeStruct((t, out_dim) if splits == 1 else (splits, t, out_dim),
                                jnp.bfloat16 if splits == 1 else jnp.float32)
