@@ -526,7 +526,7 @@ def main() -> None:
                                      "1,16,64,256,1024)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="routed_experts and fp8_linear: one more KernelConfig change to time (repeatable), e.g. "
-                         "quantize_live_rows=True or gemm_target_programs=528")
+                         "gemm_cols=64 or cols=32")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - set(BENCHES))
