@@ -3,6 +3,7 @@
     python tools/bench.py                                   # embedded tiny model: step + engine (CPU or GPU)
     python tools/bench.py --model flash-slice --decode-batch 1,16,64 --context 4096 --prefill 2048
     python tools/bench.py --ep 2                            # experts and Engram rows split over 2 devices
+    python tools/bench.py --model flash-slice --kernel-setting topk.SELECT_MIN_VALUES=512   # an A/B run
 
 Step rows: the step the engine runs (``ModelRunner.launch``: the model step with the ZOS remap, ``forward_step`` and
 the sampler, and the small launches around it; no scheduler), a decode step of B sequences at context C or one
@@ -26,10 +27,14 @@ TFLOP/s bf16 matrix product); pass ``--bandwidth`` / ``--flops`` for other hardw
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import datetime
 import functools
+import importlib
 import json
 import os
+import pkgutil
 import platform
 import re
 import sys
@@ -427,6 +432,45 @@ def apply_step_options(options: list[str]) -> None:
         STEP_COMPILER_OPTIONS[name] = value
 
 
+def apply_kernel_settings(settings: list[str]) -> list[str]:
+    """Apply ``--kernel-setting`` values before any step is traced: ``MODULE.NAME=VALUE`` sets a module constant of
+    ``dijax.kernels.MODULE`` (a dispatcher threshold such as ``topk.SELECT_MIN_VALUES``), ``MODULE.CONFIG.FIELD=VALUE``
+    replaces one field of that module's ``CONFIG`` (a tiling such as ``routed_experts.CONFIG.gathered_max``). VALUE
+    is a Python literal of the current value's type. Returns the settings as applied; SystemExit names a malformed
+    or unknown one and the allowed names."""
+    applied = []
+    for setting in settings:
+        target, sep, text = setting.partition("=")
+        parts = target.split(".")
+        if not sep or len(parts) not in (2, 3) or (len(parts) == 3 and parts[1] != "CONFIG"):
+            raise SystemExit(f"--kernel-setting must be MODULE.NAME=VALUE or MODULE.CONFIG.FIELD=VALUE, got {setting!r}")
+        try:
+            module = importlib.import_module(f"dijax.kernels.{parts[0]}")
+        except ModuleNotFoundError:
+            raise SystemExit(f"--kernel-setting: no module dijax.kernels.{parts[0]} (allowed: "
+                             f"{sorted(m.name for m in pkgutil.iter_modules(dijax.kernels.__path__))})") from None
+        holder = module.CONFIG if len(parts) == 3 else module
+        names = ([f.name for f in dataclasses.fields(holder)] if len(parts) == 3
+                 else [n for n in vars(module) if n.isupper() and not n.startswith("_")])
+        if parts[-1] not in names:
+            raise SystemExit(f"--kernel-setting: {target} is not a setting of dijax.kernels.{parts[0]} (allowed: "
+                             f"{sorted(names)})")
+        current = getattr(holder, parts[-1])
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--kernel-setting: {target} needs a Python literal, got {text!r}") from None
+        if type(value) is not type(current):
+            raise SystemExit(f"--kernel-setting: {target} must be of type {type(current).__name__} (now {current!r}), "
+                             f"got {text!r}")
+        if len(parts) == 3:
+            module.CONFIG = dataclasses.replace(holder, **{parts[-1]: value})
+        else:
+            setattr(module, parts[-1], value)
+        applied.append(f"{target}={value!r}")
+    return applied
+
+
 def _counts(text: str) -> list[int]:
     """``_ints`` of values >= 1 (batch sizes, prefill lengths, max_model_len)."""
     return _ints(text, 1)
@@ -461,12 +505,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="step rows: the sampler mode every sequence samples in (default: sample; the step "
                              "computes every mode and selects this one)")
     add_step_option_argument(parser)
+    parser.add_argument("--kernel-setting", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="A/B runs of a kernel module's constant or CONFIG field (apply_kernel_settings), e.g. "
+                             "topk.SELECT_MIN_VALUES=512 or routed_experts.CONFIG.gathered_max=64; repeatable")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dump", help="write each step's optimised HLO and a profiler trace of 3 steps here")
     args = parser.parse_args(argv)
     apply_ep(args)  # before JAX starts its backends: a CPU-only host gets --ep devices
     kernel_options(args.kernels, jax.default_backend())  # a bad choice fails before the model is built
     apply_step_options(args.step_xla_option)
+    settings = apply_kernel_settings(args.kernel_setting)
 
     if args.moe_path != "auto":  # A/B seam: every step traced from here on takes the forced path
         from dijax.kernels import routed_experts
@@ -479,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"({longest} tokens: context + 1 for decode, the prompt for prefill); allowed: >= {longest}")
     header = (f"dijax bench {datetime.date.today()} | {device.device_kind} ({device.platform}) | jax {jax.__version__}"
               f" | {platform.machine()} | model {args.model} | moe path {args.moe_path} | kernels {args.kernels}"
-              f" | ep {args.ep} | step XLA options {STEP_COMPILER_OPTIONS} | sampling {args.sampling}"
+              f" | ep {args.ep} | step XLA options {STEP_COMPILER_OPTIONS} | kernel settings {settings or 'default'}"
+              f" | sampling {args.sampling}"
               f" | warm-up {args.warmup}, median of {args.iters}"
               f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s")
     print(header, flush=True)

@@ -1,0 +1,38 @@
+"""tools/bench.py ``--kernel-setting``: A/B runs of a kernel module's constant or CONFIG field set before the step
+is traced, with a clear error naming the allowed settings for anything else."""
+
+from __future__ import annotations
+
+import pytest
+
+from dijax.kernels import routed_experts, topk
+from tools.bench import apply_kernel_settings
+
+pytestmark = pytest.mark.cost(2)  # CI seconds, a scheduling hint (tests/conftest.py)
+
+
+def test_sets_a_constant_and_a_config_field(monkeypatch):
+    monkeypatch.setattr(topk, "SELECT_MIN_VALUES", topk.SELECT_MIN_VALUES)
+    monkeypatch.setattr(routed_experts, "CONFIG", routed_experts.CONFIG)
+    before = routed_experts.CONFIG
+    applied = apply_kernel_settings(["topk.SELECT_MIN_VALUES=512", "routed_experts.CONFIG.gathered_max=64"])
+    assert applied == ["topk.SELECT_MIN_VALUES=512", "routed_experts.CONFIG.gathered_max=64"]
+    assert topk.SELECT_MIN_VALUES == 512
+    assert routed_experts.CONFIG.gathered_max == 64
+    assert routed_experts.CONFIG.matvec_rows == before.matvec_rows  # the other fields stay
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("topk.SELECT_MIN_VALUES", "must be MODULE.NAME=VALUE"),
+    ("topk.SELECT_MIN_VALUES.x=1", "must be MODULE.NAME=VALUE"),
+    ("nosuch.LIMIT=1", "no module dijax.kernels.nosuch"),
+    ("topk.NO_SUCH=1", "not a setting of dijax.kernels.topk"),
+    ("routed_experts.CONFIG.no_field=1", "gathered_max"),
+    ("topk.SELECT_MIN_VALUES=True", "must be of type int"),
+    ("topk.SELECT_MIN_VALUES=big", "needs a Python literal"),
+])
+def test_refuses_what_it_cannot_set(monkeypatch, setting, message):
+    monkeypatch.setattr(topk, "SELECT_MIN_VALUES", topk.SELECT_MIN_VALUES)
+    with pytest.raises(SystemExit, match=message):
+        apply_kernel_settings([setting])
+    assert topk.SELECT_MIN_VALUES == 1 << 16
