@@ -36,6 +36,12 @@
 #   flash    flash-slice step rows, every kernel on: decode at batch 1, 16, 64, 128 and context 4095, prefill of
 #            1024 and 8192 tokens (issues 12 and 13, item 5 / 4);
 #   bench    the tiny step with kernels off and on, a profiler trace and its summary, the GEMM fusions' tilings;
+#   ep-parity  (issue 15, device kind nvidia-h200-x2) `dijax parity --ep 2 --kernels on` on tiny-nodrop and tiny,
+#            and `--engine --ep 2` on tiny-nodrop, side by side;
+#   ep-bench (issue 15, on nvidia-h200-x2, EP=1 then EP=2: one call each) flash-slice decode at batch 1, 16, 64, 128
+#            and context 4095, prefill of 4096 and 8192 tokens, at --ep $EP;
+#   ep-trace (issue 15, on nvidia-h200-x2) profiler traces of decode B=64 and prefill 4096 at --ep 2, then each
+#            GPU's streams and its collectives' time beside compute (tools/trace_summary.py --streams);
 #   parity   `dijax parity --kernels on` on tiny-nodrop, its engine run and tiny, side by side;
 #   parity2  tiny-nodrop --chunk 7 and tiny's tier 2 again alone (four runs side by side no longer finish in one
 #            call since the fp8 linear and indexer kernels add Pallas compiles to every bucket).
@@ -45,7 +51,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|topk-step|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|bench|parity|parity2}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|topk-step|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|bench|parity|parity2|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -154,6 +160,27 @@ case "$stage" in
     for hlo in "$out"/dump-on/*.hlo.txt; do  # the GEMM fusions' tilings: one 16 x 8 tiling for all = no autotuning
       run 30 python3 tools/hlo_kernels.py --gemm "$hlo"
     done ;;
+  ep-parity)
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0
+    parity ep2-tiny-nodrop 540 "$fixtures/tiny-nodrop" --ep 2 &
+    parity ep2-engine 540 "$fixtures/tiny-nodrop" --engine --ep 2 &
+    parity ep2-tiny 540 "$fixtures/tiny" --ep 2 &
+    wait
+    for f in "$out"/parity-ep2-*.txt; do
+      echo "== $f"; grep -m1 "^parity on" "$f"; grep -E "tier|engine|checks|error" "$f" | tail -8
+    done >> "$log" ;;
+  ep-bench)
+    export NCCL_NVLS_ENABLE=0
+    run 570 python3 tools/bench.py --model flash-slice --ep "${EP:?EP=1 or EP=2}" --decode-batch 1,16,64,128 \
+      --context 4095 --prefill 4096,8192 --kernels on --engine off --warmup 3 --iters 10 ;;
+  ep-trace)
+    export NCCL_NVLS_ENABLE=0
+    run 400 python3 tools/bench.py --model flash-slice --ep 2 --decode-batch 64 --context 4095 --prefill 4096 \
+      --kernels on --engine off --warmup 3 --iters 5 --dump "$out/dump-ep2"
+    for d in "$out"/dump-ep2/*/; do
+      run 60 python3 tools/trace_summary.py "$d" --streams
+      run 60 python3 tools/trace_summary.py "$d" --top 20
+    done ;;
   parity|parity2)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -169,6 +196,6 @@ case "$stage" in
     for f in "$out"/parity-*.txt; do
       echo "== $f"; grep -m1 "^parity on" "$f"; grep -E "tier|engine|chunk|checks|error" "$f" | tail -8
     done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, topk-step, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, bench, parity, parity2)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, topk-step, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, bench, parity, parity2, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120

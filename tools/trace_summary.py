@@ -2,9 +2,12 @@
 kernels by name (launches, total and mean device time), the device-busy time against the traced wall span, and so
 the share of the step that is launch gaps rather than work. ``--host`` summarises the host threads' events
 instead (XLA's own trace annotations: executable launches, command-buffer records and updates, transfers).
+``--streams`` summarises every GPU's streams and its collectives (NCCL kernels): their time per step and how much
+of it overlaps compute kernels on the same GPU (expert parallelism: are communication and compute overlapped?).
 
     python tools/trace_summary.py gpu-out/dump/decode_B_1_ctx_256 [--steps 3] [--top 25]
     python tools/trace_summary.py gpu-out/dump/engine_zos_on --host --steps 64
+    python tools/trace_summary.py gpu-out/dump-ep2/decode_B_64_ctx_4095 --streams
 """
 
 from __future__ import annotations
@@ -18,14 +21,24 @@ import os
 import re
 
 
-def load_events(folder: str) -> tuple[list[dict], dict[int, str]]:
-    """The trace's complete events and its process names (pid -> name)."""
+def _load(folder: str) -> list[dict]:
+    """Every event of the folder's newest ``perfetto_trace.json.gz``."""
     [path] = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True))[-1:]
     with gzip.open(path, "rt") as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    return [e for e in events if e.get("ph") == "X"], names
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def _names(events: list[dict], kind: str) -> dict:
+    """Metadata names: ``process_name`` (pid -> name) or ``thread_name`` ((pid, tid) -> name)."""
+    return {(e["pid"] if kind == "process_name" else (e["pid"], e["tid"])): e["args"]["name"]
+            for e in events if e.get("ph") == "M" and e.get("name") == kind}
+
+
+def load_events(folder: str) -> tuple[list[dict], dict[int, str]]:
+    """The trace's complete events and its process names (pid -> name)."""
+    events = _load(folder)
+    return [e for e in events if e.get("ph") == "X"], _names(events, "process_name")
 
 
 def _is_gpu(process: str) -> bool:
@@ -79,15 +92,79 @@ def summarise_host(folder: str, steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
+COLLECTIVE = re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|collective_permute", re.I)
+# the lines of a GPU's process that repeat its kernels as XLA ops / modules rather than run them
+_REPEATS = re.compile(r"xla (ops|modules)|steps|launch stats|source|name scope", re.I)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, merged [start, end) intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarise_streams(folder: str, steps: int) -> str:
+    """Per GPU: each stream's kernels and busy time per step, then its collective kernels (``COLLECTIVE``): time per
+    step, and the part of it during which a compute kernel runs on the same GPU (any stream). Time a collective
+    spends beside compute is hidden; the rest is on the step's critical path unless the host is."""
+    events = _load(folder)
+    processes, threads = _names(events, "process_name"), _names(events, "thread_name")
+    lines = [f"{folder}: GPU streams and collectives, per step ({steps} steps)",
+             "| GPU | stream | kernels | busy us | collectives | collective us | of it beside compute |",
+             "|---|---|---|---|---|---|---|"]
+    gpus = sorted(pid for pid, name in processes.items() if _is_gpu(name))
+    for pid in gpus:
+        kernels = [e for e in events if e.get("ph") == "X" and e["pid"] == pid and e.get("dur", 0) > 0
+                   and not _REPEATS.search(threads.get((pid, e["tid"]), ""))]
+        compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not COLLECTIVE.search(e["name"])])
+        by_stream: dict[int, list[dict]] = collections.defaultdict(list)
+        for e in kernels:
+            by_stream[e["tid"]].append(e)
+        for tid, stream in sorted(by_stream.items()):
+            comm = [e for e in stream if COLLECTIVE.search(e["name"])]
+            comm_time = sum(e["dur"] for e in comm)
+            hidden = _overlap(_union([(e["ts"], e["ts"] + e["dur"]) for e in comm]), compute)
+            share = f"{100 * hidden / comm_time:.0f} %" if comm_time else "-"
+            lines.append(f"| {processes[pid][:30]} | {threads.get((pid, tid), tid)} | {len(stream) / steps:.0f} | "
+                         f"{sum(e['dur'] for e in stream) / steps:.0f} | {len(comm) / steps:.0f} | "
+                         f"{comm_time / steps:.0f} | {share} |")
+    if not gpus:
+        lines.append(f"(no GPU process in the trace: {sorted(set(processes.values()))})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", help="trace folders written by tools/bench.py --dump")
     parser.add_argument("--steps", type=int, default=3, help="steps in each trace")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--host", action="store_true", help="summarise the host threads' events instead")
+    view = parser.add_mutually_exclusive_group()
+    view.add_argument("--host", action="store_true", help="summarise the host threads' events instead")
+    view.add_argument("--streams", action="store_true",
+                      help="every GPU's streams and its collectives' time beside compute instead")
     args = parser.parse_args(argv)
     for folder in args.folders:
-        print((summarise_host if args.host else summarise)(folder, args.steps, args.top))
+        if args.streams:
+            print(summarise_streams(folder, args.steps))
+        else:
+            print((summarise_host if args.host else summarise)(folder, args.steps, args.top))
     return 0
 
 
