@@ -35,6 +35,8 @@
 #            session: it named the sampler's host arguments as what moved every step);
 #   flash    flash-slice step rows, every kernel on: decode at batch 1, 16, 64, 128 and context 4095, prefill of
 #            1024 and 8192 tokens (issues 12 and 13, item 5 / 4);
+#   flash-profile  profiler traces of flash-slice decode B=64 and prefill 1024 (every kernel, GEMM autotuning) and
+#            their kernel families (tools/trace_summary.py): the nineteenth session profiled B=1 and 16 only;
 #   bench    the tiny step with kernels off and on, a profiler trace and its summary, the GEMM fusions' tilings;
 #   ep-parity  (issue 15, device kind nvidia-h200-x2) `dijax parity --ep 2 --kernels on` on tiny-nodrop and tiny,
 #            and `--engine --ep 2` on tiny-nodrop, side by side;
@@ -49,9 +51,9 @@
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
-#           flash-engine, dispatch, flash, bench, parity, parity2: one call each)
+#           flash-engine, dispatch, flash, flash-profile, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|topk-step|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|bench|parity|parity2|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|topk-step|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|parity|parity2|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -151,6 +153,12 @@ case "$stage" in
   flash)
     run 570 python3 tools/bench.py --model flash-slice --decode-batch 1,16,64,128 --context 4095 \
       --prefill 1024,8192 --kernels on --engine off --warmup 3 --iters 10 ;;
+  flash-profile)
+    run 420 python3 tools/bench.py --model flash-slice --decode-batch 64 --context 4095 --prefill 1024 \
+      --kernels on --engine off --warmup 3 --iters 5 --dump "$out/dump-flash"
+    for d in "$out"/dump-flash/*/; do
+      run 60 python3 tools/trace_summary.py "$d" --top 30
+    done ;;
   bench)
     for kernels in off on; do
       run 150 python3 tools/bench.py --kernels "$kernels" --decode-batch 1,32 --context 256 --prefill 256 \
@@ -196,6 +204,6 @@ case "$stage" in
     for f in "$out"/parity-*.txt; do
       echo "== $f"; grep -m1 "^parity on" "$f"; grep -E "tier|engine|chunk|checks|error" "$f" | tail -8
     done >> "$log" ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, topk-step, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, bench, parity, parity2, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, topk-step, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity, parity2, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
