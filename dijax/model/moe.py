@@ -18,6 +18,18 @@ from dijax.parallel.moe import routed_experts_ep
 from dijax.kernels.numerics import divide
 
 
+def ascending(ids_TX: jax.Array) -> jax.Array:
+    """Each row of ``ids_TX`` [T, X] in ascending order, as ``jnp.sort(ids_TX, axis=-1)``, by an odd-even
+    transposition network: X rounds of compare-exchanges between neighbouring columns, elementwise minima and
+    maxima that XLA fuses with their neighbours, where a sort is a kernel launch of its own on the GPU (one per MoE
+    layer and step, for the 6 ids of each token)."""
+    cols = [ids_TX[:, i] for i in range(ids_TX.shape[1])]
+    for r in range(len(cols)):
+        for i in range(r % 2, len(cols) - 1, 2):
+            cols[i], cols[i + 1] = jnp.minimum(cols[i], cols[i + 1]), jnp.maximum(cols[i], cols[i + 1])
+    return jnp.stack(cols, axis=1)
+
+
 def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Route each token. Returns (weights_TX float32, experts_TX int32), experts in ascending id order.
 
@@ -28,7 +40,7 @@ def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig) -> tuple[jax
     softplus = jnp.where(logits > 20, logits, jnp.log1p(jnp.exp(jnp.minimum(logits, 20))))
     scores = jnp.sqrt(softplus)
     _, experts = jax.lax.top_k(scores + p["bias"], n_active)
-    experts = jnp.sort(experts, axis=-1)  # the reference sums expert outputs in expert-id order
+    experts = ascending(experts)  # the reference sums expert outputs in expert-id order
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if cfg.norm_topk_prob and n_active > 1:
         weights = divide(weights, jnp.sum(weights, axis=-1, keepdims=True) + np.float32(1e-20))
