@@ -65,6 +65,11 @@ parity() {  # name, time limit, arguments of dijax parity
   timeout "$limit" python3 -m dijax.cli.main parity "$@" --kernels on > "$out/parity-$name.txt" 2>&1
   echo "parity $name: exit $?" >> "$log"
 }
+parity_summary() {  # the parity outputs named, each one's header and its tier / check lines, into the log
+  for f in "$@"; do
+    echo "== $f"; grep -m1 "^parity on" "$f"; grep -E "tier|engine|chunk|checks|error" "$f" | tail -8
+  done >> "$log"
+}
 case "$stage" in
   tests)
     # 72 tests: 270 s ran 46 of them on a freshly started machine (fourteenth session)
@@ -174,9 +179,7 @@ case "$stage" in
     parity ep2-engine 540 "$fixtures/tiny-nodrop" --engine --ep 2 &
     parity ep2-tiny 540 "$fixtures/tiny" --ep 2 &
     wait
-    for f in "$out"/parity-ep2-*.txt; do
-      echo "== $f"; grep -m1 "^parity on" "$f"; grep -E "tier|engine|checks|error" "$f" | tail -8
-    done >> "$log" ;;
+    parity_summary "$out"/parity-ep2-*.txt ;;
   ep-bench)
     export NCCL_NVLS_ENABLE=0
     run 570 python3 tools/bench.py --model flash-slice --ep "${EP:?EP=1 or EP=2}" --decode-batch 1,16,64,128 \
@@ -201,9 +204,7 @@ case "$stage" in
       parity tiny 540 "$fixtures/tiny" &
     fi
     wait
-    for f in "$out"/parity-*.txt; do
-      echo "== $f"; grep -m1 "^parity on" "$f"; grep -E "tier|engine|chunk|checks|error" "$f" | tail -8
-    done >> "$log" ;;
+    parity_summary "$out"/parity-*.txt ;;
   *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, topk-step, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity, parity2, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120

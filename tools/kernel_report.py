@@ -112,14 +112,13 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def first_stage(path: str, options: dict) -> str:
+def first_stage(path: str, options: dict, target) -> str:
     """The Triton IR at ``path`` after Triton's own first stage (``make_ttir``: inlining, canonicalisation, the
     combine patterns such as ``acc + dot`` into the dot's accumulator, CSE, loop unrolling), as text.
 
     ``triton.compile`` skips the stage of the file it is given, but XLA runs these passes on a Pallas kernel's IR
     before the rest of the pipeline; compiling the lowering's raw IR counted instructions the GPU build does not
     have (an unfused accumulator add: 16 FADD per K step of the routed experts' GEMM)."""
-    target = GPUTarget("cuda", 90, 32)
     backend = CUDABackend(target)
     context = triton_ir.context()
     triton_ir.load_dialects(context)
@@ -133,14 +132,14 @@ def first_stage(path: str, options: dict) -> str:
 def build(text: str, warps: int, stages: int, workdir: str, stem: str) -> dict:
     """Compile one Triton module for sm_90 as XLA does (``first_stage``, then the rest of Triton's pipeline):
     registers, spills, shared bytes and the SASS opcode counts."""
-    options = {"num_warps": warps, "num_stages": stages}
+    options, target = {"num_warps": warps, "num_stages": stages}, GPUTarget("cuda", 90, 32)
     path = os.path.join(workdir, f"{stem}.ttir")
     with open(path, "w") as f:
         f.write(text)
-    text = first_stage(path, options)
+    text = first_stage(path, options, target)
     with open(path, "w") as f:
         f.write(text)
-    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = triton.compile(path, target=target, options=options)
     ptx, cubin = os.path.join(workdir, f"{stem}.ptx"), os.path.join(workdir, f"{stem}.cubin")
     with open(ptx, "w") as f:
         f.write(kernel.asm["ptx"])
