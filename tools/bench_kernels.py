@@ -348,10 +348,11 @@ def random_fp8_weight(o: int, i: int, seed: int) -> tuple[jax.Array, jax.Array]:
 
 
 def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: int = 8, changes: tuple[dict, ...] = (),
-                    **timing) -> list[dict]:
+                    linears: tuple[str, ...] = (), **timing) -> list[dict]:
     """The fp8 block-scaled linears at the flash-slice dimensions (attention wq_a / wq_b / wkv / wo_b, the indexer's
     wq_b, the shared expert's w1 and w2; random e4m3 codes, ue8m0 exponents 116..120): the jnp reference against
-    the Pallas kernel (every T through the kernel, whatever ``CONFIG.max_tokens`` says). One timed call applies
+    the Pallas kernel (every T through the kernel, whatever ``CONFIG.max_tokens`` says), and the Engram layers'
+    ``wkv`` (``linears``: a subset of these names, default all). One timed call applies
     the linear to ``reps`` distinct weights (so a call's ~50 us of host dispatch does not hide a few-us kernel, and
     no weight is served from L2); the row is per linear. Floor: the larger of (codes + scales + x + y bytes) /
     4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns, K slice, warps, K split target);
@@ -365,7 +366,12 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
     d, q, hk = cfg.dim, cfg.q_lora_rank, cfg.n_heads * cfg.head_dim
     shapes = {"wq_a": (q, d), "wq_b": (hk, q), "wkv": (cfg.head_dim, d), "wo_b": (d, cfg.o_groups * cfg.o_lora_rank),
               "index wq_b": (cfg.index_n_heads * cfg.index_head_dim, q), "shared w1": (cfg.moe_inter_dim, d),
-              "shared w2": (d, cfg.moe_inter_dim)}
+              "shared w2": (d, cfg.moe_inter_dim),
+              "engram wkv": ((cfg.hc_mult + 1) * d, cfg.engram_n_cols * cfg.engram_head_dim)}
+    unknown = sorted(set(linears) - set(shapes))
+    if unknown:
+        raise ValueError(f"--linears: unknown fp8 linears {unknown}; choose from {sorted(shapes)}")
+    shapes = {name: shape for name, shape in shapes.items() if not linears or name in linears}
     variants = [("pallas", {})]
     if sweep:
         variants += [(f"pallas {k}={v}", {k: v}) for k, v in (("cols", 32), ("cols", 128), ("depth", 64),
@@ -527,6 +533,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="routed_experts and fp8_linear: one more KernelConfig change to time (repeatable), e.g. "
                          "gemm_cols=64 or cols=32")
+    ap.add_argument("--linears", default="", help="fp8_linear: comma-separated subset of the linears' names "
+                                                  "(default all; e.g. 'engram wkv,wq_b')")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - set(BENCHES))
@@ -543,6 +551,8 @@ def main() -> None:
             extra["changes"] = tuple(parse_change(v) for v in args.variant)
             if args.tokens:
                 extra["tokens"] = tuple(int(t) for t in args.tokens.split(","))
+        if name == "fp8_linear":
+            extra["linears"] = tuple(n.strip() for n in args.linears.split(",") if n.strip())
         rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats, **extra)
     print_table(rows)
 
