@@ -62,6 +62,7 @@ from dijax.runtime.llm_engine import LLMEngine  # noqa: E402
 from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS, ModelRunner  # noqa: E402
 from dijax.runtime.sampling_params import SamplingParams  # noqa: E402
 from dijax.runtime.step_timeline import PHASES, summarize  # noqa: E402
+from tools.hlo_kernels import LAUNCHING, computations, opcode  # noqa: E402
 
 FLASH_SLICE = {  # v41_spec §1 values; layer roles 0-6 mirror layers 0, 1, 2, 3, 20, 24, 25 of the release
     "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_hidden_layers": 7,
@@ -208,28 +209,17 @@ def _randomised(cache: dict, seed: int) -> dict:
 
 def kernel_launches(hlo_text: str) -> int:
     """Kernel launches of one run of a compiled GPU executable, counted from its optimised HLO text: every fusion,
-    library call (custom-call), copy, sort, scatter and dot of the entry computation, each ``while`` body counted
-    as often as its known trip count (1 if unknown), the largest branch of a ``conditional``."""
-    computations: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line) if line and not line.startswith(" ") else None
-        if header:
-            current = header.group(2)
-            computations[current] = []
-            entry = current if header.group(1) else entry
-        elif current and " = " in line:
-            computations[current].append(line.strip())
-    launching = {"fusion", "custom-call", "copy", "sort", "scatter", "gather", "reduce", "dot", "convolution",
-                 "dynamic-update-slice", "all-reduce", "all-gather", "reduce-scatter", "all-to-all"}
+    library call (custom-call), copy, sort, scatter and dot of the entry computation (``hlo_kernels.LAUNCHING``),
+    each ``while`` body counted as often as its known trip count (1 if unknown), the largest branch of a
+    ``conditional``."""
+    bodies, entry = computations(hlo_text)
 
     @functools.lru_cache(maxsize=None)
     def count(name: str) -> int:
         total = 0
-        for ins in computations.get(name, []):
-            op = re.search(r"=\s*\S+\s+([\w\-]+)\(", ins)
-            op = op.group(1) if op else ""
-            if op in launching:
+        for ins in bodies.get(name, []):
+            op = opcode(ins)
+            if op in LAUNCHING:
                 total += 1
             elif op == "while":
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins)

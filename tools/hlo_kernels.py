@@ -4,8 +4,8 @@ innermost frame in the given package, then counted per function (or per line).
 
     python tools/hlo_kernels.py gpu-out/dump-on/decode_B_1_ctx_256.hlo.txt [--by line] [--top 40]
 
-Loops are counted once per instruction (a ``while`` body is not multiplied); the step's layer scans are unrolled by
-XLA at the tiny model's sizes, so there the count is the launch count.
+Only the entry computation's kernels are attributed (a ``while`` body's are not; ``tools/bench.py``'s
+``kernel_launches`` counts them per trip); the tiny model's step has no loop, so there the count is the launch count.
 
 ``--gemm`` lists the tilings XLA gave its Triton GEMM fusions instead. One tiling for every GEMM of a step, with
 16 x 8 output tiles, 2 warps and 1 stage, is XLA's fallback when its autotuner did not run: sessions 7-9 compiled
@@ -37,22 +37,36 @@ def _tables(lines: list[str]) -> tuple[dict, dict, dict, dict]:
     return sections["FileNames"], sections["FunctionNames"], sections["FileLocations"], sections["StackFrames"]
 
 
-def attribute(hlo_text: str, package: str = "dijax/", by: str = "function") -> collections.Counter:
-    """Kernels of the entry computation per innermost ``package`` frame ('file:function' or 'file:line')."""
-    lines = hlo_text.splitlines()
-    files, functions, locations, frames = _tables(lines)
-    computations: dict[str, list[str]] = {}
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """The instruction lines of every computation of an HLO text, by name, and the entry computation's name."""
+    found: dict[str, list[str]] = {}
     entry, current = None, None
-    for line in lines:
+    for line in hlo_text.splitlines():
         header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line) if line and not line.startswith(" ") else None
         if header:
             current = header.group(2)
-            computations[current] = []
+            found[current] = []
             entry = current if header.group(1) else entry
         elif line.startswith("}"):
             current = None
         elif current and " = " in line:
-            computations[current].append(line.strip())
+            found[current].append(line.strip())
+    return found, entry
+
+
+def opcode(instruction: str) -> str:
+    """The opcode of one HLO instruction line (``%x = SHAPE opcode(operands), ...``), '' if none. SHAPE may be a
+    tuple, ``(f32[8,24]{1,0}, s8[1024]{0})``: the opcode is the first lower-case word after the ' = ' that an
+    opening parenthesis follows and a space or the start precedes (a layout's memory space, ``S(1)``, is neither)."""
+    rhs = instruction.split(" = ", 1)[1] if " = " in instruction else ""
+    found = re.search(r"(?:^|\s)([a-z][\w\-]*)\(", rhs)
+    return found.group(1) if found else ""
+
+
+def attribute(hlo_text: str, package: str = "dijax/", by: str = "function") -> collections.Counter:
+    """Kernels of the entry computation per innermost ``package`` frame ('file:function' or 'file:line')."""
+    files, functions, locations, frames = _tables(hlo_text.splitlines())
+    bodies, entry = computations(hlo_text)
 
     def where(frame: int) -> str | None:
         seen = set()
@@ -69,14 +83,13 @@ def attribute(hlo_text: str, package: str = "dijax/", by: str = "function") -> c
         return None
 
     counts: collections.Counter = collections.Counter()
-    for ins in computations.get(entry, []):
-        op = re.search(r"=\s*\S+\s+([\w\-]+)\(", ins)
-        if not op or op.group(1) not in LAUNCHING:
+    for ins in bodies.get(entry, []):
+        if opcode(ins) not in LAUNCHING:
             continue
         ids = [int(i) for i in re.findall(r"stack_frame_id=(\d+)", ins)]
         called = re.search(r"calls=%([\w.\-]+)", ins)
         if called:
-            ids += [int(i) for body in computations.get(called.group(1), [])
+            ids += [int(i) for body in bodies.get(called.group(1), [])
                     for i in re.findall(r"stack_frame_id=(\d+)", body)]
         places = collections.Counter(p for p in map(where, ids) if p)
         counts[places.most_common(1)[0][0] if places else f"(no {package} frame)"] += 1
