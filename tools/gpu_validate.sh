@@ -7,10 +7,6 @@
 #   sweep    the GPU tests of the routed-experts and attention kernels (variants included), then the variants
 #            timed beside the defaults (tools/bench_kernels.py --sweep: grouped-GEMM tilings and 2 stages);
 #   sweep-fp8  the fp8 linear's GPU tests and its tile variants timed at 1 and 16 tokens;
-#   topk-step the flash-slice decode step with the indexer's short rows (512-4096 compressed positions at context 4095)
-#            on the Pallas top-k instead of lax.top_k's full sort (bench.py --kernel-setting
-#            topk.SELECT_MIN_VALUES=512), against the default; the nineteenth session's call for it was cut
-#            (docs/benchmarks.md). If it pays: lower the constant, then run the parity stage;
 #   sinkhorn the Sinkhorn kernel's GPU tests and its two division forms timed (SinkhornConfig.fast_divide, on by
 #            default since the thirteenth session's run: the same bits, faster);
 #   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
@@ -53,7 +49,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity, parity2: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|topk-step|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|parity|parity2|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|parity|parity2|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -86,11 +82,6 @@ case "$stage" in
     # the fp8 linear at decode sizes: its GPU tests, then its tilings timed at 1 and 16 tokens
     run 150 python3 -m pytest -q -ra tests/gpu/test_fp8_linear_gpu.py
     run 400 python3 tools/bench_kernels.py --only fp8_linear --sweep --tokens 1,16 --iters 10 --repeats 3 ;;
-  topk-step)
-    for setting in "" --kernel-setting=topk.SELECT_MIN_VALUES=512; do
-      run 270 python3 tools/bench.py --model flash-slice --decode-batch 1,16,64 --context 4095 --prefill "" \
-        --kernels on --engine off --warmup 3 --iters 10 $setting
-    done ;;
   sinkhorn)
     # the Sinkhorn kernel's two division forms (SinkhornConfig.fast_divide, default on): GPU tests, then both timed
     run 150 python3 -m pytest -q -ra tests/gpu/test_sinkhorn_gpu.py
@@ -205,6 +196,6 @@ case "$stage" in
     fi
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, topk-step, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity, parity2, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity, parity2, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
