@@ -154,6 +154,17 @@ def test_pallas_matches_reference(monkeypatch, poison, t, out_dim, in_dim, targe
                       scale)
 
 
+@pytest.mark.parametrize("wide_from", [1, 17])
+def test_wide_and_narrow_column_tiles_agree_with_the_reference(monkeypatch, poison, wide_from):
+    """Steps of ``wide_from`` tokens or more take ``wide_cols``-wide column tiles (here 64 against 32: two tiles
+    against four of the 128 outputs); both tilings give the reference's values."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, cols=32, wide_cols=64, wide_from=wide_from))
+    weight, scale, _ = _weights(128, 128, seed=11)
+    x = (jax.random.normal(jax.random.key(11), (16, 128), jnp.float32) * 3).astype(jnp.bfloat16)
+    assert_close_bf16(fl.fp8_linear_pallas(x, weight, scale), fl.fp8_linear_reference(x, weight, scale), x, weight,
+                      scale)
+
+
 def test_every_scale_exponent_in_range(monkeypatch, poison):
     """Scale exponents 0..246 (the interpreted kernel's exact range; the GPU form's is narrower:
     ``test_pair_decode_is_exact_for_every_code_and_scale_in_range``), several per tile row."""
