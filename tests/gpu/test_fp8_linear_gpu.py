@@ -29,6 +29,7 @@ def poisoned_outputs(monkeypatch):  # and every token count through the kernel
 @pytest.mark.parametrize("t, out_dim, in_dim", [
     (1, 1280, 5120),     # wq_a at decode
     (8, 512, 5120),      # wkv, a tiny-model decode bucket of 8 tokens (masked rows)
+    (16, 4096, 1280),    # the indexer's wq_b at decode batch 16: the first step of the 128-column tiles
     (37, 5120, 8192),    # wo_b, a ragged token count
     (64, 2304, 5120),    # shared w1, one full tile of rows
     (300, 8192, 1280),   # the indexer's wq_b at prefill
