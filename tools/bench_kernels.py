@@ -355,7 +355,8 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
     ``wkv`` (``linears``: a subset of these names, default all). One timed call applies
     the linear to ``reps`` distinct weights (so a call's ~50 us of host dispatch does not hide a few-us kernel, and
     no weight is served from L2); the row is per linear. Floor: the larger of (codes + scales + x + y bytes) /
-    4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns, K slice, warps, K split target);
+    4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns below and from ``wide_from``
+    tokens, K slice, warps, K split target);
     ``changes``: more KernelConfig changes, each timed."""
     import dataclasses
 
@@ -374,10 +375,10 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
     shapes = {name: shape for name, shape in shapes.items() if not linears or name in linears}
     variants = [("pallas", {})]
     if sweep:
-        variants += [(f"pallas {k}={v}", {k: v}) for k, v in (("cols", 32), ("cols", 128), ("depth", 64),
-                                                                ("depth", 256), ("warps", 8), ("stages", 2),
-                                                                ("target_programs", 1), ("target_programs", 528),
-                                                                ("rows_max", 128))]
+        variants += [(f"pallas {k}={v}", {k: v}) for k, v in (("cols", 32), ("cols", 128), ("wide_cols", 64),
+                                                                ("wide_cols", 256), ("depth", 128), ("depth", 512),
+                                                                ("warps", 8), ("stages", 2), ("target_programs", 1),
+                                                                ("target_programs", 528), ("rows_max", 128))]
     variants += [("pallas " + " ".join(f"{k}={v}" for k, v in change.items()), change) for change in changes]
 
     def repeated(fn):
