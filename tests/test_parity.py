@@ -4,9 +4,9 @@ and the parity checker itself. Every bound comes from the fixtures' manifests. T
 tests/test_parity_tiny.py, the engine's (``--engine``) in tests/test_parity_engine.py: files of their own, so that
 pytest-xdist runs them next to this one.
 
-Every step shape is a whole-model compile on CPU (~20 s), the bulk of this file's time: the tests after the
-one-step run reuse its executables where they can (same process, same shapes), which is why the runner tests below
-use run_case's pool for case L23."""
+Every step shape is a whole-model compile on CPU (~20 s), the bulk of this file's time: every teacher-forced run of
+a fixture has one cache shape (``parity.runner_sizes``), so the tests after the one-step run reuse its executables
+where their token buckets meet (same process, same shapes), and the runner tests below take the same sizes."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 from dijax.cli.parity import manifest_problems, prefix_figures, run_fixture
 from tests.conftest import FIXTURE_COPY, SHARED_PARITY, parity_path
 
-pytestmark = pytest.mark.cost(400)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(220)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 def manifest_check(fixture: str, name: str) -> dict:
@@ -42,12 +42,12 @@ KNOWN_PREFIX_MISSES = {("case_L150", 2)}
 def _assert_tier1(fixture, check: dict, chunk: int | None, cases: tuple[str, ...] | None = None) -> None:
     """Every bound of a manifest tier-1 check over ``cases`` (default all), with the prefix check per (case, row)
     so that a documented miss cannot hide a new one."""
-    from dijax.cli.parity import _sets_equal, load_model, relative_errors, run_case
+    from dijax.cli.parity import _sets_equal, load_model, relative_errors, run_cases
 
     params, consts = load_model(fixture)
     all_r, prefix_misses = [], set()
-    for case in cases or fixture.case_names:
-        run = run_case(fixture, params, consts, case, bool(check.get("inject_topk")), chunk)
+    runs = run_cases(fixture, params, consts, list(cases or fixture.case_names), bool(check.get("inject_topk")), chunk)
+    for case, run in runs.items():
         prefill_r = relative_errors(run.prefill_logits, fixture.tensor(case, "prefill_logits"))
         all_r += [prefill_r.ravel(), relative_errors(run.decode_logits, fixture.tensor(case, "decode_logits")).ravel()]
         worst_B = prefill_r[:, :check["prefix_positions"]].max(axis=1)
@@ -76,7 +76,7 @@ def test_tiny_nodrop_chunked_prefill_meets_its_manifest(chunk, cases):
     """Chunked prefill against the reference under the same manifest bounds: chunks of 7 on the cases they split
     (L5 is one chunk; L150, 22 chunks and a third of the fixture's work, is left to `dijax parity --chunk 7`,
     docs/parity.md), one token at a time (every prefill step decode-shaped) and 16 (chunks ending on block ends) on
-    L23. Its decode steps are the one-step run's executables, already compiled in this process."""
+    L23. Its decode steps are the one-step run's executable, already compiled in this process."""
     from dijax.cli.parity import Fixture
 
     _assert_tier1(Fixture(parity_path("tiny-nodrop")), manifest_check("tiny-nodrop", "tier1"), chunk=chunk,
@@ -85,19 +85,20 @@ def test_tiny_nodrop_chunked_prefill_meets_its_manifest(chunk, cases):
 
 def test_chunked_prefill_state_is_carried(tiny_nodrop):
     """Continuing a prefill must read the window ring, compressor tail and Engram history of the slot: case L23's
-    tokens 7..13 computed as the second chunk of 7 (run_case) and as a fresh sequence give different logits. The
-    fresh step uses run_case's pool for L23 (9 blocks of 16, 3 slots, max_model_len 48), so it is the executable of
-    the chunked run's first chunk."""
-    from dijax.cli.parity import relative_errors, run_case
+    tokens 7..13 computed as the second chunk of 7 (run_cases) and as a fresh sequence give different logits. The
+    fresh step takes the teacher-forced runs' sizes (``runner_sizes``), so it is the executable of the chunked
+    run's first chunk."""
+    from dijax.cli.parity import relative_errors, run_cases, runner_sizes
     from dijax.model.step import SeqChunk
     from dijax.runtime.model_runner import ModelRunner
 
     fixture, params, consts = tiny_nodrop
     ids = fixture.tensor("case_L23", "input_ids")
-    continued = run_case(fixture, params, consts, "case_L23", False, 7).prefill_logits[:, 7:14]
-    runner = ModelRunner(fixture.cfg, params, consts, num_blocks=9, num_slots=3, block_size=16, max_model_len=48,
-                         max_num_seqs=3, max_num_batched_tokens=21)
-    alone, _ = runner.forward([SeqChunk(slot=i, block_table=[3 * i], start=0, tokens=[int(t) for t in ids[i, 7:14]],
+    continued = run_cases(fixture, params, consts, ["case_L23"], False, 7)["case_L23"].prefill_logits[:, 7:14]
+    sizes = runner_sizes(fixture, 7)
+    runner = ModelRunner(fixture.cfg, params, consts, **sizes)
+    nb = sizes["num_blocks"] // sizes["num_slots"]
+    alone, _ = runner.forward([SeqChunk(slot=i, block_table=[nb * i], start=0, tokens=[int(t) for t in ids[i, 7:14]],
                                         logits="all") for i in range(3)])
     r = relative_errors(np.stack(alone), continued)
     assert np.median(r) > 0.05, np.median(r)
@@ -107,19 +108,20 @@ def test_batch_composition_does_not_change_a_sequence(tiny_nodrop):
     """The ragged step: three prompts of different lengths (23, 7 and 21 tokens of case L23) prefilled together, then
     each alone in another slot and other blocks (so with other padding): every token's logits agree to fp32
     summation-order noise, and exactly in the argmax where margins are large. Sizes as in
-    test_chunked_prefill_state_is_carried (run_case's pool for L23): the lone steps are the chunked runs' executables,
-    only the joint one is compiled here."""
+    test_chunked_prefill_state_is_carried (``runner_sizes``): the steps are the chunked runs' executables."""
+    from dijax.cli.parity import runner_sizes
     from dijax.model.step import SeqChunk
     from dijax.runtime.model_runner import ModelRunner
 
     fixture, params, consts = tiny_nodrop
     ids = fixture.tensor("case_L23", "input_ids")
     prompts = [list(map(int, ids[0][:23])), list(map(int, ids[1][:7])), list(map(int, ids[2][:21]))]
-    runner = ModelRunner(fixture.cfg, params, consts, num_blocks=9, num_slots=3, block_size=16, max_model_len=48,
-                         max_num_seqs=3, max_num_batched_tokens=64)
+    sizes = runner_sizes(fixture, 7)
+    runner = ModelRunner(fixture.cfg, params, consts, **sizes)
+    nb = sizes["num_blocks"] // sizes["num_slots"]
 
     def chunk(slot: int, prompt: list[int]) -> SeqChunk:
-        return SeqChunk(slot=slot, block_table=list(range(3 * slot, 3 * slot + -(-len(prompt) // 16))), start=0,
+        return SeqChunk(slot=slot, block_table=list(range(nb * slot, nb * slot + -(-len(prompt) // 16))), start=0,
                         tokens=prompt, logits="all")
 
     joint, _ = runner.forward([chunk(i, p) for i, p in enumerate(prompts)])

@@ -3,9 +3,8 @@ logits, with every bound from its manifest: ``tier1-injected`` (the recorded ind
 ``tier2-selection`` (dijax's own selection).
 
 A file of its own (not tests/test_parity.py, which holds tiny-nodrop's checks and the checker's tests) so that the
-two fixtures' runs, each minutes of compiling on CPU, go to different pytest-xdist workers. ``dijax convert``
-followed by ``dijax parity`` on its output is here too: its one-case run compiles exactly the executables of the
-tier-1-injected run above it, and in this process it reuses them instead of compiling them again.
+two fixtures' runs go to different pytest-xdist workers. ``dijax convert`` followed by ``dijax parity`` on its
+output is here too.
 """
 
 from __future__ import annotations
@@ -17,17 +16,17 @@ import pytest
 from tests.conftest import parity_path
 from tests.test_parity import _assert_tier1, _one_case_fixture, manifest_check
 
-pytestmark = pytest.mark.cost(360)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(110)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 @pytest.mark.slow
 def test_tiny_meets_its_manifest_injected_and_selection():
-    from dijax.cli.parity import Fixture, evaluate, load_model, run_case
+    from dijax.cli.parity import Fixture, evaluate, load_model, run_cases
 
     fixture = Fixture(parity_path("tiny"))
     _assert_tier1(fixture, manifest_check("tiny", "tier1-injected"), chunk=None)
     params, consts = load_model(fixture)
-    runs = {case: run_case(fixture, params, consts, case, False, None) for case in fixture.case_names}
+    runs = run_cases(fixture, params, consts, fixture.case_names, False, None)
     out = io.StringIO()
     assert evaluate(fixture, manifest_check("tiny", "tier2-selection"), runs, out), out.getvalue()
 

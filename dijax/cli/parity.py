@@ -26,6 +26,7 @@ Usage: ``dijax parity FIXTURE_DIR [--layout reference|hf] [--weights PATH] [--ch
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -109,6 +110,10 @@ class Fixture:
     def tensor(self, case: str, name: str) -> np.ndarray:
         return np.asarray(self.cases.get(f"{case}.{name}"))
 
+    def shape(self, case: str, name: str) -> tuple[int, ...]:
+        """A case tensor's shape, from the file's header (nothing read)."""
+        return tuple(self.cases.layout(f"{case}.{name}")[1])
+
     def has(self, case: str, name: str) -> bool:
         return f"{case}.{name}" in self.cases.header
 
@@ -126,55 +131,82 @@ def load_model(fixture: Fixture, mesh=None):
     return params, consts
 
 
-def run_case(fixture: Fixture, params: dict, consts: dict, case: str, inject: bool,
-             chunk: int | None, kernels: str = "auto") -> CaseRun:
-    """Teacher-forced run through ``ModelRunner.forward``: prefill ``input_ids`` (in chunks of ``chunk`` tokens if
-    given), then feed the recorded ``tokens[:, j]`` one decode step at a time. Batch row i owns slot i and blocks
-    ``i * nb .. (i + 1) * nb - 1``; each step passes the blocks its positions reach."""
+BLOCK_SIZE = 16  # the teacher-forced runs' cache blocks
+
+
+def runner_sizes(fixture: Fixture, chunk: int | None) -> dict[str, int]:
+    """``ModelRunner`` sizes of the teacher-forced runs of ``fixture``: one slot per batch row of every case and
+    enough blocks for each to reach the longest case's end, whichever cases a run takes. One cache shape for every
+    run of a fixture, so that its runs (any cases, any ``chunk``) share executables where their token buckets
+    meet; the step's block-table width is always the longest case's."""
+    shapes = [(fixture.shape(c, "input_ids"), fixture.shape(c, "decode_logits")[0]) for c in fixture.case_names]
+    rows = sum(b for (b, _), _ in shapes)
+    total = max(length + n + 1 for (_, length), n in shapes)
+    tokens = sum(b * (length if chunk is None else min(chunk, length)) for (b, length), _ in shapes)
+    return dict(num_blocks=rows * -(-total // BLOCK_SIZE), num_slots=rows, block_size=BLOCK_SIZE,
+                max_model_len=total, max_num_seqs=rows, max_num_batched_tokens=max(tokens, rows))
+
+
+def run_cases(fixture: Fixture, params: dict, consts: dict, cases: list[str], inject: bool, chunk: int | None,
+              kernels: str = "auto") -> dict[str, CaseRun]:
+    """Teacher-forced runs of ``cases`` through one ``ModelRunner.forward`` stream: every batch row of every case
+    is a sequence of its own (slot s, blocks ``s * nb ..``), all of them prefilled together (their ``input_ids``,
+    in chunks of ``chunk`` tokens if given: a sequence whose prompt is done sits out the later chunks), then all fed
+    their recorded ``tokens[:, j]`` one decode step at a time (a case with fewer steps sits out the later ones).
+    Sequences never see each other (the step is ragged: the batch's composition changes only fp32 summation
+    order), so this is each case's run as the reference made it, in a few shared executables instead of a prefill
+    and a decode executable per case. ``inject``: every index source's selection overridden by the recorded sets."""
     cfg = fixture.cfg
-    ids = fixture.tensor(case, "input_ids")
-    tokens = fixture.tensor(case, "tokens")
-    b, length = ids.shape
-    n = fixture.tensor(case, "decode_logits").shape[0]
+    sizes = runner_sizes(fixture, chunk)
+    runner = ModelRunner(cfg, params, consts, kernels=kernels, **sizes)
+    nb = sizes["num_blocks"] // sizes["num_slots"]
     layers = [r.layer for r in cfg.index_source_roles]
-    total, block_size = length + n + 1, 16
-    nb = -(-total // block_size)
-    step_len = length if chunk is None else chunk
-    runner = ModelRunner(cfg, params, consts, num_blocks=b * nb, num_slots=b, block_size=block_size,
-                         max_model_len=total, max_num_seqs=b, max_num_batched_tokens=b * step_len, kernels=kernels)
+    ids = {case: fixture.tensor(case, "input_ids") for case in cases}
+    tokens = {case: fixture.tensor(case, "tokens") for case in cases}
+    steps = {case: fixture.shape(case, "decode_logits")[0] for case in cases}
+    rows = [(case, i) for case in cases for i in range(ids[case].shape[0])]  # sequence s = rows[s], slot s
 
-    def step(start: int, rows: np.ndarray, mode: str, injected: dict[int, np.ndarray] | None):
-        """One step of every batch row: ``rows`` [B, n] token ids at positions start .. start + n - 1."""
-        end = start + rows.shape[1]
-        chunks = [SeqChunk(slot=i, block_table=list(range(i * nb, i * nb + -(-end // block_size))), start=start,
-                           tokens=[int(t) for t in rows[i]], logits=mode) for i in range(b)]
-        return runner.forward(chunks, injected)
+    recorded = functools.cache(fixture.tensor)  # the injected sets, read once per run
 
-    prefill_logits = np.zeros((b, length, cfg.vocab_size), np.float32)
-    prefill_topk = {l: np.full((b, length, cfg.index_topk), -1, np.int32) for l in layers}
-    for start in range(0, length, step_len):
-        end = min(start + step_len, length)
+    def step(pieces: list[tuple[int, int, np.ndarray]], mode: str, injected: dict[int, list[np.ndarray]] | None):
+        """One forward of the sequences in ``pieces`` (slot, start, token ids): per piece its logits and index sets."""
+        chunks = [SeqChunk(slot=s, block_table=list(range(s * nb, s * nb + -(-(start + len(piece)) // BLOCK_SIZE))),
+                           start=start, tokens=[int(t) for t in piece], logits=mode) for s, start, piece in pieces]
+        inject_topk = None if injected is None else {l: np.concatenate(v) for l, v in injected.items()}
+        return runner.forward(chunks, inject_topk)
+
+    runs = {case: CaseRun(np.zeros((*ids[case].shape, cfg.vocab_size), np.float32),
+                          np.zeros((steps[case], ids[case].shape[0], cfg.vocab_size), np.float32),
+                          {l: np.full((*ids[case].shape, cfg.index_topk), -1, np.int32) for l in layers},
+                          {l: np.full((steps[case], ids[case].shape[0], cfg.index_topk), -1, np.int32)
+                           for l in layers}) for case in cases}
+    longest = max(ids[case].shape[1] for case in cases)
+    for start in range(0, longest, chunk or longest):
+        live = [(s, case, i) for s, (case, i) in enumerate(rows) if start < ids[case].shape[1]]
+        ends = [min(start + (chunk or ids[case].shape[1]), ids[case].shape[1]) for _, case, _ in live]
         injected = None
         if inject:
-            injected = {l: fixture.tensor(case, f"topk_layer{l}_prefill")[:, start:end].reshape(-1, cfg.index_topk)
+            injected = {l: [recorded(case, f"topk_layer{l}_prefill")[i, start:end]
+                            for (_, case, i), end in zip(live, ends)] for l in layers}
+        logits, topk = step([(s, start, ids[case][i, start:end]) for (s, case, i), end in zip(live, ends)], "all",
+                            injected)
+        for k, ((_, case, i), end) in enumerate(zip(live, ends)):
+            runs[case].prefill_logits[i, start:end] = logits[k]
+            for l in layers:
+                runs[case].prefill_topk[l][i, start:end] = topk[l][k]
+    for j in range(max(steps.values())):
+        live = [(s, case, i) for s, (case, i) in enumerate(rows) if j < steps[case]]
+        injected = None
+        if inject:
+            injected = {l: [recorded(case, f"topk_layer{l}_step{j}")[i:i + 1] for _, case, i in live]
                         for l in layers}
-        logits, topk = step(start, ids[:, start:end], "all", injected)
-        for i in range(b):
-            prefill_logits[i, start:end] = logits[i]
+        logits, topk = step([(s, ids[case].shape[1] + j, tokens[case][i, j:j + 1]) for s, case, i in live], "last",
+                            injected)
+        for k, (_, case, i) in enumerate(live):
+            runs[case].decode_logits[j, i] = logits[k][0]
             for l in layers:
-                prefill_topk[l][i, start:end] = topk[l][i]
-    decode_logits = np.zeros((n, b, cfg.vocab_size), np.float32)
-    decode_topk = {l: np.full((n, b, cfg.index_topk), -1, np.int32) for l in layers}
-    for j in range(n):
-        injected = None
-        if inject:
-            injected = {l: fixture.tensor(case, f"topk_layer{l}_step{j}") for l in layers}
-        logits, topk = step(length + j, tokens[:, j:j + 1], "last", injected)
-        for i in range(b):
-            decode_logits[j, i] = logits[i][0]
-            for l in layers:
-                decode_topk[l][j, i] = topk[l][i][0]
-    return CaseRun(prefill_logits, decode_logits, prefill_topk, decode_topk)
+                runs[case].decode_topk[l][j, i] = topk[l][k][0]
+    return runs
 
 
 def relative_errors(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -416,8 +448,7 @@ def run_fixture(folder: str, layout: str = "reference", weights: str | None = No
     for check in checks:
         inject = bool(check.get("inject_topk", False))
         if inject not in runs_by_inject:  # the runner traces on the parameters' mesh itself
-            runs_by_inject[inject] = {case: run_case(fixture, params, consts, case, inject, chunk, kernels)
-                                      for case in fixture.case_names}
+            runs_by_inject[inject] = run_cases(fixture, params, consts, fixture.case_names, inject, chunk, kernels)
         passed += evaluate(fixture, check, runs_by_inject[inject], out)
     print(f"parity: {passed}/{len(checks)} checks passed", file=out)
     return passed, len(checks)
