@@ -40,16 +40,16 @@
 #            and context 4095, prefill of 4096 and 8192 tokens, at --ep $EP;
 #   ep-trace (issue 15, on nvidia-h200-x2) profiler traces of decode B=64 and prefill 4096 at --ep 2, then each
 #            GPU's streams and its collectives' time beside compute (tools/trace_summary.py --streams);
-#   parity   `dijax parity --kernels on` on tiny-nodrop, its engine run and tiny, side by side;
-#   parity2  tiny-nodrop --chunk 7 and tiny's tier 2 again alone (four runs side by side no longer finish in one
-#            call since the fp8 linear and indexer kernels add Pallas compiles to every bucket).
+#   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
+#            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
+#            compiles 4 executables, not 16, so the four runs should fit one call; not yet run so on the GPU).
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
-#           flash-engine, dispatch, flash, flash-profile, bench, parity, parity2: one call each)
+#           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|parity|parity2|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|parity|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -183,19 +183,15 @@ case "$stage" in
       run 60 python3 tools/trace_summary.py "$d" --streams
       run 60 python3 tools/trace_summary.py "$d" --top 20
     done ;;
-  parity|parity2)
+  parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    if [ "$stage" = parity ]; then
-      parity tiny-nodrop 540 "$fixtures/tiny-nodrop" &
-      parity engine 540 "$fixtures/tiny-nodrop" --engine &
-      parity tiny 540 "$fixtures/tiny" &
-    else
-      parity chunk7 540 "$fixtures/tiny-nodrop" --chunk 7 &
-      parity tiny 540 "$fixtures/tiny" &
-    fi
+    parity tiny-nodrop 540 "$fixtures/tiny-nodrop" &
+    parity chunk7 540 "$fixtures/tiny-nodrop" --chunk 7 &
+    parity engine 540 "$fixtures/tiny-nodrop" --engine &
+    parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity, parity2, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
