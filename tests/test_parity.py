@@ -54,7 +54,8 @@ def _assert_tier1(fixture, check: dict, chunk: int | None, cases: tuple[str, ...
         prefix_misses |= {(case, b) for b in np.nonzero(worst_B > check["prefix_max_r"])[0].tolist()}
         tokens, margins = fixture.tensor(case, "tokens"), fixture.tensor(case, "margins")
         mine = np.concatenate([run.prefill_logits[:, -1:].argmax(-1), run.decode_logits.argmax(-1).T], axis=1)
-        assert not np.any((mine[:, :tokens.shape[1]] != tokens) & (margins >= check["tokens_equal_where_ref_margin_ge"]))
+        confident = margins >= check["tokens_equal_where_ref_margin_ge"]
+        assert not np.any((mine[:, :tokens.shape[1]] != tokens) & confident)
         if check.get("index_sets"):
             for layer, got in run.prefill_topk.items():
                 assert _sets_equal(got, fixture.tensor(case, f"topk_layer{layer}_prefill")).all()
