@@ -16,7 +16,7 @@ from dijax.runtime.llm import LLM
 from dijax.runtime.sampler import MODES, StepSampling, sampling_inputs, step_sampling
 from dijax.runtime.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.cost(150)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(95)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
 # One engine size for every test here but the preemption one: its step buckets (tokens 8 / 16 / 32 x the one

@@ -10,6 +10,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.cost(60)  # CI seconds, a scheduling hint (tests/conftest.py)
+
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
 RUNS = {"1": (1, None), "2": (2, None), "2 replicated": (2, False)}  # name: (ep, attention_dp)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.cost(300)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(120)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 DEVICES = 4
 

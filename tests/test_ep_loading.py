@@ -31,7 +31,7 @@ import pytest
 
 from dijax.io.safetensors import SafetensorsFile, TensorRef
 
-pytestmark = pytest.mark.cost(50)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(35)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 DEVICES = 4
 

@@ -34,7 +34,7 @@ import pytest
 
 from dijax.parallel.mesh import force_host_devices, make_mesh, params_mesh, partition_spec, place_params
 
-pytestmark = pytest.mark.cost(100)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(120)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 DEVICES = 4
 PARTIAL_BOUND = 1e-6  # |partial - exact| / max|exact|: fp32 re-association of six bf16 terms

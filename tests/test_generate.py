@@ -9,7 +9,7 @@ import pytest
 from dijax.cli import generate
 from dijax.cli.main import main
 
-pytestmark = pytest.mark.cost(45)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(35)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 def test_generate_on_the_embedded_default(capsys, tmp_path):

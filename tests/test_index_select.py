@@ -21,7 +21,7 @@ from dijax.model.attention import candidate_mask, index_chunk, select_candidate_
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import graphdef
 
-pytestmark = pytest.mark.cost(40)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(30)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 def test_index_chunk_bounds_the_scores():

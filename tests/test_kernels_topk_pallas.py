@@ -17,7 +17,7 @@ from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
 from tests.test_kernels_topk import scores
 
-pytestmark = pytest.mark.cost(75)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(60)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 pallas_jit = jax.jit(topk_pallas, static_argnames=("k", "config"))
 

@@ -25,7 +25,7 @@ from dijax.model.transformer import Block, Transformer, abstract_state, graphdef
 from dijax.runtime.model_runner import ModelRunner
 from tests.conftest import parity_path
 
-pytestmark = pytest.mark.cost(65)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(50)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 def _tiny_with(**text_config) -> ModelConfig:

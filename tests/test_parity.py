@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 from dijax.cli.parity import manifest_problems, prefix_figures, run_fixture
 from tests.conftest import FIXTURE_COPY, SHARED_PARITY, parity_path
 
-pytestmark = pytest.mark.cost(220)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(255)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 def manifest_check(fixture: str, name: str) -> dict:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_parity import _one_case_fixture, manifest_check
 
-pytestmark = pytest.mark.cost(95)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(45)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 ENGINE_CHECK = manifest_check("tiny-nodrop", "tier1")
 

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import parity_path
 from tests.test_parity import _assert_tier1, _one_case_fixture, manifest_check
 
-pytestmark = pytest.mark.cost(110)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(115)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from dijax.io.random_init import random_codes_params, random_params
 from dijax.model.step import SeqChunk
 from dijax.runtime.model_runner import ModelRunner
 
-pytestmark = pytest.mark.cost(40)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(35)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 def test_random_codes_match_the_recipe_layout_and_give_finite_logits():

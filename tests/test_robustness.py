@@ -32,7 +32,7 @@ from dijax.runtime.sampling_params import SamplingParams
 from dijax.runtime.scheduler import FROM_DEVICE
 from tests.conftest import parity_path
 
-pytestmark = pytest.mark.cost(45)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(25)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 POISON = 1 << 62  # a seed with this bit makes the fake runner (or the wrapped real one) fail to launch the step;
 CRASH = 1 << 61  # with this bit the fake step launches but fails while running (its wait() raises);

@@ -18,7 +18,7 @@ from dijax.runtime.sampler import StepSampling, sampling_inputs
 from dijax.runtime.sampling_params import SamplingParams
 from dijax.runtime.step_buffers import StepBuffers
 
-pytestmark = pytest.mark.cost(40)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(15)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 
 @pytest.mark.parametrize("ranks", [None, 3])

@@ -13,7 +13,7 @@ from dijax.runtime.sampling_params import SamplingParams
 from dijax.runtime.scheduler import FROM_DEVICE
 from dijax.runtime.step_timeline import PHASES, StepRecord, StepTimeline, summarize
 
-pytestmark = pytest.mark.cost(60)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(15)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
 SIZES = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)  # tests/test_engine.py's buckets
