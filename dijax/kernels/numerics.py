@@ -2,8 +2,10 @@
 
 XLA's algebraic simplifier rewrites ``x / broadcast(y)`` into ``x * broadcast(1 / y)``, which rounds differently
 from a true division. DeepSeek's reference divides (softmax normalisation, Sinkhorn, fp4 scales, means), and at
-e2m1/e4m3 rounding ties one ulp decides the code, so dijax divides through an optimisation barrier that hides the
-broadcast from the simplifier.
+e2m1/e4m3 rounding ties one ulp decides the code, so dijax divides by a divisor the rewrite does not match: a
+select of the broadcast divisor. The select fuses into the division's consumer; the optimisation barrier used
+before it made XLA materialise every broadcast divisor as a kernel of its own (97 of the tiny decode step's 600
+launches on the H200, docs/benchmarks.md, twentieth session).
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import jax.numpy as jnp
 
 
 def divide(x: jax.Array, y: jax.Array | float) -> jax.Array:
-    """Correctly rounded ``x / y`` with y broadcast to x's shape (never a reciprocal multiply)."""
+    """Correctly rounded ``x / y`` with y broadcast to x's shape (never a reciprocal multiply).
+
+    The divisor is ``where(x == x, y, x)``: y wherever x is a number, x itself where x is NaN, so the quotient is
+    x / y everywhere (NaN / anything is NaN), and the simplifier sees a select, not a broadcast."""
     y = jnp.broadcast_to(jnp.asarray(y, x.dtype), x.shape)
-    return x / jax.lax.optimization_barrier(y)
+    return x / jnp.where(x == x, y, x)
 
 
 def mean(x: jax.Array, axis: int = -1, keepdims: bool = True) -> jax.Array:
