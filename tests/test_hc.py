@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from dijax.kernels.sinkhorn import split
 from dijax.model import hc
 
 BF16 = ml_dtypes.bfloat16
@@ -86,13 +87,12 @@ def inputs():
 
 
 def run_split(inp, iters=ITERS, eps=EPS):
-    out = hc.split_sinkhorn(jnp.asarray(inp["mixes_TM"]), jnp.asarray(inp["scale_3"]), jnp.asarray(inp["base_M"]),
-                            C, iters, eps)
+    out = split(jnp.asarray(inp["mixes_TM"]), jnp.asarray(inp["scale_3"]), jnp.asarray(inp["base_M"]), C, iters, eps)
     return [np.asarray(a) for a in out]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# split_sinkhorn
+# the mix split (dijax.kernels.sinkhorn.split, the reference)
 # ---------------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("iters", [1, 2, ITERS])
@@ -144,7 +144,7 @@ def test_split_sinkhorn_zero_mixes_hand_values():
     # all-zero mixes and base: pre = sigmoid(0) + eps = 0.5 + 1e-6, post = 2 * sigmoid(0) = 1, comb uniform: every
     # entry equal (by symmetry, bit for bit) and ~ 1/C
     z = jnp.zeros((2, M), jnp.float32)
-    pre, post, comb = (np.asarray(a) for a in hc.split_sinkhorn(z, jnp.ones(3), jnp.zeros(M), C, ITERS, EPS))
+    pre, post, comb = (np.asarray(a) for a in split(z, jnp.ones(3), jnp.zeros(M), C, ITERS, EPS))
     np.testing.assert_allclose(pre, 0.5 + EPS, rtol=1e-7)
     np.testing.assert_array_equal(post, np.ones((2, C), np.float32))
     assert (comb == comb[0, 0, 0]).all()

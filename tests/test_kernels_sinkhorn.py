@@ -1,9 +1,13 @@
-"""The Sinkhorn kernel (dijax/kernels/sinkhorn.py): the Pallas version (interpret mode on CPU) against the jnp
-reference, and the model's hyper-connection mix through either.
+"""The hyper-connection mix split (dijax/kernels/sinkhorn.py): the Pallas kernel (interpret mode on CPU) against the
+jnp reference, and the model's mixes through either.
 
-The two agree to a few float32 ulps, not bit for bit: both divide with correct rounding and sum in the same order,
-but XLA compiles the reference's fused rounds differently from the interpreted kernel (measured: at most 1 ulp on
-some entries). The GPU run (tests/gpu) records how close they are there."""
+The two agree to float32 noise, not bit for bit: both divide with correct rounding and sum in the same order, but
+XLA compiles the affine part and the fused rounds differently in the two programs (an FMA here, a multiply and an
+add there), and the rounds carry a one-ulp difference along: measured on the CPU, up to ~20 ulps after 19 rounds
+of strongly skewed mixes (a relative 2e-6). The GPU run (tests/gpu) records how close they are there.
+
+Interpreted, the kernel's rounds are unrolled for XLA's CPU compiler: C = 4 with 19 rounds takes minutes to
+compile, so these tests run C = 4 with a few rounds and C = 2 with all 19."""
 
 from __future__ import annotations
 
@@ -13,87 +17,91 @@ import numpy as np
 import pytest
 
 from dijax.kernels import sinkhorn as sk
-from dijax.kernels.sinkhorn import BLOCK_T, sinkhorn, sinkhorn_pallas, sinkhorn_reference
+from dijax.kernels.sinkhorn import BLOCK_T, split, split_pallas, split_reference
 from dijax.model import hc
 
-
-def _comb(t: int, c: int, seed: int) -> jax.Array:
-    """Positive matrices like the mix's: softmax rows plus eps, of widely different scales."""
-    logits = jax.random.normal(jax.random.key(seed), (t, c, c), jnp.float32) * 4
-    return jax.nn.softmax(logits, axis=-1) + np.float32(1e-6)
-
-
-def assert_ulps(got: jax.Array, want: jax.Array, ulps: int) -> None:
-    """Every element within ``ulps`` float32 units in the last place."""
-    got_bits = np.asarray(got, np.float32).view(np.int32).astype(np.int64)
-    want_bits = np.asarray(want, np.float32).view(np.int32).astype(np.int64)
-    assert np.abs(got_bits - want_bits).max() <= ulps, np.abs(got_bits - want_bits).max()
-
-
 EXACT, FAST = sk.SinkhornConfig(fast_divide=False), sk.SinkhornConfig(fast_divide=True)
+RTOL = 1e-5
+
+
+def mix_inputs(t: int, c: int, seed: int, spread: float = 3.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw mixes float32 [T, (2 + C) C] of the given spread, a scale [3] and a base [M] like a layer's."""
+    m = (2 + c) * c
+    mixes = jax.random.normal(jax.random.key(seed), (t, m), jnp.float32) * spread
+    base = jax.random.normal(jax.random.key(seed + 1), (m,), jnp.float32) * 0.1
+    return mixes, jnp.array([0.5, 1.5, 2.0], jnp.float32), base
+
+
+def assert_split_close(got, want, rtol: float = RTOL) -> None:
+    """(pre, post, comb) of one shape and dtype, each within ``rtol`` of the other's."""
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("config", [EXACT, FAST], ids=["exact", "fast_divide"])
-@pytest.mark.parametrize("t, c, rounds", [(1, 2, 19), (5, 4, 3), (BLOCK_T + 3, 4, 2)])
-def test_pallas_matches_reference(t, c, rounds, config):
-    comb = _comb(t, c, seed=t)
-    want = sinkhorn_reference(comb, rounds, 1e-6)
-    got = sinkhorn_pallas(comb, rounds, 1e-6, interpret=True, config=config)
-    assert_ulps(got, want, 4)
-    # doubly stochastic up to eps: columns sum to ~1 after the last (column) step
-    np.testing.assert_allclose(np.asarray(got).sum(axis=-2), 1.0, rtol=1e-4)
+@pytest.mark.parametrize("t, c, iters", [(1, 2, 20), (5, 4, 4), (BLOCK_T + 3, 4, 2), (3, 4, 1)])
+def test_pallas_matches_reference(t, c, iters, config):
+    args = (*mix_inputs(t, c, seed=t), c, iters, 1e-6)
+    got = split_pallas(*args, interpret=True, config=config)
+    assert_split_close(got, split_reference(*args))
+    # the last operation is a column normalisation: every column sums to ~1
+    np.testing.assert_allclose(np.asarray(got[2]).sum(axis=-2), 1.0, rtol=1e-4)
 
 
-def test_zero_rounds_is_identity_and_impl_is_checked():
-    comb = _comb(3, 4, seed=0)
-    np.testing.assert_array_equal(np.asarray(sinkhorn_pallas(comb, 0, 1e-6, interpret=True)), np.asarray(comb))
-    with pytest.raises(ValueError, match="sinkhorn impl must be one of"):
-        sinkhorn(comb, 3, 1e-6, impl="triton")
+def test_the_dispatcher_checks_the_impl():
+    with pytest.raises(ValueError, match=r"sinkhorn impl must be one of \('reference', 'pallas'\), got 'triton'"):
+        split(*mix_inputs(3, 4, seed=0), 4, 3, 1e-6, impl="triton")
 
 
-def test_mix_through_either_impl():
-    """The hyper-connection split (pre, post, comb) is identical with the kernel (interpreted off a GPU: the
-    dispatcher picks the mode, as for every kernel)."""
-    mixes = jax.random.normal(jax.random.key(1), (9, 24), jnp.float32)
-    scale, base = jnp.array([0.5, 1.5, 2.0], jnp.float32), jax.random.normal(jax.random.key(2), (24,)) * 0.1
-    want = hc.split_sinkhorn(mixes, scale, base, 4, 4, 1e-6)
-    got = hc.split_sinkhorn(mixes, scale, base, 4, 4, 1e-6, sinkhorn_impl="pallas")
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # pre and post do not go through it
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    assert_ulps(got[2], want[2], 4)
+def test_mixes_through_either_impl():
+    """The hyper-connection mixes (RMS statistic, projection, split) with the kernel (interpreted off a GPU: the
+    dispatcher picks the mode, as for every kernel) are the reference's to float32 noise."""
+    x = jax.random.normal(jax.random.key(1), (9, 4, 32), jnp.float32).astype(jnp.bfloat16)
+    fn = jax.random.normal(jax.random.key(2), (24, 128), jnp.float32) * 0.1
+    scale, base = jnp.array([0.5, 1.5, 2.0], jnp.float32), jax.random.normal(jax.random.key(3), (24,)) * 0.1
+    want = hc.mixes(x, fn, scale, base, 4, 4, 1e-6, 1e-20)
+    assert_split_close(hc.mixes(x, fn, scale, base, 4, 4, 1e-6, 1e-20, sinkhorn_impl="pallas"), want)
+
+
+def _affine_vectors(mixes: np.ndarray, c: int) -> list[jax.Array]:
+    """The kernel's operands for ``sk._split``: entry e's vector over the tokens (scale 1, base 0)."""
+    return [jnp.asarray(mixes[:, e]) for e in range((2 + c) * c)]
 
 
 def test_tokens_outside_the_fast_range_are_flagged():
     """The kernel divides by the fast path only where every dividend >= FAST_RANGE[0] and every divisor <
-    FAST_RANGE[1] (else its block is recomputed with exact divisions): a token with a tiny entry, a huge one or a
-    NaN is flagged, the model's softmax rows are not."""
-    comb = np.array(_comb(5, 4, seed=3))
-    comb[1, 2, 3] = 1e-30  # below 2^-40
-    comb[2, 0, :] = 1e30  # a row sum past 2^40
-    comb[3, 1, 1] = np.nan
-    m = [[jnp.asarray(comb[:, i, j]) for j in range(4)] for i in range(4)]
-    out, inside = sk._rounds(m, c=4, rounds=3, eps=np.float32(1e-6), reciprocal=lambda y: y,
-                             divide=lambda x, y, r: x / y, check=True)
+    FAST_RANGE[1] (else its block is recomputed with exact divisions). Flagged: a comb logit far below its row's
+    maximum (its exp underflows), a sigmoid of a large negative argument (1 + e past 2^40), a NaN; not flagged:
+    the model's mixes."""
+    c = 4
+    mixes = np.array(mix_inputs(5, c, seed=3)[0])
+    mixes[1, 2 * c + 5] = -200.0
+    mixes[2, c + 1] = -60.0
+    mixes[3, 0] = np.nan
+    pre, post, comb, inside = sk._split(_affine_vectors(mixes, c), c=c, rounds=3, eps=np.float32(1e-6),
+                                        reciprocal=lambda y: y, divide=lambda x, y, r: x / y, check=True)
     assert np.asarray(inside).tolist() == [True, False, False, False, True]
-    want = sinkhorn_reference(jnp.asarray(comb), 3, 1e-6)
-    for i in range(4):  # the same arithmetic as the reference (interpreted division is IEEE-rounded)
-        for j in range(4):
-            assert_ulps(out[i][j][np.array([0, 1, 2, 4])], want[np.array([0, 1, 2, 4]), i, j], 4)
+    want = split_reference(jnp.asarray(mixes), jnp.ones(3), jnp.zeros((2 + c) * c), c, 4, 1e-6)
+    keep = np.array([0, 1, 2, 4])  # the same arithmetic as the reference (interpreted division is IEEE-rounded)
+    got = (jnp.stack(pre, -1), jnp.stack(post, -1), jnp.stack([jnp.stack(row, -1) for row in comb], -2))
+    assert_split_close([g[keep] for g in got], [w[keep] for w in want])
 
 
-def test_a_block_outside_the_fast_range_gives_the_reference(monkeypatch):
+def test_a_block_outside_the_fast_range_gives_the_reference():
     """A block with a token outside the fast range takes the kernel's exact path (interpreted here): the
-    reference's result, as for every other block (to the CPU's few ulps; tests/gpu checks the bits)."""
-    comb = np.array(_comb(BLOCK_T + 3, 4, seed=5))
-    comb[BLOCK_T + 1, 0, 0] = 1e-30
-    want = sinkhorn_reference(jnp.asarray(comb), 2, 1e-6)
-    assert_ulps(sinkhorn_pallas(jnp.asarray(comb), 2, 1e-6, interpret=True, config=FAST), want, 4)
+    reference's result, as in every other block (to float32 noise on the CPU; tests/gpu checks the bits)."""
+    mixes, scale, base = mix_inputs(BLOCK_T + 3, 4, seed=5)
+    mixes = mixes.at[BLOCK_T + 1, 8].set(-500.0)
+    args = (mixes, scale, base, 4, 2, 1e-6)
+    assert_split_close(split_pallas(*args, interpret=True, config=FAST), split_reference(*args))
 
 
 @pytest.mark.parametrize("config", [EXACT, FAST], ids=["exact", "fast_divide"])
 def test_lowers_to_triton_without_a_gpu(lower_for_cuda, config):
     """Both GPU forms (``div.rn.f32`` throughout; the inline-PTX fast path with the exact fallback under a branch)
-    lower to Triton IR."""
-    text = lower_for_cuda(lambda x: sinkhorn_pallas(x, 20, 1e-6, interpret=False, config=config),
-                          jax.ShapeDtypeStruct((3, 4, 4), jnp.float32))
+    lower to Triton IR at the model's C = 4 and 20 iterations."""
+    text = lower_for_cuda(lambda m, s, b: split_pallas(m, s, b, 4, 20, 1e-6, interpret=False, config=config),
+                          jax.ShapeDtypeStruct((3, 24), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32),
+                          jax.ShapeDtypeStruct((24,), jnp.float32))
     assert "triton" in text

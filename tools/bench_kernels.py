@@ -466,35 +466,36 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     return out
 
 
-def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, rounds: int = 19, sweep: bool = False, **timing) -> list[dict]:
-    """The hyper-connection Sinkhorn rounds (C = 4, 19 rounds as in a V4.1 layer): the jnp reference against the
-    Pallas kernel with ``div.rn.f32`` and with ``SinkhornConfig.fast_divide``, whose bits must be the former's (else
-    MISMATCH; tests/gpu/test_sinkhorn_gpu.py checks both against a numpy oracle). Each row gives its largest distance
-    from the reference in float32 ulps (XLA's GPU code for the reference is 9-21 ulps off the oracle). Floor: the
-    matrices read and written once (the kernel is latency-bound far above it)."""
+def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, iters: int = 20, sweep: bool = False, **timing) -> list[dict]:
+    """The hyper-connection mix split (C = 4, 20 iterations as in a V4.1 layer: sigmoids, softmax, 19 Sinkhorn
+    rounds): the jnp reference against the Pallas kernel with ``div.rn.f32`` and with
+    ``SinkhornConfig.fast_divide``, whose bits must be the former's (else MISMATCH; tests/gpu/test_sinkhorn_gpu.py
+    checks both). Each row gives the comb's largest distance from the reference in float32 ulps. Floor: the mixes
+    read and the split written once (the kernel is latency-bound far above it)."""
     from dijax.kernels import sinkhorn as sk
 
     def bits(x):
-        return np.asarray(x).view(np.int32).astype(np.int64)
+        return np.asarray(x[2]).view(np.int32).astype(np.int64)
 
     out = []
+    m = (2 + c) * c
+    scale, base = jnp.array([0.5, 1.5, 2.0], jnp.float32), jnp.zeros((m,), jnp.float32)
     for t in tokens:
-        logits = jax.random.normal(jax.random.key(t), (t, c, c), jnp.float32) * 4
-        comb = jax.nn.softmax(logits, axis=-1) + np.float32(1e-6)
-        ref = jax.jit(lambda x: sk.sinkhorn_reference(x, rounds, 1e-6))
-        want = bits(ref(comb))
-        base = time_call(ref, comb, **timing)
-        floor_bytes, shape = 2 * comb.size * 4, f"T={t}, {c} x {c}, {rounds} rounds"
-        out.append(_row("sinkhorn", shape, "reference (XLA)", base, floor_bytes, None))
+        mixes = jax.random.normal(jax.random.key(t), (t, m), jnp.float32) * 3
+        ref = jax.jit(lambda x: sk.split_reference(x, scale, base, c, iters, 1e-6))
+        want = bits(ref(mixes))
+        base_s = time_call(ref, mixes, **timing)
+        floor_bytes, shape = 2 * mixes.size * 4, f"T={t}, C={c}, {iters} iterations"
+        out.append(_row("sinkhorn", shape, "reference (XLA)", base_s, floor_bytes, None))
         exact = None
         for name, config in (("pallas div.rn", sk.SinkhornConfig(fast_divide=False)),
                              ("pallas fast_divide", sk.SinkhornConfig(fast_divide=True))):
-            fn = jax.jit(lambda x, config=config: sk.sinkhorn_pallas(x, rounds, 1e-6, config=config))
-            got = bits(fn(comb))
+            fn = jax.jit(lambda x, config=config: sk.split_pallas(x, scale, base, c, iters, 1e-6, config=config))
+            got = bits(fn(mixes))
             mark = " MISMATCH" if exact is not None and not np.array_equal(got, exact) else ""
             exact = got if exact is None else exact
             label = f"{name} ({np.abs(got - want).max()} ulps from the reference){mark}"
-            out.append(_row("sinkhorn", shape, label, time_call(fn, comb, **timing), floor_bytes, base))
+            out.append(_row("sinkhorn", shape, label, time_call(fn, mixes, **timing), floor_bytes, base_s))
     return out
 
 

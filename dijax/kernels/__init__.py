@@ -6,7 +6,7 @@
 | sparse attention with the sink | ``sparse_attn`` | reference, pallas |
 | lightning-indexer scores over the paged key pool | ``indexer`` | reference, pallas |
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |
-| the hyper-connection Sinkhorn rounds | ``sinkhorn`` | reference, pallas |
+| the hyper-connection mix split (sigmoids, softmax, Sinkhorn rounds) | ``sinkhorn.split`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
 | bf16 pairs in uint32 words: the weight decode's pieces (grouped GEMM, fp8 linear) | ``bf16_pairs`` | (helpers) |

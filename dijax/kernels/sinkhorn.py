@@ -1,13 +1,17 @@
-"""The Sinkhorn rounds of the hyper-connection mix (v41_spec §8): alternate row and column normalisation of each
-token's C x C matrix, every division by (sum + eps), sums taken strictly left to right (the reference's order).
+"""The hyper-connection mix's split (v41_spec §8): a token's raw mixes -> pre [C], post [C] and the
+Sinkhorn-normalised comb [C, C]: sigmoids, a softmax per comb row, a column normalisation, then (iters - 1) rounds
+of row and column normalisation, every division by (sum + eps), sums taken strictly left to right (the reference's
+order).
 
-Two implementations behind ``sinkhorn(..., impl=)``:
-  * ``"reference"``: jnp, a ``fori_loop`` over the rounds. On a GPU each round is its own kernel launch, so the
-    (iters - 1) rounds x 2 sublayers x every layer dominate a small model's step (the tiny default: ~680 of its ~690
-    kernels, measured on an H200, docs/benchmarks.md);
-  * ``"pallas"``: one Triton-lowered Pallas kernel for all rounds. Each program holds BLOCK_T tokens; the C * C
-    entries of a token live in C * C registers vectors (the matrix is transposed to [C * C, T] outside), so a row or
-    column sum is C - 1 vector adds in the reference's order.
+Two implementations behind ``split(..., impl=)``, with one signature:
+  * ``"reference"``: jnp, a ``fori_loop`` over the rounds. On a GPU the rounds alone were ~680 of the tiny
+    default's ~690 kernels before the kernel existed (docs/benchmarks.md), and the sigmoids, the softmax and the
+    divisions around them ~5 launches per hyper-connection more;
+  * ``"pallas"``: the affine part (mixes * scale + base) in XLA, fused with the transpose that feeds the kernel, then
+    one Triton-lowered Pallas kernel for everything else. Each program holds BLOCK_T tokens; the M mix entries of a
+    token live in M register vectors (the mixes are transposed to [M, T] outside), so a row or column sum is C - 1
+    vector adds in the reference's order. Its output, [M, T] likewise, is sliced and transposed back by its
+    consumers' fusions.
 
 Division in the kernel. Triton lowers ``x / y`` in float32 to the approximate ``div.full.f32``; the reference (and
 XLA) divide with correct rounding. PTX's ``div.rn.f32`` is correct, but ptxas wraps each one in a branch to a slow
@@ -22,7 +26,11 @@ by (a min / max per division) and, if any token of the program left a narrower r
 computes its block again with ``div.rn.f32``: exact in every case, and fast in the model's (entries are softmax rows
 plus eps). Interpret mode (CPU tests) divides with ``/``, which is IEEE-rounded there, on every path.
 
-Letters: T tokens, C hc copies, K = C * C matrix entries.
+The sigmoids are ``1 / (1 + exp(-z))`` (``exp(z) / (1 + exp(z))`` below 0) through the same divisions, and ``exp`` is libdevice's ``__nv_expf``
+(Pallas' Triton lowering); XLA's ``logistic`` and ``exp`` on the GPU are other code, so pre, post and comb agree
+with the reference to float32 ulps, not bit for bit (tests/gpu/test_sinkhorn_gpu.py measures how many).
+
+Letters: T tokens, C hc copies, M = (2 + C) * C mix entries, P = M rounded up to a power of two (Triton's block).
 """
 
 from __future__ import annotations
@@ -47,12 +55,39 @@ IMPLS = ("reference", "pallas")
 class SinkhornConfig:
     """fast_divide: divide by ``div.rn.f32``'s fast path, branch-free, with the exact fallback for blocks outside
     its range (module docstring); else ``div.rn.f32`` throughout. Both give the same bits (tests/gpu/
-    test_sinkhorn_gpu.py against a numpy oracle); on the H200 the fast form takes 41-51 us a launch against 52-58
+    test_sinkhorn_gpu.py); on the H200 the fast form of the rounds-only kernel took 41-51 us a launch against 52-58
     (``tools/bench_kernels.py --only sinkhorn``, docs/benchmarks.md), so it is the default."""
     fast_divide: bool = True
 
 
 CONFIG = SinkhornConfig()
+
+
+def affine(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int) -> jax.Array:
+    """``mixes * scale + base`` in float32, entry e of the pre / post / comb parts scaled by scale_3[0 / 1 / 2].
+    mixes_TM [T, M], scale_3 float32 [3], base_M float32 [M] -> float32 [T, M]."""
+    c = hc_mult
+    scale_M = jnp.repeat(scale_3, np.array([c, c, c * c]), total_repeat_length=(2 + c) * c)
+    return mixes_TM.astype(jnp.float32) * scale_M + base_M
+
+
+def split_reference(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
+                    eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw mixes [T, M] -> (pre [T, C], post [T, C], comb [T, C, C]), float32.
+
+    pre = sigmoid(z) + eps, post = 2 sigmoid(z), comb[i, j] = softmax_j(row i) + eps, then a column normalisation,
+    then ``iters - 1`` rounds of (row, column) normalisation, each dividing by (sum + eps); the last operation is
+    always a column one. z = ``affine(mixes, scale, base)``."""
+    c = hc_mult
+    z_TM = affine(mixes_TM, scale_3, base_M, c)
+    eps = np.float32(eps)
+    pre = jax.nn.sigmoid(z_TM[..., :c]) + eps
+    post = 2 * jax.nn.sigmoid(z_TM[..., c:2 * c])
+    comb = z_TM[..., 2 * c:].reshape(*z_TM.shape[:-1], c, c)
+    comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
+    comb = divide(comb, sum_in_order(comb, -1)) + eps
+    comb = divide(comb, sum_in_order(comb, -2) + eps)
+    return pre, post, sinkhorn_reference(comb, iters - 1, eps)
 
 
 def sinkhorn_reference(comb_TCC: jax.Array, rounds: int, eps: float) -> jax.Array:
@@ -94,13 +129,13 @@ def _asm(code: str, *args: jax.Array) -> jax.Array:
     return out
 
 
-def _rounds(m: list, *, c: int, rounds: int, eps: np.float32, reciprocal, divide, check: bool):
-    """``rounds`` rounds of row then column normalisation of ``m`` (m[i][j]: one vector per entry), each division
-    ``divide(x, y, reciprocal(y))``. -> (the new m, with ``check``: per token, whether every division had a dividend
-    >= FAST_RANGE[0] and a divisor < FAST_RANGE[1], bool vector; else None). Within that range the fast path is
-    correctly rounded: every operand, intermediate and quotient (>= 2^-80) is a normal float32. A dividend is at
-    most its divisor (non-negative entries), so the divisors' maximum bounds both."""
-    m = [list(row) for row in m]
+def _split(z: list, *, c: int, rounds: int, eps: np.float32, reciprocal, divide, check: bool):
+    """``split_reference`` on entry vectors: z[e] the affine mix entry e of every token (a vector). Every division
+    is ``divide(x, y, reciprocal(y))``. -> (pre, post, comb: lists of C, C, and C x C vectors; with ``check``: per
+    token, whether every division had a dividend >= FAST_RANGE[0] and a divisor < FAST_RANGE[1], a bool vector;
+    else None). Within that range the fast path is correctly rounded: every operand, intermediate and quotient
+    (>= 2^-80) is a normal float32. A comb dividend is at most its divisor (non-negative entries), so the divisors'
+    maximum bounds both, and a sigmoid's dividend is at most 1."""
     low = high = None  # the smallest dividend and the largest divisor seen, per token
 
     def normalise(values: list, total):
@@ -112,65 +147,92 @@ def _rounds(m: list, *, c: int, rounds: int, eps: np.float32, reciprocal, divide
         r = reciprocal(total)
         return [divide(v, total, r) for v in values]
 
-    for _ in range(rounds):
-        for i in range(c):
-            m[i] = normalise(m[i], functools.reduce(lambda a, b: a + b, m[i]) + eps)
+    def total(values: list, plus=None):
+        s = functools.reduce(lambda a, b: a + b, values)
+        return s if plus is None else s + plus
+
+    def column_normalise(m: list) -> list:
         for j in range(c):
-            column = normalise([m[i][j] for i in range(c)], functools.reduce(lambda a, b: a + b,
-                                                                              [m[i][j] for i in range(c)]) + eps)
+            column = normalise([m[i][j] for i in range(c)], total([m[i][j] for i in range(c)], eps))
             for i in range(c):
                 m[i][j] = column[i]
+        return m
+
+    def sigmoid(v):  # e / (1 + e) below 0, 1 / (1 + e) above, with e = exp(-|v|): no cancellation either side
+        e = jnp.exp(-jnp.abs(v))
+        return normalise([jnp.where(v >= 0, np.float32(1), e)], np.float32(1) + e)[0]
+
+    pre = [sigmoid(z[k]) + eps for k in range(c)]
+    post = [2 * sigmoid(z[c + k]) for k in range(c)]
+    m = [[z[2 * c + i * c + j] for j in range(c)] for i in range(c)]
+    for i in range(c):
+        peak = functools.reduce(jnp.maximum, m[i])
+        row = [jnp.exp(v - peak) for v in m[i]]
+        m[i] = [v + eps for v in normalise(row, total(row))]
+    m = column_normalise(m)
+    for _ in range(rounds):
+        for i in range(c):
+            m[i] = normalise(m[i], total(m[i], eps))
+        m = column_normalise(m)
     if low is None:
-        return m, None
+        return pre, post, m, None
     lo, hi = (np.float32(v) for v in FAST_RANGE)
-    return m, (low >= lo) & (high < hi)  # a NaN compares false: the exact path
+    return pre, post, m, (low >= lo) & (high < hi)  # a NaN compares false: the exact path
 
 
-def _sinkhorn_kernel(comb_ref, out_ref, *, c: int, rounds: int, eps: float, interpret: bool, fast_divide: bool):
-    m0 = [[comb_ref[i * c + j, :] for j in range(c)] for i in range(c)]  # m[i][j]: [BLOCK_T] float32
-    rounds_of = functools.partial(_rounds, c=c, rounds=rounds, eps=np.float32(eps))
+def _split_kernel(z_ref, out_ref, *, c: int, rounds: int, eps: float, interpret: bool, fast_divide: bool):
+    z = [z_ref[e, :] for e in range((2 + c) * c)]  # z[e]: [BLOCK_T] float32
+    split_of = functools.partial(_split, z, c=c, rounds=rounds, eps=np.float32(eps))
     if interpret:  # '/' is IEEE-rounded off the GPU: every path divides with it
         fast, exact, reciprocal = (lambda x, y, r: x / y), (lambda x, y: x / y), (lambda y: y)
     else:
         fast, exact, reciprocal = _fast_divide, _exact_divide, _reciprocal
-    exact_rounds = functools.partial(rounds_of, reciprocal=lambda y: y, divide=lambda x, y, r: exact(x, y),
-                                     check=False)
+    exact_split = functools.partial(split_of, reciprocal=lambda y: y, divide=lambda x, y, r: exact(x, y),
+                                    check=False)
     if fast_divide:
-        m, inside = rounds_of(m0, reciprocal=reciprocal, divide=fast, check=True)
-        if inside is not None:  # a division of the block outside the fast range: the block again, exact throughout
-            m = jax.lax.cond(jnp.min(inside.astype(jnp.int32)) == 1, lambda: m, lambda: exact_rounds(m0)[0])
+        *parts, inside = split_of(reciprocal=reciprocal, divide=fast, check=True)
+        # a division of the block outside the fast range: the block again, exact throughout
+        parts = jax.lax.cond(jnp.min(inside.astype(jnp.int32)) == 1, lambda: parts,
+                             lambda: list(exact_split()[:3]))
     else:
-        m, _ = exact_rounds(m0)
-    for i in range(c):
-        for j in range(c):
-            out_ref[i * c + j, :] = m[i][j]
+        parts = exact_split()[:3]
+    pre, post, m = parts
+    for e, v in enumerate([*pre, *post, *(v for row in m for v in row)]):
+        out_ref[e, :] = v
 
 
-@functools.partial(jax.jit, static_argnames=("rounds", "eps", "interpret", "config"))
-def sinkhorn_pallas(comb_TCC: jax.Array, rounds: int, eps: float, interpret: bool | None = None,
-                    config: SinkhornConfig | None = None) -> jax.Array:
-    """Same contract as ``sinkhorn_reference``, one kernel launch. comb_TCC: float32 [T, C, C]. ``interpret``: run
-    the kernel interpreted (default: off a GPU); ``config``: default ``CONFIG`` (read when a shape is first
-    traced). Jitted, as every kernel's entry point: a step makes this call twice per layer with one shape, and the
-    jit cache traces and lowers the kernel once per step shape."""
+@functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "eps", "interpret", "config"))
+def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
+                 eps: float, interpret: bool | None = None,
+                 config: SinkhornConfig | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Same contract as ``split_reference``, one kernel launch after XLA's affine-and-transpose fusion.
+    ``interpret``: run the kernel interpreted (default: off a GPU); ``config``: default ``CONFIG`` (read when a
+    shape is first traced). Jitted, as every kernel's entry point: a step makes this call twice per layer with one
+    shape, and the jit cache traces and lowers the kernel once per step shape."""
     interpret = interpret_mode(interpret)
-    t, c, _ = comb_TCC.shape
-    k = c * c
+    c = hc_mult
+    t, m = mixes_TM.shape
+    rows = pl.next_power_of_2(m)
     padded = -(-t // BLOCK_T) * BLOCK_T
-    comb_KT = jnp.pad(comb_TCC.reshape(t, k).T, ((0, 0), (0, padded - t)), constant_values=1.0)
-    kernel = functools.partial(_sinkhorn_kernel, c=c, rounds=rounds, eps=eps, interpret=interpret,
+    # padding tokens and rows are zeros: sigmoid(0) and uniform softmax rows, inside the fast range
+    z_PT = jnp.pad(affine(mixes_TM, scale_3, base_M, c).T, ((0, rows - m), (0, padded - t)))
+    kernel = functools.partial(_split_kernel, c=c, rounds=max(iters - 1, 0), eps=eps, interpret=interpret,
                                fast_divide=(config or CONFIG).fast_divide)
-    spec = pl.BlockSpec((k, BLOCK_T), lambda i: (0, i))
-    out_KT = pl.pallas_call(kernel, grid=(padded // BLOCK_T,), in_specs=[spec], out_specs=spec,
-                            out_shape=jax.ShapeDtypeStruct((k, padded), jnp.float32), interpret=interpret,
-                            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(comb_KT)
-    return out_KT[:, :t].T.reshape(t, c, c)
+    spec = pl.BlockSpec((rows, BLOCK_T), lambda i: (0, i))
+    out_PT = pl.pallas_call(kernel, grid=(padded // BLOCK_T,), in_specs=[spec], out_specs=spec,
+                            out_shape=jax.ShapeDtypeStruct((rows, padded), jnp.float32), interpret=interpret,
+                            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(z_PT)
+    out_TM = out_PT[:m, :t].T
+    return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(t, c, c)
 
 
-def sinkhorn(comb_TCC: jax.Array, rounds: int, eps: float, *, impl: str = "reference") -> jax.Array:
-    """Dispatch to the implementation ``impl`` (one of IMPLS). float32 [T, C, C] -> float32 [T, C, C]."""
-    if impl == "reference":
-        return sinkhorn_reference(comb_TCC, rounds, eps)
-    if impl == "pallas":
-        return sinkhorn_pallas(comb_TCC, rounds, eps)
-    raise ValueError(f"sinkhorn impl must be one of {IMPLS}, got {impl!r}")
+_IMPLEMENTATIONS = {"reference": split_reference, "pallas": split_pallas}
+
+
+def split(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int, eps: float, *,
+          impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Dispatch to the implementation ``impl`` (one of IMPLS): raw mixes [T, M] -> (pre [T, C], post [T, C],
+    comb [T, C, C]) float32 (``split_reference``)."""
+    if impl not in _IMPLEMENTATIONS:
+        raise ValueError(f"sinkhorn impl must be one of {IMPLS}, got {impl!r}")
+    return _IMPLEMENTATIONS[impl](mixes_TM, scale_3, base_M, hc_mult, iters, eps)

@@ -11,38 +11,18 @@ import numpy as np
 from flax import nnx
 
 from dijax.model.layers import matmul_f32, param
-from dijax.kernels.numerics import divide, mean, sum_in_order
-from dijax.kernels.sinkhorn import sinkhorn
-
-
-def split_sinkhorn(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
-                   eps: float, sinkhorn_impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Split raw mixes into pre [T, C], post [T, C] and the Sinkhorn-normalised comb [T, C, C] (float32).
-
-    comb[i, j] = softmax_j(row i) + eps, then a column normalisation, then ``iters - 1`` rounds of
-    (row, column) normalisation, each dividing by (sum + eps); the last operation is always a column one. The
-    rounds run in ``dijax.kernels.sinkhorn`` (``sinkhorn_impl``: 'reference' or 'pallas').
-    """
-    c = hc_mult
-    m = mixes_TM.astype(jnp.float32)
-    eps = np.float32(eps)
-    pre = jax.nn.sigmoid(m[..., :c] * scale_3[0] + base_M[:c]) + eps
-    post = 2 * jax.nn.sigmoid(m[..., c:2 * c] * scale_3[1] + base_M[c:2 * c])
-    comb = (m[..., 2 * c:] * scale_3[2] + base_M[2 * c:]).reshape(*m.shape[:-1], c, c)
-    comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    comb = divide(comb, sum_in_order(comb, -1)) + eps
-    comb = divide(comb, sum_in_order(comb, -2) + eps)
-
-    return pre, post, sinkhorn(comb, iters - 1, eps, impl=sinkhorn_impl)
+from dijax.kernels import sinkhorn
+from dijax.kernels.numerics import mean, sum_in_order
 
 
 def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
           hc_eps: float, norm_eps: float, sinkhorn_impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection, then Sinkhorn."""
+    """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection, then the split into
+    (pre [T, C], post [T, C], comb [T, C, C]) float32 (``dijax.kernels.sinkhorn.split``, by ``sinkhorn_impl``)."""
     flat = x_TCD.reshape(x_TCD.shape[0], -1).astype(jnp.float32)
     rsqrt = jax.lax.rsqrt(mean(jnp.square(flat)) + np.float32(norm_eps))
     raw = matmul_f32(flat, fn_MX) * rsqrt
-    return split_sinkhorn(raw, scale_3, base_M, hc_mult, iters, hc_eps, sinkhorn_impl)
+    return sinkhorn.split(raw, scale_3, base_M, hc_mult, iters, hc_eps, impl=sinkhorn_impl)
 
 
 def pre(x_TCD: jax.Array, pre_TC: jax.Array) -> jax.Array:

@@ -1,7 +1,7 @@
-"""The Sinkhorn Pallas kernel compiled for the GPU (Triton lowering; inline ``div.rn.f32``, or with ``fast_divide``
-its fast path and the exact division for blocks outside its range) against a numpy float32 oracle (IEEE division,
-sums left to right: the reference's arithmetic, computed on the host) and against the jnp reference compiled by XLA
-for the same GPU. Run on the device: ``PYTHONPATH=. python3 -m pytest -q tests/gpu``."""
+"""The hyper-connection mix split's Pallas kernel compiled for the GPU (Triton lowering; inline ``div.rn.f32``, or
+with ``fast_divide`` its fast path and the exact division for blocks outside its range): the two division forms
+give the same bits, and both are the float64 formula's values to float32 noise, as is the jnp reference compiled
+by XLA for the same GPU. Run on the device: ``PYTHONPATH=. python3 -m pytest -q tests/gpu``."""
 
 from __future__ import annotations
 
@@ -9,50 +9,50 @@ import jax
 import numpy as np
 import pytest
 
-from dijax.kernels.sinkhorn import BLOCK_T, sinkhorn_pallas, sinkhorn_reference
-from tests.test_kernels_sinkhorn import EXACT, FAST, _comb, assert_ulps
+from dijax.kernels.sinkhorn import BLOCK_T, split_pallas, split_reference
+from tests.test_hc import np_split_sinkhorn
+from tests.test_kernels_sinkhorn import EXACT, FAST, RTOL, mix_inputs
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="compiles the Pallas kernel for a GPU (the CPU tests run it interpreted)")
+ITERS, EPS = 20, 1e-6
 
 
-def sinkhorn_numpy(comb_TCC: np.ndarray, rounds: int, eps: float) -> np.ndarray:
-    """The oracle: numpy float32 arithmetic (each operation correctly rounded), sums strictly left to right."""
-    m = np.array(comb_TCC, np.float32)
-    eps = np.float32(eps)
-    c = m.shape[-1]
-    for _ in range(rounds):
-        row = m[..., 0:1]
-        for j in range(1, c):
-            row = row + m[..., j:j + 1]
-        m = m / (row + eps)
-        column = m[..., 0:1, :]
-        for i in range(1, c):
-            column = column + m[..., i:i + 1, :]
-        m = m / (column + eps)
-    return m
+def _run(mixes, scale, base, c: int, config=None) -> list[np.ndarray]:
+    """(pre, post, comb) of the kernel with ``config``, or of the XLA reference with None, jitted on the GPU."""
+    if config is None:
+        fn = jax.jit(lambda m, s, b: split_reference(m, s, b, c, ITERS, EPS))
+    else:
+        fn = jax.jit(lambda m, s, b: split_pallas(m, s, b, c, ITERS, EPS, config=config))
+    return [np.asarray(a) for a in fn(mixes, scale, base)]
 
 
-@pytest.mark.parametrize("config", [EXACT, FAST], ids=["exact", "fast_divide"])
-@pytest.mark.parametrize("t, c, rounds", [(1, 4, 19), (7, 4, 19), (BLOCK_T + 5, 4, 19), (3 * BLOCK_T, 2, 5)])
-def test_kernel_matches_oracle(t, c, rounds, config):
-    comb = _comb(t, c, seed=t)
-    oracle = sinkhorn_numpy(np.asarray(comb), rounds, 1e-6)
-    got = np.asarray(jax.jit(lambda x: sinkhorn_pallas(x, rounds, 1e-6, config=config))(comb))
-    want = np.asarray(jax.jit(lambda x: sinkhorn_reference(x, rounds, 1e-6))(comb))
-    assert np.isfinite(got).all()
-    ulps = lambda a: int(np.abs(a.view(np.int32).astype(np.int64) - oracle.view(np.int32).astype(np.int64)).max())
-    print(f"t={t} c={c} rounds={rounds} {config}: ulps from the numpy oracle: pallas {ulps(got)}, "
-          f"xla reference {ulps(want)}")
-    assert_ulps(got, oracle, 0)
+def _ulps(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64)).max())
 
 
-@pytest.mark.parametrize("value", [1e-30, 1e-44, 1e30])
-def test_blocks_outside_the_fast_range_match_the_oracle(value):
-    """With ``fast_divide``, entries far below or above the fast path's range (a denormal among them) send their
-    block down the exact path: the oracle's bits there, and in the other blocks."""
-    comb = np.array(_comb(2 * BLOCK_T, 4, seed=11))
-    comb[BLOCK_T + 3, 1, 2] = value
-    oracle = sinkhorn_numpy(comb, 19, 1e-6)
-    got = np.asarray(jax.jit(lambda x: sinkhorn_pallas(x, 19, 1e-6, config=FAST))(comb))
-    assert_ulps(got, oracle, 0)
+@pytest.mark.parametrize("t, c", [(1, 4), (7, 4), (BLOCK_T + 5, 4), (3 * BLOCK_T, 2)])
+def test_both_division_forms_give_one_result_near_the_formula(t, c):
+    mixes, scale, base = mix_inputs(t, c, seed=t)
+    fast, exact, xla = _run(mixes, scale, base, c, FAST), _run(mixes, scale, base, c, EXACT), _run(mixes, scale,
+                                                                                                   base, c)
+    oracle = np_split_sinkhorn(np.asarray(mixes), np.asarray(scale), np.asarray(base), c, ITERS, EPS)
+    print(f"t={t} c={c}: ulps pallas / xla reference: " + ", ".join(
+        f"{name} {_ulps(f, x)}" for name, f, x in zip(("pre", "post", "comb"), fast, xla)))
+    for f, e, x, want in zip(fast, exact, xla, oracle, strict=True):
+        assert np.isfinite(f).all()
+        assert _ulps(f, e) == 0  # the fast path is div.rn.f32's, bit for bit
+        np.testing.assert_allclose(f, want, rtol=RTOL, atol=1e-8)
+        np.testing.assert_allclose(x, want, rtol=RTOL, atol=1e-8)
+
+
+@pytest.mark.parametrize("entry, value", [(8, -500.0), (9, -1e-30), (5, -60.0), (0, 200.0)])
+def test_blocks_outside_the_fast_range_take_the_exact_bits(entry, value):
+    """With ``fast_divide``, a token whose divisions leave the fast path's range (an underflowing comb entry, a
+    sigmoid of a large negative argument; a tiny or a large logit that stays inside it as a control) sends its
+    block down the exact path: ``div.rn.f32``'s bits there, and in the other blocks."""
+    mixes, scale, base = mix_inputs(2 * BLOCK_T, 4, seed=11)
+    mixes = mixes.at[BLOCK_T + 3, entry].set(value)
+    fast, exact = _run(mixes, scale, base, 4, FAST), _run(mixes, scale, base, 4, EXACT)
+    for f, e in zip(fast, exact, strict=True):
+        assert np.isfinite(f).all() and _ulps(f, e) == 0
