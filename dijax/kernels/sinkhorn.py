@@ -131,53 +131,61 @@ def _asm(code: str, *args: jax.Array) -> jax.Array:
 
 def _split(z: list, *, c: int, rounds: int, eps: np.float32, reciprocal, divide, check: bool):
     """``split_reference`` on entry vectors: z[e] the affine mix entry e of every token (a vector). Every division
-    is ``divide(x, y, reciprocal(y))``. -> (pre, post, comb: lists of C, C, and C x C vectors; with ``check``: per
-    token, whether every division had a dividend >= FAST_RANGE[0] and a divisor < FAST_RANGE[1], a bool vector;
-    else None). Within that range the fast path is correctly rounded: every operand, intermediate and quotient
-    (>= 2^-80) is a normal float32. A comb dividend is at most its divisor (non-negative entries), so the divisors'
-    maximum bounds both, and a sigmoid's dividend is at most 1."""
-    low = high = None  # the smallest dividend and the largest divisor seen, per token
+    is ``divide(x, y, reciprocal(y))``; the rounds are a loop (unrolled, 19 rounds of C = 4 were ~13k SASS
+    instructions and ~30 s of Triton compilation per step shape). -> (pre, post, comb: lists of C, C, and C x C
+    vectors; with ``check``: per token, whether every division had a dividend >= FAST_RANGE[0] and a divisor <
+    FAST_RANGE[1], a bool vector; else None). Within that range the fast path is correctly rounded: every operand,
+    intermediate and quotient (>= 2^-80) is a normal float32. A comb dividend is at most its divisor (non-negative
+    entries), so the divisors' maximum bounds both, and a sigmoid's dividend is at most 1."""
 
-    def normalise(values: list, total):
-        nonlocal low, high
+    def normalise(values: list, total, seen):
+        """values / total, and ``seen`` (the smallest dividend, the largest divisor so far, per token) updated."""
         if check:
-            smallest = functools.reduce(jnp.minimum, values)
-            low = smallest if low is None else jnp.minimum(low, smallest)
-            high = total if high is None else jnp.maximum(high, total)
+            low, high = seen
+            seen = (jnp.minimum(low, functools.reduce(jnp.minimum, values)), jnp.maximum(high, total))
         r = reciprocal(total)
-        return [divide(v, total, r) for v in values]
+        return [divide(v, total, r) for v in values], seen
 
     def total(values: list, plus=None):
         s = functools.reduce(lambda a, b: a + b, values)
         return s if plus is None else s + plus
 
-    def column_normalise(m: list) -> list:
+    def rows_then_columns(m: list, seen, rows: bool):
+        m = [list(row) for row in m]
+        if rows:
+            for i in range(c):
+                m[i], seen = normalise(m[i], total(m[i], eps), seen)
         for j in range(c):
-            column = normalise([m[i][j] for i in range(c)], total([m[i][j] for i in range(c)], eps))
+            column, seen = normalise([m[i][j] for i in range(c)], total([m[i][j] for i in range(c)], eps), seen)
             for i in range(c):
                 m[i][j] = column[i]
-        return m
+        return m, seen
 
-    def sigmoid(v):  # e / (1 + e) below 0, 1 / (1 + e) above, with e = exp(-|v|): no cancellation either side
+    def sigmoid(v, seen):  # e / (1 + e) below 0, 1 / (1 + e) above, with e = exp(-|v|): no cancellation either side
         e = jnp.exp(-jnp.abs(v))
-        return normalise([jnp.where(v >= 0, np.float32(1), e)], np.float32(1) + e)[0]
+        [out], seen = normalise([jnp.where(v >= 0, np.float32(1), e)], np.float32(1) + e, seen)
+        return out, seen
 
-    pre = [sigmoid(z[k]) + eps for k in range(c)]
-    post = [2 * sigmoid(z[c + k]) for k in range(c)]
+    seen = (jnp.full_like(z[0], np.inf), jnp.full_like(z[0], -np.inf)) if check else None
+    pre, post = [], []
+    for k in range(c):
+        value, seen = sigmoid(z[k], seen)
+        pre.append(value + eps)
+    for k in range(c):
+        value, seen = sigmoid(z[c + k], seen)
+        post.append(2 * value)
     m = [[z[2 * c + i * c + j] for j in range(c)] for i in range(c)]
     for i in range(c):
         peak = functools.reduce(jnp.maximum, m[i])
         row = [jnp.exp(v - peak) for v in m[i]]
-        m[i] = [v + eps for v in normalise(row, total(row))]
-    m = column_normalise(m)
-    for _ in range(rounds):
-        for i in range(c):
-            m[i] = normalise(m[i], total(m[i], eps))
-        m = column_normalise(m)
-    if low is None:
+        row, seen = normalise(row, total(row), seen)
+        m[i] = [v + eps for v in row]
+    m, seen = rows_then_columns(m, seen, rows=False)
+    m, seen = jax.lax.fori_loop(0, rounds, lambda _, carry: rows_then_columns(*carry, rows=True), (m, seen))
+    if not check:
         return pre, post, m, None
     lo, hi = (np.float32(v) for v in FAST_RANGE)
-    return pre, post, m, (low >= lo) & (high < hi)  # a NaN compares false: the exact path
+    return pre, post, m, (seen[0] >= lo) & (seen[1] < hi)  # a NaN compares false: the exact path
 
 
 def _split_kernel(z_ref, out_ref, *, c: int, rounds: int, eps: float, interpret: bool, fast_divide: bool):
