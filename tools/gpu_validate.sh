@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session should run before turning a kernel on by default (dijax/kernels AUTO_ON_GPU), in stages
 # that each fit one device call (600 s, about 100 s of it the machine's start):
-#   tests    the GPU kernel tests, then the engine's timeline and warm-up tests (on the H200 the 60 kernel tests take
-#            201 s alone and the timeline tests 170 s, so they run one after the other);
+#   tests    the GPU kernel tests, then the engine's timeline and warm-up tests (on the H200 the 70 kernel tests took
+#            277 s alone in the twenty-first session and the timeline tests 170 s before, one after the other);
 #   kernels  the kernels' micro-benchmarks;
 #   sweep    the GPU tests of the routed-experts and attention kernels (variants included), then the variants
 #            timed beside the defaults (tools/bench_kernels.py --sweep: grouped-GEMM tilings and 2 stages);
@@ -42,7 +42,7 @@
 #            GPU's streams and its collectives' time beside compute (tools/trace_summary.py --streams);
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
-#            compiles 4 executables, not 16, so the four runs should fit one call; not yet run so on the GPU).
+#            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
@@ -68,7 +68,7 @@ parity_summary() {  # the parity outputs named, each one's header and its tier /
 }
 case "$stage" in
   tests)
-    # 72 tests: 270 s ran 46 of them on a freshly started machine (fourteenth session)
+    # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
     run 430 python3 -m pytest -q -ra tests/gpu
     # the engine paths whose guards only mean something on a GPU (device-to-host reads) and the AOT warm-up
     run 140 python3 -m pytest -q -ra tests/test_step_timeline.py "tests/test_engine.py::test_no_new_compilations_after_warm_up" ;;

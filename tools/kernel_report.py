@@ -12,6 +12,10 @@ package for sm_90 (``num_warps`` / ``num_stages`` as the kernel asks), its PTX a
 read by cuobjdump. XLA compiles the same Triton IR with its own copy of Triton on the device, so a kernel that
 fails here will fail there; one that passes here can still differ there in scheduling (not in legality).
 
+The build column is this host's seconds for Triton's pipeline and ptxas: a kernel's share of the step's compile
+time (the first kernel's build includes Triton's start-up, ~10 s here; the twenty-first session found the
+Sinkhorn kernel's unrolled rounds at 25-31 s a build on this 2-core host, 1.5 s as a loop).
+
 Static counts are not timings: they show what a kernel's code is made of (tensor-core instructions and of which
 kind, conversions, spills), which says where to look; the device's benchmarks say how fast it is.
 """
@@ -25,6 +29,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -182,16 +187,18 @@ def main() -> None:
     os.makedirs(workdir, exist_ok=True)
     columns = ["wgmma", "mma.sync", "fp32", "f16x2", "convert", "int", "global load", "shared load", "shared store",
                "spill", "other"]
-    print("| kernel | warps | stages | registers | spill bytes (st / ld) | shared KB | "
+    print("| kernel | build s | warps | stages | registers | spill bytes (st / ld) | shared KB | "
           + " | ".join(columns) + " |")
-    print("|---" * (6 + len(columns)) + "|")
+    print("|---" * (7 + len(columns)) + "|")
     failures, printed = 0, set()
     for i, (name, text, warps, stages) in enumerate(kernels):
         try:
+            start = time.perf_counter()
             r = build(text, warps, stages, workdir, f"k{i:02d}")
+            seconds = time.perf_counter() - start
         except Exception as exc:  # one kernel's failure must not hide the others
             failures += 1
-            print(f"| {name} | {warps} | {stages} | FAILED: {type(exc).__name__}: {str(exc)[:300]} |")
+            print(f"| {name} | | {warps} | {stages} | FAILED: {type(exc).__name__}: {str(exc)[:300]} |")
             continue
         fam = families(r["opcodes"])
         row = (f"{warps} | {stages} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
@@ -199,7 +206,7 @@ def main() -> None:
         if (name, row) in printed:  # the same kernel in another layer (its IR differs only in source locations)
             continue
         printed.add((name, row))
-        print(f"| {name} | {row} |")
+        print(f"| {name} | {seconds:.1f} | {row} |")
         if args.sass_top:
             print("    " + ", ".join(f"{op} {n}" for op, n in r["opcodes"].most_common(args.sass_top)))
     print(f"files in {workdir}")
