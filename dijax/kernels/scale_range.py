@@ -40,22 +40,26 @@ def _kernel_range(path: str, weight: jax.Array, scale: jax.Array) -> tuple[str, 
 
 def out_of_range(params: dict) -> dict[str, list[str]]:
     """Kernel option -> the parameters (path and their scale bytes' span) whose scales leave that kernel's exact
-    range. Reads each scale array's min and max (two reductions, one host read)."""
-    found: dict[str, list[str]] = {}
+    range. Reads every checked scale array's min and max in one host read (one device sync, not one per linear)."""
+    checked: list[tuple[str, str, tuple[int, int]]] = []
+    spans: list[jax.Array] = []
 
     def visit(path: str, node) -> None:
         if not isinstance(node, Mapping):
             return
         weight, scale = (_array(node.get(key)) for key in ("weight", "scale"))
         if weight is not None and scale is not None and (kernel := _kernel_range(path, weight, scale)):
-            option, (lo, hi) = kernel
-            smallest, largest = (int(v) for v in jax.device_get(jnp.stack([jnp.min(scale), jnp.max(scale)])))
-            if smallest < lo or largest > hi:
-                found.setdefault(option, []).append(f"{path}: scale bytes {smallest}..{largest} (exact: {lo}..{hi})")
+            checked.append((path, *kernel))
+            spans.append(jnp.stack([jnp.min(scale), jnp.max(scale)]))
         for key, child in node.items():
             visit(f"{path}/{key}" if path else str(key), child)
 
     visit("", params)
+    found: dict[str, list[str]] = {}
+    for (path, option, (lo, hi)), span in zip(checked, jax.device_get(spans), strict=True):
+        smallest, largest = (int(v) for v in span)
+        if smallest < lo or largest > hi:
+            found.setdefault(option, []).append(f"{path}: scale bytes {smallest}..{largest} (exact: {lo}..{hi})")
     return found
 
 
