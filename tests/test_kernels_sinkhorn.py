@@ -46,6 +46,12 @@ def test_pallas_matches_reference(t, c, iters, config):
     np.testing.assert_allclose(np.asarray(got[2]).sum(axis=-2), 1.0, rtol=1e-4)
 
 
+def test_no_tokens_gives_empty_parts():
+    args = (jnp.zeros((0, 24), jnp.float32), jnp.ones(3), jnp.zeros(24), 4, 20, 1e-6)
+    got = split_pallas(*args, interpret=True)
+    assert [g.shape for g in got] == [(0, 4), (0, 4), (0, 4, 4)] == [w.shape for w in split_reference(*args)]
+
+
 def test_the_dispatcher_checks_the_impl():
     with pytest.raises(ValueError, match=r"sinkhorn impl must be one of \('reference', 'pallas'\), got 'triton'"):
         split(*mix_inputs(3, 4, seed=0), 4, 3, 1e-6, impl="triton")

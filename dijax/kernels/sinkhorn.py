@@ -221,6 +221,8 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
     interpret = interpret_mode(interpret)
     c = hc_mult
     t, m = mixes_TM.shape
+    if t == 0:  # no program to launch
+        return jnp.zeros((0, c), jnp.float32), jnp.zeros((0, c), jnp.float32), jnp.zeros((0, c, c), jnp.float32)
     rows = pl.next_power_of_2(m)
     padded = -(-t // BLOCK_T) * BLOCK_T
     # padding tokens and rows are zeros: sigmoid(0) and uniform softmax rows, inside the fast range
