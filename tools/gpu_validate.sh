@@ -43,13 +43,20 @@
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
+#   ab       the same bench rows of an earlier tree and of this one on one machine, alternating (base, this, base,
+#            this; the second run of each loads its executables from a persistent compilation cache): machines of one
+#            kind differ by more than most changes (twenty-first session: the tiny step's back-to-back pace ran
+#            1.36-1.91 ms on four machines at one tree). Export the base first, then carry it:
+#              rm -rf ab-base && mkdir ab-base && git archive REV dijax tools | tar -x -C ab-base
+#            (ab-base/ is git-ignored; the device call needs carry ["ab-base"]). AB_ARGS: bench.py's arguments
+#            (default: the tiny decode step at B=1; write an empty value as `--prefill=`).
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|parity|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -183,6 +190,18 @@ case "$stage" in
       run 60 python3 tools/trace_summary.py "$d" --streams
       run 60 python3 tools/trace_summary.py "$d" --top 20
     done ;;
+  ab)
+    [ -d ab-base/dijax ] || { echo "ab: export the base tree into ab-base/ first (see the stage's note)" >&2; exit 2; }
+    export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-ab-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+    read -r -a ab_args <<< "${AB_ARGS:---kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 --engine off --warmup 10 --iters 50}"
+    for round in 1 2; do
+      for tree in ab-base .; do
+        name=$([ "$tree" = . ] && echo this || echo base)
+        echo "== $name, round $round" | tee -a "$log"
+        (cd "$tree" && PYTHONPATH=. timeout 240 python3 tools/bench.py "${ab_args[@]}") >> "$log" 2>&1 \
+          || echo "   (exit $?)" >> "$log"
+      done
+    done ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -192,6 +211,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
