@@ -1,5 +1,5 @@
 """tools/trace_summary.py ``--streams``: per-GPU stream totals and the share of collective time that runs beside
-compute, on a synthetic trace whose answer is known."""
+compute; ``--graphs``: each graph launch against the kernels after it. Synthetic traces whose answers are known."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tools.trace_summary import _overlap, _union, main, summarise_streams
+from tools.trace_summary import _overlap, _union, main, summarise_graphs, summarise_streams
 
 pytestmark = pytest.mark.cost(1)  # CI seconds, a scheduling hint (tests/conftest.py)
 
@@ -57,3 +57,20 @@ def test_streams_and_collectives_beside_compute(trace):
 def test_cli(trace, capsys):
     assert main([trace, "--streams", "--steps", "2"]) == 0
     assert "| 50 |" in capsys.readouterr().out  # GPU 0's collective: 100 us over 2 steps
+
+
+def test_graph_launches_against_the_kernels_after_them(tmp_path):
+    """Two graph launches (host 0-100 and 300-380): the first's kernels start at 100 and end at 150, the second's
+    at 390 and 420; an ops line repeating a kernel and a transfer on another stream are left out."""
+    events = [_meta("process_name", 1, "/device:GPU:0"), _meta("process_name", 3, "/host:CPU"),
+              _kernel(3, 5, "cuGraphLaunch (CudaGraph:41)", 0, 100), _kernel(3, 5, "cuGraphLaunch (CudaGraph:41)",
+                                                                             300, 80),
+              _kernel(1, 1, "fusion", 100, 20), _kernel(1, 1, "fp8_linear", 130, 20),
+              _kernel(1, 1, "fusion", 390, 30), _kernel(1, 9, "fusion", 100, 20), _kernel(1, 2, "memcpy", 0, 5)]
+    (tmp_path / "plugins").mkdir()
+    with gzip.open(tmp_path / "plugins" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in summarise_graphs(str(tmp_path)).splitlines()[3:]]
+    assert rows == [["0", "100", "2", "100", "150", "40"], ["1", "80", "1", "90", "120", "30"],
+                    ["median", "100", "2", "100", "150", "40"]]
+    assert main([str(tmp_path), "--graphs"]) == 0

@@ -409,7 +409,8 @@ def add_step_option_argument(parser: argparse.ArgumentParser) -> None:
     """``--step-xla-option NAME=VALUE`` (repeatable): A/B runs of the model step's own XLA options."""
     parser.add_argument("--step-xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="replace or add one of the model step's XLA options (model_runner.STEP_COMPILER_OPTIONS)"
-                             " for this run, e.g. xla_gpu_enable_command_buffer= (command buffers off); repeatable")
+                             " for this run, e.g. xla_gpu_enable_command_buffer= (command buffers off); booleans as"
+                             " True / False (XLA refuses 'true'); repeatable")
 
 
 def apply_step_options(options: list[str]) -> None:

@@ -4,10 +4,15 @@ the share of the step that is launch gaps rather than work. ``--host`` summarise
 instead (XLA's own trace annotations: executable launches, command-buffer records and updates, transfers).
 ``--streams`` summarises every GPU's streams and its collectives (NCCL kernels): their time per step and how much
 of it overlaps compute kernels on the same GPU (expert parallelism: are communication and compute overlapped?).
+``--graphs`` lines up each CUDA graph launch (the host's ``cuGraphLaunch``) with the kernels the busiest GPU stream
+runs after it: how long the host's launch takes, and when the device starts the graph's work (twenty-second
+session: the tiny step's first kernel started as the ~1 ms launch ended, so the launch is on the critical path of
+a step the host waits for).
 
     python tools/trace_summary.py gpu-out/dump/decode_B_1_ctx_256 [--steps 3] [--top 25]
     python tools/trace_summary.py gpu-out/dump/engine_zos_on --host --steps 64
     python tools/trace_summary.py gpu-out/dump-ep2/decode_B_64_ctx_4095 --streams
+    python tools/trace_summary.py gpu-out/trace-dispatch --graphs
 """
 
 from __future__ import annotations
@@ -51,16 +56,25 @@ def kernel_family(name: str) -> str:
     return re.sub(r"([._]\d+)+$", "", name)
 
 
-def summarise(folder: str, steps: int, top: int) -> str:
-    events, names = load_events(folder)
+def _busiest_stream(events: list[dict], names: dict[int, str]) -> list[dict]:
+    """The GPU kernels of the busiest (pid, tid) line, by start time (one stream's kernels carry the work; the
+    device's other lines repeat them as ops / modules), or [] without GPU events."""
     gpu = {pid for pid, name in names.items() if _is_gpu(name)}
     kernels = [e for e in events if e["pid"] in gpu and e.get("dur", 0) > 0]
-    if not kernels:
+    busy: collections.Counter = collections.Counter()
+    for e in kernels:
+        busy[(e["pid"], e["tid"])] += e["dur"]
+    if not busy:
+        return []
+    busiest = busy.most_common(1)[0][0]
+    return sorted((e for e in kernels if (e["pid"], e["tid"]) == busiest), key=lambda e: e["ts"])
+
+
+def summarise(folder: str, steps: int, top: int) -> str:
+    events, names = load_events(folder)
+    stream = _busiest_stream(events, names)
+    if not stream:
         return f"{folder}: no GPU events in the trace (processes: {sorted(set(names.values()))})"
-    # one stream's kernels carry the work; the device's other lines repeat them as ops / modules
-    by_thread = collections.Counter((e["pid"], e["tid"]) for e in kernels)
-    busiest = max(by_thread, key=lambda k: sum(e["dur"] for e in kernels if (e["pid"], e["tid"]) == k))
-    stream = sorted((e for e in kernels if (e["pid"], e["tid"]) == busiest), key=lambda e: e["ts"])
     span = stream[-1]["ts"] + stream[-1]["dur"] - stream[0]["ts"]
     busy = sum(e["dur"] for e in stream)
     families: dict[str, list[float]] = collections.defaultdict(list)
@@ -89,6 +103,32 @@ def summarise_host(folder: str, steps: int, top: int) -> str:
     for family, durs in sorted(families.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"| {family[:70]} | {len(durs) / steps:.1f} | {sum(durs) / steps:.0f} | "
                      f"{sum(durs) / len(durs):.1f} |")
+    return "\n".join(lines)
+
+
+def summarise_graphs(folder: str) -> str:
+    """One row per host ``cuGraphLaunch``: its duration, and the busiest GPU stream's kernels that start from it to
+    the next launch (count, first start and last end after the launch's start, busy time); a median row last."""
+    events, names = load_events(folder)
+    launches = sorted((e for e in events if e["name"].startswith("cuGraphLaunch")), key=lambda e: e["ts"])
+    stream = _busiest_stream(events, names)
+    if not launches or not stream:
+        return (f"{folder}: needs host cuGraphLaunch events and GPU kernels ({len(launches)} launches, "
+                f"{len(stream)} kernels)")
+    lines = [f"{folder}: CUDA graph launches and the kernels after each (us from the launch's start)",
+             "| launch | host launch us | kernels | first kernel at | last kernel end at | busy us |",
+             "|---|---|---|---|---|---|"]
+    rows = []
+    for i, launch in enumerate(launches):
+        end = launches[i + 1]["ts"] if i + 1 < len(launches) else float("inf")
+        after = [e for e in stream if launch["ts"] <= e["ts"] < end]
+        if not after:
+            continue
+        rows.append((launch["dur"], len(after), after[0]["ts"] - launch["ts"],
+                     max(e["ts"] + e["dur"] for e in after) - launch["ts"], sum(e["dur"] for e in after)))
+        lines.append(f"| {i} | " + " | ".join(f"{v:.0f}" for v in rows[-1]) + " |")
+    if rows:
+        lines.append("| median | " + " | ".join(f"{sorted(col)[len(col) // 2]:.0f}" for col in zip(*rows)) + " |")
     return "\n".join(lines)
 
 
@@ -159,10 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     view.add_argument("--host", action="store_true", help="summarise the host threads' events instead")
     view.add_argument("--streams", action="store_true",
                       help="every GPU's streams and its collectives' time beside compute instead")
+    view.add_argument("--graphs", action="store_true",
+                      help="each CUDA graph launch and when the device starts its kernels instead")
     args = parser.parse_args(argv)
     for folder in args.folders:
         if args.streams:
             print(summarise_streams(folder, args.steps))
+        elif args.graphs:
+            print(summarise_graphs(folder))
         else:
             print((summarise_host if args.host else summarise)(folder, args.steps, args.top))
     return 0
