@@ -199,15 +199,3 @@ def test_unknown_path_is_refused(tiny):
     x_TD, weights_TX, experts_TX = _inputs(cfg, ffn, 2, seed=0)
     with pytest.raises(ValueError, match="unknown routed-experts path"):
         rx.routed_experts(ffn["experts"], x_TD, weights_TX, experts_TX, cfg.swiglu_limit, path="dense")
-
-
-@pytest.mark.parametrize("width", [1, 2, 5, 6, 8])
-def test_ascending_is_a_sort_of_each_row(width):
-    """The gate's sorting network orders each row as ``jnp.sort`` does: distinct ids (the top-k's case), repeated
-    ids and the int32 extremes."""
-    rng = np.random.default_rng(width)
-    distinct = np.stack([rng.permutation(384)[:width] for _ in range(64)]).astype(np.int32)
-    repeated = rng.integers(0, 3, (64, width)).astype(np.int32)
-    extremes = rng.choice(np.array([np.iinfo(np.int32).min, -1, 0, np.iinfo(np.int32).max], np.int32), (64, width))
-    for ids in (distinct, repeated, extremes):
-        np.testing.assert_array_equal(np.asarray(jax.jit(moe.ascending)(ids)), np.sort(ids, axis=-1))

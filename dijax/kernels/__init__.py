@@ -7,9 +7,11 @@
 | lightning-indexer scores over the paged key pool | ``indexer`` | reference, pallas |
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |
 | the hyper-connection mix split (sigmoids, softmax, Sinkhorn rounds) | ``sinkhorn.split`` | reference, pallas |
+| the MoE router's selection (top-X, ids ascending, renormalised weights) | ``router`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
 | bf16 pairs in uint32 words: the weight decode's pieces (grouped GEMM, fp8 linear) | ``bf16_pairs`` | (helpers) |
+| correctly rounded float32 division inside kernels (``div.rn.f32``) | ``division`` | (helpers) |
 | are a checkpoint's scales where those decodes are exact (else the reference) | ``scale_range`` | (engine start) |
 
 The choice is static (part of the step's jit key) and made once per engine by ``kernel_options``.
@@ -23,9 +25,10 @@ import jax
 
 KERNEL_CHOICES = ("auto", "on", "off")
 REFERENCE = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference",
-             "sinkhorn_impl": "reference", "linear_impl": "reference", "indexer_impl": "reference"}
+             "sinkhorn_impl": "reference", "linear_impl": "reference", "indexer_impl": "reference",
+             "router_impl": "reference"}
 FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas", "sinkhorn_impl": "pallas",
-        "linear_impl": "pallas", "indexer_impl": "pallas"}
+        "linear_impl": "pallas", "indexer_impl": "pallas", "router_impl": "pallas"}
 # The fast kernels 'auto' turns on for a GPU: a kernel joins once the whole model passes `dijax parity` on a GPU
 # with it (`--kernels on`, tools/gpu_validate.sh). All four have (H200, 2026-12-01, docs/parity.md "On the GPU"):
 # every statistical bound, tier 2, the engine's tokens; the one prefix row that misses is of the same kind as the
@@ -39,7 +42,9 @@ FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas
 # The top-k Pallas kernel joined in the seventh session (2026-12-02): its GPU tests pass (the same values, indices
 # and order as lax.top_k), `dijax parity --kernels on` on tiny-nodrop and its engine run gave the figures of the
 # 'auto' runs without it (index sets identical), and it is 19.9x lax.top_k at 64 rows x 262,144 (docs/benchmarks.md).
-AUTO_ON_GPU: dict[str, str] = dict(FAST)
+# The router kernel (twenty-second session) is built and tested interpreted on the CPU but has not run on a GPU:
+# it stays out of 'auto' until its GPU test and GPU parity pass ('on' runs it).
+AUTO_ON_GPU: dict[str, str] = {k: v for k, v in FAST.items() if k != "router_impl"}
 
 
 _lowering_for_gpu = False

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode
+from dijax.kernels.division import asm_f32, div_rn
 from dijax.kernels.numerics import divide, sum_in_order
 
 BLOCK_T = 128
@@ -105,29 +106,18 @@ def sinkhorn_reference(comb_TCC: jax.Array, rounds: int, eps: float) -> jax.Arra
 FAST_RANGE = (2.0 ** -40, 2.0 ** 40)  # dividends >= the first, divisors < the second: the fast path's range here
 
 
-def _exact_divide(x: jax.Array, y: jax.Array) -> jax.Array:
-    """Correctly rounded float32 division inside a Triton kernel (``div.rn.f32``: its branch serialises)."""
-    return _asm("div.rn.f32 $0, $1, $2;", x, y)
-
-
 def _reciprocal(y: jax.Array) -> jax.Array:
     """``div.rn.f32``'s reciprocal of ``y``: ``rcp.approx`` refined by one Newton step (its fast path's first three
     instructions)."""
-    return _asm("{ .reg .f32 n, r, e; neg.f32 n, $1; rcp.approx.ftz.f32 r, $1; fma.rn.f32 e, n, r, 0f3F800000; "
+    return asm_f32("{ .reg .f32 n, r, e; neg.f32 n, $1; rcp.approx.ftz.f32 r, $1; fma.rn.f32 e, n, r, 0f3F800000; "
                 "fma.rn.f32 $0, r, e, r; }", y)
 
 
 def _fast_divide(x: jax.Array, y: jax.Array, r: jax.Array) -> jax.Array:
     """``div.rn.f32``'s fast-path quotient x / y given ``r = _reciprocal(y)``: q = x r, then q + r (x - y q) by FMA.
     Correctly rounded inside ``FAST_RANGE`` (``_rounds``)."""
-    return _asm("{ .reg .f32 n, q, d; neg.f32 n, $2; fma.rn.f32 q, $1, $3, 0f00000000; fma.rn.f32 d, n, q, $1; "
+    return asm_f32("{ .reg .f32 n, q, d; neg.f32 n, $2; fma.rn.f32 q, $1, $3, 0f00000000; fma.rn.f32 d, n, q, $1; "
                 "fma.rn.f32 $0, $3, d, q; }", x, y, r)
-
-
-def _asm(code: str, *args: jax.Array) -> jax.Array:
-    [out] = pltriton.elementwise_inline_asm(code, args=list(args), constraints="=r" + ",r" * len(args), pack=1,
-                                            result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
-    return out
 
 
 def _split(z: list, *, c: int, rounds: int, eps: np.float32, reciprocal, divide, check: bool):
@@ -195,7 +185,7 @@ def _split_kernel(z_ref, out_ref, *, c: int, rounds: int, eps: float, interpret:
     if interpret:  # '/' is IEEE-rounded off the GPU: every path divides with it
         fast, exact, reciprocal = (lambda x, y, r: x / y), (lambda x, y: x / y), (lambda y: y)
     else:
-        fast, exact, reciprocal = _fast_divide, _exact_divide, _reciprocal
+        fast, exact, reciprocal = _fast_divide, div_rn, _reciprocal
     exact_split = functools.partial(split_of, reciprocal=lambda y: y, divide=lambda x, y, r: exact(x, y),
                                     check=False)
     if fast_divide:

@@ -8,43 +8,27 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dijax.config import ModelConfig
+from dijax.kernels import router
 from dijax.kernels.routed_experts import swiglu
 from dijax.model.layers import QuantLinear, linear, matmul_promoted, param, values
 from dijax.parallel.moe import routed_experts_ep
 from dijax.kernels.numerics import divide
 
 
-def ascending(ids_TX: jax.Array) -> jax.Array:
-    """Each row of ``ids_TX`` [T, X] in ascending order, as ``jnp.sort(ids_TX, axis=-1)``, by an odd-even
-    transposition network: X rounds of compare-exchanges between neighbouring columns, elementwise minima and
-    maxima that XLA fuses with their neighbours, where a sort is a kernel launch of its own on the GPU (one per MoE
-    layer and step, for the 6 ids of each token)."""
-    cols = [ids_TX[:, i] for i in range(ids_TX.shape[1])]
-    for r in range(len(cols)):
-        for i in range(r % 2, len(cols) - 1, 2):
-            cols[i], cols[i + 1] = jnp.minimum(cols[i], cols[i + 1]), jnp.maximum(cols[i], cols[i + 1])
-    return jnp.stack(cols, axis=1)
-
-
-def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig,
+         impl: str = "reference") -> tuple[jax.Array, jax.Array]:
     """Route each token. Returns (weights_TX float32, experts_TX int32), experts in ascending id order.
 
     scores = sqrt(softplus(x @ W.T / gate_temp)) in fp32; the top-X of ``scores + bias`` are selected; weights are
-    the unbiased scores of the selected experts, renormalised (sum + 1e-20) and times route_scale.
+    the unbiased scores of the selected experts, renormalised (sum + 1e-20) and times route_scale
+    (``dijax.kernels.router``, whose implementation ``impl`` selects).
     """
     logits = divide(matmul_promoted(x_TD, p["weight"]), cfg.gate_temp)
     softplus = jnp.where(logits > 20, logits, jnp.log1p(jnp.exp(jnp.minimum(logits, 20))))
-    scores = jnp.sqrt(softplus)
-    _, experts = jax.lax.top_k(scores + p["bias"], n_active)
-    experts = ascending(experts)  # the reference sums expert outputs in expert-id order
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
-    if cfg.norm_topk_prob and n_active > 1:
-        weights = divide(weights, jnp.sum(weights, axis=-1, keepdims=True) + np.float32(1e-20))
-    return weights * np.float32(cfg.route_scale), experts.astype(jnp.int32)
+    return router.route(jnp.sqrt(softplus), p["bias"], n_active, cfg.norm_topk_prob, cfg.route_scale, impl=impl)
 
 
 def shared_expert(p: dict, x_TD: jax.Array, limit: float, linear_impl: str = "reference") -> jax.Array:
@@ -55,13 +39,14 @@ def shared_expert(p: dict, x_TD: jax.Array, limit: float, linear_impl: str = "re
 
 
 def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, valid_T: jax.Array | None = None, *,
-        impl: str = "reference", linear_impl: str = "reference") -> jax.Array:
+        impl: str = "reference", linear_impl: str = "reference", router_impl: str = "reference") -> jax.Array:
     """MoE sublayer. x_TD: bf16 (after ffn_norm) -> bf16 [T, D]. valid_T: bool [T], False for the step's padding
     tokens, which are routed to no expert (expert id -1: no expert weights are read for them by the kernel).
     ``impl``: the routed-experts kernel seam's implementation ('reference' or 'pallas', static); ``linear_impl``:
-    the shared expert's fp8 linears' (``dijax.kernels.fp8_linear``). Under a context
-    mesh with an ``ep`` axis the routed experts run split over it (dijax.parallel.moe)."""
-    weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg)
+    the shared expert's fp8 linears' (``dijax.kernels.fp8_linear``); ``router_impl``: the router's selection's
+    (``dijax.kernels.router``). Under a context mesh with an ``ep`` axis the routed experts run split over it
+    (dijax.parallel.moe)."""
+    weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg, router_impl)
     if valid_T is not None:
         experts = jnp.where(valid_T[:, None], experts, -1)
     y = routed_experts_ep(p["experts"], x_TD, weights, experts, cfg.swiglu_limit, impl=impl)

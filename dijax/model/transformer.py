@@ -115,7 +115,7 @@ class Block(nnx.Module):
         f_pre, f_post, f_comb = self.hc_ffn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
         y = self.ffn_norm(hc.pre(x_TCD, a_pre))
         y = self.ffn(y, ctx.geometry.valid_T, impl=ctx.kernel_options["moe_impl"],
-                     linear_impl=ctx.kernel_options["linear_impl"])
+                     linear_impl=ctx.kernel_options["linear_impl"], router_impl=ctx.kernel_options["router_impl"])
         x_TCD = hc.post(y, residual, f_post, f_comb)
         return x_TCD, f_pre, updates, shared
 
@@ -337,8 +337,8 @@ def forward_step(params: nnx.State, cache: dict, batch: StepBatch, consts: dict,
     dijax.model.step (``init_cache``); consts: Engram device arrays (``EngramTables.step_consts()``), may be empty
     without Engram; inject_topk: optional {index-source layer: int32 [T, N] compressed positions} overriding that
     layer's selection (a test seam; layers of one scanned stage are given all or none). kernel_options (static):
-    ``moe_impl``, ``topk_impl``, ``sparse_attn_impl``, ``sinkhorn_impl``, ``linear_impl``, ``indexer_impl``
-    ('reference' by default, see dijax.kernels).
+    ``moe_impl``, ``topk_impl``, ``sparse_attn_impl``, ``sinkhorn_impl``, ``linear_impl``, ``indexer_impl``,
+    ``router_impl`` ('reference' by default, see dijax.kernels).
 
     Returns (logits_RV float32 for ``batch.logit_rows_R``, the new cache, {index-source layer: selected
     compressed positions int32 [T, N], ascending, -1 padded}).

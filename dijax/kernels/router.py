@@ -1,0 +1,138 @@
+"""The MoE router's selection (v41_spec §9): each token's top-X experts by ``scores + bias``, their ids in ascending
+order, and their unbiased scores renormalised (``/ (sum + 1e-20)``) and scaled by ``route_scale``.
+
+Two implementations behind ``route(..., impl=)``, with one signature:
+  * ``"reference"``: ``lax.top_k`` (a sort kernel per MoE layer and step on the GPU: XLA's sorts took ~10 us each
+    at one token on the H200, 14 a flash-slice decode step, seven of them the routers'; twenty-second session's
+    trace), the ids sorted by ``ascending``'s network, the scores gathered, the sum and the division;
+  * ``"pallas"``: one Triton-lowered Pallas kernel. Each program holds up to BLOCK_T tokens' E scores in
+    registers (``block_tokens``) and takes the maximum X times (the lowest id among equal maxima first:
+    ``lax.top_k``'s order, so the same experts on ties), masking each pick; then the same network, the scores
+    picked by a masked sum (one nonzero term: exact), the sum in id order and ``div.rn.f32``
+    (dijax.kernels.division). Its outputs are [X, T] rows, sliced and transposed by their consumers' fusions.
+
+Both sum the X weights left to right in ascending id order (``sum_in_order``), so they agree bit for bit for equal
+scores. The scores themselves (``sqrt(softplus(logits / temp))``) stay in XLA: libdevice's ``exp`` and ``log1p``
+are other code than XLA's, and an ulp in a score can swap an expert at a near tie.
+
+Letters: T tokens, E routed experts, X experts per token, P = E rounded up to a power of two (Triton's block).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dijax.kernels import interpret_mode
+from dijax.kernels.division import div_rn
+from dijax.kernels.numerics import divide, sum_in_order
+
+IMPLS = ("reference", "pallas")
+BLOCK_T = 16
+NORM_EPS = np.float32(1e-20)
+
+
+def _ascending_columns(cols: list) -> list:
+    """An odd-even transposition network over the columns (vectors): X rounds of compare-exchanges between
+    neighbours; elementwise minima and maxima, no sort."""
+    cols = list(cols)
+    for r in range(len(cols)):
+        for i in range(r % 2, len(cols) - 1, 2):
+            cols[i], cols[i + 1] = jnp.minimum(cols[i], cols[i + 1]), jnp.maximum(cols[i], cols[i + 1])
+    return cols
+
+
+def ascending(ids_TX: jax.Array) -> jax.Array:
+    """Each row of ``ids_TX`` [T, X] in ascending order, as ``jnp.sort(ids_TX, axis=-1)``, by an odd-even
+    transposition network that XLA fuses with its neighbours, where a sort is a kernel launch of its own on the
+    GPU (one per MoE layer and step, for the 6 ids of each token)."""
+    return jnp.stack(_ascending_columns([ids_TX[:, i] for i in range(ids_TX.shape[1])]), axis=1)
+
+
+def route_reference(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normalize: bool,
+                    route_scale: float) -> tuple[jax.Array, jax.Array]:
+    """scores_TE float32 [T, E] (non-negative), bias_E float32 [E] -> (weights float32 [T, X], experts int32
+    [T, X] ascending): the top X of scores + bias, weighted by their scores, renormalised when ``normalize`` (and
+    X > 1), times ``route_scale``."""
+    _, experts = jax.lax.top_k(scores_TE + bias_E, n_active)
+    experts = ascending(experts)  # the reference sums expert outputs in expert-id order
+    weights = jnp.take_along_axis(scores_TE, experts, axis=-1)
+    if normalize and n_active > 1:
+        weights = divide(weights, sum_in_order(weights, -1) + NORM_EPS)
+    return weights * np.float32(route_scale), experts.astype(jnp.int32)
+
+
+def block_tokens(t: int) -> int:
+    """Tokens per program for t tokens: the power of two >= t, at most BLOCK_T (a decode step of one token holds
+    one row of E scores, not 16)."""
+    return int(min(BLOCK_T, pl.next_power_of_2(max(t, 1))))
+
+
+def _route_kernel(scores_ref, bias_ref, weights_ref, experts_ref, *, n_tokens: int, n_experts: int, n_active: int,
+                  normalize: bool, route_scale: float, interpret: bool):
+    """Program i: tokens [i * B, (i + 1) * B), B = ``block_tokens`` (rows past ``n_tokens`` read token
+    n_tokens - 1 and are written to the padding columns of the outputs). scores_ref [T, E], bias_ref [E] float32
+    -> weights_ref, experts_ref [Xp, T'] (rows 0..X-1 written)."""
+    block = block_tokens(n_tokens)
+    rows = pl.program_id(0) * block + jnp.arange(block)
+    safe_R1 = jnp.minimum(rows, n_tokens - 1)[:, None]
+    padded = pl.next_power_of_2(n_experts)
+    ids_1P = jnp.arange(padded)[None, :]
+    live_1P = ids_1P < n_experts
+    safe_1P = jnp.minimum(ids_1P, n_experts - 1)
+    scores_RP = pltriton.load(scores_ref.at[safe_R1, safe_1P])
+    bias_1P = pltriton.load(bias_ref.at[safe_1P])
+    free_RP = jnp.where(live_1P, scores_RP + bias_1P, -jnp.inf)
+    picks = []
+    for _ in range(n_active):
+        peak_R1 = jnp.max(free_RP, axis=1, keepdims=True)
+        pick_R = jnp.min(jnp.where(free_RP == peak_R1, ids_1P, padded), axis=1)
+        picks.append(pick_R)
+        free_RP = jnp.where(ids_1P == pick_R[:, None], -jnp.inf, free_RP)
+    picks = _ascending_columns(picks)
+    weights = [jnp.sum(jnp.where(ids_1P == p[:, None], scores_RP, np.float32(0)), axis=1) for p in picks]
+    if normalize and n_active > 1:
+        total = functools.reduce(lambda a, b: a + b, weights) + NORM_EPS
+        weights = [w / total if interpret else div_rn(w, total) for w in weights]
+    for j, (w, p) in enumerate(zip(weights, picks)):
+        weights_ref[j, :] = w * np.float32(route_scale)
+        experts_ref[j, :] = p.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("n_active", "normalize", "route_scale", "interpret"))
+def route_pallas(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normalize: bool, route_scale: float,
+                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """Same contract as ``route_reference``, one kernel launch. ``interpret``: run the kernel interpreted (default:
+    off a GPU)."""
+    interpret = interpret_mode(interpret)
+    t, e = scores_TE.shape
+    if t == 0:  # no program to launch
+        return jnp.zeros((0, n_active), jnp.float32), jnp.zeros((0, n_active), jnp.int32)
+    rows, block = pl.next_power_of_2(n_active), block_tokens(t)
+    padded = -(-t // block) * block
+    kernel = functools.partial(_route_kernel, n_tokens=t, n_experts=e, n_active=n_active, normalize=normalize,
+                               route_scale=route_scale, interpret=interpret)
+    out_spec = pl.BlockSpec((rows, block), lambda i: (0, i))
+    weights_XT, experts_XT = pl.pallas_call(
+        kernel, grid=(padded // block,), in_specs=[pl.no_block_spec, pl.no_block_spec],
+        out_specs=[out_spec, out_spec], interpret=interpret, name="router",
+        out_shape=[jax.ShapeDtypeStruct((rows, padded), jnp.float32), jax.ShapeDtypeStruct((rows, padded), jnp.int32)],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
+        scores_TE.astype(jnp.float32), bias_E.astype(jnp.float32))
+    return weights_XT[:n_active, :t].T, experts_XT[:n_active, :t].T
+
+
+_IMPLEMENTATIONS = {"reference": route_reference, "pallas": route_pallas}
+
+
+def route(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normalize: bool, route_scale: float, *,
+          impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """The router's selection by the implementation ``impl`` (one of IMPLS): ``route_reference``'s contract."""
+    if impl not in _IMPLEMENTATIONS:
+        raise ValueError(f"router impl must be one of {IMPLS}, got {impl!r}")
+    return _IMPLEMENTATIONS[impl](scores_TE, bias_E, n_active, normalize, route_scale)
