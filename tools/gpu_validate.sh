@@ -40,6 +40,9 @@
 #            and context 4095, prefill of 4096 and 8192 tokens, at --ep $EP;
 #   ep-trace (issue 15, on nvidia-h200-x2) profiler traces of decode B=64 and prefill 4096 at --ep 2, then each
 #            GPU's streams and its collectives' time beside compute (tools/trace_summary.py --streams);
+#   xla-gemms  flash-slice decode B=1 and 16 with XLA's Triton GEMM fusions (the default), then with them off
+#            (cuBLAS): the twenty-second session's trace had 19 bf16 GEMM fusions at 9.7 us mean at B=1 (router,
+#            compressor, index weights; ~10 % of their bytes' floor);
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -56,7 +59,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|xla-gemms|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -202,6 +205,11 @@ case "$stage" in
           || echo "   (exit $?)" >> "$log"
       done
     done ;;
+  xla-gemms)
+    for gemms in True False; do
+      run 250 python3 tools/bench.py --model flash-slice --decode-batch 1,16 --context 4095 --prefill= --kernels on \
+        --engine off --warmup 3 --iters 10 --step-xla-option xla_gpu_enable_triton_gemm=$gemms
+    done ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -211,6 +219,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, xla-gemms, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
