@@ -109,15 +109,15 @@ FAST_RANGE = (2.0 ** -40, 2.0 ** 40)  # dividends >= the first, divisors < the s
 def _reciprocal(y: jax.Array) -> jax.Array:
     """``div.rn.f32``'s reciprocal of ``y``: ``rcp.approx`` refined by one Newton step (its fast path's first three
     instructions)."""
-    return asm_f32("{ .reg .f32 n, r, e; neg.f32 n, $1; rcp.approx.ftz.f32 r, $1; fma.rn.f32 e, n, r, 0f3F800000; "
-                "fma.rn.f32 $0, r, e, r; }", y)
+    return asm_f32("{ .reg .f32 n, r, e; neg.f32 n, $1; rcp.approx.ftz.f32 r, $1; "
+                   "fma.rn.f32 e, n, r, 0f3F800000; fma.rn.f32 $0, r, e, r; }", y)
 
 
 def _fast_divide(x: jax.Array, y: jax.Array, r: jax.Array) -> jax.Array:
     """``div.rn.f32``'s fast-path quotient x / y given ``r = _reciprocal(y)``: q = x r, then q + r (x - y q) by FMA.
     Correctly rounded inside ``FAST_RANGE`` (``_rounds``)."""
-    return asm_f32("{ .reg .f32 n, q, d; neg.f32 n, $2; fma.rn.f32 q, $1, $3, 0f00000000; fma.rn.f32 d, n, q, $1; "
-                "fma.rn.f32 $0, $3, d, q; }", x, y, r)
+    return asm_f32("{ .reg .f32 n, q, d; neg.f32 n, $2; fma.rn.f32 q, $1, $3, 0f00000000; "
+                   "fma.rn.f32 d, n, q, $1; fma.rn.f32 $0, $3, d, q; }", x, y, r)
 
 
 def _split(z: list, *, c: int, rounds: int, eps: np.float32, reciprocal, divide, check: bool):
