@@ -18,6 +18,7 @@ a step the host waits for).
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import gzip
@@ -118,10 +119,11 @@ def summarise_graphs(folder: str) -> str:
     lines = [f"{folder}: CUDA graph launches and the kernels after each (us from the launch's start)",
              "| launch | host launch us | kernels | first kernel at | last kernel end at | busy us |",
              "|---|---|---|---|---|---|"]
+    starts = [e["ts"] for e in stream]  # sorted: each launch's kernels are one slice of the stream
     rows = []
     for i, launch in enumerate(launches):
         end = launches[i + 1]["ts"] if i + 1 < len(launches) else float("inf")
-        after = [e for e in stream if launch["ts"] <= e["ts"] < end]
+        after = stream[bisect.bisect_left(starts, launch["ts"]):bisect.bisect_left(starts, end)]
         if not after:
             continue
         rows.append((launch["dur"], len(after), after[0]["ts"] - launch["ts"],

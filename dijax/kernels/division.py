@@ -21,6 +21,7 @@ def asm_f32(code: str, *args: jax.Array) -> jax.Array:
     return out
 
 
-def div_rn(x: jax.Array, y: jax.Array) -> jax.Array:
-    """Correctly rounded float32 ``x / y`` inside a Triton kernel (``div.rn.f32``), x and y of one shape."""
-    return asm_f32("div.rn.f32 $0, $1, $2;", x, y)
+def div_rn(x: jax.Array, y: jax.Array, interpret: bool = False) -> jax.Array:
+    """Correctly rounded float32 ``x / y`` inside a Triton kernel (``div.rn.f32``), x and y of one shape; in an
+    interpreted kernel (``interpret``) ``/``, which is IEEE-rounded there."""
+    return x / y if interpret else asm_f32("div.rn.f32 $0, $1, $2;", x, y)

@@ -98,7 +98,7 @@ def _route_kernel(scores_ref, bias_ref, weights_ref, experts_ref, *, n_tokens: i
     weights = [jnp.sum(jnp.where(ids_1P == p[:, None], scores_RP, np.float32(0)), axis=1) for p in picks]
     if normalize and n_active > 1:
         total = functools.reduce(lambda a, b: a + b, weights) + NORM_EPS
-        weights = [w / total if interpret else div_rn(w, total) for w in weights]
+        weights = [div_rn(w, total, interpret) for w in weights]
     for j, (w, p) in enumerate(zip(weights, picks)):
         weights_ref[j, :] = w * np.float32(route_scale)
         experts_ref[j, :] = p.astype(jnp.int32)
