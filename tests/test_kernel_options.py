@@ -17,9 +17,8 @@ def test_choices():
 
 
 def test_every_gpu_checked_kernel_is_automatic_on_a_gpu():
-    # each joined 'auto' after its GPU test and a GPU parity run with it (the Pallas top-k last, seventh session);
-    # the router kernel has not run on a GPU yet: 'on' only
-    assert kernel_options("auto", "gpu") == dict(FAST, router_impl="reference")
+    # each joined 'auto' after its GPU test and a GPU parity run with it (the router last, twenty-third session)
+    assert kernel_options("auto", "gpu") == FAST
     assert FAST["topk_impl"] == "pallas" and FAST["router_impl"] == "pallas"
 
 

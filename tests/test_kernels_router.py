@@ -26,13 +26,17 @@ def _assert_same(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("t, e, x, normalize", [(1, 384, 6, True), (17, 384, 6, True), (40, 8, 2, True),
-                                                (5, 64, 6, False), (3, 10, 1, True)])
-def test_kernel_is_the_reference(t, e, x, normalize):
-    """Token counts across blocks, expert counts that are not powers of two, X = 1 (no renormalisation)."""
+@pytest.mark.parametrize("t, e, x, normalize, config", [
+    (1, 384, 6, True, router.RouterConfig()), (17, 384, 6, True, router.RouterConfig()),
+    (17, 384, 6, True, router.RouterConfig(block_tokens=16, warps=4)),
+    (40, 8, 2, True, router.RouterConfig(block_tokens=4, warps=2)), (5, 64, 6, False, router.RouterConfig()),
+    (3, 10, 1, True, router.RouterConfig(block_tokens=2))])
+def test_kernel_is_the_reference(t, e, x, normalize, config):
+    """Token counts across blocks of several tilings, expert counts that are not powers of two, X = 1 (no
+    renormalisation)."""
     scores, bias = _scores(t, e, seed=t + e)
     args = (scores, bias, x, normalize, 2.5)
-    got = router.route_pallas(*args, interpret=True)
+    got = router.route_pallas(*args, interpret=True, config=config)
     _assert_same(got, router.route_reference(*args))
     experts = np.asarray(got[1])
     assert np.all(np.diff(experts, axis=1) > 0) and experts.min() >= 0 and experts.max() < e
@@ -57,6 +61,13 @@ def test_no_tokens_and_the_dispatcher():
                  router.route(scores, bias, 4, True, 1.0, impl="reference"))
     with pytest.raises(ValueError, match="router impl must be one of"):
         router.route(scores, bias, 4, True, 1.0, impl="triton")
+
+
+def test_bad_tilings_are_refused():
+    with pytest.raises(ValueError, match="block_tokens must be a power of two"):
+        router.RouterConfig(block_tokens=3)
+    with pytest.raises(ValueError, match="warps must be one of"):
+        router.RouterConfig(warps=3)
 
 
 @pytest.mark.parametrize("width", [1, 2, 5, 6, 8])

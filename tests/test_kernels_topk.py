@@ -10,7 +10,7 @@ import pytest
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.kernels import topk as topk_mod
 from dijax.kernels import topk as topk_module
-from dijax.kernels.topk import topk, topk_reference, topk_select
+from dijax.kernels.topk import topk_ascending, topk_reference, topk_select
 from dijax.model.attention import select_candidate_blocks, topk_positions
 
 select_jit = jax.jit(topk_select, static_argnums=1)
@@ -104,36 +104,63 @@ def test_k_zero_and_k_out_of_range():
 
 def test_dispatcher(monkeypatch):
     x = jnp.asarray(scores("ties", 2, 64, seed=1))
+    want = np.sort(np.asarray(jax.lax.top_k(x, 9)[1]), axis=-1)
     for threshold in (0, topk_module.SELECT_MIN_VALUES):  # the select path, then the short-row hand-off
         monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", threshold)
         for impl in ("reference", "select", "pallas"):
-            v, i = topk(x, 9, impl=impl)
-            np.testing.assert_array_equal(np.asarray(i), np.asarray(jax.lax.top_k(x, 9)[1]))
+            np.testing.assert_array_equal(np.asarray(topk_ascending(x, 9, impl=impl)), want)
     with pytest.raises(ValueError, match="impl must be one of"):
-        topk(x, 9, impl="sort")
+        topk_ascending(x, 9, impl="sort")
 
 
-def test_attention_call_sites_identical_for_every_impl(monkeypatch):
+def _positions_oracle(score: np.ndarray, visible: np.ndarray, limit: np.ndarray, k: int) -> np.ndarray:
+    """The reference's rule, in numpy: rank each row by value (descending, ties to the lower position; the row
+    padded with -inf to k), keep ranks below ``limit`` at visible positions, ascending, -1 padded."""
+    rows, width = score.shape
+    padded = np.pad(score, ((0, 0), (0, max(0, k - width))), constant_values=-np.inf)
+    out = np.full((rows, k), -1, np.int32)
+    for r in range(rows):
+        picks = np.argsort(-padded[r], kind="stable")[:k]
+        kept = np.sort([p for rank, p in enumerate(picks) if p < visible[r] and rank < limit[r]])
+        out[r, :len(kept)] = kept
+    return out
+
+
+@pytest.mark.parametrize("width", [700, 16, 10])
+def test_attention_call_sites_identical_for_every_impl(monkeypatch, width):
+    """``topk_positions`` (visible positions of the top-k set, no rank limit) is the reference's rank-limited rule
+    for every limit the model gives (``min(k, end // ratio)`` with end past every query: at least
+    ``min(k, visible)``), with -inf at visible positions too (the candidate mask) and rows shorter than k."""
     # force the select and Pallas paths at these short widths (the dispatcher hands rows shorter than
     # SELECT_MIN_VALUES to lax.top_k)
     monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", 0)
-    # the indexer's masked scores: bf16 ties, -inf beyond each query's visible prefix, ragged limits
-    t, width, k = 6, 700, 16
-    score = scores("bf16", t, width, seed=5)
-    score = np.round(score * 4) / 4
-    visible = np.array([0, 1, 15, 16, 300, 700], np.int32)
+    t, k = 7, 16
+    score = np.round(scores("bf16", t, width, seed=5) * 4) / 4  # ties
+    visible = np.minimum(np.array([0, 1, 15, 16, 300, 700, 40], np.int32), width)
+    score[6, : min(width, 30)] = -np.inf  # a candidate mask: visible positions excluded
     score = np.where(np.arange(width)[None, :] < visible[:, None], score, -np.inf).astype(np.float32)
-    limit = np.minimum(k, np.array([0, 1, 7, 16, 16, 16], np.int32))
-    s, vis, lim = jnp.asarray(score), jnp.asarray(visible), jnp.asarray(limit)
+    s, vis = jnp.asarray(score), jnp.asarray(visible)
     impls = ("reference", "select", "pallas")
-    pos = {impl: np.asarray(topk_positions(s, vis, lim, k, impl=impl)) for impl in impls}
+    pos = {impl: np.asarray(jax.jit(topk_positions, static_argnums=2, static_argnames="impl")(s, vis, k, impl=impl))
+           for impl in impls}
+    for end in (visible, visible + 3, np.full(t, 10_000)):  # the sequence's end: at or past each query's visible
+        np.testing.assert_array_equal(pos["reference"], _positions_oracle(score, visible, np.minimum(k, end), k))
     np.testing.assert_array_equal(pos["select"], pos["reference"])
     np.testing.assert_array_equal(pos["pallas"], pos["reference"])
-    assert (pos["select"][0] == -1).all() and (pos["select"][2][7:] == -1).all()
+    assert (pos["reference"][0] == -1).all()
     cand = {impl: np.asarray(select_candidate_blocks(s, vis, 5, 8, impl=impl)) for impl in impls}
     np.testing.assert_array_equal(cand["select"], cand["reference"])
     np.testing.assert_array_equal(cand["pallas"], cand["reference"])
-    # a width below k pads with -inf: every impl still agrees
-    short = {impl: np.asarray(topk_positions(s[:, :10], jnp.minimum(vis, 10), lim, k, impl=impl)) for impl in impls}
-    np.testing.assert_array_equal(short["select"], short["reference"])
-    np.testing.assert_array_equal(short["pallas"], short["reference"])
+
+
+@pytest.mark.parametrize("kind", ["ties", "masked", "special", "bf16"])
+@pytest.mark.parametrize("width,k", [(300, 7), (37, 37), (1000, 64), (50, 1)])
+def test_topk_ascending_is_the_sorted_top_k_set(monkeypatch, kind, width, k):
+    """Every impl's ``topk_ascending`` is lax.top_k's indices sorted (ties, NaN and -inf included), the select
+    without its final sort; k = P takes every index."""
+    monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", 0)
+    x = jnp.asarray(scores(kind, 3, width, seed=width + k))
+    want = np.sort(np.asarray(jax.lax.top_k(x, k)[1]), axis=-1)
+    for impl in ("reference", "select", "pallas"):
+        np.testing.assert_array_equal(np.asarray(topk_ascending(x, k, impl=impl)), want)
+    np.testing.assert_array_equal(np.asarray(topk_module.topk_select_ascending(x, k)), want)

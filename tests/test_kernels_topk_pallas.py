@@ -3,6 +3,7 @@ ties, lowers to Triton for an H200, and gives the model step the reference's sel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,7 +13,8 @@ import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.kernels import topk as topk_module
-from dijax.kernels.topk import TopkConfig, chunk_length, topk, topk_pallas, topk_pallas_supports, topk_reference
+from dijax.kernels.topk import (TopkConfig, chunk_length, topk_ascending, topk_pallas, topk_pallas_ascending,
+                                topk_pallas_supports, topk_reference)
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
 from tests.test_kernels_topk import scores
@@ -38,6 +40,15 @@ KINDS = ["random", "ties", "equal", "masked", "nan", "zeros", "special", "bf16"]
 @pytest.mark.parametrize("rows,width,k", [(4, 100, 7), (3, 37, 37), (2, 300, 1), (5, 5000, 16), (3, 3001, 64)])
 def test_matches_lax_top_k(kind, rows, width, k):
     assert_same(scores(kind, rows, width, seed=width * 31 + k), k)
+
+
+@pytest.mark.parametrize("kind", ["ties", "masked", "special"])
+@pytest.mark.parametrize("rows,width,k", [(4, 100, 7), (3, 37, 37), (3, 3001, 64)])
+def test_ascending_is_the_sorted_top_k_set(kind, rows, width, k):
+    """Without the ranking stage the kernel returns lax.top_k's indices in ascending order."""
+    x = jnp.asarray(scores(kind, rows, width, seed=width + k))
+    got = jax.jit(topk_pallas_ascending, static_argnames="k")(x, k=k)
+    np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(jax.lax.top_k(x, k)[1]), axis=-1))
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 64])
@@ -98,18 +109,19 @@ def test_empty_and_bad_arguments():
     assert not topk_pallas_supports((8192, 262_144), 512)
 
 
-def test_dispatcher_hands_off_short_rows_and_unsupported_shapes(monkeypatch):
+def test_dispatcher_takes_the_kernel_for_any_row_it_supports(monkeypatch):
     calls = []
-    monkeypatch.setattr(topk_module, "topk_pallas", lambda s, k: calls.append(s.shape) or topk_reference(s, k))
+    monkeypatch.setattr(topk_module, "topk_pallas_ascending",
+                        lambda s, k: calls.append(s.shape) or topk_pallas_ascending(s, k))
     x = jnp.asarray(scores("ties", 2, 3000, seed=1))
-    topk(x, 9, impl="pallas")
-    assert calls == []  # shorter than SELECT_MIN_VALUES: lax.top_k
-    monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", 0)
-    topk(x, 9, impl="pallas")
-    assert calls == [(2, 3000)]
+    want = np.sort(np.asarray(jax.lax.top_k(x, 9)[1]), axis=-1)
+    np.testing.assert_array_equal(np.asarray(topk_ascending(x, 9, impl="pallas")), want)
+    assert calls == [(2, 3000)]  # shorter than SELECT_MIN_VALUES, and still the kernel
+    topk_ascending(x[:, :9], 9, impl="pallas")
+    assert calls == [(2, 3000)]  # k = P: every index, no kernel
     monkeypatch.setattr(topk_module, "topk_pallas_supports", lambda shape, k: False)
-    np.testing.assert_array_equal(np.asarray(topk(x, 9, impl="pallas")[1]), np.asarray(jax.lax.top_k(x, 9)[1]))
-    assert calls == [(2, 3000)]  # an unsupported shape takes topk_select
+    np.testing.assert_array_equal(np.asarray(topk_ascending(x, 9, impl="pallas")), want)
+    assert calls == [(2, 3000)]  # an unsupported shape takes the select (long rows) or lax.top_k (short ones)
 
 
 @pytest.mark.parametrize("rows,width,k,dtype", [(64, 262_144, 512, jnp.float32), (1, 262_144, 512, jnp.float32),
@@ -120,16 +132,18 @@ def test_lowers_to_triton_without_a_gpu(lower_for_cuda, rows, width, k, dtype):
     arg = jax.ShapeDtypeStruct((rows, width), dtype)
     text = lower_for_cuda(lambda s: topk_pallas(s, k, interpret=False), arg)
     assert "topk_chunk_max" in text and "topk_select" in text
+    text = lower_for_cuda(lambda s: topk_pallas_ascending(s, k, interpret=False), arg)
+    assert "topk_chunk_max" in text and "topk_select_ascending" in text
 
 
 def test_model_step_selects_the_reference_positions(tiny_nodrop, monkeypatch):
-    """One tiny-nodrop prefill step with ``topk_impl='pallas'`` (interpret mode; every row forced onto the kernel)
-    publishes the same index-source selections and the same logits as the reference."""
-    monkeypatch.setattr(topk_module, "SELECT_MIN_VALUES", 0)
+    """One tiny-nodrop prefill step (index_topk 4) with ``topk_impl='pallas'`` (interpret mode) publishes the same
+    index-source selections and the same logits as the reference."""
     shapes = []
-    monkeypatch.setattr(topk_module, "topk_pallas", lambda s, k: shapes.append(s.shape) or topk_pallas(s, k))
+    monkeypatch.setattr(topk_module, "topk_pallas_ascending",
+                        lambda s, k: shapes.append(s.shape) or topk_pallas_ascending(s, k))
     fixture, params, consts = tiny_nodrop
-    cfg = fixture.cfg
+    cfg = dataclasses.replace(fixture.cfg, index_topk=4)  # fewer picks than positions: a top-k to take
     chunks = [SeqChunk(slot=0, block_table=[0, 1, 2, 3], start=0, tokens=list(range(3, 60)), logits="all")]
     batch, _ = build_step(chunks, 64, 2, 4, 64)
     cache = init_cache(cfg, CacheSpec(num_blocks=8, num_slots=2, block_size=16))

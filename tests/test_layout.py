@@ -83,7 +83,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read():
     graph = _graph()
     assert {"dijax.model.attention", "dijax.kernels.topk", "dijax.runtime.llm_engine"} <= set(graph)
-    assert "dijax.kernels.topk" in graph["dijax.model.attention"]  # `from dijax.kernels.topk import topk`
+    assert "dijax.kernels.topk" in graph["dijax.model.attention"]  # `from dijax.kernels.topk import topk_ascending`
     assert "dijax.kernels.indexer" in graph["dijax.model.attention"]  # `from dijax.kernels import indexer, quant`
 
 

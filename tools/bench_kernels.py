@@ -104,6 +104,48 @@ def topk_rows(rows_list=(1, 4, 64), width: int = 262_144, k: int = 512, sweep: b
     return out
 
 
+def index_topk_rows(shapes=((1, 4096), (16, 4096), (64, 4096), (1024, 2048), (8192, 2048)), k: int = 512,
+                    sweep: bool = False, **timing) -> list[dict]:
+    """The index layers' selection (``model.attention.topk_positions``: the visible positions of the top-k set,
+    ascending) on causal rows (a query sees a prefix of the row, -inf past it): the form before the twenty-third
+    session (``lax.top_k``, a rank limit, a sort of the picks by position) against ``topk_ascending`` by each
+    implementation, the select with its short-row hand-off to ``lax.top_k`` (``topk.SELECT_MIN_VALUES``) as it is
+    and off.
+    A row that differs from the old form is marked MISMATCH. Floor: one read of the scores."""
+    from dijax.kernels import topk as topk_mod
+    from dijax.model.attention import topk_positions
+
+    def before(s, visible):  # the selection as it was: a rank limit of min(k, visible) and a sort
+        _, picks = jax.lax.top_k(s, k)
+        valid = (picks < visible[:, None]) & (jnp.arange(k)[None, :] < jnp.minimum(k, visible)[:, None])
+        ordered = jnp.sort(jnp.where(valid, picks, jnp.iinfo(jnp.int32).max), axis=-1)
+        return jnp.where(ordered == jnp.iinfo(jnp.int32).max, -1, ordered)
+
+    variants = [("topk_positions reference", "reference", False), ("topk_positions select", "select", False),
+                ("topk_positions select (all rows)", "select", True), ("topk_positions pallas", "pallas", False)]
+    out = []
+    for rows, width in shapes:
+        score = jax.random.normal(jax.random.key(rows), (rows, width), jnp.bfloat16).astype(jnp.float32)
+        visible = jnp.maximum(1, ((jnp.arange(rows) + 1) * width) // rows).astype(jnp.int32)
+        score = jnp.where(jnp.arange(width)[None, :] < visible[:, None], score, -jnp.inf)
+        shape, floor_bytes = f"{rows} x {width}, k={k}, causal", rows * width * 4
+        old = jax.jit(before)
+        want = old(score, visible)
+        base = time_call(old, score, visible, **timing)
+        out.append(_row("index top-k", shape, "top_k + rank limit + sort (before)", base, floor_bytes, None))
+        for name, impl, every in variants:
+            saved = topk_mod.SELECT_MIN_VALUES
+            topk_mod.SELECT_MIN_VALUES = 0 if every else saved
+            try:
+                fn = jax.jit(lambda s, v, impl=impl: topk_positions(s, v, k, impl=impl))
+                mark = "" if bool(jnp.array_equal(fn(score, visible), want)) else " MISMATCH"
+                out.append(_row("index top-k", shape, name + mark, time_call(fn, score, visible, **timing),
+                                floor_bytes, base))
+            finally:
+                topk_mod.SELECT_MIN_VALUES = saved
+    return out
+
+
 def _topk_stage_rows(score, k: int, **timing) -> list[dict]:
     """Time the select's stages alone on one score array (where the time goes; no floor)."""
     from dijax.kernels import topk as tk
@@ -499,6 +541,42 @@ def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, iters: int = 20, sweep: bool
     return out
 
 
+def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: int = 6, sweep: bool = False,
+                calls: int = 16, **timing) -> list[dict]:
+    """The MoE router's selection (top-6 of 384, ids ascending, renormalised weights): ``route_reference`` (XLA's
+    top-k sort and fusions) against the Pallas kernel at its default tiling and, with ``sweep``, tokens per program
+    and warps. One jitted call runs ``calls`` selections (a bias each), as a step runs one per MoE layer, so the
+    row is the device's time per selection rather than the host's dispatch of a microsecond kernel. A row whose
+    experts differ from the reference's is marked MISMATCH (the weights may differ by an ulp: XLA's GPU division is
+    not correctly rounded). Floor: one read of the scores (4 bytes a value)."""
+    from dijax.kernels import router
+
+    configs = [("pallas", router.RouterConfig())]
+    if sweep:
+        configs += [(f"pallas block_tokens={b} warps={w}", router.RouterConfig(block_tokens=b, warps=w))
+                    for b, w in ((1, 1), (1, 2), (1, 4), (2, 2), (4, 4), (8, 4), (16, 8))]
+
+    def repeated(select):
+        return jax.jit(lambda s, *biases: [select(s, b) for b in biases])
+
+    out = []
+    for t in tokens:
+        key1, key2 = jax.random.split(jax.random.key(t))
+        scores = jnp.sqrt(jax.nn.softplus(jax.random.normal(key1, (t, n_experts), jnp.float32)))
+        biases = list(jax.random.normal(key2, (calls, n_experts), jnp.float32) * 0.01)
+        shape, floor_bytes = f"T={t}, top {n_active} of {n_experts}", t * n_experts * 4
+        ref = repeated(lambda s, b: router.route_reference(s, b, n_active, True, 2.5))
+        want = [e for _, e in ref(scores, *biases)]
+        base = time_call(ref, scores, *biases, **timing) / calls
+        out.append(_row("router", shape, "reference (XLA)", base, floor_bytes, None))
+        for name, config in configs:
+            fn = repeated(lambda s, b, config=config: router.route_pallas(s, b, n_active, True, 2.5, config=config))
+            same = all(bool(jnp.array_equal(e, w)) for (_, e), w in zip(fn(scores, *biases), want))
+            seconds = time_call(fn, scores, *biases, **timing) / calls
+            out.append(_row("router", shape, name + ("" if same else " MISMATCH"), seconds, floor_bytes, base))
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     """Markdown table of benchmark rows."""
     print("| kernel | shape | impl | us | floor us | % of floor | x reference |")
@@ -519,9 +597,9 @@ def parse_change(text: str) -> dict:
     return change
 
 
-BENCHES = {"topk": topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
+BENCHES = {"topk": topk_rows, "index_topk": index_topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
            "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "xla_gemm": xla_gemm_rows,
-           "sinkhorn": sinkhorn_rows}
+           "sinkhorn": sinkhorn_rows, "router": router_rows}
 
 
 def main() -> None:

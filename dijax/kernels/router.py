@@ -5,8 +5,8 @@ Two implementations behind ``route(..., impl=)``, with one signature:
   * ``"reference"``: ``lax.top_k`` (a sort kernel per MoE layer and step on the GPU: XLA's sorts took ~10 us each
     at one token on the H200, 14 a flash-slice decode step, seven of them the routers'; twenty-second session's
     trace), the ids sorted by ``ascending``'s network, the scores gathered, the sum and the division;
-  * ``"pallas"``: one Triton-lowered Pallas kernel. Each program holds up to BLOCK_T tokens' E scores in
-    registers (``block_tokens``) and takes the maximum X times (the lowest id among equal maxima first:
+  * ``"pallas"``: one Triton-lowered Pallas kernel. Each program holds a few tokens' E scores in registers
+    (``block_tokens``, ``RouterConfig``) and takes the maximum X times (the lowest id among equal maxima first:
     ``lax.top_k``'s order, so the same experts on ties), masking each pick; then the same network, the scores
     picked by a masked sum (one nonzero term: exact), the sum in id order and ``div.rn.f32``
     (dijax.kernels.division). Its outputs are [X, T] rows, sliced and transposed by their consumers' fusions.
@@ -21,6 +21,7 @@ Letters: T tokens, E routed experts, X experts per token, P = E rounded up to a 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +34,25 @@ from dijax.kernels.division import div_rn
 from dijax.kernels.numerics import divide, sum_in_order
 
 IMPLS = ("reference", "pallas")
-BLOCK_T = 16
 NORM_EPS = np.float32(1e-20)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Tiling of ``route_pallas``: ``block_tokens`` tokens at most per program (a power of two), ``warps`` Triton
+    warps per program. One token and one warp (its 384 scores in 12 registers a lane, every reduction a warp
+    shuffle) measured best on the H200 (``tools/bench_kernels.py --only router --sweep``, twenty-third session):
+    9.8 / 19.0 us at 16 / 8192 tokens against 23.8 / 51.6 us at 16 tokens and 4 warps a program, and XLA's
+    16.1 / 140.9 us; at 1-1024 tokens every one-token tiling was 10-13 us."""
+
+    block_tokens: int = 1
+    warps: int = 1
+
+    def __post_init__(self):
+        if self.block_tokens < 1 or self.block_tokens & (self.block_tokens - 1):
+            raise ValueError(f"RouterConfig.block_tokens must be a power of two >= 1, got {self.block_tokens}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"RouterConfig.warps must be one of (1, 2, 4, 8, 16), got {self.warps}")
 
 
 def _ascending_columns(cols: list) -> list:
@@ -67,18 +85,17 @@ def route_reference(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, norm
     return weights * np.float32(route_scale), experts.astype(jnp.int32)
 
 
-def block_tokens(t: int) -> int:
-    """Tokens per program for t tokens: the power of two >= t, at most BLOCK_T (a decode step of one token holds
-    one row of E scores, not 16)."""
-    return int(min(BLOCK_T, pl.next_power_of_2(max(t, 1))))
+def block_tokens(t: int, config: RouterConfig = RouterConfig()) -> int:
+    """Tokens per program for t tokens: the power of two >= t, at most ``config.block_tokens`` (a decode step of
+    one token holds one row of E scores, not 16)."""
+    return int(min(config.block_tokens, pl.next_power_of_2(max(t, 1))))
 
 
-def _route_kernel(scores_ref, bias_ref, weights_ref, experts_ref, *, n_tokens: int, n_experts: int, n_active: int,
-                  normalize: bool, route_scale: float, interpret: bool):
-    """Program i: tokens [i * B, (i + 1) * B), B = ``block_tokens`` (rows past ``n_tokens`` read token
-    n_tokens - 1 and are written to the padding columns of the outputs). scores_ref [T, E], bias_ref [E] float32
-    -> weights_ref, experts_ref [Xp, T'] (rows 0..X-1 written)."""
-    block = block_tokens(n_tokens)
+def _route_kernel(scores_ref, bias_ref, weights_ref, experts_ref, *, block: int, n_tokens: int, n_experts: int,
+                  n_active: int, normalize: bool, route_scale: float, interpret: bool):
+    """Program i: tokens [i * B, (i + 1) * B), B = ``block`` (rows past ``n_tokens`` read token n_tokens - 1 and
+    are written to the padding columns of the outputs). scores_ref [T, E], bias_ref [E] float32 -> weights_ref,
+    experts_ref [Xp, T'] (rows 0..X-1 written)."""
     rows = pl.program_id(0) * block + jnp.arange(block)
     safe_R1 = jnp.minimum(rows, n_tokens - 1)[:, None]
     padded = pl.next_power_of_2(n_experts)
@@ -104,25 +121,25 @@ def _route_kernel(scores_ref, bias_ref, weights_ref, experts_ref, *, n_tokens: i
         experts_ref[j, :] = p.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("n_active", "normalize", "route_scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("n_active", "normalize", "route_scale", "interpret", "config"))
 def route_pallas(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normalize: bool, route_scale: float,
-                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool | None = None, config: RouterConfig = RouterConfig()) -> tuple[jax.Array, jax.Array]:
     """Same contract as ``route_reference``, one kernel launch. ``interpret``: run the kernel interpreted (default:
-    off a GPU)."""
+    off a GPU); ``config``: the tiling."""
     interpret = interpret_mode(interpret)
     t, e = scores_TE.shape
     if t == 0:  # no program to launch
         return jnp.zeros((0, n_active), jnp.float32), jnp.zeros((0, n_active), jnp.int32)
-    rows, block = pl.next_power_of_2(n_active), block_tokens(t)
+    rows, block = pl.next_power_of_2(n_active), block_tokens(t, config)
     padded = -(-t // block) * block
-    kernel = functools.partial(_route_kernel, n_tokens=t, n_experts=e, n_active=n_active, normalize=normalize,
+    kernel = functools.partial(_route_kernel, block=block, n_tokens=t, n_experts=e, n_active=n_active, normalize=normalize,
                                route_scale=route_scale, interpret=interpret)
     out_spec = pl.BlockSpec((rows, block), lambda i: (0, i))
     weights_XT, experts_XT = pl.pallas_call(
         kernel, grid=(padded // block,), in_specs=[pl.no_block_spec, pl.no_block_spec],
         out_specs=[out_spec, out_spec], interpret=interpret, name="router",
         out_shape=[jax.ShapeDtypeStruct((rows, padded), jnp.float32), jax.ShapeDtypeStruct((rows, padded), jnp.int32)],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
+        compiler_params=pltriton.CompilerParams(num_warps=config.warps, num_stages=1))(
         scores_TE.astype(jnp.float32), bias_E.astype(jnp.float32))
     return weights_XT[:n_active, :t].T, experts_XT[:n_active, :t].T
 

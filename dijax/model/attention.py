@@ -23,7 +23,7 @@ from flax import nnx
 from dijax.config import LayerRole, ModelConfig
 from dijax.kernels.sparse_attn import sparse_attn
 from dijax.kernels import indexer, quant
-from dijax.kernels.topk import topk
+from dijax.kernels.topk import topk_ascending
 from dijax.kernels.numerics import divide
 from dijax.model.layers import (QuantLinear, RMSNorm, linear, matmul_promoted, param, rms_norm, rope,
                                 rope_frequencies, values)
@@ -135,9 +135,10 @@ def select_candidate_blocks(score_TP: jax.Array, visible_T: jax.Array, topk_bloc
 
     score_TP: float32 masked scores (-inf unreachable). The block holding the newest visible position is pinned;
     picks with a -inf block score are dropped. ``impl`` picks the top-k implementation (``kernels.topk``; all give
-    the same picks). Returns the picked block numbers int32 [T, min(topk_blocks, blocks)], -1 where dropped
-    (``candidate_mask`` turns them into a position mask): [T, topk_blocks] instead of a [T, P] mask is what a step
-    publishes to the later index layers, whatever the context length.
+    the same picks). Returns the picked block numbers int32 [T, min(topk_blocks, blocks)] in ascending order (the
+    set is what counts: ``topk_ascending`` needs no sort), -1 where dropped (``candidate_mask`` turns them into a
+    position mask): [T, topk_blocks] instead of a [T, P] mask is what a step publishes to the later index layers,
+    whatever the context length.
     """
     t, width = score_TP.shape
     nb = -(-width // block_size)
@@ -145,8 +146,8 @@ def select_candidate_blocks(score_TP: jax.Array, visible_T: jax.Array, topk_bloc
     block_max = jnp.max(padded.reshape(t, nb, block_size), axis=-1)
     last = jnp.floor_divide(visible_T - 1, block_size)
     block_max = jnp.where(jnp.arange(nb)[None, :] == last[:, None], jnp.inf, block_max)
-    values, picks = topk(block_max, min(topk_blocks, nb), impl=impl)
-    return jnp.where(values > NEG_INF, picks, -1).astype(jnp.int32)
+    picks = topk_ascending(block_max, min(topk_blocks, nb), impl=impl)
+    return jnp.where(jnp.take_along_axis(block_max, picks, axis=1) > NEG_INF, picks, -1).astype(jnp.int32)
 
 
 def candidate_mask(picks_TK: jax.Array, width: int, block_size: int) -> jax.Array:
@@ -196,20 +197,19 @@ def index_select(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, qr
     q_TIJ = linear(qr_TQ, p["wq_b"], linear_impl).reshape(t, n_heads, head_dim)
     q_TIJ = quant.fq4_pow2(rope(q_TIJ, g.pos_T, freqs), 32)
     w_TI = linear(x_TD, p["weights_proj"]).astype(jnp.float32) * np.float32(head_dim ** -0.5 * n_heads ** -0.5)
-    limit_T = jnp.minimum(cfg.index_topk, g.end_T // role.ratio)
     width = rows_SP.shape[1]
 
-    def select(q_CIJ, w_CI, seq_C, visible_C, limit_C, cand_CK):
+    def select(q_CIJ, w_CI, seq_C, visible_C, cand_CK):
         score_CP = indexer.index_scores(q_CIJ, w_CI, keys_NJ, rows_SP, seq_C, visible_C, impl=indexer_impl)
         if role.candidate_source:
             cand_CK = select_candidate_blocks(score_CP, visible_C, cfg.candidate_topk_blocks,
                                               cfg.candidate_block_size, impl=topk_impl)
         elif role.uses_candidates:
             score_CP = jnp.where(candidate_mask(cand_CK, width, cfg.candidate_block_size), score_CP, NEG_INF)
-        return topk_positions(score_CP, visible_C, limit_C, cfg.index_topk, impl=topk_impl), cand_CK
+        return topk_positions(score_CP, visible_C, cfg.index_topk, impl=topk_impl), cand_CK
 
     cand_TK = candidates_TK if role.uses_candidates else jnp.zeros((t, 0), jnp.int32)
-    xs = (q_TIJ, w_TI.astype(jnp.bfloat16), g.seq_T, visible_T, limit_T, cand_TK)
+    xs = (q_TIJ, w_TI.astype(jnp.bfloat16), g.seq_T, visible_T, cand_TK)
     chunk = index_chunk(t, width if indexer_impl == "pallas" else width * (head_dim + n_heads))
     if chunk == t:
         sel_TN, cand_TK = select(*xs)
@@ -225,22 +225,24 @@ def index_select(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, qr
     return sel_TN, (cand_TK if role.candidate_source else candidates_TK)
 
 
-def topk_positions(score_TP: jax.Array, visible_T: jax.Array, limit_T: jax.Array, k: int, *,
-                   impl: str = "reference") -> jax.Array:
-    """Top-k compressed positions per query, ascending, -1 padded. score_TP float32 masked (-inf = excluded).
+def topk_positions(score_TP: jax.Array, visible_T: jax.Array, k: int, *, impl: str = "reference") -> jax.Array:
+    """Top-k compressed positions per query, ascending, -1 padded: int32 [T, k]. score_TP float32, -inf at every
+    position >= visible_T (and wherever else a position is excluded); no NaN.
 
-    Like the reference, a pick is valid when its position is visible and its rank is below ``limit_T``
-    (``min(index_topk, end // ratio)``); rank is the place in ``topk``'s value-descending order, where ties go to
-    the lower position. ``impl`` picks the top-k implementation (all give the same picks). -> int32 [T, k].
+    The reference ranks a row's positions by ``lax.top_k`` (values descending, ties to the lower position), keeps the
+    first ``min(index_topk, end // ratio)`` and drops the invisible ones. ``end`` is the sequence's end after this
+    step, so that rank limit is at least ``min(k, visible)``; and every invisible position holds the lowest value
+    and lies after every visible one, so the top ``min(k, visible)`` ranks are all visible. The limit therefore
+    drops nothing the visibility test keeps: the result is the visible positions of the top-k set, which in
+    position order come first (``topk_ascending``: no sort for the select and Pallas implementations, and none at
+    all when the row has at most k positions). ``impl`` picks the top-k implementation (all give the same set).
     """
     t, width = score_TP.shape
-    if width < k:
-        score_TP = jnp.pad(score_TP, ((0, 0), (0, k - width)), constant_values=NEG_INF)
-    _, picks = topk(score_TP, k, impl=impl)
-    valid = (picks < visible_T[:, None]) & (jnp.arange(k)[None, :] < limit_T[:, None])
-    big = jnp.iinfo(jnp.int32).max
-    ordered = jnp.sort(jnp.where(valid, picks, big), axis=-1)
-    return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
+    if width <= k:  # every position is a pick (the reference pads the row with -inf to k)
+        ordered = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (t, k))
+    else:
+        ordered = topk_ascending(score_TP, k, impl=impl)
+    return jnp.where(ordered < visible_T[:, None], ordered, -1).astype(jnp.int32)
 
 
 def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Geometry, cache: dict,

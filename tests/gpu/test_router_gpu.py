@@ -29,14 +29,17 @@ def _oracle(scores: np.ndarray, bias: np.ndarray, x: int, scale: float) -> tuple
     return (picked / total[:, None]) * np.float32(scale), experts.astype(np.int32)
 
 
-@pytest.mark.parametrize("t", [1, 16, 33, 1024])
-def test_kernel_is_the_oracle(t):
+@pytest.mark.parametrize("t, config", [(1, router.RouterConfig()), (16, router.RouterConfig()),
+                                       (33, router.RouterConfig()), (1024, router.RouterConfig()),
+                                       (33, router.RouterConfig(block_tokens=16, warps=4)),
+                                       (1024, router.RouterConfig(block_tokens=2, warps=2))])
+def test_kernel_is_the_oracle(t, config):
     key1, key2 = jax.random.split(jax.random.key(t))
     scores = jnp.sqrt(jax.nn.softplus(jax.random.normal(key1, (t, 384), jnp.float32)))
     bias = jax.random.normal(key2, (384,), jnp.float32) * 0.01
     bias = bias.at[:5].set(0.0)
     scores = scores.at[0, :5].set(3.0)  # five equal keys at the top of row 0: the lowest ids first
-    weights, experts = jax.jit(lambda s, b: router.route_pallas(s, b, 6, True, 2.5))(scores, bias)
+    weights, experts = jax.jit(lambda s, b: router.route_pallas(s, b, 6, True, 2.5, config=config))(scores, bias)
     want_w, want_e = _oracle(np.asarray(scores), np.asarray(bias), 6, 2.5)
     np.testing.assert_array_equal(np.asarray(experts), want_e)
     np.testing.assert_array_equal(np.asarray(weights), want_w)

@@ -14,7 +14,7 @@ import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.kernels import topk as topk_module
-from dijax.kernels.topk import TopkConfig, topk, topk_pallas, topk_reference
+from dijax.kernels.topk import TopkConfig, topk_ascending, topk_pallas, topk_pallas_ascending, topk_reference
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="GPU kernels: needs a CUDA backend (jax.default_backend() == 'gpu')")
@@ -78,10 +78,22 @@ def test_special_values_and_uniform_rows():
     assert_matches(x, TOPK)
 
 
-def test_dispatcher_takes_the_kernel_for_long_rows(monkeypatch):
+def test_dispatcher_takes_the_kernel(monkeypatch):
     calls = []
-    monkeypatch.setattr(topk_module, "topk_pallas", lambda s, k: calls.append(s.shape) or topk_pallas(s, k))
+    monkeypatch.setattr(topk_module, "topk_pallas_ascending",
+                        lambda s, k: calls.append(s.shape) or topk_pallas_ascending(s, k))
     x = jnp.asarray(indexer_scores(4, WIDTH, seed=11))
-    got = jax.jit(lambda s: topk(s, TOPK, impl="pallas"))(x)
+    got = jax.jit(lambda s: topk_ascending(s, TOPK, impl="pallas"))(x)
     assert calls == [(4, WIDTH)]
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(jax.lax.top_k(x, TOPK)[1]))
+    np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(jax.lax.top_k(x, TOPK)[1]), axis=-1))
+
+
+@pytest.mark.parametrize("rows,width", [(1, WIDTH), (64, WIDTH), (8192, 2048), (300, 1000)])
+def test_ascending_is_the_sorted_top_k_set(rows, width):
+    """The kernel without its ranking stage (the model's ``topk_positions``): lax.top_k's indices, ascending; at
+    flash decode widths and at a prefill of 8192 tokens over 2048 compressed positions."""
+    x = jnp.asarray(indexer_scores(rows, width, seed=rows + width))
+    want = np.sort(np.asarray(jax.jit(topk_reference, static_argnums=1)(x, TOPK)[1]), axis=-1)
+    poison(rows * 4 * 4 * 16_384)
+    got = jax.jit(lambda s: topk_pallas_ascending(s, TOPK))(x)
+    np.testing.assert_array_equal(np.asarray(got), want)
