@@ -132,8 +132,8 @@ def route_pallas(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normali
         return jnp.zeros((0, n_active), jnp.float32), jnp.zeros((0, n_active), jnp.int32)
     rows, block = pl.next_power_of_2(n_active), block_tokens(t, config)
     padded = -(-t // block) * block
-    kernel = functools.partial(_route_kernel, block=block, n_tokens=t, n_experts=e, n_active=n_active, normalize=normalize,
-                               route_scale=route_scale, interpret=interpret)
+    kernel = functools.partial(_route_kernel, block=block, n_tokens=t, n_experts=e, n_active=n_active,
+                               normalize=normalize, route_scale=route_scale, interpret=interpret)
     out_spec = pl.BlockSpec((rows, block), lambda i: (0, i))
     weights_XT, experts_XT = pl.pallas_call(
         kernel, grid=(padded // block,), in_specs=[pl.no_block_spec, pl.no_block_spec],
