@@ -40,6 +40,10 @@
 #            and context 4095, prefill of 4096 and 8192 tokens, at --ep $EP;
 #   ep-trace (issue 15, on nvidia-h200-x2) profiler traces of decode B=64 and prefill 4096 at --ep 2, then each
 #            GPU's streams and its collectives' time beside compute (tools/trace_summary.py --streams);
+#   prefill-moe  (issue 12: the grouped GEMMs are 46 % of prefill 8192 at 30 % of bf16 peak, twenty-third session)
+#            the routed-experts layer alone at T = 1024 and 8192 with 128-row tiles (mean 128 assignments an expert
+#            at 8192), 8 warps or 64 columns (built for sm_90 on the CPU: 4 warps at 128 rows spill 808 bytes, these
+#            two do not), then flash-slice prefill 8192 with each against the default;
 #   xla-gemms  flash-slice decode B=1 and 16 with XLA's Triton GEMM fusions (the default), then with them off
 #            (cuBLAS): the twenty-second session's trace had 19 bf16 GEMM fusions at 9.7 us mean at B=1 (router,
 #            compressor, index weights; ~10 % of their bytes' floor);
@@ -59,7 +63,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|xla-gemms|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -205,6 +209,15 @@ case "$stage" in
           || echo "   (exit $?)" >> "$log"
       done
     done ;;
+  prefill-moe)
+    run 300 python3 tools/bench_kernels.py --only routed_experts --tokens 1024,8192 --iters 5 --repeats 3 \
+      --variant gemm_rows_max=128,gemm_warps=8 --variant gemm_rows_max=128,gemm_cols=64
+    for setting in "" "gemm_rows_max=128 gemm_warps=8" "gemm_rows_max=128 gemm_cols=64"; do
+      settings=()
+      for field in $setting; do settings+=(--kernel-setting "routed_experts.CONFIG.$field"); done
+      run 120 python3 tools/bench.py --model flash-slice --decode-batch= --prefill 8192 --kernels on --engine off \
+        --warmup 2 --iters 5 "${settings[@]}"
+    done ;;
   xla-gemms)
     for gemms in True False; do
       run 250 python3 tools/bench.py --model flash-slice --decode-batch 1,16 --context 4095 --prefill= --kernels on \
@@ -219,6 +232,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, xla-gemms, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
