@@ -544,8 +544,8 @@ def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, iters: int = 20, sweep: bool
 def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: int = 6, sweep: bool = False,
                 calls: int = 16, **timing) -> list[dict]:
     """The MoE router's selection (top-6 of 384, ids ascending, renormalised weights): ``route_reference`` (XLA's
-    top-k sort and fusions) against the Pallas kernel at its default tiling and, with ``sweep``, tokens per program
-    and warps. One jitted call runs ``calls`` selections (a bias each), as a step runs one per MoE layer, so the
+    top-k sort and fusions) against the Pallas kernel at its default tiling (one token, one warp) and, with
+    ``sweep``, other tokens per program and warps (16 tokens and 4 warps: the first default). One jitted call runs ``calls`` selections (a bias each), as a step runs one per MoE layer, so the
     row is the device's time per selection rather than the host's dispatch of a microsecond kernel. A row whose
     experts differ from the reference's is marked MISMATCH (the weights may differ by an ulp: XLA's GPU division is
     not correctly rounded). Floor: one read of the scores (4 bytes a value)."""
@@ -554,7 +554,7 @@ def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: 
     configs = [("pallas", router.RouterConfig())]
     if sweep:
         configs += [(f"pallas block_tokens={b} warps={w}", router.RouterConfig(block_tokens=b, warps=w))
-                    for b, w in ((1, 1), (1, 2), (1, 4), (2, 2), (4, 4), (8, 4), (16, 8))]
+                    for b, w in ((16, 4), (1, 2), (1, 4), (2, 2), (4, 4), (8, 4), (16, 8))]
 
     def repeated(select):
         return jax.jit(lambda s, *biases: [select(s, b) for b in biases])

@@ -352,10 +352,10 @@ def topk_pallas(score: jax.Array, k: int, *, config: TopkConfig | None = None,
     config: tiling (default ``TopkConfig()``); interpret: run in the Pallas interpreter (default: off a GPU).
     """
     lead = score.shape[:-1]
-    if k == 0 or int(np.prod(lead)) == 0:
-        _check_pallas_args(score, k, config or TopkConfig())
-        return (jnp.zeros((*lead, k), score.dtype), jnp.zeros((*lead, k), jnp.int32))
-    values_RN, index_RN, *_ = _select_call(score, k, config, interpret, ranked=True)
+    outs = _select_call(score, k, config, interpret, ranked=True)
+    if outs is None:
+        return jnp.zeros((*lead, k), score.dtype), jnp.zeros((*lead, k), jnp.int32)
+    values_RN, index_RN, *_ = outs
     if score.dtype != jnp.float32:  # the values in their own dtype (and NaN payloads): gathered, not rounded
         values_RN = jnp.take_along_axis(score.reshape(-1, score.shape[-1]), index_RN, axis=1)
     return values_RN.reshape(*lead, k), index_RN.reshape(*lead, k)
@@ -366,15 +366,18 @@ def topk_pallas_ascending(score: jax.Array, k: int, *, config: TopkConfig | None
     """The indices ``topk_pallas`` picks, in ascending index order: int32 [..., k]. Its two kernels without the
     ranking stage: the second compaction already leaves the picks in position order (module docstring)."""
     lead = score.shape[:-1]
-    if k == 0 or int(np.prod(lead)) == 0:
-        _check_pallas_args(score, k, config or TopkConfig())
+    outs = _select_call(score, k, config, interpret, ranked=False)
+    if outs is None:
         return jnp.zeros((*lead, k), jnp.int32)
-    _, pos_RS = _select_call(score, k, config, interpret, ranked=False)
-    return pos_RS[:, :k].reshape(*lead, k)
+    return outs[1][:, :k].reshape(*lead, k)
 
 
-def _check_pallas_args(score: jax.Array, k: int, config: TopkConfig) -> None:
-    """Raise on what the kernels do not take: the dtype, k outside [0, P], a tiling that is not powers of two."""
+def _select_call(score: jax.Array, k: int, config: TopkConfig | None, interpret: bool | None,
+                 ranked: bool) -> list[jax.Array] | None:
+    """The two kernels on score [..., P], rows flattened -> ``_select_kernel``'s outputs: with ``ranked`` (values
+    [R, k] float32, indices [R, k], scratch x 3), else (chunk scratch, the picks in position order [R, slots]).
+    None when there is nothing to select (k = 0 or no row), after the same argument checks."""
+    config = config or TopkConfig()
     if score.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise TypeError(f"topk_pallas: score must be float32, bfloat16 or float16, got dtype {score.dtype}")
     width = score.shape[-1]
@@ -386,18 +389,10 @@ def _check_pallas_args(score: jax.Array, k: int, config: TopkConfig) -> None:
     for field, value in sizes.items():
         if not _power_of_two(value):
             raise ValueError(f"topk_pallas: config.{field}={value!r} must be a power of two")
-
-
-def _select_call(score: jax.Array, k: int, config: TopkConfig | None, interpret: bool | None,
-                 ranked: bool) -> list[jax.Array]:
-    """The two kernels on score [..., P] (k >= 1, at least one row) -> ``_select_kernel``'s outputs, rows
-    flattened: with ``ranked`` (values [R, k] float32, indices [R, k], scratch x 3), else (chunk scratch, the
-    picks in position order [R, slots])."""
-    config = config or TopkConfig()
-    _check_pallas_args(score, k, config)
-    width = score.shape[-1]
     score_RP = score.reshape(-1, width)
     rows = score_RP.shape[0]
+    if k == 0 or rows == 0:
+        return None
     chunk = chunk_length(width, k, config)
     if chunk is None:
         raise ValueError(f"topk_pallas: no chunk length keeps P={width} values and k={k} picks within "
