@@ -47,7 +47,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import bf16_pairs, interpret_mode, poison, quant
+from dijax.kernels import bf16_pairs, interpret_mode, numerics, poison, quant
 from dijax.kernels.quant import FP8_BLOCK
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
@@ -101,9 +101,7 @@ Weight = jax.Array | LayerSlice
 def fp8_linear_reference(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight) -> jax.Array:
     """The reference: x [T, I] bf16, weight [O, I] float8_e4m3fn, scale uint8 [ceil(O/32), I/32] -> bf16 [T, O]."""
     w_OI = quant.dequant_fp8_weight(materialize(weight_OI), materialize(scale_BB))
-    y = jnp.einsum("ti,oi->to", quant.fq8(x_TI), w_OI, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST)
-    return y.astype(jnp.bfloat16)
+    return numerics.einsum_bf16("ti,oi->to", quant.fq8(x_TI), w_OI)
 
 
 def decode_e4m3(codes: jax.Array) -> jax.Array:

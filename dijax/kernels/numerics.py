@@ -37,3 +37,11 @@ def sum_in_order(x: jax.Array, axis: int) -> jax.Array:
     for part in parts[1:]:
         total = total + part
     return jnp.expand_dims(total, axis)
+
+
+def einsum_bf16(spec: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """``einsum(spec, lhs, rhs)`` of bf16 operands with exact products, fp32 accumulation and one rounding to bf16:
+    the value of the fp32 einsum cast to bf16, but the GEMM writes bf16 itself. (The fp32 output and its convert
+    kernel cost prefill 8192 on the H200 4.7 ms in 32 converts plus the fp32 writes: docs/benchmarks.md,
+    twenty-fourth session. XLA's bf16 GEMMs, cuBLAS and Triton alike, accumulate in fp32.)"""
+    return jnp.einsum(spec, lhs, rhs, preferred_element_type=jnp.bfloat16, precision=jax.lax.Precision.HIGHEST)

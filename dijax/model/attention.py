@@ -24,7 +24,7 @@ from dijax.config import LayerRole, ModelConfig
 from dijax.kernels.sparse_attn import sparse_attn
 from dijax.kernels import indexer, quant
 from dijax.kernels.topk import topk_ascending
-from dijax.kernels.numerics import divide
+from dijax.kernels.numerics import divide, einsum_bf16
 from dijax.model.layers import (QuantLinear, RMSNorm, linear, matmul_promoted, param, rms_norm, rope,
                                 rope_frequencies, values)
 from dijax.model.step import StepBatch
@@ -322,8 +322,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     o = rope(o, g.pos_T, freqs, inverse=True)
     groups = cfg.o_groups
     wo_a = p["wo_a"]["weight"].reshape(groups, cfg.o_lora_rank, -1)
-    u = jnp.einsum("tgd,grd->tgr", o.reshape(t, groups, -1), wo_a, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
+    u = einsum_bf16("tgd,grd->tgr", o.reshape(t, groups, -1), wo_a)
     return linear(u.reshape(t, -1), p["wo_b"], linear_impl), updates, shared
 
 

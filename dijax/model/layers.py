@@ -219,4 +219,6 @@ def rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, inverse: bool = 
     tail = x[..., -rd:].astype(jnp.float32).reshape(*x.shape[:-1], rd // 2, 2)
     a, b = tail[..., 0], tail[..., 1]
     rotated = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], rd)
-    return jnp.concatenate([x[..., :-rd], rotated.astype(x.dtype)], axis=-1)
+    # an update of the tail, not a concatenation: XLA writes the rotated columns into x's buffer when x dies here
+    # (the concatenation rewrote every column: 14 copies of [8192, 64, 512], 5.5 ms of prefill 8192 on the H200)
+    return x.at[..., -rd:].set(rotated.astype(x.dtype))
