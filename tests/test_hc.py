@@ -10,6 +10,7 @@ import pytest
 
 from dijax.kernels.sinkhorn import split
 from dijax.model import hc
+from dijax.model.layers import matmul_f32, matmul_f32_weight
 
 BF16 = ml_dtypes.bfloat16
 T, C, D = 5, 4, 64
@@ -169,6 +170,37 @@ def test_mixes_matches_float64(inputs):
     want = np_mixes(inputs["x_TCD"], inputs["fn_MX"], inputs["scale_3"], inputs["base_M"], C, ITERS, EPS, NORM_EPS)
     for g, w in zip(got, want):
         assert np.asarray(g).dtype == np.float32
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-8)
+
+
+def test_matmul_f32_weight_sums_exact_products():
+    # bf16 x against an fp32 weight through three bf16 parts: within fp32 rounding of the exact float64 product,
+    # as close as the fp32 GEMM of x.float() it replaces
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((64, 1024)).astype(BF16)
+    w = (rng.standard_normal((24, 1024)) / 32).astype(np.float32)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    got = np.asarray(matmul_f32_weight(jnp.asarray(x), jnp.asarray(w)))
+    fp32 = np.asarray(matmul_f32(jnp.asarray(x.astype(np.float32)), jnp.asarray(w)))
+    assert got.dtype == np.float32
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T  # the sum of |products|
+    assert np.abs(got - exact).max() <= 2 ** -20 * scale.max()
+    assert np.abs(got - exact).max() <= 4 * max(np.abs(fp32 - exact).max(), 2 ** -24 * scale.max())
+    # a bf16 rounding of the weight alone would be far off: the lower parts carry the weight's other 16 bits
+    assert np.abs(np.asarray(matmul_f32(jnp.asarray(x), jnp.asarray(w.astype(BF16)))) - exact).max() > \
+        100 * np.abs(got - exact).max()
+    with pytest.raises(ValueError, match="bf16 x"):
+        matmul_f32_weight(jnp.asarray(x.astype(np.float32)), jnp.asarray(w))
+
+
+def test_mixes_of_many_tokens_match_float64(inputs):
+    # from SPLIT_FROM_TOKENS tokens the projection is the split bf16 GEMM: the same results to fp32 rounding
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((hc.SPLIT_FROM_TOKENS, C, D)).astype(BF16)
+    args = [inputs[k] for k in ("fn_MX", "scale_3", "base_M")]
+    got = hc.mixes(jnp.asarray(x), *(jnp.asarray(a) for a in args), C, ITERS, EPS, NORM_EPS)
+    want = np_mixes(x, *args, C, ITERS, EPS, NORM_EPS)
+    for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-8)
 
 

@@ -64,11 +64,11 @@ def test_fq8_tiles_match_fq8():
     x[1, 32:64] = np.exp2(np.arange(32) - 16)
     x_bf16 = jnp.asarray(x, jnp.bfloat16)
     want = np.asarray(quant.fq8(x_bf16).astype(jnp.float32))
-    [got] = fl.fq8_tiles([x_bf16.astype(jnp.float32)])
+    [got] = quant.fq8_tiles([x_bf16.astype(jnp.float32)])
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
     columns = [np.asarray(c) for c in fl.pair_columns(128)]
     for k0 in (0, 128):
-        tiles = fl.fq8_tiles([x_bf16[:, k0 + c].astype(jnp.float32) for c in columns])
+        tiles = quant.fq8_tiles([x_bf16[:, k0 + c].astype(jnp.float32) for c in columns])
         for c, got in zip(columns, tiles):
             np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want[:, k0 + c])
 

@@ -157,23 +157,6 @@ def dequant_pairs(words_NW: jax.Array, scale_BB: jax.Array, asm: bool) -> list[j
     return [bf16_pairs.side_by_side(*pair) for pair in pairs]
 
 
-def fq8_tiles(x_tiles: list[jax.Array]) -> list[jax.Array]:
-    """``quant.fq8`` of float32 tiles [T, K] that share each 32-wide block: with n tiles, block b is columns
-    [b * 32/n, (b + 1) * 32/n) of every tile (n = 1: plain 32-wide blocks; n = 2: ``pair_columns``' tiles, as
-    ``dequant_pairs`` orders them). -> bf16 tiles, bit for bit ``quant.fq8``'s values.
-
-    The scale comes from the amax's bits as in ``quant.pow2_scale``; x / s is a multiplication by the exact power
-    of two 1 / s; e4m3 rounding is ``quant.e4m3_round_arith``."""
-    t, k = x_tiles[0].shape
-    group = FP8_BLOCK // len(x_tiles)
-    groups = [x.reshape(t, k // group, group) for x in x_tiles]
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in groups])
-    scale = quant.pow2_scale(jnp.maximum(amax, np.float32(1e-4)), np.float32(1.0 / quant.FP8_MAX))
-    inverse = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(scale, jnp.int32), jnp.float32)
-    return [(quant.e4m3_round_arith(x * inverse[:, :, None]) * scale[:, :, None]).reshape(t, k).astype(jnp.bfloat16)
-            for x in groups]
-
-
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int,
             n_depth: int, asm: bool):
     """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...),
@@ -193,7 +176,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, 
         k0 = (first + k) * depth
         x_tiles = [pltriton.load(x_ref.at[safe_R1, (k0 + col_H)[None, :]], mask=live_RH, other=0)
                    for col_H in pair_columns(depth)]
-        x_tiles = fq8_tiles([x.astype(jnp.float32) for x in x_tiles])
+        x_tiles = quant.fq8_tiles([x.astype(jnp.float32) for x in x_tiles])
         words_NW = w_ref[layer, pl.ds(n0, cols), pl.ds(k0 // CODES_PER_WORD, words)]
         scale_BB = s_ref[layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK),
                          pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]

@@ -14,6 +14,8 @@ Storage conventions (checkpoint-native, never up-cast in storage):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,23 @@ def fq8(x: jax.Array, block: int = FP8_BLOCK) -> jax.Array:
     s = pow2_scale(amax, _FP8_MAX_INV)
     q = e4m3_round(divide(xg, s))
     return (q * s).reshape(x.shape).astype(jnp.bfloat16)
+
+
+def fq8_tiles(x_tiles: list[jax.Array]) -> list[jax.Array]:
+    """``fq8`` inside a kernel, of float32 tiles [T, K] that share each 32-wide block: with n tiles, block b is
+    columns [b * 32/n, (b + 1) * 32/n) of every tile (n = 1: plain 32-wide blocks, the routed gate-up GEMM's
+    output; n = 2: the fp8 linear's ``pair_columns`` tiles). -> bf16 tiles, bit for bit ``fq8``'s values.
+
+    The scale comes from the amax's bits as in ``pow2_scale``; x / s is a multiplication by the exact power of
+    two 1 / s; e4m3 rounding is ``e4m3_round_arith`` (no fp8 conversion, which Triton on the H200 lacks)."""
+    t, k = x_tiles[0].shape
+    group = FP8_BLOCK // len(x_tiles)
+    groups = [x.reshape(t, k // group, group) for x in x_tiles]
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in groups])
+    scale = pow2_scale(jnp.maximum(amax, np.float32(1e-4)), _FP8_MAX_INV)
+    inverse = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(scale, jnp.int32), jnp.float32)
+    return [(e4m3_round_arith(x * inverse[:, :, None]) * scale[:, :, None]).reshape(t, k).astype(jnp.bfloat16)
+            for x in groups]
 
 
 def fq4_pow2(x: jax.Array, block: int = FP4_BLOCK) -> jax.Array:

@@ -10,18 +10,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dijax.model.layers import matmul_f32, param
+from dijax.model.layers import matmul_f32, matmul_f32_weight, param
 from dijax.kernels import sinkhorn
 from dijax.kernels.numerics import mean, sum_in_order
+
+# From this many tokens ``mixes`` projects bf16 streams with ``matmul_f32_weight`` (no fp32 copy of x, one bf16
+# GEMM); below it, the fp32 GEMM, whose copy is small and which needs no kernel to split the weight every step.
+SPLIT_FROM_TOKENS = 256
 
 
 def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
           hc_eps: float, norm_eps: float, sinkhorn_impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
     """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection, then the split into
     (pre [T, C], post [T, C], comb [T, C, C]) float32 (``dijax.kernels.sinkhorn.split``, by ``sinkhorn_impl``)."""
-    flat = x_TCD.reshape(x_TCD.shape[0], -1).astype(jnp.float32)
-    rsqrt = jax.lax.rsqrt(mean(jnp.square(flat)) + np.float32(norm_eps))
-    raw = matmul_f32(flat, fn_MX) * rsqrt
+    flat = x_TCD.reshape(x_TCD.shape[0], -1)
+    rsqrt = jax.lax.rsqrt(mean(jnp.square(flat.astype(jnp.float32))) + np.float32(norm_eps))
+    if flat.dtype == jnp.bfloat16 and flat.shape[0] >= SPLIT_FROM_TOKENS:
+        projected = matmul_f32_weight(flat, fn_MX)
+    else:
+        projected = matmul_f32(flat.astype(jnp.float32), fn_MX)
+    raw = projected * rsqrt
     return sinkhorn.split(raw, scale_3, base_M, hc_mult, iters, hc_eps, impl=sinkhorn_impl)
 
 

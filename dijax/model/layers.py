@@ -87,6 +87,26 @@ def matmul_f32(x: jax.Array, w_OI: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
+def matmul_f32_weight(x: jax.Array, w_OI: jax.Array) -> jax.Array:
+    """``x.float() @ w_OI.T`` for bf16 x and an fp32 weight, without an fp32 copy of x. -> float32 [..., O].
+
+    The weight is split into three bf16 parts whose sum is w exactly (``hi`` is w rounded to bf16, ``mid`` what
+    is left rounded to bf16, ``lo`` the rest, at most 8 significant bits), so every product of x and a part is
+    exact in fp32: one bf16 GEMM of x against the stacked parts with fp32 accumulation, then the three partial
+    sums added. It differs from an fp32 GEMM only by fp32 rounding (that GEMM rounds each product; this rounds
+    sums of exact ones). Used where x is large: the hyper-connections' fp32 projection of a prefill (an fp32 copy
+    of [8192, 4 * 5120] and an fp32 GEMM per call on the H200: docs/benchmarks.md, twenty-fourth session)."""
+    hi = w_OI.astype(jnp.bfloat16)
+    rest = w_OI - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"matmul_f32_weight takes bf16 x, got {x.dtype}")
+    parts = matmul_f32(x, jnp.concatenate([hi, mid, lo], axis=0))
+    parts = parts.reshape(*parts.shape[:-1], 3, w_OI.shape[0])
+    return (parts[..., 0, :] + parts[..., 1, :]) + parts[..., 2, :]
+
+
 def matmul_promoted(x: jax.Array, w_OI: jax.Array) -> jax.Array:
     """The reference's ``x.float() @ W.T`` for a bf16 weight W it promotes to fp32 at load. -> float32 [..., O].
 
