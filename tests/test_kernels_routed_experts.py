@@ -7,6 +7,7 @@ the SwiGLU clamp firing, padding assignments (expert -1), the tile layout's inva
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -252,3 +253,11 @@ def test_moe_with_pallas_matches_reference(t):
     ref = np.asarray(moe.moe(ffn, x_TD, cfg), np.float32)
     got = np.asarray(moe.moe(ffn, x_TD, cfg, impl="pallas"), np.float32)
     assert_close(got, ref, min_equal=0.97)
+
+
+@pytest.mark.parametrize("change, field", [({"gemm_cols": 16}, "gemm_cols"), ({"gemm_rows_max": 48}, "gemm_rows_max"),
+                                           ({"gemm_rows_min": 128}, "gemm_rows_min"), ({"gemm_warps": 3}, "gemm_warps"),
+                                           ({"matvec_stages": 0}, "matvec_stages")])
+def test_kernel_config_refuses_bad_tilings(change, field):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(rx.KernelConfig(), **change)

@@ -322,7 +322,7 @@ def routed_experts_inputs(tokens: int) -> tuple[dict, float, tuple[jax.Array, ja
 
 
 def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, changes: tuple[dict, ...] = (),
-                        **timing) -> list[dict]:
+                        reference_max_assignments: int = 6144, **timing) -> list[dict]:
     """The routed-experts layer alone at the flash-slice dimensions (tools/bench.py: 384 MXFP4 experts of
     2304 x dim, 6 per token, random codes and ue8m0 exponents 116..120, uniformly random routing): the jnp
     reference (its own path choice) against the Pallas kernels on each path ('*' marks the default pick).
@@ -335,6 +335,9 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
     lean mat-vec in the eleventh, now the mat-vecs' only form; 32 columns in the eleventh; the other tensor-core
     orientation (weights on M, tokens on N: wgmma with the weights in registers), 8-9 % slower at T = 16-256 in the
     seventeenth; split K to 264 or 528 programs at T = 1 and 16 in the nineteenth, no faster: docs/benchmarks.md.)
+    Past ``reference_max_assignments`` (T x X) the default Pallas kernel stands in for the reference as the
+    baseline: XLA lowers the reference's ``ragged_dot`` densely, and at 8192 tokens its autotuner asked the H200
+    for 81 and 180 GB buffers (twenty-fourth session).
     """
     import dataclasses
 
@@ -349,11 +352,15 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
         distinct = int(np.unique(np.asarray(experts_TX)).size)
         floor = max((distinct * expert_bytes + t * d * 2 * 2) / BANDWIDTH, 2 * 3 * d * f * t * x / 7.9e14)
         shape = f"T={t}, X={x}, {distinct} experts"
-        ref_fn = jax.jit(lambda *a: rx.routed_experts(*a, limit, impl="reference"))
+        if t * x <= reference_max_assignments:
+            ref_fn, ref_name = jax.jit(lambda *a: rx.routed_experts(*a, limit, impl="reference")), "reference"
+            ref_name += f" ({rx.routed_path(t * x, n_experts)})"
+        else:  # the variants are compared with, and timed against, the default kernel instead
+            ref_fn = jax.jit(lambda *a: rx.routed_experts(*a, limit, impl="pallas"))
+            ref_name = "pallas default (the baseline here: no XLA reference at this size)"
         want = np.asarray(ref_fn(experts, x_TD, weights_TX, experts_TX))
         base = time_call(ref_fn, experts, x_TD, weights_TX, experts_TX, **timing)
-        out.append(_timed_row("routed_experts", shape, f"reference ({rx.routed_path(t * x, n_experts)})", base, floor,
-                              None))
+        out.append(_timed_row("routed_experts", shape, ref_name, base, floor, None))
         variants = [("ragged", {})]
         if t * x <= 4 * n_experts:
             variants.insert(0, ("gathered", {}))

@@ -184,6 +184,26 @@ class KernelConfig:
     gathered_max: int = 96
     poison: bool = False
 
+    def __post_init__(self):
+        sizes = ("matvec_rows", "matvec_words", "gemm_rows_min", "gemm_rows_max", "gemm_cols", "gemm_words")
+        for name in sizes:
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"routed_experts KernelConfig.{name} must be a power of two, got {value}")
+        if self.gemm_cols < quant.FP8_BLOCK:  # the gate-up epilogue fake-quantises whole 32-wide blocks
+            raise ValueError(f"routed_experts KernelConfig.gemm_cols must be >= {quant.FP8_BLOCK}, "
+                             f"got {self.gemm_cols}")
+        if self.gemm_rows_min > self.gemm_rows_max:
+            raise ValueError(f"routed_experts KernelConfig.gemm_rows_min ({self.gemm_rows_min}) must be <= "
+                             f"gemm_rows_max ({self.gemm_rows_max})")
+        for name in ("matvec_warps", "gemm_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"routed_experts KernelConfig.{name} must be one of (1, 2, 4, 8, 16), "
+                                 f"got {getattr(self, name)}")
+        for name in ("matvec_stages", "gemm_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"routed_experts KernelConfig.{name} must be >= 1, got {getattr(self, name)}")
+
 
 CONFIG = KernelConfig()
 
