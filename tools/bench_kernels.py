@@ -353,11 +353,10 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
         floor = max((distinct * expert_bytes + t * d * 2 * 2) / BANDWIDTH, 2 * 3 * d * f * t * x / 7.9e14)
         shape = f"T={t}, X={x}, {distinct} experts"
         if t * x <= reference_max_assignments:
-            ref_fn, ref_name = jax.jit(lambda *a: rx.routed_experts(*a, limit, impl="reference")), "reference"
-            ref_name += f" ({rx.routed_path(t * x, n_experts)})"
+            ref_impl, ref_name = "reference", f"reference ({rx.routed_path(t * x, n_experts)})"
         else:  # the variants are compared with, and timed against, the default kernel instead
-            ref_fn = jax.jit(lambda *a: rx.routed_experts(*a, limit, impl="pallas"))
-            ref_name = "pallas default (the baseline here: no XLA reference at this size)"
+            ref_impl, ref_name = "pallas", "pallas default (the baseline: no XLA reference at this size)"
+        ref_fn = jax.jit(lambda *a: rx.routed_experts(*a, limit, impl=ref_impl))
         want = np.asarray(ref_fn(experts, x_TD, weights_TX, experts_TX))
         base = time_call(ref_fn, experts, x_TD, weights_TX, experts_TX, **timing)
         out.append(_timed_row("routed_experts", shape, ref_name, base, floor, None))

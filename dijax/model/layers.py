@@ -96,12 +96,12 @@ def matmul_f32_weight(x: jax.Array, w_OI: jax.Array) -> jax.Array:
     sums added. It differs from an fp32 GEMM only by fp32 rounding (that GEMM rounds each product; this rounds
     sums of exact ones). Used where x is large: the hyper-connections' fp32 projection of a prefill (an fp32 copy
     of [8192, 4 * 5120] and an fp32 GEMM per call on the H200: docs/benchmarks.md, twenty-fourth session)."""
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"matmul_f32_weight takes bf16 x, got {x.dtype}")
     hi = w_OI.astype(jnp.bfloat16)
     rest = w_OI - hi.astype(jnp.float32)
     mid = rest.astype(jnp.bfloat16)
     lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    if x.dtype != jnp.bfloat16:
-        raise ValueError(f"matmul_f32_weight takes bf16 x, got {x.dtype}")
     parts = matmul_f32(x, jnp.concatenate([hi, mid, lo], axis=0))
     parts = parts.reshape(*parts.shape[:-1], 3, w_OI.shape[0])
     return (parts[..., 0, :] + parts[..., 1, :]) + parts[..., 2, :]
