@@ -43,7 +43,9 @@
 #   prefill-moe  (issue 12: the grouped GEMMs are 46 % of prefill 8192 at 30 % of bf16 peak, twenty-third session)
 #            the routed-experts layer alone at T = 1024 and 8192 with 128-row tiles (mean 128 assignments an expert
 #            at 8192), 8 warps or 64 columns (built for sm_90 on the CPU: 4 warps at 128 rows spill 808 bytes, these
-#            two do not), then flash-slice prefill 8192 with each against the default;
+#            two do not), then flash-slice prefill 8192 with each against the default (twenty-fourth session: in
+#            prefill 8192 they lost 15 % and 27 %; the layer-alone rows at 8192 need bench_kernels' pallas baseline,
+#            since added: XLA's dense ragged_dot reference did not fit);
 #   xla-gemms  flash-slice decode B=1 and 16 with XLA's Triton GEMM fusions (the default), then with them off
 #            (cuBLAS): the twenty-second session's trace had 19 bf16 GEMM fusions at 9.7 us mean at B=1 (router,
 #            compressor, index weights; ~10 % of their bytes' floor);
