@@ -21,7 +21,8 @@ SPLIT_FROM_TOKENS = 256
 
 def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
           hc_eps: float, norm_eps: float, sinkhorn_impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection, then the split into
+    """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection (from
+    ``SPLIT_FROM_TOKENS`` tokens ``matmul_f32_weight``, equal up to fp32 rounding), then the split into
     (pre [T, C], post [T, C], comb [T, C, C]) float32 (``dijax.kernels.sinkhorn.split``, by ``sinkhorn_impl``)."""
     flat = x_TCD.reshape(x_TCD.shape[0], -1)
     rsqrt = jax.lax.rsqrt(mean(jnp.square(flat.astype(jnp.float32))) + np.float32(norm_eps))
