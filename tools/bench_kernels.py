@@ -52,6 +52,13 @@ def _timed_row(kernel: str, shape: str, impl: str, seconds: float, floor: float,
             "floor_pct": 100 * floor / seconds, "speedup": (base / seconds) if base else 1.0}
 
 
+def repeated(fn):
+    """One jitted call that runs ``fn(x, *args)`` once per element of the argument lists (``zip(*lists)``): a
+    kernel of a few microseconds timed as a step runs it, many calls in one executable, not one host dispatch
+    each. -> the list of results."""
+    return jax.jit(lambda x, *lists: [fn(x, *args) for args in zip(*lists)])
+
+
 def topk_rows(rows_list=(1, 4, 64), width: int = 262_144, k: int = 512, sweep: bool = False, **timing) -> list[dict]:
     """Exact top-k of bf16-valued float32 score rows: ``lax.top_k`` against the threshold select (XLA) and the
     Pallas kernel. A row whose indices differ from ``lax.top_k``'s is marked MISMATCH.
@@ -429,9 +436,6 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
                                                                 ("target_programs", 528), ("rows_max", 128))]
     variants += [("pallas " + " ".join(f"{k}={v}" for k, v in change.items()), change) for change in changes]
 
-    def repeated(fn):
-        return jax.jit(lambda x, ws, ss: [fn(x, w, s) for w, s in zip(ws, ss)])
-
     out = []
     for name, (o, i) in shapes.items():
         ws, ss = zip(*(random_fp8_weight(o, i, r) for r in range(reps)))
@@ -551,8 +555,9 @@ def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: 
                 calls: int = 16, **timing) -> list[dict]:
     """The MoE router's selection (top-6 of 384, ids ascending, renormalised weights): ``route_reference`` (XLA's
     top-k sort and fusions) against the Pallas kernel at its default tiling (one token, one warp) and, with
-    ``sweep``, other tokens per program and warps (16 tokens and 4 warps: the first default). One jitted call runs ``calls`` selections (a bias each), as a step runs one per MoE layer, so the
-    row is the device's time per selection rather than the host's dispatch of a microsecond kernel. A row whose
+    ``sweep``, other tokens per program and warps (16 tokens and 4 warps: the first default). One jitted call runs
+    ``calls`` selections (a bias each), as a step runs one per MoE layer, so the row is the device's time per
+    selection rather than the host's dispatch of a microsecond kernel. A row whose
     experts differ from the reference's is marked MISMATCH (the weights may differ by an ulp: XLA's GPU division is
     not correctly rounded). Floor: one read of the scores (4 bytes a value)."""
     from dijax.kernels import router
@@ -562,9 +567,6 @@ def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: 
         configs += [(f"pallas block_tokens={b} warps={w}", router.RouterConfig(block_tokens=b, warps=w))
                     for b, w in ((16, 4), (1, 2), (1, 4), (2, 2), (4, 4), (8, 4), (16, 8))]
 
-    def repeated(select):
-        return jax.jit(lambda s, *biases: [select(s, b) for b in biases])
-
     out = []
     for t in tokens:
         key1, key2 = jax.random.split(jax.random.key(t))
@@ -572,13 +574,13 @@ def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: 
         biases = list(jax.random.normal(key2, (calls, n_experts), jnp.float32) * 0.01)
         shape, floor_bytes = f"T={t}, top {n_active} of {n_experts}", t * n_experts * 4
         ref = repeated(lambda s, b: router.route_reference(s, b, n_active, True, 2.5))
-        want = [e for _, e in ref(scores, *biases)]
-        base = time_call(ref, scores, *biases, **timing) / calls
+        want = [e for _, e in ref(scores, biases)]
+        base = time_call(ref, scores, biases, **timing) / calls
         out.append(_row("router", shape, "reference (XLA)", base, floor_bytes, None))
         for name, config in configs:
             fn = repeated(lambda s, b, config=config: router.route_pallas(s, b, n_active, True, 2.5, config=config))
-            same = all(bool(jnp.array_equal(e, w)) for (_, e), w in zip(fn(scores, *biases), want))
-            seconds = time_call(fn, scores, *biases, **timing) / calls
+            same = all(bool(jnp.array_equal(e, w)) for (_, e), w in zip(fn(scores, biases), want))
+            seconds = time_call(fn, scores, biases, **timing) / calls
             out.append(_row("router", shape, name + ("" if same else " MISMATCH"), seconds, floor_bytes, base))
     return out
 

@@ -86,8 +86,8 @@ def route_reference(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, norm
 
 
 def block_tokens(t: int, config: RouterConfig = RouterConfig()) -> int:
-    """Tokens per program for t tokens: the power of two >= t, at most ``config.block_tokens`` (a decode step of
-    one token holds one row of E scores, not 16)."""
+    """Tokens per program for t tokens: the power of two >= t, at most ``config.block_tokens`` (so a tiling of
+    several tokens still gives a one-token step one row of E scores)."""
     return int(min(config.block_tokens, pl.next_power_of_2(max(t, 1))))
 
 
