@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.kernels.sparse_attn import (SparseAttnConfig, sparse_attn, sparse_attn_pallas, sparse_attn_reference)
+from dijax.kernels.sparse_attn import (SparseAttnConfig, _num_splits, sparse_attn, sparse_attn_pallas,
+                                      sparse_attn_reference)
 
 H, K = 16, 64
 
@@ -50,12 +51,13 @@ def test_ragged_list_lengths(length):
     assert_close(got, want)
 
 
-def test_empty_rows_and_all_minus_one_lists_give_zero():
+@pytest.mark.parametrize("splits", [1, 3])  # 1: the kernel adds the sink and divides itself
+def test_empty_rows_and_all_minus_one_lists_give_zero(splits):
     q, sources, idx, sink = problem(5, 150, (40, 7), seed=2)
     idx[1] = -1
     idx[3, :] = -1
     idx[4, :140] = -1  # the only valid entries sit in the last split
-    got, want = run_both(q, sources, idx, sink, SparseAttnConfig(num_splits=3))
+    got, want = run_both(q, sources, idx, sink, SparseAttnConfig(num_splits=splits))
     assert (got[1] == 0).all() and (got[3] == 0).all()
     assert np.abs(got[4]).max() > 0
     assert_close(got, want)
@@ -105,3 +107,14 @@ def test_dispatcher_and_errors():
         sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, K ** -0.5, config=SparseAttnConfig(block_h=6))
     with pytest.raises(ValueError, match="kv_sources"):
         sparse_attn_pallas(q, sources * 4, jnp.asarray(idx), sink, K ** -0.5)
+
+
+@pytest.mark.parametrize("programs,blocks,want", [(1, 10, 10), (16, 10, 5), (64, 10, 2), (65, 10, 2), (66, 10, 2),
+                                                  (67, 10, 1), (256, 10, 1), (8192, 128, 1), (1, 200, 100)])
+def test_splits_fill_one_wave_with_equal_blocks(programs, blocks, want):
+    # as many splits as one wave of 132 programs holds, then the fewest with the same blocks a split
+    splits = _num_splits(SparseAttnConfig(), programs, blocks)
+    assert splits == want
+    assert programs * splits <= 132 or splits == 1
+    per_split = -(-blocks // splits)
+    assert (splits - 1) * per_split < blocks  # no split is padding only

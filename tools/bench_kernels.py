@@ -195,7 +195,9 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
                     ("pallas h32", sa.SparseAttnConfig(block_h=32, num_warps=4)),
                     ("pallas h16", sa.SparseAttnConfig(block_h=16, num_warps=4)),
                     ("pallas 1 block/program", sa.SparseAttnConfig(num_splits=1 << 20)),
-                    ("pallas 2x programs", sa.SparseAttnConfig(target_programs=528))]
+                    ("pallas 2 waves", sa.SparseAttnConfig(wave_programs=264)),
+                    ("pallas warps16", sa.SparseAttnConfig(num_warps=16))]
+        configs += [(f"pallas {n} split{'s' * (n > 1)}", sa.SparseAttnConfig(num_splits=n)) for n in (1, 2, 3)]
     scale = dim ** -0.5
     out = []
     for batch in batches:

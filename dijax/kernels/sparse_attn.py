@@ -12,7 +12,9 @@ The kernel (flash-decoding): one program per (token, head group, split of the in
 the same blocks of 64, gathers each block's latent rows once for all heads of its group (the masked load reads only
 the source a row lives in), and keeps the reference's fp32 online softmax with the bf16 P cast relative to the
 split's running max. The splits' partial sums are merged in fp32 outside the kernel, where the sink joins the
-denominator. With one split this is the reference's computation block for block; with several, each split's P is
+denominator. With one split (a program holds a whole list: prefill, and batches of more than half
+``wave_programs`` tokens) the kernel adds the sink, divides and writes the bf16 output itself, so no fp32 partials
+go through memory. With one split this is the reference's computation block for block; with several, each split's P is
 rounded relative to its own running max instead of the global one (the same bf16 rounding, at other points), and
 the QK and PV products accumulate in another order than the reference's fp32 einsums.
 
@@ -31,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode
+from dijax.kernels.division import div_rn
 from dijax.kernels.numerics import divide
 
 BLOCK = 64
@@ -98,8 +101,12 @@ class SparseAttnConfig:
     """Tiling of ``sparse_attn_pallas``.
 
     block_h: heads per program (a power of two dividing H; every head group re-gathers the rows, from L2);
-    num_splits: programs per (token, head group) along the index list, None = enough for ``target_programs``;
-    target_programs: programs to aim for when choosing num_splits (about two per multiprocessor on an H200);
+    num_splits: programs per (token, head group) along the index list, None = as many as fit in
+    ``wave_programs``;
+    wave_programs: programs that run at once. A program holds a multiprocessor's whole register file (255
+    registers x 8 warps), so an H200 runs 132 at a time and a grid past that runs in waves. The splits are chosen
+    to fill one wave: more would add a wave and the fp32 partials' traffic (on the H200 at batch 64, 2 splits
+    83.9 us against 124.9 us at 5, twenty-fifth session; at batch 256 1 split 260.5 us against 307.0 at 2);
     num_warps / num_stages: Triton launch parameters. More than one stage lets Triton pipeline the row gathers
     through shared memory, which at 64 heads x 512 dims asks for ~384 KB, over the H200's 227 KB.
 
@@ -110,15 +117,14 @@ class SparseAttnConfig:
 
     block_h: int = 64
     num_splits: int | None = None
-    target_programs: int = 264
+    wave_programs: int = 132
     num_warps: int = 8
     num_stages: int = 1
 
 
-def _split_kernel(idx_ref, q_ref, *refs, sizes: tuple[int, ...], split_len: int, list_len: int, scale: float):
-    """One (token, head group, split): partial online-softmax sums over the split's blocks of 64 indices."""
-    src_refs = refs[:len(sizes)]
-    acc_ref, max_ref, den_ref = refs[len(sizes):]
+def _attend(idx_ref, q_ref, src_refs, *, sizes: tuple[int, ...], split_len: int, list_len: int, scale: float):
+    """One (token, head group, split): the online-softmax sums (acc [h, K], denominator [h], running max [h]) over
+    the split's blocks of 64 indices, without the sink."""
     t, split = pl.program_id(0), pl.program_id(2)
     q_hK = q_ref[...]
     block_h, k = q_hK.shape
@@ -151,16 +157,30 @@ def _split_kernel(idx_ref, q_ref, *refs, sizes: tuple[int, ...], split_len: int,
 
     init = (jnp.zeros((block_h, k), jnp.float32), jnp.zeros((block_h,), jnp.float32),
             jnp.full((block_h,), -1e30, jnp.float32))
-    acc_hK, den_h, max_h = jax.lax.fori_loop(0, split_len // BLOCK, block, init)
-    acc_ref[...] = acc_hK
-    max_ref[...] = max_h
-    den_ref[...] = den_h
+    return jax.lax.fori_loop(0, split_len // BLOCK, block, init)
+
+
+def _split_kernel(idx_ref, q_ref, *refs, sizes: tuple[int, ...], **walk):
+    """Several splits: each (token, head group, split) writes its partial sums, merged outside the kernel."""
+    acc_ref, max_ref, den_ref = refs[len(sizes):]
+    acc_ref[...], den_ref[...], max_ref[...] = _attend(idx_ref, q_ref, refs[:len(sizes)], sizes=sizes, **walk)
+
+
+def _whole_kernel(idx_ref, q_ref, sink_ref, *refs, sizes: tuple[int, ...], interpret: bool, **walk):
+    """One split: the program holds its token's whole list, so it adds the sink to the denominator and writes the
+    bf16 output itself (the merge's weights would all be exp(0) = 1): no fp32 partials, no merge pass."""
+    out_ref = refs[len(sizes)]
+    acc_hK, den_h, max_h = _attend(idx_ref, q_ref, refs[:len(sizes)], sizes=sizes, **walk)
+    den_h = den_h + jnp.exp(sink_ref[...] - max_h)
+    out_ref[...] = div_rn(acc_hK, jnp.broadcast_to(den_h[:, None], acc_hK.shape), interpret).astype(out_ref.dtype)
 
 
 def _num_splits(config: SparseAttnConfig, programs: int, blocks: int) -> int:
-    if config.num_splits is not None:
-        return max(1, min(config.num_splits, blocks))
-    return max(1, min(blocks, -(-config.target_programs // programs)))
+    """Splits of a list of ``blocks`` blocks for ``programs`` (token, head group) pairs: ``config.num_splits``, or
+    as many as fit in one wave; then the fewest that give each split the same number of blocks (no empty split)."""
+    splits = config.num_splits if config.num_splits is not None else config.wave_programs // programs
+    splits = max(1, min(splits, blocks))
+    return -(-blocks // -(-blocks // splits))
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "config", "interpret"))
@@ -193,22 +213,29 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)
     interpret = interpret_mode(interpret)
-    kernel = functools.partial(_split_kernel, sizes=tuple(src.shape[0] for src in kv_sources), split_len=split_len,
-                               list_len=list_len, scale=float(np.float32(softmax_scale)))
-    acc_TShK, max_TSh, den_TSh = pl.pallas_call(
-        kernel,
-        grid=(t, groups, splits),
-        in_specs=[pl.no_block_spec, pl.BlockSpec((None, block_h, k), lambda i, g, s: (i, g, 0))]
-        + [pl.no_block_spec] * len(kv_sources),
+    walk = dict(sizes=tuple(src.shape[0] for src in kv_sources), split_len=split_len, list_len=list_len,
+                scale=float(np.float32(softmax_scale)))
+    call = functools.partial(pl.pallas_call, grid=(t, groups, splits), interpret=interpret, name="sparse_attn",
+                             compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                                                     num_stages=config.num_stages))
+    q_spec = pl.BlockSpec((None, block_h, k), lambda i, g, s: (i, g, 0))
+    sources_specs = [pl.no_block_spec] * len(kv_sources)
+    if splits == 1:
+        return call(
+            functools.partial(_whole_kernel, interpret=interpret, **walk),
+            in_specs=[pl.no_block_spec, q_spec, pl.BlockSpec((block_h,), lambda i, g, s: (g,))] + sources_specs,
+            out_specs=pl.BlockSpec((None, block_h, k), lambda i, g, s: (i, g, 0)),
+            out_shape=jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
+        )(idx_TL.reshape(-1), q_THK, sink_H.astype(jnp.float32), *kv_sources)
+    acc_TShK, max_TSh, den_TSh = call(
+        functools.partial(_split_kernel, **walk),
+        in_specs=[pl.no_block_spec, q_spec] + sources_specs,
         out_specs=[pl.BlockSpec((None, None, block_h, k), lambda i, g, s: (i, s, g, 0)),
                    pl.BlockSpec((None, None, block_h), lambda i, g, s: (i, s, g)),
                    pl.BlockSpec((None, None, block_h), lambda i, g, s: (i, s, g))],
         out_shape=[jax.ShapeDtypeStruct((t, splits, h, k), jnp.float32),
                    jax.ShapeDtypeStruct((t, splits, h), jnp.float32),
                    jax.ShapeDtypeStruct((t, splits, h), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="sparse_attn",
     )(idx_TL.reshape(-1), q_THK, *kv_sources)
     running_max = jnp.max(max_TSh, axis=1)
     weight_TSh = jnp.exp(max_TSh - running_max[:, None, :])

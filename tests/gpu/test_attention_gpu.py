@@ -77,6 +77,7 @@ def decode_problem(batch: int, seed: int, pool_rows_per_seq: int = 1024):
 
 
 @pytest.mark.parametrize("batch,config", [(1, SparseAttnConfig()), (64, SparseAttnConfig()),
+                                          (64, SparseAttnConfig(num_splits=1)), (64, SparseAttnConfig(num_splits=5)),
                                           (5, SparseAttnConfig(block_h=32, num_splits=1, num_warps=4))])
 def test_sparse_attn_pallas_matches_reference(batch, config):
     q, sources, idx, sink = decode_problem(batch, seed=batch)
