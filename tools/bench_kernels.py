@@ -190,13 +190,9 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     from dijax.kernels import sparse_attn as sa
 
     configs = [("pallas", sa.SparseAttnConfig())]
-    if sweep:
-        configs += [("pallas warps4", sa.SparseAttnConfig(num_warps=4)),
-                    ("pallas h32", sa.SparseAttnConfig(block_h=32, num_warps=4)),
-                    ("pallas h16", sa.SparseAttnConfig(block_h=16, num_warps=4)),
-                    ("pallas 1 block/program", sa.SparseAttnConfig(num_splits=1 << 20)),
-                    ("pallas 2 waves", sa.SparseAttnConfig(wave_programs=264)),
-                    ("pallas warps16", sa.SparseAttnConfig(num_warps=16))]
+    if sweep:  # (twenty-fifth session: 4 or 16 warps and 32 or 16 heads a program were 1.4-40x slower at B >= 64)
+        configs += [("pallas 1 block/program", sa.SparseAttnConfig(num_splits=1 << 20)),
+                    ("pallas 2 waves", sa.SparseAttnConfig(wave_programs=264))]
         configs += [(f"pallas {n} split{'s' * (n > 1)}", sa.SparseAttnConfig(num_splits=n)) for n in (1, 2, 3)]
     scale = dim ** -0.5
     out = []
@@ -219,11 +215,13 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         want = ref_fn(q, sources, idx, sink)
         base = time_call(ref_fn, q, sources, idx, sink, **timing)
         out.append(_row("sparse_attn", shape, "reference (XLA)", base, floor_bytes, None))
-        for name, config in configs:
+        one = (jnp.concatenate(sources),)
+        for name, config in configs + [("pallas 1 source", sa.SparseAttnConfig())] * sweep:
+            srcs = one if name.endswith("1 source") else sources
             try:
                 fn = jax.jit(lambda q, s, i, k, c=config: sa.sparse_attn_pallas(q, s, i, k, scale, config=c))
-                err = float(jnp.max(jnp.abs(fn(q, sources, idx, sink).astype(jnp.float32) - want.astype(jnp.float32))))
-                seconds = time_call(fn, q, sources, idx, sink, **timing)
+                err = float(jnp.max(jnp.abs(fn(q, srcs, idx, sink).astype(jnp.float32) - want.astype(jnp.float32))))
+                seconds = time_call(fn, q, srcs, idx, sink, **timing)
                 out.append(_row("sparse_attn", shape, f"{name} (max err {err:.1e})", seconds, floor_bytes, base))
             except Exception as exc:  # one failing tiling must not hide the others' rows
                 print(f"sparse_attn {name} at B={batch} failed: {type(exc).__name__}: {str(exc)[:400]}")
