@@ -238,7 +238,7 @@ def topk_positions(score_TP: jax.Array, visible_T: jax.Array, k: int, *, impl: s
     all when the row has at most k positions). ``impl`` picks the top-k implementation (all give the same set).
     """
     t, width = score_TP.shape
-    if width <= k:  # every position is a pick (the reference pads the row with -inf to k)
+    if width < k:  # every position is a pick (the reference pads the row with -inf to k; topk_ascending takes k = P)
         ordered = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (t, k))
     else:
         ordered = topk_ascending(score_TP, k, impl=impl)
