@@ -110,9 +110,10 @@ class SparseAttnConfig:
     num_warps / num_stages: Triton launch parameters. More than one stage lets Triton pipeline the row gathers
     through shared memory, which at 64 heads x 512 dims asks for ~384 KB, over the H200's 227 KB.
 
-    At 64 heads x 512 dims ptxas spills 428 bytes a thread (tools/kernel_report.py). Splitting the output dims
-    across programs removes the spill (128 dims a program) but re-gathers the rows and recomputes the scores per
-    part: on the H200 it was 1.1-1.9x slower at batch 64 / 256 (docs/benchmarks.md, ninth session), so it is gone.
+    At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
+    (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
+    output dims across programs re-gathers the rows and recomputes the scores per part: on the H200 it was 1.1-1.9x
+    slower at batch 64 / 256 (docs/benchmarks.md, ninth session), so it is gone.
     """
 
     block_h: int = 64
