@@ -14,9 +14,9 @@ the source a row lives in), and keeps the reference's fp32 online softmax with t
 split's running max. The splits' partial sums are merged in fp32 outside the kernel, where the sink joins the
 denominator. With one split (a program holds a whole list: prefill, and batches of more than half
 ``wave_programs`` tokens) the kernel adds the sink, divides and writes the bf16 output itself, so no fp32 partials
-go through memory. With one split this is the reference's computation block for block; with several, each split's P is
-rounded relative to its own running max instead of the global one (the same bf16 rounding, at other points), and
-the QK and PV products accumulate in another order than the reference's fp32 einsums.
+go through memory. With one split this is the reference's computation block for block; with several, each split's
+P is rounded relative to its own running max instead of the global one (the same bf16 rounding, at other points),
+and the QK and PV products accumulate in another order than the reference's fp32 einsums.
 
 Letters: T query tokens, H heads, K head dim, L list length, N rows of a KV source, S splits of the list.
 """
@@ -103,7 +103,7 @@ class SparseAttnConfig:
     block_h: heads per program (a power of two dividing H; every head group re-gathers the rows, from L2);
     num_splits: programs per (token, head group) along the index list, None = as many as fit in
     ``wave_programs``;
-    wave_programs: programs that run at once. A program holds a multiprocessor's whole register file (255
+    wave_programs: programs that run at once. A program holds a multiprocessor's whole register file (254
     registers x 8 warps), so an H200 runs 132 at a time and a grid past that runs in waves. The splits are chosen
     to fill one wave: more would add a wave and the fp32 partials' traffic (on the H200 at batch 64, 2 splits
     83.9 us against 124.9 us at 5, twenty-fifth session; at batch 256 1 split 260.5 us against 307.0 at 2);
