@@ -181,13 +181,14 @@ def _topk_stage_rows(score, k: int, **timing) -> list[dict]:
 
 
 def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, heads: int = 64, dim: int = 512,
-                     pool_rows_per_seq: int = 4096, sweep: bool = False, **timing) -> list[dict]:
+                     pool_rows_per_seq: int = 4096, sweep: bool = False, reps: int = 4, **timing) -> list[dict]:
     """Decode sparse attention with the sink: the jnp reference against the Pallas kernel.
 
     Each token lists ``window`` rows (ring and its new row) and ``topk`` compressed rows of its own sequence, from
-    three sources. Floor: the gathered bf16 rows (T x (window + topk) x dim x 2 bytes). ``sweep`` adds splits
-    variants and the default kernel over one source (the three concatenated outside the timing: what the sources'
-    masked loads cost).
+    three sources. ``reps`` steps' queries and lists run in one executable (``repeated``): at B=1 one jitted call
+    a step timed the host's dispatch, not the kernel (49-82 us from run to run, twenty-fifth session). Floor: the
+    gathered bf16 rows (T x (window + topk) x dim x 2 bytes). ``sweep`` adds splits variants and the default
+    kernel over one source (the three concatenated outside the timing: what the sources' masked loads cost).
     """
     from dijax.kernels import sparse_attn as sa
 
@@ -196,34 +197,39 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         configs += [("pallas 1 block/program", sa.SparseAttnConfig(num_splits=1 << 20)),
                     ("pallas 2 waves", sa.SparseAttnConfig(wave_programs=264))]
         configs += [(f"pallas {n} split{'s' * (n > 1)}", sa.SparseAttnConfig(num_splits=n)) for n in (1, 2, 3)]
-        configs += [("pallas 1 source", sa.SparseAttnConfig())]
+        # one source: what the sources' masked loads cost; at 2 stages Triton pipelines its gathers through shared
+        # memory (cp.async in the sm_90 build: a 64 KB row block a stage beside the queries, 192 KB)
+        configs += [("pallas 1 source", sa.SparseAttnConfig()),
+                    ("pallas 1 source 2 stages", sa.SparseAttnConfig(num_stages=2))]
     scale = dim ** -0.5
     out = []
     for batch in batches:
-        keys = jax.random.split(jax.random.key(batch), 6)
-        q = jax.random.normal(keys[0], (batch, heads, dim), jnp.bfloat16)
-        ring = jax.random.normal(keys[1], (batch * window, dim), jnp.bfloat16)
-        new = jax.random.normal(keys[2], (batch, dim), jnp.bfloat16)
-        pool = jax.random.normal(keys[3], (batch * pool_rows_per_seq, dim), jnp.bfloat16)
+        keys = jax.random.split(jax.random.key(batch), 4 + 2 * reps)
+        ring = jax.random.normal(keys[0], (batch * window, dim), jnp.bfloat16)
+        new = jax.random.normal(keys[1], (batch, dim), jnp.bfloat16)
+        pool = jax.random.normal(keys[2], (batch * pool_rows_per_seq, dim), jnp.bfloat16)
+        sink = jax.random.normal(keys[3], (heads,), jnp.float32)
         seq = jnp.arange(batch, dtype=jnp.int32)[:, None]
         ring_idx = seq * window + jnp.arange(window - 1, dtype=jnp.int32)[None, :]
-        comp = jnp.sort(jax.random.randint(keys[4], (batch, topk), 0, pool_rows_per_seq), axis=1)
-        idx = jnp.concatenate([ring_idx, batch * window + seq, batch * window + batch + seq * pool_rows_per_seq
-                               + comp], axis=1).astype(jnp.int32)
-        sink = jax.random.normal(keys[5], (heads,), jnp.float32)
+        qs, idxs = [], []
+        for r in range(reps):  # each step its own queries and compressed rows
+            qs.append(jax.random.normal(keys[4 + 2 * r], (batch, heads, dim), jnp.bfloat16))
+            comp = jnp.sort(jax.random.randint(keys[5 + 2 * r], (batch, topk), 0, pool_rows_per_seq), axis=1)
+            idxs.append(jnp.concatenate([ring_idx, batch * window + seq, batch * window + batch
+                                         + seq * pool_rows_per_seq + comp], axis=1).astype(jnp.int32))
         sources = (ring, new, pool)
         floor_bytes = batch * (window + topk) * dim * 2
         shape = f"B={batch}, {window + topk} rows x {dim}, {heads} heads"
-        ref_fn = jax.jit(lambda q, s, i, k: sa.sparse_attn_reference(q, s, i, k, scale))
-        want = ref_fn(q, sources, idx, sink)
-        base = time_call(ref_fn, q, sources, idx, sink, **timing)
+        ref_fn = repeated(lambda x, q, i: sa.sparse_attn_reference(q, x[0], i, x[1], scale))
+        want = np.asarray(ref_fn((sources, sink), qs, idxs)[0], np.float32)
+        base = time_call(ref_fn, (sources, sink), qs, idxs, **timing) / reps
         out.append(_row("sparse_attn", shape, "reference (XLA)", base, floor_bytes, None))
         for name, config in configs:
-            srcs = (jnp.concatenate(sources),) if name.endswith("1 source") else sources
+            srcs = (jnp.concatenate(sources),) if "1 source" in name else sources
             try:
-                fn = jax.jit(lambda q, s, i, k, c=config: sa.sparse_attn_pallas(q, s, i, k, scale, config=c))
-                err = float(jnp.max(jnp.abs(fn(q, srcs, idx, sink).astype(jnp.float32) - want.astype(jnp.float32))))
-                seconds = time_call(fn, q, srcs, idx, sink, **timing)
+                fn = repeated(lambda x, q, i, c=config: sa.sparse_attn_pallas(q, x[0], i, x[1], scale, config=c))
+                err = float(np.abs(np.asarray(fn((srcs, sink), qs, idxs)[0], np.float32) - want).max())
+                seconds = time_call(fn, (srcs, sink), qs, idxs, **timing) / reps
                 out.append(_row("sparse_attn", shape, f"{name} (max err {err:.1e})", seconds, floor_bytes, base))
             except Exception as exc:  # one failing tiling must not hide the others' rows
                 print(f"sparse_attn {name} at B={batch} failed: {type(exc).__name__}: {str(exc)[:400]}")
