@@ -10,7 +10,7 @@ import pytest
 
 from dijax.kernels.sinkhorn import split
 from dijax.model import hc
-from dijax.model.layers import matmul_f32, matmul_f32_weight
+from dijax.model.layers import LARGE_STEP_TOKENS, matmul_f32, matmul_f32_weight
 
 BF16 = ml_dtypes.bfloat16
 T, C, D = 5, 4, 64
@@ -194,9 +194,9 @@ def test_matmul_f32_weight_sums_exact_products():
 
 
 def test_mixes_of_many_tokens_match_float64(inputs):
-    # from SPLIT_FROM_TOKENS tokens the projection is the split bf16 GEMM: the same results to fp32 rounding
+    # in a large step the projection is the split bf16 GEMM: the same results to fp32 rounding
     rng = np.random.default_rng(11)
-    x = rng.standard_normal((hc.SPLIT_FROM_TOKENS, C, D)).astype(BF16)
+    x = rng.standard_normal((LARGE_STEP_TOKENS, C, D)).astype(BF16)
     args = [inputs[k] for k in ("fn_MX", "scale_3", "base_M")]
     got = hc.mixes(jnp.asarray(x), *(jnp.asarray(a) for a in args), C, ITERS, EPS, NORM_EPS)
     want = np_mixes(x, *args, C, ITERS, EPS, NORM_EPS)

@@ -26,7 +26,7 @@ def np_rope(x, pos, freqs, inverse=False):
     return out.astype(BF16)
 
 
-@pytest.mark.parametrize("tokens", [5, layers.ROPE_IN_PLACE_FROM])  # the concatenation, the in-place update
+@pytest.mark.parametrize("tokens", [5, layers.LARGE_STEP_TOKENS])  # the concatenation, the in-place update
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_rotates_only_the_tail(tokens, inverse):
     rng = np.random.default_rng(tokens)
@@ -45,7 +45,7 @@ def test_rope_forms_agree_bit_for_bit(monkeypatch):
     x = jnp.asarray(rng.standard_normal((64, 2, K)).astype(BF16))
     pos = jnp.arange(64, dtype=jnp.int32) * 37
     concatenated = np.asarray(layers.rope(x, pos, FREQS))
-    monkeypatch.setattr(layers, "ROPE_IN_PLACE_FROM", 1)
+    monkeypatch.setattr(layers, "LARGE_STEP_TOKENS", 1)
     np.testing.assert_array_equal(np.asarray(layers.rope(x, pos, FREQS)), concatenated)
 
 

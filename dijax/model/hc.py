@@ -10,23 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dijax.model.layers import matmul_f32, matmul_f32_weight, param
+from dijax.model.layers import large_step, matmul_f32, matmul_f32_weight, param
 from dijax.kernels import sinkhorn
 from dijax.kernels.numerics import mean, sum_in_order
-
-# From this many tokens ``mixes`` projects bf16 streams with ``matmul_f32_weight`` (no fp32 copy of x, one bf16
-# GEMM); below it, the fp32 GEMM, whose copy is small and which needs no kernel to split the weight every step.
-SPLIT_FROM_TOKENS = 256
 
 
 def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
           hc_eps: float, norm_eps: float, sinkhorn_impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection (from
-    ``SPLIT_FROM_TOKENS`` tokens ``matmul_f32_weight``, equal up to fp32 rounding), then the split into
+    """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection (in a ``large_step``
+    ``matmul_f32_weight`` of the bf16 streams, equal up to fp32 rounding; else the fp32 GEMM, whose copy is small
+    and which needs no kernels to split the weight), then the split into
     (pre [T, C], post [T, C], comb [T, C, C]) float32 (``dijax.kernels.sinkhorn.split``, by ``sinkhorn_impl``)."""
     flat = x_TCD.reshape(x_TCD.shape[0], -1)
     rsqrt = jax.lax.rsqrt(mean(jnp.square(flat.astype(jnp.float32))) + np.float32(norm_eps))
-    if flat.dtype == jnp.bfloat16 and flat.shape[0] >= SPLIT_FROM_TOKENS:
+    if flat.dtype == jnp.bfloat16 and large_step(flat.shape[0]):
         projected = matmul_f32_weight(flat, fn_MX)
     else:
         projected = matmul_f32(flat.astype(jnp.float32), fn_MX)

@@ -223,11 +223,19 @@ def rope_frequencies(rope_dim: int, base: float, original_seq_len: int, factor: 
     return freqs
 
 
-# From this many tokens ``rope`` writes the rotated tail into x (an in-place update: XLA touches only those columns
-# when x dies there); below it, a concatenation, which fuses into rope's consumer. On the H200 (twenty-fourth
-# session) the concatenation rewrote every column of prefill 8192's q and o, 14 copies of [8192, 64, 512] and
-# 5.5 ms a step, while the update at every size added 11 launches to flash-slice decode at batch 1.
-ROPE_IN_PLACE_FROM = 256
+# Steps of this many tokens or more take the forms that avoid a full-size copy of an activation; smaller steps
+# (decode) take the forms that fuse into their neighbours, where a copy is small and an extra launch is not.
+# ``rope`` writes the rotated tail into x in place instead of concatenating: on the H200 (twenty-fourth session)
+# the concatenation rewrote every column of prefill 8192's q and o (14 copies of [8192, 64, 512], 5.5 ms a step),
+# while the update at every size added 11 launches to flash-slice decode at batch 1. The hyper-connections'
+# projection (``hc.mixes``) takes bf16 x against the weight's exact bf16 parts (``matmul_f32_weight``) instead of
+# an fp32 copy of x and an fp32 GEMM.
+LARGE_STEP_TOKENS = 256
+
+
+def large_step(tokens: int) -> bool:
+    """Whether a step of ``tokens`` tokens takes the copy-avoiding forms (``LARGE_STEP_TOKENS``)."""
+    return tokens >= LARGE_STEP_TOKENS
 
 
 def rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, inverse: bool = False) -> jax.Array:
@@ -246,6 +254,6 @@ def rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, inverse: bool = 
     tail = x[..., -rd:].astype(jnp.float32).reshape(*x.shape[:-1], rd // 2, 2)
     a, b = tail[..., 0], tail[..., 1]
     rotated = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], rd)
-    if x.shape[0] >= ROPE_IN_PLACE_FROM:
+    if large_step(x.shape[0]):
         return x.at[..., -rd:].set(rotated.astype(x.dtype))
     return jnp.concatenate([x[..., :-rd], rotated.astype(x.dtype)], axis=-1)
