@@ -118,3 +118,34 @@ def test_splits_fill_one_wave_with_equal_blocks(programs, blocks, want):
     assert programs * splits <= 132 or splits == 1
     per_split = -(-blocks // splits)
     assert (splits - 1) * per_split < blocks  # no split is padding only
+
+
+def first_problem(t: int, n0: int, n1: int, firsts: list[int], length: int, seed: int):
+    """Lists whose lanes below first[t] index source 0 and the rest source 1 (some -1), as attend_lists builds."""
+    q, sources, _, sink = problem(t, 1, (n0, n1), seed=seed)
+    rng = np.random.default_rng(seed)
+    lane = np.arange(length)[None, :]
+    first = np.asarray(firsts, np.int32)[:, None]
+    idx = np.where(lane < first, rng.integers(0, n0, (t, length)), n0 + rng.integers(0, n1, (t, length)))
+    idx[rng.random(idx.shape) < 0.2] = -1
+    return q, sources, idx.astype(np.int32), sink, jnp.asarray(firsts, jnp.int32)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_first_T_walk_equals_the_general_walk(splits):
+    # the blocks below first_T read source 0 alone, those above it source 1 alone, the one it cuts both: the
+    # general walk's bits, wherever the boundary falls (none, a block's edge, inside a block, in any split)
+    firsts = [0, 1, 37, 64, 100, 128, 200, 320]
+    q, sources, idx, sink, first_T = first_problem(len(firsts), 40, 300, firsts, 320, seed=7)
+    config = SparseAttnConfig(num_splits=splits)
+    general = sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, K ** -0.5, config=config)
+    split_walk = sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, K ** -0.5, first_T=first_T, config=config)
+    np.testing.assert_array_equal(np.asarray(split_walk, np.float32), np.asarray(general, np.float32))
+
+
+def test_first_T_needs_two_sources_and_a_width_a_token():
+    q, sources, idx, sink = problem(2, 130, (20, 30), seed=8)
+    with pytest.raises(ValueError, match=r"first_T needs 2 kv_sources and shape \(2,\)"):
+        sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, K ** -0.5, first_T=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="first_T needs 2 kv_sources"):
+        sparse_attn_pallas(q, sources[:1], jnp.asarray(idx), sink, K ** -0.5, first_T=jnp.zeros((2,), jnp.int32))

@@ -187,8 +187,10 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     Each token lists ``window`` rows (ring and its new row) and ``topk`` compressed rows of its own sequence, from
     three sources. ``reps`` steps' queries and lists run in one executable (``repeated``): at B=1 one jitted call
     a step timed the host's dispatch, not the kernel (49-82 us from run to run, twenty-fifth session). Floor: the
-    gathered bf16 rows (T x (window + topk) x dim x 2 bytes). ``sweep`` adds splits variants and the default
-    kernel over one source (the three concatenated outside the timing: what the sources' masked loads cost).
+    gathered bf16 rows (T x (window + topk) x dim x 2 bytes). "window + pool" is the model's layout
+    (``attention.attend_lists``: ring and new rows concatenated outside the timing, first_T = window).
+    ``sweep`` adds splits variants and the kernel over one source (all three concatenated: what the sources'
+    masked loads cost), each layout at 1 stage too.
     """
     from dijax.kernels import sparse_attn as sa
 
@@ -197,10 +199,12 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         configs += [("pallas 1 block/program", sa.SparseAttnConfig(num_splits=1 << 20)),
                     ("pallas 2 waves", sa.SparseAttnConfig(wave_programs=264))]
         configs += [(f"pallas {n} split{'s' * (n > 1)}", sa.SparseAttnConfig(num_splits=n)) for n in (1, 2, 3)]
-        # one source: what the sources' masked loads cost; at 2 stages Triton pipelines its gathers through shared
-        # memory (cp.async in the sm_90 build: a 64 KB row block a stage beside the queries, 192 KB)
+        # one source (2 stages by default: pipelined gathers) and one source at 1 stage; the model's layout
+        # (``attend_lists``: the window rows as one source, the pool from lane first_T) at 1 stage (2 by default)
         configs += [("pallas 1 source", sa.SparseAttnConfig()),
-                    ("pallas 1 source 2 stages", sa.SparseAttnConfig(num_stages=2))]
+                    ("pallas 1 source 1 stage", sa.SparseAttnConfig(num_stages=1)),
+                    ("pallas window + pool 1 stage", sa.SparseAttnConfig(num_stages=1))]
+    configs += [("pallas window + pool", sa.SparseAttnConfig())]
     scale = dim ** -0.5
     out = []
     for batch in batches:
@@ -225,9 +229,14 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         base = time_call(ref_fn, (sources, sink), qs, idxs, **timing) / reps
         out.append(_row("sparse_attn", shape, "reference (XLA)", base, floor_bytes, None))
         for name, config in configs:
-            srcs = (jnp.concatenate(sources),) if "1 source" in name else sources
+            srcs, first = sources, None
+            if "1 source" in name:
+                srcs = (jnp.concatenate(sources),)
+            elif "window + pool" in name:
+                srcs, first = (jnp.concatenate(sources[:2]), pool), jnp.full((batch,), window, jnp.int32)
             try:
-                fn = repeated(lambda x, q, i, c=config: sa.sparse_attn_pallas(q, x[0], i, x[1], scale, config=c))
+                fn = repeated(lambda x, q, i, c=config, f=first: sa.sparse_attn_pallas(q, x[0], i, x[1], scale,
+                                                                                        config=c, first_T=f))
                 err = float(np.abs(np.asarray(fn((srcs, sink), qs, idxs)[0], np.float32) - want).max())
                 seconds = time_call(fn, (srcs, sink), qs, idxs, **timing) / reps
                 out.append(_row("sparse_attn", shape, f"{name} (max err {err:.1e})", seconds, floor_bytes, base))

@@ -10,7 +10,8 @@ unscaled; index -1 contributes nothing and a row with no valid index returns 0.
 
 The kernel (flash-decoding): one program per (token, head group, split of the index list). It walks its split in
 the same blocks of 64, gathers each block's latent rows once for all heads of its group (the masked load reads only
-the source a row lives in), and keeps the reference's fp32 online softmax with the bf16 P cast relative to the
+the source a row lives in; told where each token's second source starts, ``first_T``, it walks the blocks on either
+side as one-source loops whose gathers pipeline), and keeps the reference's fp32 online softmax with the bf16 P cast relative to the
 split's running max. The splits' partial sums are merged in fp32 outside the kernel, where the sink joins the
 denominator. With one split (a program holds a whole list: prefill, and batches of more than half
 ``wave_programs`` tokens) the kernel adds the sink, divides and writes the bf16 output itself, so no fp32 partials
@@ -107,8 +108,10 @@ class SparseAttnConfig:
     registers x 8 warps), so an H200 runs 132 at a time and a grid past that runs in waves. The splits are chosen
     to fill one wave: more would add a wave and the fp32 partials' traffic (on the H200 at batch 64, 2 splits
     83.9 us against 124.9 us at 5, twenty-fifth session; at batch 256 1 split 260.5 us against 307.0 at 2);
-    num_warps / num_stages: Triton launch parameters. More than one stage lets Triton pipeline the row gathers
-    through shared memory, which at 64 heads x 512 dims asks for ~384 KB, over the H200's 227 KB.
+    num_warps / num_stages: Triton launch parameters; num_stages None = 2 where each loop of the kernel reads one
+    source (one source, or ``first_T``), else 1. Two stages pipeline the row gathers through shared memory
+    (cp.async): a 64 KB row block a stage and source beside the 64 KB of queries, 192 KB for one source; three
+    sources would need 448 KB, over the H200's 227 KB.
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
@@ -120,24 +123,26 @@ class SparseAttnConfig:
     num_splits: int | None = None
     wave_programs: int = 132
     num_warps: int = 8
-    num_stages: int = 1
+    num_stages: int | None = None
 
 
-def _attend(idx_ref, q_ref, src_refs, *, sizes: tuple[int, ...], split_len: int, list_len: int, scale: float):
+def _attend(idx_ref, first_ref, q_ref, src_refs, *, sizes: tuple[int, ...], split_len: int, list_len: int,
+            scale: float):
     """One (token, head group, split): the online-softmax sums (acc [h, K], denominator [h], running max [h]) over
-    the split's blocks of 64 indices, without the sink."""
+    the split's blocks of 64 indices, without the sink.
+
+    first_ref: None, or (two sources) int32 [T]: the token's lanes below first_ref[t] index only the first source
+    and the rest only the second. Then the blocks below it read the first source alone, the blocks above it the
+    second alone (loops of one load whose gathers Triton pipelines when ``num_stages`` > 1), and the one block
+    across it, if any, reads both. The blocks are the list's, so the sums are the general walk's."""
     t, split = pl.program_id(0), pl.program_id(2)
     q_hK = q_ref[...]
     block_h, k = q_hK.shape
     start = t * list_len + split * split_len
+    col_K = jnp.arange(k, dtype=jnp.int32)[None, :]
 
-    def block(b, carry):
-        acc_hK, den_h, max_h = carry
-        idx_L = idx_ref[pl.ds(start + b * BLOCK, BLOCK)]
-        kv_LK = jnp.zeros((BLOCK, k), q_hK.dtype)
-        col_K = jnp.arange(k, dtype=jnp.int32)[None, :]
-        base = 0
-        for src_ref, n in zip(src_refs, sizes):
+    def rows_from(sources, idx_L, kv_LK):
+        for src_ref, base, n in sources:
             local = idx_L - base
             hit = (local >= 0) & (local < n)
             # a masked lane issues no memory access: each row is read from the one source it lives in
@@ -148,33 +153,53 @@ def _attend(idx_ref, q_ref, src_refs, *, sizes: tuple[int, ...], split_len: int,
             # batch 256 from 264-267 to 167-171 us and prefill 8192 from 194.5 to 182.0 ms; at batch 64 (2 splits)
             # four runs gave 58.5-112.6 us against 84.0-88.4 for the select, so there it is no clear gain
             kv_LK = pltriton.load(src_ref.at[row_L1, col_K], mask=mask_LK, other=kv_LK)
-            base += n
-        s_hL = jax.lax.dot_general(q_hK, kv_LK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        s_hL = jnp.where((idx_L >= 0)[None, :], s_hL, -jnp.inf) * scale
-        new_max = jnp.maximum(max_h, jnp.max(s_hL, axis=1))
-        alpha = jnp.exp(max_h - new_max)
-        p_hL = jnp.exp(s_hL - new_max[:, None])
-        den_h = den_h * alpha + jnp.sum(p_hL, axis=1)
-        pv_hK = jax.lax.dot_general(p_hL.astype(jnp.bfloat16), kv_LK.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-        return acc_hK * alpha[:, None] + pv_hK, den_h, new_max
+        return kv_LK
 
-    init = (jnp.zeros((block_h, k), jnp.float32), jnp.zeros((block_h,), jnp.float32),
-            jnp.full((block_h,), -1e30, jnp.float32))
-    return jax.lax.fori_loop(0, split_len // BLOCK, block, init)
+    def loop_body(sources):
+        def block(b, carry):
+            acc_hK, den_h, max_h = carry
+            idx_L = idx_ref[pl.ds(start + b * BLOCK, BLOCK)]
+            kv_LK = rows_from(sources, idx_L, jnp.zeros((BLOCK, k), q_hK.dtype))
+            s_hL = jax.lax.dot_general(q_hK, kv_LK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s_hL = jnp.where((idx_L >= 0)[None, :], s_hL, -jnp.inf) * scale
+            new_max = jnp.maximum(max_h, jnp.max(s_hL, axis=1))
+            alpha = jnp.exp(max_h - new_max)
+            p_hL = jnp.exp(s_hL - new_max[:, None])
+            den_h = den_h * alpha + jnp.sum(p_hL, axis=1)
+            pv_hK = jax.lax.dot_general(p_hL.astype(jnp.bfloat16), kv_LK.astype(jnp.bfloat16),
+                                        (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            return acc_hK * alpha[:, None] + pv_hK, den_h, new_max
+        return block
+
+    carry = (jnp.zeros((block_h, k), jnp.float32), jnp.zeros((block_h,), jnp.float32),
+             jnp.full((block_h,), -1e30, jnp.float32))
+    blocks = split_len // BLOCK
+    bases = np.cumsum((0,) + sizes)[:-1].tolist()
+    sources = list(zip(src_refs, bases, sizes))
+    if first_ref is None:
+        return jax.lax.fori_loop(0, blocks, loop_body(sources), carry)
+    first = first_ref[t] - split * split_len  # in this split's lanes
+    below = jnp.clip(first // BLOCK, 0, blocks)  # blocks wholly below it
+    across = jnp.clip(-(-first // BLOCK), 0, blocks)  # and the one it cuts
+    carry = jax.lax.fori_loop(0, below, loop_body(sources[:1]), carry)
+    carry = jax.lax.cond(across > below, lambda c: loop_body(sources)(below, c), lambda c: c, carry)
+    return jax.lax.fori_loop(across, blocks, loop_body(sources[1:]), carry)
 
 
-def _split_kernel(idx_ref, q_ref, *refs, sizes: tuple[int, ...], **walk):
+def _split_kernel(idx_ref, *refs, sizes: tuple[int, ...], has_first: bool, **walk):
     """Several splits: each (token, head group, split) writes its partial sums, merged outside the kernel."""
+    first_ref, (q_ref, *refs) = (refs[0], refs[1:]) if has_first else (None, refs)
     acc_ref, max_ref, den_ref = refs[len(sizes):]
-    acc_ref[...], den_ref[...], max_ref[...] = _attend(idx_ref, q_ref, refs[:len(sizes)], sizes=sizes, **walk)
+    acc_ref[...], den_ref[...], max_ref[...] = _attend(idx_ref, first_ref, q_ref, refs[:len(sizes)], sizes=sizes,
+                                                       **walk)
 
 
-def _whole_kernel(idx_ref, q_ref, sink_ref, *refs, sizes: tuple[int, ...], interpret: bool, **walk):
+def _whole_kernel(idx_ref, *refs, sizes: tuple[int, ...], has_first: bool, interpret: bool, **walk):
     """One split: the program holds its token's whole list, so it adds the sink to the denominator and writes the
     bf16 output itself (the merge's weights would all be exp(0) = 1): no fp32 partials, no merge pass."""
+    first_ref, (q_ref, sink_ref, *refs) = (refs[0], refs[1:]) if has_first else (None, refs)
     out_ref = refs[len(sizes)]
-    acc_hK, den_h, max_h = _attend(idx_ref, q_ref, refs[:len(sizes)], sizes=sizes, **walk)
+    acc_hK, den_h, max_h = _attend(idx_ref, first_ref, q_ref, refs[:len(sizes)], sizes=sizes, **walk)
     den_h = den_h + jnp.exp(sink_ref[...] - max_h)
     out_ref[...] = div_rn(acc_hK, jnp.broadcast_to(den_h[:, None], acc_hK.shape), interpret).astype(out_ref.dtype)
 
@@ -189,23 +214,30 @@ def _num_splits(config: SparseAttnConfig, programs: int, blocks: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "config", "interpret"))
 def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
-                       softmax_scale: float, *, config: SparseAttnConfig | None = None,
-                       interpret: bool | None = None) -> jax.Array:
+                       softmax_scale: float, *, first_T: jax.Array | None = None,
+                       config: SparseAttnConfig | None = None, interpret: bool | None = None) -> jax.Array:
     """The Pallas (Triton) kernel with ``sparse_attn_reference``'s signature and semantics.
 
     q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
-    [T, L] (-1 = none); sink_H: float32 [H]. config: tiling (default ``SparseAttnConfig()``); interpret: run the
-    kernel in the Pallas interpreter (default: when the backend is not a GPU). Returns bf16 [T, H, K]. Jitted:
-    the layers of one shape share one trace and lowering.
+    [T, L] (-1 = none); sink_H: float32 [H]. first_T: None, or with two sources int32 [T], the caller's promise that
+    token t's lanes below first_T[t] index only the first source and the rest only the second (``_attend``): the
+    blocks on either side then read one source each. The result does not depend on it while the promise holds.
+    config: tiling (default ``SparseAttnConfig()``);
+    interpret: run the kernel in the Pallas interpreter (default: when the backend is not a GPU). Returns bf16
+    [T, H, K]. Jitted: the layers of one shape share one trace and lowering.
     """
     config = config or SparseAttnConfig()
     if not 1 <= len(kv_sources) <= MAX_SOURCES:
         raise ValueError(f"sparse_attn_pallas: kv_sources must hold 1 to {MAX_SOURCES} arrays, got {len(kv_sources)}")
     t, h, k = q_THK.shape
+    if first_T is not None and (len(kv_sources) != 2 or first_T.shape != (t,)):
+        raise ValueError(f"sparse_attn_pallas: first_T needs 2 kv_sources and shape ({t},), got shape "
+                         f"{first_T.shape} with {len(kv_sources)} sources")
     if h < MIN_HEADS:
         q_THK = jnp.pad(q_THK, ((0, 0), (0, MIN_HEADS - h), (0, 0)))
         sink_H = jnp.pad(sink_H, (0, MIN_HEADS - h))
-        out = sparse_attn_pallas(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, config=config, interpret=interpret)
+        out = sparse_attn_pallas(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, first_T=first_T, config=config,
+                                 interpret=interpret)
         return out[:, :h]
     block_h = min(config.block_h, h)
     if h % block_h:
@@ -218,29 +250,31 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)
     interpret = interpret_mode(interpret)
     walk = dict(sizes=tuple(src.shape[0] for src in kv_sources), split_len=split_len, list_len=list_len,
-                scale=float(np.float32(softmax_scale)))
+                scale=float(np.float32(softmax_scale)), has_first=first_T is not None)
+    stages = config.num_stages or (2 if len(kv_sources) == 1 or first_T is not None else 1)
+    firsts, first_specs = ([first_T.astype(jnp.int32)], [pl.no_block_spec]) if first_T is not None else ([], [])
     call = functools.partial(pl.pallas_call, grid=(t, groups, splits), interpret=interpret, name="sparse_attn",
-                             compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
-                                                                     num_stages=config.num_stages))
+                             compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=stages))
     q_spec = pl.BlockSpec((None, block_h, k), lambda i, g, s: (i, g, 0))
     sources_specs = [pl.no_block_spec] * len(kv_sources)
     if splits == 1:
         return call(
             functools.partial(_whole_kernel, interpret=interpret, **walk),
-            in_specs=[pl.no_block_spec, q_spec, pl.BlockSpec((block_h,), lambda i, g, s: (g,))] + sources_specs,
+            in_specs=[pl.no_block_spec, *first_specs, q_spec, pl.BlockSpec((block_h,), lambda i, g, s: (g,))]
+            + sources_specs,
             out_specs=pl.BlockSpec((None, block_h, k), lambda i, g, s: (i, g, 0)),
             out_shape=jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
-        )(idx_TL.reshape(-1), q_THK, sink_H.astype(jnp.float32), *kv_sources)
+        )(idx_TL.reshape(-1), *firsts, q_THK, sink_H.astype(jnp.float32), *kv_sources)
     acc_TShK, max_TSh, den_TSh = call(
         functools.partial(_split_kernel, **walk),
-        in_specs=[pl.no_block_spec, q_spec] + sources_specs,
+        in_specs=[pl.no_block_spec, *first_specs, q_spec] + sources_specs,
         out_specs=[pl.BlockSpec((None, None, block_h, k), lambda i, g, s: (i, s, g, 0)),
                    pl.BlockSpec((None, None, block_h), lambda i, g, s: (i, s, g)),
                    pl.BlockSpec((None, None, block_h), lambda i, g, s: (i, s, g))],
         out_shape=[jax.ShapeDtypeStruct((t, splits, h, k), jnp.float32),
                    jax.ShapeDtypeStruct((t, splits, h), jnp.float32),
                    jax.ShapeDtypeStruct((t, splits, h), jnp.float32)],
-    )(idx_TL.reshape(-1), q_THK, *kv_sources)
+    )(idx_TL.reshape(-1), *firsts, q_THK, *kv_sources)
     running_max = jnp.max(max_TSh, axis=1)
     weight_TSh = jnp.exp(max_TSh - running_max[:, None, :])
     acc = jnp.sum(acc_TShK * weight_TSh[..., None], axis=1)
@@ -249,14 +283,15 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
 
 
 def sparse_attn(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
-                softmax_scale: float, *, impl: str = "reference") -> jax.Array:
+                softmax_scale: float, *, impl: str = "reference", first_T: jax.Array | None = None) -> jax.Array:
     """Sparse attention with the sink by the chosen implementation: "reference" (jnp) or "pallas" (kernel).
 
     Shapes and dtypes as ``sparse_attn_reference``: q_THK bf16 [T, H, K], kv_sources bf16 [N_i, K], idx_TL int32
-    [T, L] (-1 = none), sink_H float32 [H]. Returns bf16 [T, H, K].
+    [T, L] (-1 = none), sink_H float32 [H]. first_T: the kernel's layout promise (``sparse_attn_pallas``); the
+    reference does not need it. Returns bf16 [T, H, K].
     """
     if impl == "reference":
         return sparse_attn_reference(q_THK, kv_sources, idx_TL, sink_H, softmax_scale)
     if impl == "pallas":
-        return sparse_attn_pallas(q_THK, kv_sources, idx_TL, sink_H, softmax_scale)
+        return sparse_attn_pallas(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, first_T=first_T)
     raise ValueError(f"sparse_attn: impl must be one of {IMPLS}, got {impl!r}")

@@ -245,6 +245,40 @@ def topk_positions(score_TP: jax.Array, visible_T: jax.Array, k: int, *, impl: s
     return jnp.where(ordered < visible_T[:, None], ordered, -1).astype(jnp.int32)
 
 
+def attend_lists(q_THK: jax.Array, ring_RK: jax.Array, kv_TK: jax.Array, pool_NK: jax.Array | None,
+                 win_idx_TW: jax.Array, width_T: jax.Array, comp_idx_TC: jax.Array | None, sink_H: jax.Array,
+                 softmax_scale: float, *, impl: str = "reference") -> jax.Array:
+    """Sparse attention of each query over its window rows and its compressed rows (v41_spec §4 steps 4-5).
+
+    ring_RK: the window rings' rows before this step; kv_TK: this step's rows; pool_NK: the compressed rows (None in
+    a layer without them). win_idx_TW: int32 indices into [ring | kv], read in lanes [0, width_T) only;
+    comp_idx_TC: int32 indices into [ring | kv | pool] (-1 = none), or None. Returns bf16 [T, H, K].
+
+    Each token's list is its window part in lanes [0, width_T) and its compressed part right after, the order in
+    which DeepSeek's kernel walks them: the 64-lane blocks, whose running max P is rounded against, are the same
+    for both implementations. The Pallas kernel reads the window rows as one source ([ring | kv], one copy) and
+    takes width_T as the lane where the pool starts (``sparse_attn_pallas``' ``first_T``), so the blocks on either
+    side each read one source and their gathers pipeline.
+    """
+    window = win_idx_TW.shape[1]
+    width = width_T[:, None]
+    if comp_idx_TC is None:
+        idx_TL = jnp.where(jnp.arange(window)[None, :] < width, win_idx_TW, -1)
+    else:
+        n = comp_idx_TC.shape[1]
+        lane = jnp.arange(window + n)[None, :]
+        win_part = jnp.take_along_axis(win_idx_TW, jnp.clip(lane, 0, window - 1), axis=1)
+        comp_part = jnp.take_along_axis(comp_idx_TC, jnp.clip(lane - width, 0, n - 1), axis=1)
+        idx_TL = jnp.where(lane < width, win_part, jnp.where(lane - width < n, comp_part, -1))
+    if impl != "pallas":
+        sources = (ring_RK, kv_TK) if pool_NK is None else (ring_RK, kv_TK, pool_NK)
+        return sparse_attn(q_THK, sources, idx_TL, sink_H, softmax_scale, impl=impl)
+    window_WK = jnp.concatenate([ring_RK, kv_TK])
+    if pool_NK is None:
+        return sparse_attn(q_THK, (window_WK,), idx_TL, sink_H, softmax_scale, impl=impl)
+    return sparse_attn(q_THK, (window_WK, pool_NK), idx_TL, sink_H, softmax_scale, impl=impl, first_T=width_T)
+
+
 def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Geometry, cache: dict,
               shared: dict, inject_TN: jax.Array | None, *, topk_impl: str = "reference",
               sparse_attn_impl: str = "reference", linear_impl: str = "reference", indexer_impl: str = "reference"):
@@ -276,8 +310,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     ring = cache["window"][role.layer]
     ring_rows = ring.reshape(-1, cfg.head_dim)
     updates: dict = {"window": (role.layer, ring_rows.at[g.ring_write_T].set(kv, mode="drop").reshape(ring.shape))}
-    sources = (ring_rows, kv)
-    idx = jnp.where(jnp.arange(cfg.window_size)[None, :] < g.window_width_T[:, None], g.window_idx_TW, -1)
+    pool = comp_idx = None
 
     if role.compressed:
         r = role.ratio
@@ -310,15 +343,10 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
         sel = shared["topk"][role.topk_from]
         flat = seq_rows_SP[g.seq_T[:, None], jnp.maximum(sel, 0)]  # [T, N] (no [T, P] copy of the rows)
         comp_idx = jnp.where(sel >= 0, g.num_ring_rows + t + flat, -1)
-        sources = sources + (ckv.reshape(-1, cfg.head_dim),)
-        n = comp_idx.shape[1]
-        lane = jnp.arange(cfg.window_size + n)[None, :]
-        width = g.window_width_T[:, None]
-        win_part = jnp.take_along_axis(g.window_idx_TW, jnp.clip(lane, 0, cfg.window_size - 1), axis=1)
-        comp_part = jnp.take_along_axis(comp_idx, jnp.clip(lane - width, 0, n - 1), axis=1)
-        idx = jnp.where(lane < width, win_part, jnp.where(lane - width < n, comp_part, -1))
+        pool = ckv.reshape(-1, cfg.head_dim)
 
-    o = sparse_attn(q, sources, idx, p["attn_sink"], cfg.head_dim ** -0.5, impl=sparse_attn_impl)
+    o = attend_lists(q, ring_rows, kv, pool, g.window_idx_TW, g.window_width_T, comp_idx, p["attn_sink"],
+                     cfg.head_dim ** -0.5, impl=sparse_attn_impl)
     o = rope(o, g.pos_T, freqs, inverse=True)
     groups = cfg.o_groups
     wo_a = p["wo_a"]["weight"].reshape(groups, cfg.o_lora_rank, -1)

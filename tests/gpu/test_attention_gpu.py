@@ -92,6 +92,35 @@ def test_sparse_attn_pallas_matches_reference(batch, config):
     assert np.abs(got - want).mean() < 2e-3 * np.abs(want).mean()
 
 
+@pytest.mark.parametrize("batch,config", [(1, SparseAttnConfig()), (64, SparseAttnConfig()),
+                                          (64, SparseAttnConfig(num_splits=1)), (5, SparseAttnConfig(num_splits=3)),
+                                          (64, SparseAttnConfig(num_stages=1))])
+def test_sparse_attn_pallas_window_and_pool(batch, config):
+    # the model's layout (attention.attend_lists): ring and new rows as one source, the pool as the other, from lane
+    # first_T[t] on; short windows (a sequence's first 127 tokens) move the pool's lanes down, into a block that
+    # reads both sources. Bits equal to the general walk over the three sources
+    q, (ring, new, pool), idx, sink = decode_problem(batch, seed=batch + 100)
+    idx = np.array(idx)  # a writable copy
+    widths = np.full(batch, WINDOW, np.int32)
+    widths[1::2] = np.array([1, 37, 64, 100, 127])[np.arange(len(widths[1::2])) % 5]
+    for t, w in enumerate(widths):  # the window's first w lanes, then the compressed part
+        idx[t] = np.concatenate([idx[t, :w], idx[t, WINDOW:], np.full(WINDOW - w, -1, np.int32)])
+    idx = jnp.asarray(idx)
+    scale = DIM ** -0.5
+    want = np.asarray(jax.jit(sparse_attn_reference, static_argnums=4)(q, (ring, new, pool), idx, sink, scale),
+                      np.float32)
+    general = np.asarray(jax.jit(lambda *a: sparse_attn_pallas(*a, scale, config=config))(
+        q, (ring, new, pool), idx, sink), np.float32)
+    kernel = jax.jit(lambda q, s, i, k, f: sparse_attn_pallas(q, s, i, k, scale, first_T=f, config=config))
+    window = jnp.concatenate([ring, new])
+    poison(batch * HEADS * DIM * 4 * 16)
+    got = np.asarray(kernel(q, (window, pool), idx, sink, jnp.asarray(widths)), np.float32)
+    assert np.isfinite(got).all()
+    assert batch == 1 or (got[-1] == 0).all()
+    np.testing.assert_array_equal(got, general)
+    np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
+
+
 def test_sparse_attn_pallas_tiny_model_heads():
     # the parity fixtures' tiny model: 4 heads of 64, padded to MIN_HEADS inside the kernel call
     rng = np.random.default_rng(3)
