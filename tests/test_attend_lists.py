@@ -1,6 +1,6 @@
-"""model.attention.attend_lists: the Pallas kernel's sources (the window rows as one, the lane where the pool
-starts a token) against the reference's three, over the same lists (window part of width_T lanes, then the
-compressed part)."""
+"""model.attention.attend_lists: the Pallas kernel's sources (in a large step the window rows as one, the lane where
+the pool starts a token; else the reference's three) against the reference, over the same lists (window part of
+width_T lanes, then the compressed part). ``large`` moves the large-step threshold below the tests' 5 tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.kernels.sparse_attn import sparse_attn_pallas
+from dijax.kernels.sparse_attn import sparse_attn, sparse_attn_pallas
+from dijax.model import attention, layers
 from dijax.model.attention import attend_lists
 
 H, K, W = 16, 64, 16
@@ -31,8 +32,15 @@ def lists(seed: int, with_pool: bool):
             jnp.asarray(comp) if with_pool else None, sink, K ** -0.5)
 
 
+@pytest.fixture(params=[True, False], ids=["large", "small"])
+def large(request, monkeypatch):
+    if request.param:
+        monkeypatch.setattr(layers, "LARGE_STEP_TOKENS", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("with_pool", [True, False])
-def test_kernel_layout_attends_to_the_same_rows(with_pool):
+def test_kernel_layout_attends_to_the_same_rows(with_pool, large):
     args = lists(seed=int(with_pool), with_pool=with_pool)
     want = np.asarray(attend_lists(*args, impl="reference"), np.float32)
     got = np.asarray(attend_lists(*args, impl="pallas"), np.float32)
@@ -42,7 +50,7 @@ def test_kernel_layout_attends_to_the_same_rows(with_pool):
 
 
 @pytest.mark.parametrize("with_pool", [True, False])
-def test_kernel_walks_the_reference_blocks(with_pool):
+def test_kernel_walks_the_reference_blocks(with_pool, large, monkeypatch):
     # the list the reference walks, written out lane by lane: the window part, then the compressed part. The kernel
     # over attend_lists' two sources gives the bits of the general walk over the three (the same 64-lane blocks,
     # so P is rounded against the same running maxima), and the lanes from width_T on are never read
@@ -57,5 +65,10 @@ def test_kernel_walks_the_reference_blocks(with_pool):
     general = np.asarray(sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, scale), np.float32)
     stale = np.where(np.arange(W)[None, :] < width[:, None], win, 10 ** 6)  # out of range if ever read
     comp_idx = None if comp is None else jnp.asarray(comp)
+    calls = []
+    monkeypatch.setattr(attention, "sparse_attn", lambda q, srcs, *a, **kw: calls.append((len(srcs), kw)) or
+                        sparse_attn(q, srcs, *a, **kw))
     got = attend_lists(q, ring_RK, kv_TK, pool_NK, jnp.asarray(stale), width_T, comp_idx, sink, scale, impl="pallas")
     np.testing.assert_array_equal(np.asarray(got, np.float32), general)
+    [(num_sources, kwargs)] = calls  # one source for the window rows in a large step
+    assert num_sources == len(sources) - large and ("first_T" in kwargs) == (large and with_pool)
