@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import argparse
 
+from dijax.kernels import parse_kernels
 from dijax.parallel.mesh import force_host_devices
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """``--kernels auto|on|off`` and ``--ep N``."""
-    parser.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
-                        help="step kernels: the Pallas kernels (on, GPU only), the jnp references (off), or auto")
+    """``--kernels auto|on|off[,option=impl...]`` and ``--ep N``."""
+    parser.add_argument("--kernels", type=kernels_argument, default="auto",
+                        help="step kernels: the Pallas kernels (on, GPU only), the jnp references (off), or auto; "
+                             "then optional overrides, e.g. off,sparse_attn_impl=pallas")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a CPU-only host gets N devices)")
+
+
+def kernels_argument(value: str) -> str:
+    """argparse type of ``--kernels``: the value if ``dijax.kernels.parse_kernels`` accepts it."""
+    try:
+        parse_kernels(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def apply_ep(args: argparse.Namespace) -> None:

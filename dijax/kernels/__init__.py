@@ -46,6 +46,9 @@ FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas
 # numpy oracle's experts and correctly rounded weights), GPU parity with it gave the figures of the runs without it
 # (every failure the issue-8 prefix row), and one token a program it is 1.6-7.4x XLA's top-k path at 16-8192 tokens.
 AUTO_ON_GPU: dict[str, str] = dict(FAST)
+# each option's implementations (the modules' ``IMPLS``; tests/test_kernel_options.py checks they agree)
+OPTION_IMPLS = {name: ("reference", "select", "pallas") if name == "topk_impl" else ("reference", "pallas")
+                for name in REFERENCE}
 
 
 _lowering_for_gpu = False
@@ -72,14 +75,33 @@ def interpret_mode(requested: bool | None = None) -> bool:
     return jax.default_backend() != "gpu" and not _lowering_for_gpu
 
 
+def parse_kernels(kernels: str) -> tuple[str, dict[str, str]]:
+    """Split the engine option ``kernels`` into its choice ('auto', 'on' or 'off') and its overrides: after the
+    choice, comma-separated ``option=impl`` pairs, e.g. 'off,sparse_attn_impl=pallas' (the references with the
+    Pallas sparse attention: a parity change bisected kernel by kernel). Raises ValueError naming the bad part."""
+    choice, *items = kernels.split(",")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must start with one of {KERNEL_CHOICES}, got {kernels!r}")
+    overrides = {}
+    for item in items:
+        name, _, impl = item.partition("=")
+        if name not in OPTION_IMPLS:
+            raise ValueError(f"kernels: an override is option=impl with option one of {sorted(OPTION_IMPLS)}, "
+                             f"got {item!r}")
+        if impl not in OPTION_IMPLS[name]:
+            raise ValueError(f"kernels: {name} must be one of {OPTION_IMPLS[name]}, got {impl!r}")
+        overrides[name] = impl
+    return choice, overrides
+
+
 def kernel_options(kernels: str, platform: str) -> dict[str, str]:
     """The step's kernel options for the engine option ``kernels``: 'on' (every fast kernel; they need a GPU),
-    'off' (the jnp references) or 'auto' (the references, with ``AUTO_ON_GPU``'s kernels on a GPU)."""
-    if kernels not in KERNEL_CHOICES:
-        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
-    if kernels == "on" and platform != "gpu":
+    'off' (the jnp references) or 'auto' (the references, with ``AUTO_ON_GPU``'s kernels on a GPU), then its
+    overrides (``parse_kernels``). An overridden Pallas kernel runs interpreted where the platform is not a GPU."""
+    choice, overrides = parse_kernels(kernels)
+    if choice == "on" and platform != "gpu":
         raise ValueError(f"kernels='on' needs a GPU (the Pallas kernels lower through Triton); this platform is "
                          f"{platform!r}: use kernels='off' or 'auto'")
-    if kernels == "on":
-        return dict(FAST)
-    return dict(REFERENCE, **(AUTO_ON_GPU if kernels == "auto" and platform == "gpu" else {}))
+    if choice == "on":
+        return FAST | overrides
+    return REFERENCE | (AUTO_ON_GPU if choice == "auto" and platform == "gpu" else {}) | overrides

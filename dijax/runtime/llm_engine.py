@@ -57,7 +57,8 @@ class LLMEngine:
                             only the sequences the scheduler assigns it. None (default): on when ep > 1. False
                             keeps every device running the whole batch on one replicated cache. Without a mesh
                             (ep = 1) there is one rank either way.
-    kernels                 'auto' (the Pallas kernels on a GPU, the jnp references elsewhere), 'on' or 'off'
+    kernels                 'auto' (the Pallas kernels on a GPU, the jnp references elsewhere), 'on' or 'off',
+                            optionally followed by overrides such as ',sparse_attn_impl=pallas'
                             (dijax.kernels.kernel_options).
     trace_steps             keep a host timeline of every ``step()`` in ``timeline`` (a ``StepTimeline``:
                             dijax.runtime.step_timeline); off (``timeline`` None, no stamp taken) by default.
