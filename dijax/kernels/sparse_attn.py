@@ -11,8 +11,8 @@ unscaled; index -1 contributes nothing and a row with no valid index returns 0.
 The kernel (flash-decoding): one program per (token, head group, split of the index list). It walks its split in
 the same blocks of 64, gathers each block's latent rows once for all heads of its group (the masked load reads only
 the source a row lives in; told where each token's second source starts, ``first_T``, it walks the blocks on either
-side as one-source loops whose gathers pipeline), and keeps the reference's fp32 online softmax with the bf16 P cast relative to the
-split's running max. The splits' partial sums are merged in fp32 outside the kernel, where the sink joins the
+side as one-source loops whose gathers pipeline), and keeps the reference's fp32 online softmax with the bf16 P cast
+relative to the split's running max. The splits' partial sums are merged in fp32 outside the kernel, where the sink joins the
 denominator. With one split (a program holds a whole list: prefill, and batches of more than half
 ``wave_programs`` tokens) the kernel adds the sink, divides and writes the bf16 output itself, so no fp32 partials
 go through memory. With one split this is the reference's computation block for block; with several, each split's
