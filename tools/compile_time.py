@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dijax.config import ModelConfig  # noqa: E402
-from dijax.cli.options import kernels_argument  # noqa: E402
+from dijax.cli.options import add_kernels_option  # noqa: E402
 from dijax.kernels import kernel_options  # noqa: E402
 from dijax.model.engram import EngramTables, engram_primes  # noqa: E402
 from dijax.model.plan import plan_layers  # noqa: E402
@@ -138,9 +138,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="compile this many buckets at once, as the engine's warm-up does (one per core; "
                              "the buckets are traced one at a time)")
-    parser.add_argument("--kernels", type=kernels_argument, default="auto",
-                        help="step kernels as the engine's option: on (Pallas, GPU only), off (jnp), auto, then "
-                             "optional overrides (off,sparse_attn_impl=pallas)")
+    add_kernels_option(parser)  # the engine's option
     add_step_option_argument(parser)  # e.g. --step-xla-option xla_gpu_autotune_level=0
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="JAX's persistent compilation cache in DIR (dijax.runtime.compile_cache): a second run "

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from dijax.cli.options import add_kernels_option  # noqa: E402
 from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS, ModelRunner  # noqa: E402
 from tools.bench import _counts, add_step_option_argument, apply_step_options, load_model, step_runner  # noqa: E402
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny", help="a tools/bench.py model")
     parser.add_argument("--batch", type=_counts, default=[1, 32], help="comma list of decode batch sizes")
     parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--kernels", default="auto", help="auto | on | off")
+    add_kernels_option(parser)
     parser.add_argument("--trace", help="write a profiler trace of 10 steps of the first batch size here")
     add_step_option_argument(parser)
     args = parser.parse_args(argv)

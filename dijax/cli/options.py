@@ -10,11 +10,16 @@ from dijax.parallel.mesh import force_host_devices
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """``--kernels auto|on|off[,option=impl...]`` and ``--ep N``."""
+    """``--kernels`` (``add_kernels_option``) and ``--ep N``."""
+    add_kernels_option(parser)
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a CPU-only host gets N devices)")
+
+
+def add_kernels_option(parser: argparse.ArgumentParser) -> None:
+    """``--kernels auto|on|off[,option=impl...]``, checked at parsing (``dijax.kernels.parse_kernels``)."""
     parser.add_argument("--kernels", type=kernels_argument, default="auto",
                         help="step kernels: the Pallas kernels (on, GPU only), the jnp references (off), or auto; "
                              "then optional overrides, e.g. off,sparse_attn_impl=pallas")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a CPU-only host gets N devices)")
 
 
 def kernels_argument(value: str) -> str:

@@ -12,8 +12,8 @@ The kernel (flash-decoding): one program per (token, head group, split of the in
 the same blocks of 64, gathers each block's latent rows once for all heads of its group (the masked load reads only
 the source a row lives in; told where each token's second source starts, ``first_T``, it walks the blocks on either
 side as one-source loops whose gathers pipeline), and keeps the reference's fp32 online softmax with the bf16 P cast
-relative to the split's running max. The splits' partial sums are merged in fp32 outside the kernel, where the sink joins the
-denominator. With one split (a program holds a whole list: prefill, and batches of more than half
+relative to the split's running max. The splits' partial sums are merged in fp32 outside the kernel, where the sink
+joins the denominator. With one split (a program holds a whole list: prefill, and batches of more than half
 ``wave_programs`` tokens) the kernel adds the sink, divides and writes the bf16 output itself, so no fp32 partials
 go through memory. With one split this is the reference's computation block for block; with several, each split's
 P is rounded relative to its own running max instead of the global one (the same bf16 rounding, at other points),
@@ -222,9 +222,9 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     [T, L] (-1 = none); sink_H: float32 [H]. first_T: None, or with two sources int32 [T], the caller's promise that
     token t's lanes below first_T[t] index only the first source and the rest only the second (``_attend``): the
     blocks on either side then read one source each. The result does not depend on it while the promise holds.
-    config: tiling (default ``SparseAttnConfig()``);
-    interpret: run the kernel in the Pallas interpreter (default: when the backend is not a GPU). Returns bf16
-    [T, H, K]. Jitted: the layers of one shape share one trace and lowering.
+    config: tiling (default ``SparseAttnConfig()``); interpret: run the kernel in the Pallas interpreter (default:
+    when the backend is not a GPU). Returns bf16 [T, H, K]. Jitted: the layers of one shape share one trace and
+    lowering.
     """
     config = config or SparseAttnConfig()
     if not 1 <= len(kv_sources) <= MAX_SOURCES:
