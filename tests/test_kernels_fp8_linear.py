@@ -165,6 +165,30 @@ def test_wide_and_narrow_column_tiles_agree_with_the_reference(monkeypatch, pois
                       scale)
 
 
+@pytest.mark.parametrize("t, target", [(3, 1), (3, 264), (20, 264)])
+def test_several_linears_in_one_launch(monkeypatch, poison, t, target):
+    """Weights of 64, 96 and 32 outputs (32-wide column tiles for all) side by side in one grid, with K unsplit and
+    split: each output is its reference's (poisoned outputs: every element written), and unsplit the very bits of
+    the weight's launch alone."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, target_programs=target))
+    pairs = [_weights(out_dim, 160, seed=out_dim)[:2] for out_dim in (64, 96, 32)]
+    x = (jax.random.normal(jax.random.key(t), (t, 160), jnp.float32) * 3).astype(jnp.bfloat16)
+    got = fl.fp8_linears(x, pairs, impl="pallas")
+    assert [y.shape for y in got] == [(t, 64), (t, 96), (t, 32)]
+    for (weight, scale), y in zip(pairs, got):
+        assert_close_bf16(y, fl.fp8_linear_reference(x, weight, scale), x, weight, scale)
+        if target == 1:
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(fl.fp8_linear_pallas(x, weight, scale)))
+
+
+def test_several_linears_lower_to_one_kernel(lower_for_cuda):
+    x = jax.ShapeDtypeStruct((1, 5120), jnp.bfloat16)
+    args = [jax.ShapeDtypeStruct(shape, dtype) for o in (1280, 512)
+            for shape, dtype in (((o, 5120), jnp.float8_e4m3fn), ((o // 32, 160), jnp.uint8))]
+    text = lower_for_cuda(lambda x, *a: fl.fp8_linears_pallas(x, [a[:2], a[2:]], interpret=False), x, *args)
+    assert text.count("xla.gpu.triton") == 1
+
+
 def test_every_scale_exponent_in_range(monkeypatch, poison):
     """Scale exponents 0..246 (the interpreted kernel's exact range; the GPU form's is narrower:
     ``test_pair_decode_is_exact_for_every_code_and_scale_in_range``), several per tile row."""
@@ -188,6 +212,12 @@ def test_seam_shapes_fallback_and_errors(monkeypatch):
                                   np.asarray(fl.fp8_linear(x, weight, scale)))
     with pytest.raises(ValueError, match="fp8 linear impl must be one of"):
         fl.fp8_linear(x, weight, scale, impl="triton")
+    # several linears, one of which the kernel cannot take (48 outputs): each runs alone, on its own path
+    odd, odd_scale, _ = _weights(48, 64, seed=2)
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, max_tokens=32))
+    got = fl.fp8_linears(x, [(weight, scale), (odd, odd_scale)], impl="pallas")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(fl.fp8_linear(x, weight, scale, impl="pallas")))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(fl.fp8_linear(x, odd, odd_scale)))
 
 
 def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkeypatch):
@@ -197,9 +227,9 @@ def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkey
     cfg = fixture.cfg
     seen = set()
 
-    def record(x_TI, weight_OI, scale_BB):
-        seen.add(weight_OI.shape)
-        return fl.fp8_linear_reference(x_TI, weight_OI, scale_BB)
+    def record(x_TI, pairs):
+        seen.update(weight_OI.shape for weight_OI, _ in pairs)
+        return fl.fp8_linears_reference(x_TI, pairs)
 
     monkeypatch.setitem(fl._IMPLEMENTATIONS, "pallas", record)
     chunks = [SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=list(range(3, 20)), logits="all")]

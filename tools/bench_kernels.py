@@ -354,11 +354,12 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
     Floor: the larger of the packed bytes of the distinct experts the routing touches (codes and ue8m0 scales,
     plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
     ``sweep`` adds a 64-column tiling and two pipeline stages instead of three; ``changes``: more KernelConfig
-    changes, each timed on the GEMM path. (Swept before: the tile rows in the first session, ``gemm_rows``'
+    changes. (Swept before: the tile rows in the first session, ``gemm_rows``'
     docstring; a prefetching mat-vec K loop, 8 warps and a 32-word K step in the eighth / ninth, none faster; the
     lean mat-vec in the eleventh, now the mat-vecs' only form; 32 columns in the eleventh; the other tensor-core
     orientation (weights on M, tokens on N: wgmma with the weights in registers), 8-9 % slower at T = 16-256 in the
     seventeenth; split K to 264 or 528 programs at T = 1 and 16 in the nineteenth, no faster: docs/benchmarks.md.)
+    A change of ``matvec_*`` fields only is timed on the gathered path (at T x X <= 4 E), any other on the GEMM's.
     Past ``reference_max_assignments`` (T x X) the default Pallas kernel stands in for the reference as the
     baseline: XLA lowers the reference's ``ragged_dot`` densely, and at 8192 tokens its autotuner asked the H200
     for 81 and 180 GB buffers (twenty-fourth session).
@@ -389,7 +390,10 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
             variants.insert(0, ("gathered", {}))
         if sweep:
             variants += [("ragged", {"gemm_cols": 64}), ("ragged", {"gemm_stages": 2})]
-        variants += [("ragged", change) for change in changes]
+        for change in changes:  # the mat-vecs' fields on the gathered path (where it is timed), the rest on the GEMM's
+            matvec = all(key.startswith("matvec_") for key in change)
+            if not matvec or variants[0][0] == "gathered":
+                variants.append(("gathered" if matvec else "ragged", change))
         for path, change in variants:
             saved = rx.CONFIG
             rx.CONFIG = dataclasses.replace(saved, **change)
@@ -478,6 +482,43 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
                     print(f"fp8_linear {label} {shape} failed: {type(exc).__name__}: {str(exc)[:600]}")
                 finally:
                     fl.CONFIG = saved
+    return out
+
+
+def fp8_linears_rows(tokens=(1, 16), sweep: bool = False, reps: int = 8, **timing) -> list[dict]:
+    """Linears that share their input, at the flash-slice dimensions: attention's wq_a and wkv, the shared
+    expert's w1 and w3, each pair as two launches of ``fp8_linear_pallas`` against one of ``fp8_linears_pallas``
+    (the model's form). ``reps`` distinct weight pairs per timed call, as in ``fp8_linear_rows``; the row is per
+    pair. Floor: both weights' bytes (and x, y) / 4.3 TB/s. (No variants: ``sweep`` is ignored.)"""
+    from dijax.kernels import fp8_linear as fl
+    from tools.bench import flash_slice_config
+
+    cfg = flash_slice_config(384)
+    d = cfg.dim
+    pairs = {"wq_a + wkv": ((cfg.q_lora_rank, d), (cfg.head_dim, d)),
+             "shared w1 + w3": ((cfg.moe_inter_dim, d), (cfg.moe_inter_dim, d))}
+    def two_launches(x, w1, s1, w2, s2):
+        return [fl.fp8_linear_pallas(x, w1, s1), fl.fp8_linear_pallas(x, w2, s2)]
+
+    def one_launch(x, w1, s1, w2, s2):
+        return fl.fp8_linears_pallas(x, [(w1, s1), (w2, s2)])
+
+    out = []
+    for name, ((o1, i), (o2, _)) in pairs.items():
+        lists = list(zip(*(random_fp8_weight(o1, i, r) + random_fp8_weight(o2, i, reps + r) for r in range(reps))))
+        for t in tokens:
+            x = (jax.random.normal(jax.random.key(t), (t, i), jnp.float32) * 3).astype(jnp.bfloat16)
+            floor = ((o1 + o2) * i * (1 + 1 / 1024) + 2 * t * (i + o1 + o2)) / BANDWIDTH
+            want = base = None
+            for label, form in (("two launches", two_launches), ("one launch", one_launch)):
+                fn = repeated(form)
+                got = np.concatenate([np.asarray(y.astype(jnp.float32)) for y in fn(x, *lists)[0]], axis=1)
+                want = got if want is None else want
+                seconds = time_call(fn, x, *lists, **timing) / reps
+                out.append(_timed_row("fp8_linears", f"{name} {o1}+{o2} x {i}, T={t}",
+                                      f"{label} ({np.mean(got == want):.1%} equal to two launches)", seconds, floor,
+                                      base))
+                base = base or seconds
     return out
 
 
@@ -623,8 +664,8 @@ def parse_change(text: str) -> dict:
 
 
 BENCHES = {"topk": topk_rows, "index_topk": index_topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
-           "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "xla_gemm": xla_gemm_rows,
-           "sinkhorn": sinkhorn_rows, "router": router_rows}
+           "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "fp8_linears": fp8_linears_rows,
+           "xla_gemm": xla_gemm_rows, "sinkhorn": sinkhorn_rows, "router": router_rows}
 
 
 def main() -> None:
@@ -654,6 +695,7 @@ def main() -> None:
         extra = {}
         if name in ("routed_experts", "fp8_linear"):
             extra["changes"] = tuple(parse_change(v) for v in args.variant)
+        if name in ("routed_experts", "fp8_linear", "fp8_linears"):
             if args.tokens:
                 extra["tokens"] = tuple(int(t) for t in args.tokens.split(","))
         if name == "fp8_linear":

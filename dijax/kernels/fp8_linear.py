@@ -1,6 +1,7 @@
 """The fp8 block-scaled linear (v41_spec §12): ``bf16(fq8(x) @ dequant(W).T)`` behind one signature.
 
-``fp8_linear(x, weight, scale, impl=)``; the choice is static (part of the step's jit key):
+``fp8_linear(x, weight, scale, impl=)``, and ``fp8_linears(x, [(weight, scale), ...], impl=)`` for linears that share
+their input (one kernel launch for all on the Pallas path); the choice is static (part of the step's jit key):
   * 'reference': fake-quantise x (``quant.fq8``), dequantise the whole weight to bf16 in XLA, one fp32-accumulated
     GEMM (the semantics; three XLA kernels and a bf16 copy of the weight per call);
   * 'pallas': one Triton-lowered ``pl.pallas_call`` per call. Each program owns a [rows x cols] output tile and
@@ -157,41 +158,51 @@ def dequant_pairs(words_NW: jax.Array, scale_BB: jax.Array, asm: bool) -> list[j
     return [bf16_pairs.side_by_side(*pair) for pair in pairs]
 
 
-def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, n_tokens: int, rows: int, cols: int, depth: int,
-            n_depth: int, asm: bool):
-    """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...),
-    over K slices [k*n_depth, (k+1)*n_depth) of ``depth``, reading layer ``layer_ref[0]`` of the weight words
-    [L, O, I/4] and of the scale stack; x bf16 [T, I]. The output is bf16 [T, O], or with split K the fp32
-    partial sums [splits, T, O]."""
-    n0, m0 = pl.program_id(0) * cols, pl.program_id(1) * rows
-    layer = layer_ref[0]
-    first = pl.program_id(2) * n_depth
+def _kernel(layer_ref, x_ref, *refs, n_tokens: int, rows: int, cols: int, depth: int, n_depth: int, asm: bool,
+            bounds: tuple[int, ...]):
+    """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...) of
+    the weights' outputs side by side, over K slices [k*n_depth, (k+1)*n_depth) of ``depth``. ``refs``: each
+    weight's words [L, O_i, I/4] and each one's scale stack, read at layer ``layer_ref[0]``, then the output: bf16
+    [T, sum O_i], or with split K the fp32 partial sums [splits, T, sum O_i]. Column tiles [bounds[i],
+    bounds[i+1]) belong to weight i; x bf16 [T, I] is shared."""
+    n_weights = len(bounds) - 1
+    w_refs, s_refs, o_ref = refs[:n_weights], refs[n_weights:2 * n_weights], refs[-1]
+    n, m0 = pl.program_id(0), pl.program_id(1) * rows
+    layer, split = layer_ref[0], pl.program_id(2)  # (program ids are read here: ``pl.when`` branches cannot)
+    first = split * n_depth
     row_R = m0 + jnp.arange(rows)
     live_R1 = (row_R < n_tokens)[:, None]
     safe_R1 = jnp.minimum(row_R, n_tokens - 1)[:, None]
     live_RH = jnp.broadcast_to(live_R1, (rows, depth // 2))
     words = depth // CODES_PER_WORD
 
-    def step(k, acc):
-        k0 = (first + k) * depth
-        x_tiles = [pltriton.load(x_ref.at[safe_R1, (k0 + col_H)[None, :]], mask=live_RH, other=0)
-                   for col_H in pair_columns(depth)]
-        x_tiles = quant.fq8_tiles([x.astype(jnp.float32) for x in x_tiles])
-        words_NW = w_ref[layer, pl.ds(n0, cols), pl.ds(k0 // CODES_PER_WORD, words)]
-        scale_BB = s_ref[layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK),
-                         pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]
-        for x_RH, w_NH in zip(x_tiles, dequant_pairs(words_NW, scale_BB, asm)):
-            acc = acc + bf16_pairs.dot_nt(x_RH, w_NH)
-        return acc
+    def tile(w_ref, s_ref, n0):  # this program's tile from the columns [n0, n0 + cols) of one weight
+        def step(k, acc):
+            k0 = (first + k) * depth
+            x_tiles = [pltriton.load(x_ref.at[safe_R1, (k0 + col_H)[None, :]], mask=live_RH, other=0)
+                       for col_H in pair_columns(depth)]
+            x_tiles = quant.fq8_tiles([x.astype(jnp.float32) for x in x_tiles])
+            words_NW = w_ref[layer, pl.ds(n0, cols), pl.ds(k0 // CODES_PER_WORD, words)]
+            scale_BB = s_ref[layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK),
+                             pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]
+            for x_RH, w_NH in zip(x_tiles, dequant_pairs(words_NW, scale_BB, asm)):
+                acc = acc + bf16_pairs.dot_nt(x_RH, w_NH)
+            return acc
 
-    acc = jax.lax.fori_loop(0, n_depth, step, jnp.zeros((rows, cols), jnp.float32))
-    col_N = n0 + jnp.arange(cols)
-    # masked rows keep their own (out-of-range) indices: interpret mode drops them, where clamped duplicates would
-    # write stale values over a live row
-    index = (row_R[:, None], col_N[None, :])
-    if len(o_ref.shape) == 3:  # split K: this split's plane of fp32 partial sums
-        index = (jnp.full((rows, 1), pl.program_id(2)),) + index
-    pltriton.store(o_ref.at[index], acc.astype(o_ref.dtype), mask=jnp.broadcast_to(live_R1, (rows, cols)))
+        acc = jax.lax.fori_loop(0, n_depth, step, jnp.zeros((rows, cols), jnp.float32))
+        col_N = n * cols + jnp.arange(cols)
+        # masked rows keep their own (out-of-range) indices: interpret mode drops them, where clamped duplicates
+        # would write stale values over a live row
+        index = (row_R[:, None], col_N[None, :])
+        if len(o_ref.shape) == 3:  # split K: this split's plane of fp32 partial sums
+            index = (jnp.full((rows, 1), split),) + index
+        pltriton.store(o_ref.at[index], acc.astype(o_ref.dtype), mask=jnp.broadcast_to(live_R1, (rows, cols)))
+
+    if n_weights == 1:
+        tile(w_refs[0], s_refs[0], n * cols)
+    for i in range(n_weights if n_weights > 1 else 0):  # one branch a weight: a program reads one weight's tile
+        pl.when((n >= bounds[i]) & (n < bounds[i + 1]))(
+            functools.partial(tile, w_refs[i], s_refs[i], (n - bounds[i]) * cols))
 
 
 def _tile(dim: int, preferred: int) -> int:
@@ -210,12 +221,12 @@ def k_splits(programs: int, n_slices: int, target: int) -> int:
     return n_slices
 
 
-def pallas_supports(x_TI: jax.Array, weight_OI: Weight) -> bool:
-    """Shapes the kernel takes: O and I multiples of 32 (the scale tiles), fp8 weights, at most
+def pallas_supports(x_TI: jax.Array, *weights: Weight) -> bool:
+    """Shapes the kernel takes: fp8 weights, O and I multiples of 32 (the scale tiles), at most
     ``CONFIG.max_tokens`` rows of x."""
-    out_dim, in_dim = weight_OI.shape
-    return (weight_OI.dtype == jnp.float8_e4m3fn and out_dim % FP8_BLOCK == 0 and in_dim % FP8_BLOCK == 0
-            and x_TI.shape[0] <= CONFIG.max_tokens)
+    return (x_TI.shape[0] <= CONFIG.max_tokens
+            and all(w.dtype == jnp.float8_e4m3fn and w.shape[0] % FP8_BLOCK == 0 and w.shape[1] % FP8_BLOCK == 0
+                    for w in weights))
 
 
 def fp8_linear_pallas(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight,
@@ -225,48 +236,78 @@ def fp8_linear_pallas(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight,
     x_TI bf16 [T, I] (any leading shape is flattened by ``fp8_linear``); weight [O, I] e4m3; scale uint8
     [O/32, I/32] (either may be a ``LayerSlice``, read in place). -> bf16 [T, O]. ``interpret``: run the kernel
     interpreted (default: off a GPU)."""
-    if not pallas_supports(x_TI, weight_OI):
-        return fp8_linear_reference(x_TI, weight_OI, scale_BB)
+    [y_TO] = fp8_linears_pallas(x_TI, [(weight_OI, scale_BB)], interpret)
+    return y_TO
+
+
+def fp8_linears_reference(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]]) -> list[jax.Array]:
+    """``fp8_linear_reference`` of one x by each (weight, scale) pair. -> [bf16 [T, O_i]]."""
+    return [fp8_linear_reference(x_TI, weight_OI, scale_BB) for weight_OI, scale_BB in pairs]
+
+
+def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]],
+                       interpret: bool | None = None) -> list[jax.Array]:
+    """``fp8_linears_reference`` in one kernel launch: the weights' column tiles side by side in one grid (each
+    program reads one weight's tile), so linears that share their input (wq_a and wkv, the shared expert's w1 and
+    w3) cost one launch, and with split K one sum. Each output tile is computed as ``fp8_linear_pallas`` computes
+    it alone; only the split count can differ (the grid is wider, so K may be split less), which changes the fp32
+    order of the splits' sum. Weights the kernel cannot take together run one launch each (or on the reference)."""
+    weights = [weight_OI for weight_OI, _ in pairs]
+    if len(pairs) > 1 and not pallas_supports(x_TI, *weights):
+        return [fp8_linear_pallas(x_TI, weight_OI, scale_BB, interpret) for weight_OI, scale_BB in pairs]
+    if not pallas_supports(x_TI, *weights):
+        return fp8_linears_reference(x_TI, pairs)
     if x_TI.shape[0] == 0:
-        return jnp.zeros((0, weight_OI.shape[0]), jnp.bfloat16)
-    return _fp8_linear_call(x_TI, weight_OI, scale_BB, config=CONFIG, interpret=interpret_mode(interpret))
+        return [jnp.zeros((0, w.shape[0]), jnp.bfloat16) for w in weights]
+    return list(_fp8_linear_call(x_TI, tuple(weights), tuple(scale for _, scale in pairs), config=CONFIG,
+                                 interpret=interpret_mode(interpret)))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _fp8_linear_call(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, *, config: KernelConfig,
-                     interpret: bool) -> jax.Array:
-    """The kernel launch of ``fp8_linear_pallas``, jitted: the linears of one shape (the same projection in every
+def _fp8_linear_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple[Weight, ...], *,
+                     config: KernelConfig, interpret: bool) -> tuple[jax.Array, ...]:
+    """The kernel launch of ``fp8_linears_pallas``, jitted: the linears of one shape (the same projection in every
     layer) share one trace and lowering per step shape; ``config`` is part of the key."""
-    (w_LOI, s_LBB), layer = in_place([weight_OI, scale_BB])
+    stacks, layer = in_place([*weights, *scales])
+    w_stacks, s_stacks = stacks[:len(weights)], stacks[len(weights):]
     t, in_dim = x_TI.shape
-    out_dim = weight_OI.shape[0]
+    out_dims = [w.shape[0] for w in weights]
     rows = int(min(config.rows_max, max(MIN_DOT, pl.next_power_of_2(max(t, 1)))))
-    cols = _tile(out_dim, config.wide_cols if t >= config.wide_from else config.cols)
+    cols = min(_tile(o, config.wide_cols if t >= config.wide_from else config.cols) for o in out_dims)
     depth = _tile(in_dim, config.depth)
-    tiles = (out_dim // cols) * -(-t // rows)
+    bounds = tuple(int(b) for b in np.cumsum([0] + [o // cols for o in out_dims]))
+    tiles = bounds[-1] * -(-t // rows)
     splits = k_splits(tiles, in_dim // depth, config.target_programs)
     kernel = functools.partial(_kernel, n_tokens=t, rows=rows, cols=cols, depth=depth,
-                               n_depth=in_dim // depth // splits, asm=not interpret)
-    grid = (out_dim // cols, -(-t // rows), splits)
-    out = jax.ShapeDtypeStruct((t, out_dim) if splits == 1 else (splits, t, out_dim),
+                               n_depth=in_dim // depth // splits, asm=not interpret, bounds=bounds)
+    grid = (bounds[-1], -(-t // rows), splits)
+    total = sum(out_dims)
+    out = jax.ShapeDtypeStruct((t, total) if splits == 1 else (splits, t, total),
                                jnp.bfloat16 if splits == 1 else jnp.float32)
     params = pltriton.CompilerParams(num_warps=config.warps, num_stages=config.stages)
     # the codes as uint32 words (4 a word, little-endian): a bitcast, no copy of the stack
-    words_LOW = jax.lax.bitcast_convert_type(
-        w_LOI.reshape(*w_LOI.shape[:-1], in_dim // CODES_PER_WORD, CODES_PER_WORD), jnp.uint32)
-    y = poison.pallas_call(kernel, layer[None], x_TI, words_LOW, s_LBB, out_shape=out, poison=config.poison,
+    words = [jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], in_dim // CODES_PER_WORD, CODES_PER_WORD),
+                                          jnp.uint32) for w in w_stacks]
+    y = poison.pallas_call(kernel, layer[None], x_TI, *words, *s_stacks, out_shape=out, poison=config.poison,
                            grid=grid, compiler_params=params, name="fp8_linear", interpret=interpret)
-    return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
+    y_TO = y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
+    return tuple(y_TO[:, bounds[i] * cols:bounds[i + 1] * cols] for i in range(len(weights)))
 
 
-_IMPLEMENTATIONS = {"reference": fp8_linear_reference, "pallas": fp8_linear_pallas}
+_IMPLEMENTATIONS = {"reference": fp8_linears_reference, "pallas": fp8_linears_pallas}
 
 
 def fp8_linear(x: jax.Array, weight_OI: Weight, scale_BB: Weight, *, impl: str = "reference") -> jax.Array:
     """The fp8 linear seam: x [..., I] bf16 -> bf16 [..., O]; ``impl`` in IMPLS (static). ``weight_OI`` and
     ``scale_BB``: arrays, or ``LayerSlice``s of one layer of stacked weights (module docstring)."""
+    [y] = fp8_linears(x, [(weight_OI, scale_BB)], impl=impl)
+    return y
+
+
+def fp8_linears(x: jax.Array, pairs: list[tuple[Weight, Weight]], *, impl: str = "reference") -> list[jax.Array]:
+    """Several fp8 linears of one input: x [..., I] bf16, (weight [O_i, I], scale) pairs -> [bf16 [..., O_i]], each
+    what ``fp8_linear`` gives; the Pallas implementation runs them as one launch (``fp8_linears_pallas``)."""
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"fp8 linear impl must be one of {IMPLS}, got {impl!r}")
     x_TI = x.reshape(-1, x.shape[-1])
-    y_TO = _IMPLEMENTATIONS[impl](x_TI, weight_OI, scale_BB)
-    return y_TO.reshape(*x.shape[:-1], weight_OI.shape[0])
+    return [y_TO.reshape(*x.shape[:-1], y_TO.shape[-1]) for y_TO in _IMPLEMENTATIONS[impl](x_TI, pairs)]

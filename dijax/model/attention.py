@@ -25,8 +25,8 @@ from dijax.kernels.sparse_attn import sparse_attn
 from dijax.kernels import indexer, quant
 from dijax.kernels.topk import topk_ascending
 from dijax.kernels.numerics import divide, einsum_bf16
-from dijax.model.layers import (QuantLinear, RMSNorm, large_step, linear, matmul_promoted, param, rms_norm,
-                                rope, rope_frequencies, values)
+from dijax.model.layers import (QuantLinear, RMSNorm, large_step, linear, linears, matmul_promoted, param,
+                                rms_norm, rope, rope_frequencies, values)
 from dijax.model.step import StepBatch
 
 NEG_INF = indexer.NEG_INF
@@ -305,9 +305,10 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     else:
         freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 0, cfg.rope_factor, cfg.beta_fast,
                                  cfg.beta_slow)
-    qr = rms_norm(linear(x_TD, p["wq_a"], linear_impl), p["q_norm"]["weight"], eps)
+    qa, kva = linears(x_TD, [p["wq_a"], p["wkv"]], linear_impl)  # one launch on the Pallas path
+    qr = rms_norm(qa, p["q_norm"]["weight"], eps)
     q = rope(linear(qr, p["wq_b"], linear_impl).reshape(t, cfg.n_heads, cfg.head_dim), g.pos_T, freqs)
-    kv = rms_norm(linear(x_TD, p["wkv"], linear_impl), p["kv_norm"]["weight"], eps)
+    kv = rms_norm(kva, p["kv_norm"]["weight"], eps)
     kv = quant.fq8(rope(kv, g.pos_T, freqs))
 
     ring = cache["window"][role.layer]

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from dijax.kernels import numerics, quant
-from dijax.kernels.fp8_linear import fp8_linear
+from dijax.kernels.fp8_linear import fp8_linear, fp8_linears
 from dijax.kernels.quant import FP4_BLOCK, FP8_BLOCK
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -136,6 +136,14 @@ def linear(x: jax.Array, p: dict, impl: str = "reference") -> jax.Array:
         w_deq = quant.dequant_fp4_weight(w, p["scale"])
         return matmul_f32(quant.fq8(x), w_deq).astype(jnp.bfloat16)
     return matmul_f32(x.astype(jnp.bfloat16), w).astype(jnp.bfloat16)
+
+
+def linears(x: jax.Array, ps: list[dict], impl: str = "reference") -> list[jax.Array]:
+    """``linear`` of one x by each of ``ps`` (their outputs, in order). When every weight is fp8 they go through
+    ``fp8_linears``, whose Pallas implementation runs them as one kernel launch."""
+    if all(p["weight"].dtype == jnp.float8_e4m3fn for p in ps):
+        return fp8_linears(x, [(p["weight"], p["scale"]) for p in ps], impl=impl)
+    return [linear(x, p, impl) for p in ps]
 
 
 class QuantLinear(nnx.Module):

@@ -13,7 +13,7 @@ from flax import nnx
 from dijax.config import ModelConfig
 from dijax.kernels import router
 from dijax.kernels.routed_experts import swiglu
-from dijax.model.layers import QuantLinear, linear, matmul_promoted, param, values
+from dijax.model.layers import QuantLinear, linear, linears, matmul_promoted, param, values
 from dijax.parallel.moe import routed_experts_ep
 from dijax.kernels.numerics import divide
 
@@ -33,8 +33,8 @@ def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig,
 
 def shared_expert(p: dict, x_TD: jax.Array, limit: float, linear_impl: str = "reference") -> jax.Array:
     """The fp8 shared expert: ``w2(silu(min(w1 x, l)) * clip(w3 x, +-l))``. -> bf16 [T, D]."""
-    h = swiglu(linear(x_TD, p["w1"], linear_impl).astype(jnp.float32),
-               linear(x_TD, p["w3"], linear_impl).astype(jnp.float32), limit)
+    gate, up = linears(x_TD, [p["w1"], p["w3"]], linear_impl)  # one launch on the Pallas path
+    h = swiglu(gate.astype(jnp.float32), up.astype(jnp.float32), limit)
     return linear(h.astype(jnp.bfloat16), p["w2"], linear_impl)
 
 

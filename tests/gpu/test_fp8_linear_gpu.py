@@ -53,3 +53,16 @@ def test_every_scale_exponent_in_range(monkeypatch):
     x = jax.random.normal(jax.random.key(3), (4, 16 * 32), jnp.bfloat16)
     assert_close_bf16(jax.jit(fl.fp8_linear_pallas)(x, weight, scale),
                       jax.jit(fl.fp8_linear_reference)(x, weight, scale), x, weight, scale)
+
+
+@pytest.mark.parametrize("t, out_dims, in_dim", [
+    (1, (1280, 512), 5120),    # wq_a and wkv at decode, one launch
+    (16, (2304, 2304), 5120),  # the shared expert's w1 and w3 at decode batch 16 (128-column tiles)
+    (5, (96, 64, 32), 160),    # three small weights, masked rows
+])
+def test_several_linears_in_one_launch_match_the_reference(t, out_dims, in_dim):
+    pairs = [_weights(out_dim, in_dim, seed=t + i)[:2] for i, out_dim in enumerate(out_dims)]
+    x = (jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
+    got = jax.jit(fl.fp8_linears_pallas)(x, pairs)
+    for (weight, scale), y in zip(pairs, got):
+        assert_close_bf16(y, jax.jit(fl.fp8_linear_reference)(x, weight, scale), x, weight, scale)
