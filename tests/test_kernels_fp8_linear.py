@@ -181,12 +181,15 @@ def test_several_linears_in_one_launch(monkeypatch, poison, t, target):
             np.testing.assert_array_equal(np.asarray(y), np.asarray(fl.fp8_linear_pallas(x, weight, scale)))
 
 
-def test_several_linears_lower_to_one_kernel(lower_for_cuda):
+def test_several_linears_lower_to_one_kernel(lower_for_cuda, monkeypatch):
+    """wq_a and wkv at decode: one Triton kernel, or with ``CONFIG.fuse`` off (the A/B setting) one each."""
     x = jax.ShapeDtypeStruct((1, 5120), jnp.bfloat16)
     args = [jax.ShapeDtypeStruct(shape, dtype) for o in (1280, 512)
             for shape, dtype in (((o, 5120), jnp.float8_e4m3fn), ((o // 32, 160), jnp.uint8))]
-    text = lower_for_cuda(lambda x, *a: fl.fp8_linears_pallas(x, [a[:2], a[2:]], interpret=False), x, *args)
-    assert text.count("xla.gpu.triton") == 1
+    for fuse, kernels in ((True, 1), (False, 2)):
+        monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, fuse=fuse))
+        text = lower_for_cuda(lambda x, *a: fl.fp8_linears_pallas(x, [a[:2], a[2:]], interpret=False), x, *args)
+        assert text.count("xla.gpu.triton") == kernels
 
 
 def test_every_scale_exponent_in_range(monkeypatch, poison):

@@ -90,6 +90,7 @@ class KernelConfig:
     stages: int = 3
     target_programs: int = 264  # two per multiprocessor of an H200: K is split until the grid has this many
     max_tokens: int = 32
+    fuse: bool = True  # ``fp8_linears``: linears of one input in one launch (False: a launch each, for A/B runs)
     poison: bool = False
 
 
@@ -251,9 +252,10 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]],
     program reads one weight's tile), so linears that share their input (wq_a and wkv, the shared expert's w1 and
     w3) cost one launch, and with split K one sum. Each output tile is computed as ``fp8_linear_pallas`` computes
     it alone; only the split count can differ (the grid is wider, so K may be split less), which changes the fp32
-    order of the splits' sum. Weights the kernel cannot take together run one launch each (or on the reference)."""
+    order of the splits' sum. Weights the kernel cannot take together (or all, with ``CONFIG.fuse`` off) run one
+    launch each (or on the reference)."""
     weights = [weight_OI for weight_OI, _ in pairs]
-    if len(pairs) > 1 and not pallas_supports(x_TI, *weights):
+    if len(pairs) > 1 and not (CONFIG.fuse and pallas_supports(x_TI, *weights)):
         return [fp8_linear_pallas(x_TI, weight_OI, scale_BB, interpret) for weight_OI, scale_BB in pairs]
     if not pallas_supports(x_TI, *weights):
         return fp8_linears_reference(x_TI, pairs)
