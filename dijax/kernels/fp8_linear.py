@@ -80,6 +80,10 @@ class KernelConfig:
     153 us, the Engram ``wkv`` 114 against 133 us; at T = 1, where x is one row, 64 columns stay faster (114
     against 122 us; the ``wkv`` 82 against 95 us).
 
+    ``fuse``: ``fp8_linears`` runs linears of one input as one launch. On the H200 (twenty-seventh session) that
+    took 21-28 launches off a flash-slice decode step and left its time unchanged (B=1 and 16, fused against a
+    launch each, one machine); off is for A/B runs.
+
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
     cols: int = 64
@@ -90,7 +94,7 @@ class KernelConfig:
     stages: int = 3
     target_programs: int = 264  # two per multiprocessor of an H200: K is split until the grid has this many
     max_tokens: int = 32
-    fuse: bool = True  # ``fp8_linears``: linears of one input in one launch (False: a launch each, for A/B runs)
+    fuse: bool = True
     poison: bool = False
 
 
