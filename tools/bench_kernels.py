@@ -354,12 +354,14 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
     Floor: the larger of the packed bytes of the distinct experts the routing touches (codes and ue8m0 scales,
     plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
     ``sweep`` adds a 64-column tiling and two pipeline stages instead of three; ``changes``: more KernelConfig
-    changes. (Swept before: the tile rows in the first session, ``gemm_rows``'
-    docstring; a prefetching mat-vec K loop, 8 warps and a 32-word K step in the eighth / ninth, none faster; the
-    lean mat-vec in the eleventh, now the mat-vecs' only form; 32 columns in the eleventh; the other tensor-core
-    orientation (weights on M, tokens on N: wgmma with the weights in registers), 8-9 % slower at T = 16-256 in the
-    seventeenth; split K to 264 or 528 programs at T = 1 and 16 in the nineteenth, no faster: docs/benchmarks.md.)
-    A change of ``matvec_*`` fields only is timed on the gathered path (at T x X <= 4 E), any other on the GEMM's.
+    changes; one of ``matvec_*`` fields only is timed on the gathered path (at T x X <= 4 E), any other on the
+    GEMM's. (Swept before: the tile rows in the first session, ``gemm_rows``' docstring; a prefetching mat-vec K
+    loop, 8 warps and a 32-word K step in the eighth / ninth, none faster; the lean mat-vec in the eleventh, now
+    the mat-vecs' only form; 32 columns in the eleventh; the other tensor-core orientation (weights on M, tokens
+    on N: wgmma with the weights in registers), 8-9 % slower at T = 16-256 in the seventeenth; split K to 264 or
+    528 programs at T = 1 and 16 in the nineteenth, no faster; the mat-vecs' rows (8-64), warps (1-8), stages
+    (2-5) and K step (32-128 words) at T = 1, 4 and 16 in the twenty-seventh, within the run-to-run spread:
+    docs/benchmarks.md.)
     Past ``reference_max_assignments`` (T x X) the default Pallas kernel stands in for the reference as the
     baseline: XLA lowers the reference's ``ragged_dot`` densely, and at 8192 tokens its autotuner asked the H200
     for 81 and 180 GB buffers (twenty-fourth session).
@@ -497,6 +499,7 @@ def fp8_linears_rows(tokens=(1, 16), sweep: bool = False, reps: int = 8, **timin
     d = cfg.dim
     pairs = {"wq_a + wkv": ((cfg.q_lora_rank, d), (cfg.head_dim, d)),
              "shared w1 + w3": ((cfg.moe_inter_dim, d), (cfg.moe_inter_dim, d))}
+
     def two_launches(x, w1, s1, w2, s2):
         return [fl.fp8_linear_pallas(x, w1, s1), fl.fp8_linear_pallas(x, w2, s2)]
 

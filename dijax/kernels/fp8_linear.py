@@ -205,7 +205,8 @@ def _kernel(layer_ref, x_ref, *refs, n_tokens: int, rows: int, cols: int, depth:
 
     if n_weights == 1:
         tile(w_refs[0], s_refs[0], n * cols)
-    for i in range(n_weights if n_weights > 1 else 0):  # one branch a weight: a program reads one weight's tile
+        return
+    for i in range(n_weights):  # one branch a weight: a program reads one weight's tile
         pl.when((n >= bounds[i]) & (n < bounds[i + 1]))(
             functools.partial(tile, w_refs[i], s_refs[i], (n - bounds[i]) * cols))
 
