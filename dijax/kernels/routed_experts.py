@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import bf16_pairs, interpret_mode, poison, quant
+from dijax.kernels import bf16_pairs, interpret_mode, numerics, poison, quant
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
@@ -126,9 +126,7 @@ def routed_experts_reference(experts: dict, x_TD: jax.Array, weights_TX: jax.Arr
         order_A = None
 
         def matmul(lhs_AI: jax.Array, name: str) -> jax.Array:
-            w_AOI = expert_weights(experts, name, expert_A)
-            return jnp.einsum("ai,aoi->ao", lhs_AI, w_AOI, precision=jax.lax.Precision.HIGHEST,
-                              preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+            return numerics.einsum_bf16("ai,aoi->ao", lhs_AI, expert_weights(experts, name, expert_A))
     else:  # assignments sorted by expert, one group per expert
         order_A = jnp.argsort(expert_A, stable=True)
         token_A, weights_A = token_A[order_A], weights_A[order_A]
