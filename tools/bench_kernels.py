@@ -4,7 +4,8 @@
     PYTHONPATH=. python3 tools/bench_kernels.py --only topk,sparse_attn --sweep
 
 Each row times one jitted call: the best over ``--repeats`` of the mean of ``--iters`` back-to-back calls (so host
-dispatch overlaps the device), after a warm-up call. Beside it, the row's floor (bytes the kernel must move over the
+dispatch overlaps the device), after a warm-up call. ``--timing device`` takes the calls' GPU kernel time from a
+profiler trace instead (``device_seconds``: no launches, no gaps; for rows of a few microseconds). Beside it, the row's floor (bytes the kernel must move over the
 copy bandwidth, 4.3 TB/s measured on this workplace's H200: device KINDS.md) and the share of it reached.
 """
 
@@ -15,6 +16,7 @@ import ast
 import functools
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,14 +26,20 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tools import trace_summary  # noqa: E402
+
 BANDWIDTH = 4.3e12
 
 
-def time_call(fn, *args, iters: int = 20, repeats: int = 5) -> float:
-    """Seconds per call of ``fn(*args)``: the best over ``repeats`` of the mean of ``iters`` back-to-back calls."""
+def time_call(fn, *args, iters: int = 20, repeats: int = 5, device: bool = False) -> float:
+    """Seconds per call of ``fn(*args)``: the best over ``repeats`` of the mean of ``iters`` back-to-back calls;
+    ``device``: of their GPU kernel time instead (``device_seconds``)."""
     jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(repeats):
+        if device:
+            best = min(best, device_seconds(fn, *args, calls=iters))
+            continue
         start = time.perf_counter()
         out = None
         for _ in range(iters):
@@ -39,6 +47,24 @@ def time_call(fn, *args, iters: int = 20, repeats: int = 5) -> float:
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - start) / iters)
     return best
+
+
+def device_seconds(fn, *args, calls: int) -> float:
+    """GPU kernel seconds per call of ``fn(*args)``: the kernels of the busiest GPU stream in a profiler trace of
+    ``calls`` back-to-back calls (``tools/trace_summary.py``), their durations summed, over ``calls``. It leaves
+    out launches and the gaps between kernels, which wall time cannot do for a few-microsecond call: in the
+    twenty-seventh session one routed-experts configuration at one token timed 83-100 us by wall time across
+    calls. RuntimeError when the trace has no GPU kernels (a CPU backend)."""
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            out = None
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        stream = trace_summary.busiest_stream(*trace_summary.load_events(folder))
+    if not stream:
+        raise RuntimeError("device timing: the profiler trace has no GPU kernels (it needs a GPU backend)")
+    return sum(e["dur"] for e in stream) * 1e-6 / calls
 
 
 def _row(kernel: str, shape: str, impl: str, seconds: float, floor_bytes: float, base: float | None) -> dict:
@@ -579,7 +605,7 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     return out
 
 
-def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, iters: int = 20, sweep: bool = False, **timing) -> list[dict]:
+def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, rounds: int = 20, sweep: bool = False, **timing) -> list[dict]:
     """The hyper-connection mix split (C = 4, 20 iterations as in a V4.1 layer: sigmoids, softmax, 19 Sinkhorn
     rounds): the jnp reference against the Pallas kernel with ``div.rn.f32`` and with
     ``SinkhornConfig.fast_divide``, whose bits must be the former's (else MISMATCH; tests/gpu/test_sinkhorn_gpu.py
@@ -595,15 +621,15 @@ def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, iters: int = 20, sweep: bool
     scale, base = jnp.array([0.5, 1.5, 2.0], jnp.float32), jnp.zeros((m,), jnp.float32)
     for t in tokens:
         mixes = jax.random.normal(jax.random.key(t), (t, m), jnp.float32) * 3
-        ref = jax.jit(lambda x: sk.split_reference(x, scale, base, c, iters, 1e-6))
+        ref = jax.jit(lambda x: sk.split_reference(x, scale, base, c, rounds, 1e-6))
         want = bits(ref(mixes))
         base_s = time_call(ref, mixes, **timing)
-        floor_bytes, shape = 2 * mixes.size * 4, f"T={t}, C={c}, {iters} iterations"
+        floor_bytes, shape = 2 * mixes.size * 4, f"T={t}, C={c}, {rounds} iterations"
         out.append(_row("sinkhorn", shape, "reference (XLA)", base_s, floor_bytes, None))
         exact = None
         for name, config in (("pallas div.rn", sk.SinkhornConfig(fast_divide=False)),
                              ("pallas fast_divide", sk.SinkhornConfig(fast_divide=True))):
-            fn = jax.jit(lambda x, config=config: sk.split_pallas(x, scale, base, c, iters, 1e-6, config=config))
+            fn = jax.jit(lambda x, config=config: sk.split_pallas(x, scale, base, c, rounds, 1e-6, config=config))
             got = bits(fn(mixes))
             mark = " MISMATCH" if exact is not None and not np.array_equal(got, exact) else ""
             exact = got if exact is None else exact
@@ -677,6 +703,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="add tiling / algorithm variants")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--timing", choices=("wall", "device"), default="wall",
+                    help="wall: wall time of back-to-back calls; device: their GPU kernel time from a profiler trace "
+                         "(a GPU only)")
     ap.add_argument("--tokens", help="routed_experts and fp8_linear: comma-separated token counts (default "
                                      "1,16,64,256,1024)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
@@ -689,7 +718,10 @@ def main() -> None:
     unknown = sorted(set(names) - set(BENCHES))
     if unknown:
         raise ValueError(f"--only: unknown benchmarks {unknown}; choose from {sorted(BENCHES)}")
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if args.timing == "device" and jax.default_backend() != "gpu":
+        raise SystemExit(f"--timing device reads GPU kernels from a profiler trace; the backend is "
+                         f"{jax.default_backend()} (use --timing wall)")
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, timing: {args.timing}")
     # a second of matrix work first, so that the first rows are not timed at idle clocks
     warm = jnp.ones((4096, 4096), jnp.bfloat16)
     time_call(jax.jit(lambda a: a @ a), warm, iters=200, repeats=1)
@@ -703,7 +735,8 @@ def main() -> None:
                 extra["tokens"] = tuple(int(t) for t in args.tokens.split(","))
         if name == "fp8_linear":
             extra["linears"] = tuple(n.strip() for n in args.linears.split(",") if n.strip())
-        rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats, **extra)
+        rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats,
+                              device=args.timing == "device", **extra)
     print_table(rows)
 
 

@@ -57,7 +57,7 @@ def kernel_family(name: str) -> str:
     return re.sub(r"([._]\d+)+$", "", name)
 
 
-def _busiest_stream(events: list[dict], names: dict[int, str]) -> list[dict]:
+def busiest_stream(events: list[dict], names: dict[int, str]) -> list[dict]:
     """The GPU kernels of the busiest (pid, tid) line, by start time (one stream's kernels carry the work; the
     device's other lines repeat them as ops / modules), or [] without GPU events."""
     gpu = {pid for pid, name in names.items() if _is_gpu(name)}
@@ -73,7 +73,7 @@ def _busiest_stream(events: list[dict], names: dict[int, str]) -> list[dict]:
 
 def summarise(folder: str, steps: int, top: int) -> str:
     events, names = load_events(folder)
-    stream = _busiest_stream(events, names)
+    stream = busiest_stream(events, names)
     if not stream:
         return f"{folder}: no GPU events in the trace (processes: {sorted(set(names.values()))})"
     span = stream[-1]["ts"] + stream[-1]["dur"] - stream[0]["ts"]
@@ -112,7 +112,7 @@ def summarise_graphs(folder: str) -> str:
     the next launch (count, first start and last end after the launch's start, busy time); a median row last."""
     events, names = load_events(folder)
     launches = sorted((e for e in events if e["name"].startswith("cuGraphLaunch")), key=lambda e: e["ts"])
-    stream = _busiest_stream(events, names)
+    stream = busiest_stream(events, names)
     if not launches or not stream:
         return (f"{folder}: needs host cuGraphLaunch events and GPU kernels ({len(launches)} launches, "
                 f"{len(stream)} kernels)")
