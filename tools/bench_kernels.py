@@ -4,9 +4,10 @@
     PYTHONPATH=. python3 tools/bench_kernels.py --only topk,sparse_attn --sweep
 
 Each row times one jitted call: the best over ``--repeats`` of the mean of ``--iters`` back-to-back calls (so host
-dispatch overlaps the device), after a warm-up call. ``--timing device`` takes the calls' GPU kernel time from a
-profiler trace instead (``device_seconds``: no launches, no gaps; for rows of a few microseconds). Beside it, the row's floor (bytes the kernel must move over the
-copy bandwidth, 4.3 TB/s measured on this workplace's H200: device KINDS.md) and the share of it reached.
+dispatch overlaps the device), after a warm-up call; ``--timing device`` takes the calls' GPU kernel time from a
+profiler trace instead (``device_seconds``: no launches, no gaps; for rows of a few microseconds). Beside it, the
+row's floor (bytes the kernel must move over the copy bandwidth, 4.3 TB/s measured on this workplace's H200: device
+KINDS.md) and the share of it reached.
 """
 
 from __future__ import annotations
