@@ -7,6 +7,10 @@
 #   sweep    the GPU tests of the routed-experts and attention kernels (variants included), then the variants
 #            timed beside the defaults (tools/bench_kernels.py --sweep: grouped-GEMM tilings and 2 stages);
 #   sweep-fp8  the fp8 linear's GPU tests and its tile variants timed at 1 and 16 tokens;
+#   device-timing  (twenty-seventh session, not yet run) bench_kernels' --timing device, the GPU kernel time of each
+#            row from a profiler trace, on the rows wall time could not rank: the routed mat-vecs' tilings at 1
+#            token (one configuration timed 83-100 us by wall time across calls) and the fused linears, then the
+#            same rows by wall time for comparison;
 #   sinkhorn the Sinkhorn kernel's GPU tests and its two division forms timed (SinkhornConfig.fast_divide, on by
 #            default since the thirteenth session's run: the same bits, faster);
 #   profile  hardware counters (Nsight Compute, clocks left alone) of the routed-experts kernels at T = 16, 64 and
@@ -65,7 +69,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -98,6 +102,12 @@ case "$stage" in
     # the fp8 linear at decode sizes: its GPU tests, then its tilings timed at 1 and 16 tokens
     run 150 python3 -m pytest -q -ra tests/gpu/test_fp8_linear_gpu.py
     run 400 python3 tools/bench_kernels.py --only fp8_linear --sweep --tokens 1,16 --iters 10 --repeats 3 ;;
+  device-timing)
+    variants="--variant matvec_rows=16,matvec_warps=2 --variant matvec_rows=8,matvec_warps=2 --variant matvec_stages=4"
+    for timing in device wall; do
+      run 200 python3 tools/bench_kernels.py --timing $timing --only routed_experts,fp8_linears --tokens 1,16 \
+        $variants --iters 10 --repeats 3
+    done ;;
   sinkhorn)
     # the Sinkhorn kernel's two division forms (SinkhornConfig.fast_divide, default on): GPU tests, then both timed
     run 150 python3 -m pytest -q -ra tests/gpu/test_sinkhorn_gpu.py
