@@ -260,9 +260,10 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]],
     order of the splits' sum. Weights the kernel cannot take together (or all, with ``CONFIG.fuse`` off) run one
     launch each (or on the reference)."""
     weights = [weight_OI for weight_OI, _ in pairs]
-    if len(pairs) > 1 and not (CONFIG.fuse and pallas_supports(x_TI, *weights)):
+    supported = pallas_supports(x_TI, *weights)
+    if len(pairs) > 1 and not (CONFIG.fuse and supported):
         return [fp8_linear_pallas(x_TI, weight_OI, scale_BB, interpret) for weight_OI, scale_BB in pairs]
-    if not pallas_supports(x_TI, *weights):
+    if not supported:
         return fp8_linears_reference(x_TI, pairs)
     if x_TI.shape[0] == 0:
         return [jnp.zeros((0, w.shape[0]), jnp.bfloat16) for w in weights]

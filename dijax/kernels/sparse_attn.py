@@ -186,9 +186,14 @@ def _attend(idx_ref, first_ref, q_ref, src_refs, *, sizes: tuple[int, ...], spli
     return jax.lax.fori_loop(across, blocks, loop_body(sources[1:]), carry)
 
 
+def _first(refs: tuple, has_first: bool) -> tuple:
+    """(first_ref or None, the refs after it): a kernel's refs after idx_ref start with first_T's when it has one."""
+    return (refs[0], refs[1:]) if has_first else (None, refs)
+
+
 def _split_kernel(idx_ref, *refs, sizes: tuple[int, ...], has_first: bool, **walk):
     """Several splits: each (token, head group, split) writes its partial sums, merged outside the kernel."""
-    first_ref, (q_ref, *refs) = (refs[0], refs[1:]) if has_first else (None, refs)
+    first_ref, (q_ref, *refs) = _first(refs, has_first)
     acc_ref, max_ref, den_ref = refs[len(sizes):]
     acc_ref[...], den_ref[...], max_ref[...] = _attend(idx_ref, first_ref, q_ref, refs[:len(sizes)], sizes=sizes,
                                                        **walk)
@@ -197,7 +202,7 @@ def _split_kernel(idx_ref, *refs, sizes: tuple[int, ...], has_first: bool, **wal
 def _whole_kernel(idx_ref, *refs, sizes: tuple[int, ...], has_first: bool, interpret: bool, **walk):
     """One split: the program holds its token's whole list, so it adds the sink to the denominator and writes the
     bf16 output itself (the merge's weights would all be exp(0) = 1): no fp32 partials, no merge pass."""
-    first_ref, (q_ref, sink_ref, *refs) = (refs[0], refs[1:]) if has_first else (None, refs)
+    first_ref, (q_ref, sink_ref, *refs) = _first(refs, has_first)
     out_ref = refs[len(sizes)]
     acc_hK, den_h, max_h = _attend(idx_ref, first_ref, q_ref, refs[:len(sizes)], sizes=sizes, **walk)
     den_h = den_h + jnp.exp(sink_ref[...] - max_h)
