@@ -552,6 +552,39 @@ def fp8_linears_rows(tokens=(1, 16), sweep: bool = False, reps: int = 8, **timin
     return out
 
 
+def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[dict]:
+    """The Mosaic GPU MXFP4 grouped GEMM (dijax.kernels.fp4_wgmma, not yet in the model) at the routed experts'
+    prefill shapes: T tokens routed uniformly at random to 6 of 384 experts, assignments sorted into tiles of
+    ``tile_n`` (``routed_experts.tile_layout``), the gate-up weights (w1 and w3 side by side: 4608 x 5120) and the
+    down weight (5120 x 2304). Floor: the real assignments' FLOPs at the bf16 peak (989 TFLOP/s), so the %
+    column is the share of the tensor cores' peak; padding rows count as waste. ``sweep``: also 64-token tiles
+    and 2 or 6 pipeline stages."""
+    from dijax.kernels import fp4_wgmma as fw
+    from dijax.kernels.routed_experts import tile_layout
+
+    n_experts, n_active = 384, 6
+    configs = [(128, 4)] + ([(64, 4), (128, 2), (128, 6)] if sweep else [])
+    out = []
+    for name, (f, k) in {"gate-up": (4608, 5120), "down": (5120, 2304)}.items():
+        rng = np.random.default_rng(f)
+        w = jnp.asarray(rng.integers(0, 256, (n_experts, f, k // 2)), jnp.uint8)
+        s = jnp.asarray(rng.integers(116, 124, (n_experts, f, k // 32)), jnp.uint8)
+        for t in tokens:
+            expert_A = jnp.asarray(np.stack([rng.choice(n_experts, n_active, replace=False) for _ in range(t)]),
+                                   jnp.int32).reshape(-1)
+            floor = 2 * expert_A.size * f * k / 989e12
+            for tile_n, stages in configs:
+                tile_expert_I, token_R, _, _ = tile_layout(expert_A, n_experts, n_active, tile_n)
+                x = jnp.asarray(rng.standard_normal((token_R.shape[0], k)), jnp.bfloat16)
+                fn = jax.jit(lambda w, s, x, te, tile_n=tile_n, stages=stages: fw.grouped_gemm_t_mgpu(
+                    w, s, x, te, tile_n=tile_n, stages=stages))
+                seconds = time_call(fn, w, s, x, tile_expert_I, **timing)
+                busy = int(np.sum(np.asarray(tile_expert_I) >= 0))
+                out.append(_timed_row("fp4_wgmma", f"{name} {f} x {k}, T={t}, A={expert_A.size}",
+                                      f"mgpu tile_n={tile_n} stages={stages} ({busy} tiles)", seconds, floor, None))
+    return out
+
+
 def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **timing) -> list[dict]:
     """The GEMMs the step leaves to XLA with every kernel on, compiled with XLA's autotuning (its default) and with
     ``xla_gpu_autotune_level=0`` (what the engine's step compiled with in the seventh to ninth sessions; inside the
@@ -695,7 +728,8 @@ def parse_change(text: str) -> dict:
 
 BENCHES = {"topk": topk_rows, "index_topk": index_topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
            "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "fp8_linears": fp8_linears_rows,
-           "xla_gemm": xla_gemm_rows, "sinkhorn": sinkhorn_rows, "router": router_rows}
+           "xla_gemm": xla_gemm_rows, "sinkhorn": sinkhorn_rows, "router": router_rows,
+           "fp4_wgmma": fp4_wgmma_rows}
 
 
 def main() -> None:
@@ -731,7 +765,7 @@ def main() -> None:
         extra = {}
         if name in ("routed_experts", "fp8_linear"):
             extra["changes"] = tuple(parse_change(v) for v in args.variant)
-        if name in ("routed_experts", "fp8_linear", "fp8_linears"):
+        if name in ("routed_experts", "fp8_linear", "fp8_linears", "fp4_wgmma"):
             if args.tokens:
                 extra["tokens"] = tuple(int(t) for t in args.tokens.split(","))
         if name == "fp8_linear":

@@ -1,0 +1,78 @@
+"""The Mosaic GPU MXFP4 grouped GEMM's semantics on the CPU (dijax.kernels.fp4_wgmma).
+
+The kernel needs a Hopper GPU (tests/gpu/test_fp4_wgmma_gpu.py runs it). Here: the reference against a numpy oracle,
+and the kernel's index algebra emulated in numpy: each thread's natural-layout words decoded nibble by nibble into
+the fragment positions the kernel gives them, against ``permute_k``'s activations, must reproduce the reference's
+sums exactly (the products are exact in float32 and every sum here is of exact small integers times powers of two).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dijax.kernels import fp4_wgmma as fw
+from dijax.kernels import quant
+
+
+def _operands(n_experts=3, f=128, k=256, tile_n=8, tiles=(0, 2, -1, 1), seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.integers(0, 256, (n_experts, f, k // 2)).astype(np.uint8)
+    s = rng.integers(120, 126, (n_experts, f, k // 32)).astype(np.uint8)
+    x = rng.integers(-4, 5, (len(tiles) * tile_n, k)).astype(np.float32)  # exact in bf16, exact sums
+    return w, s, x, np.array(tiles, np.int32)
+
+
+def _dequant(w, s):
+    codes = np.stack([w & 15, w >> 4], axis=-1).reshape(*w.shape[:-1], -1)
+    return quant.FP4_TABLE[codes] * np.repeat(np.exp2(s.astype(np.float32) - 127), 32, axis=-1)
+
+
+def test_reference_matches_numpy():
+    w, s, x, tiles = _operands()
+    want = np.zeros((w.shape[1], x.shape[0]), np.float32)
+    for i, e in enumerate(tiles):
+        if e >= 0:
+            want[:, i * 8:(i + 1) * 8] = _dequant(w[e], s[e]) @ x[i * 8:(i + 1) * 8].T
+    got = fw.grouped_gemm_t_reference(jnp.asarray(w), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16),
+                                      jnp.asarray(tiles), tile_n=8)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(jnp.bfloat16).astype(np.float32))
+
+
+def test_fragment_order_reproduces_the_reference():
+    """Emulate one K step of one warpgroup for every chunk: thread (row, lane q) holds words 2q + h of the chunk;
+    nibble j + 4e of word 2q + h sits at fragment column 16j + 8h + 2q + e, scaled by the lane's block (q // 2)."""
+    w, s, x, _ = _operands(n_experts=1, f=64, k=256, tiles=(0,))
+    words = w[0].reshape(64, -1, 4).astype(np.uint32)
+    words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [F, K/8] little-endian
+    xp = np.asarray(fw.permute_k(jnp.asarray(x)))
+    got = np.zeros((64, x.shape[0]), np.float32)
+    for t in range(x.shape[1] // 64):
+        for q in range(4):
+            scale = np.exp2(s[0, :, 2 * t + q // 2].astype(np.float32) - 127)
+            for h in range(2):
+                word = words[:, 8 * t + 2 * q + h]
+                for j in range(4):
+                    for e in range(2):
+                        code = (word >> np.uint32(4 * (j + 4 * e))) & np.uint32(15)
+                        col = 64 * t + 16 * j + 8 * h + 2 * q + e
+                        got += np.outer(quant.FP4_TABLE[code] * scale, xp[:, col])
+    np.testing.assert_array_equal(got, _dequant(w[0], s[0]) @ x.T)
+
+
+def test_permute_k_is_a_permutation_within_chunks():
+    x = jnp.arange(2 * 128, dtype=jnp.float32).reshape(2, 128)
+    p = np.asarray(fw.permute_k(x))
+    for chunk in range(2):
+        np.testing.assert_array_equal(np.sort(p[:, 64 * chunk:64 * (chunk + 1)], axis=1),
+                                      np.asarray(x)[:, 64 * chunk:64 * (chunk + 1)])
+    assert p[0, 1] == 4 and p[0, 2] == 16  # position 16j + 8h + 2q + e holds 16q + 8h + 4e + j
+
+
+def test_bad_shapes_are_named():
+    w, s, x, tiles = _operands(f=96)
+    with pytest.raises(ValueError, match="F 96 must be a multiple of 128"):
+        fw.grouped_gemm_t_mgpu(jnp.asarray(w), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16), jnp.asarray(tiles),
+                               tile_n=8)
