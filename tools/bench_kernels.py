@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 from tools import trace_summary  # noqa: E402
 
 BANDWIDTH = 4.3e12
+MATRIX_RATE = 790e12  # the bf16 matrix product measured on the H200 (docs/benchmarks.md's ceilings)
 
 
 def time_call(fn, *args, iters: int = 20, repeats: int = 5, device: bool = False) -> float:
@@ -556,8 +557,9 @@ def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[d
     """The Mosaic GPU MXFP4 grouped GEMM (dijax.kernels.fp4_wgmma, not yet in the model) at the routed experts'
     prefill shapes: T tokens routed uniformly at random to 6 of 384 experts, assignments sorted into tiles of
     ``tile_n`` (``routed_experts.tile_layout``), the gate-up weights (w1 and w3 side by side: 4608 x 5120) and the
-    down weight (5120 x 2304). Floor: the real assignments' FLOPs at the bf16 peak (989 TFLOP/s), so the %
-    column is the share of the tensor cores' peak; padding rows count as waste. ``sweep``: also 64-token tiles
+    down weight (5120 x 2304). Floor: the real assignments' FLOPs at ``MATRIX_RATE`` (the measured bf16 ceiling
+    that docs/benchmarks.md's "30 % of peak" of the Triton grouped GEMM is against); padding rows count as waste.
+    The time includes the wrapper's two XLA passes (x's K order, the scales' transpose). ``sweep``: also 64-token tiles
     and 2 or 6 pipeline stages."""
     from dijax.kernels import fp4_wgmma as fw
     from dijax.kernels.routed_experts import tile_layout
@@ -572,7 +574,7 @@ def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[d
         for t in tokens:
             expert_A = jnp.asarray(np.stack([rng.choice(n_experts, n_active, replace=False) for _ in range(t)]),
                                    jnp.int32).reshape(-1)
-            floor = 2 * expert_A.size * f * k / 989e12
+            floor = 2 * expert_A.size * f * k / MATRIX_RATE
             for tile_n, stages in configs:
                 tile_expert_I, token_R, _, _ = tile_layout(expert_A, n_experts, n_active, tile_n)
                 x = jnp.asarray(rng.standard_normal((token_R.shape[0], k)), jnp.bfloat16)

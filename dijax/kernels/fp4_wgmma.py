@@ -1,16 +1,14 @@
 """MXFP4 expert weights times token tiles on Hopper's tensor cores (Mosaic GPU): ``grouped_gemm_t``.
 
 Status: correct and timed on the H200 (docs/benchmarks.md, twenty-eighth session); the model does not call it yet.
-It is the first tensor-core kernel with its operand layouts under our control, the building block issue 12's
-prefill path needs (the Triton grouped GEMM runs at ~30 % of the bf16 peak). On dense expert-sized tiles it runs at
-40-56 % of the peak; grouped at prefill 8192 only at ~25 %, because ``tile_layout``'s 128-row padding wastes a third
-of the work and each K step waits for its own wgmma (no overlap of the decode with the tensor cores inside a
-warpgroup): the two things to fix before the model takes it.
-
-The op: tile i of ``x_RK`` (rows [i * tile_n, (i + 1) * tile_n)) times expert ``tile_expert_I[i]``'s weight,
-transposed: ``y_FR[:, tile i] = dequant(w[e]) @ x_tile.T`` (fp32 accumulation, rounded to bf16). Tiles whose expert
-is negative are not written by the kernel (the reference writes zeros there): they are the padding tiles of
-``routed_experts.tile_layout``, which no assignment reads.
+It is the first tensor-core kernel whose operand layouts we control, the building block of issue 12's prefill path.
+Rates (H200, jax 0.11.2; docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP/s):
+  * one expert's weights, F x K = 36864 x 5120 (the prototype of this kernel, 4 stages): 391 TFLOP/s with 128
+    tokens a tile, 549 with 256; a dense 4608 x 5120 x 4096: 675 (XLA's bf16 dot of already-decoded weights: 769);
+  * grouped at prefill 8192 (``tools/bench_kernels.py --only fp4_wgmma``): ~257 TFLOP/s of real work, against the
+    Triton grouped GEMM's 236-239. ``tile_layout`` pads each expert to whole 128-row tiles (a third of the work
+    here), and each K step waits for its own wgmma (no overlap of decode and tensor cores inside a warpgroup):
+    the two things to fix before the model takes it.
 
 Why transposed: wgmma takes its A operand from registers, so the MXFP4 weights are decoded there (codes -> bf16
 times the block scale) and the tokens are the B operand, read by TMA into shared memory. The weights are read in
@@ -20,10 +18,6 @@ bf16 pairs with two masks and two shifts (``bf16_pairs``' bit trick on whole wor
 are not the K positions wgmma's fragment gives that thread, so the activations take the matching order instead:
 ``permute_k`` (one gather, which the grouped path pays anyway to sort tokens by expert). One thread's codes of a K
 step all fall in one 32-wide scale block (lanes 0-1 the first, 2-3 the second), so its scale is one select.
-
-Numbers (H200, jax 0.11.2, the prototype of this kernel, one expert of F x K = 36864 x 5120, 128 tokens a tile, 4
-stages): 123.6 us, 39.5 % of the bf16 peak; 256 tokens 55.5 %; a dense 4608 x 5120 x 4096 68.2 % (XLA's bf16 dot
-of already-decoded weights: 77.8 %). Grouped (``tools/bench_kernels.py --only fp4_wgmma``): docs/benchmarks.md.
 
 Letters: E experts, F output features (weight rows), K input features, H = K / 2 packed bytes, W = K / 8 words,
 B = K / 32 scale blocks, R token rows (tiles of ``tile_n``), I tiles.
@@ -77,7 +71,9 @@ def grouped_gemm_t_reference(w_EFH: jax.Array, s_EFB: jax.Array, x_RK: jax.Array
 def grouped_gemm_t_mgpu(w_EFH: jax.Array, s_EFB: jax.Array, x_RK: jax.Array, tile_expert_I: jax.Array, *,
                         tile_n: int = 128, stages: int = 4) -> jax.Array:
     """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Tiles with a
-    negative expert are left unwritten. F must be a multiple of 128, K of 64, R of ``tile_n`` (<= 256).
+    negative expert are left unwritten. F must be a multiple of 128, K of 64, R of ``tile_n`` (<= 256). Exact for
+    ue8m0 bytes <= 128 (the scale multiplier 2^(s - 1) is a bf16; released checkpoints sit near 119); the engine's
+    scale-range check (dijax.kernels.scale_range) must cover it before the model calls it.
 
     The wrapper views the codes as uint32 words, permutes x's K (``permute_k``) and transposes the scales to
     [E, K/32, F] (each step's scales of 128 rows are then one 128-byte TMA row); those two are XLA passes.
