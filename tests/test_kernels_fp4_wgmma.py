@@ -76,3 +76,6 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="F 96 must be a multiple of 128"):
         fw.grouped_gemm_t_mgpu(jnp.asarray(w), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16), jnp.asarray(tiles),
                                tile_n=8)
+    with pytest.raises(ValueError, match="tile_n must be a multiple of 8"):
+        fw.grouped_gemm_t_mgpu(jnp.asarray(w), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16), jnp.asarray(tiles),
+                               tile_n=12)

@@ -81,6 +81,8 @@ def grouped_gemm_t_mgpu(w_EFH: jax.Array, s_EFB: jax.Array, x_RK: jax.Array, til
     n_experts, f, h = w_EFH.shape
     k = 2 * h
     n_tiles = tile_expert_I.shape[0]
+    if tile_n % 8 or not 8 <= tile_n <= 256:
+        raise ValueError(f"grouped_gemm_t: tile_n must be a multiple of 8 in [8, 256] (wgmma's N), got {tile_n}")
     if f % (WARPGROUPS * ROWS_PER_WG) or k % K_STEP or x_RK.shape != (n_tiles * tile_n, k):
         raise ValueError(f"grouped_gemm_t: F {f} must be a multiple of 128, K {k} of 64, and x [R, K] with R = "
                          f"tiles x tile_n, got x {x_RK.shape}, {n_tiles} tiles of {tile_n}")
