@@ -15,6 +15,7 @@ import pytest
 
 from dijax.kernels import fp4_wgmma as fw
 from dijax.kernels import quant
+from dijax.kernels.routed_experts import GEMM_SCALE_RANGE, pack_words
 
 
 def _operands(n_experts=3, f=128, k=256, tile_n=8, tiles=(0, 2, -1, 1), seed=0):
@@ -36,7 +37,7 @@ def test_reference_matches_numpy():
     for i, e in enumerate(tiles):
         if e >= 0:
             want[:, i * 8:(i + 1) * 8] = _dequant(w[e], s[e]) @ x[i * 8:(i + 1) * 8].T
-    got = fw.grouped_gemm_t_reference(jnp.asarray(w), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16),
+    got = fw.grouped_gemm_t_reference(pack_words(jnp.asarray(w)), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16),
                                       jnp.asarray(tiles), tile_n=8)
     np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(jnp.bfloat16).astype(np.float32))
 
@@ -45,8 +46,7 @@ def test_fragment_order_reproduces_the_reference():
     """Emulate one K step of one warpgroup for every chunk: thread (row, lane q) holds words 2q + h of the chunk;
     nibble j + 4e of word 2q + h sits at fragment column 16j + 8h + 2q + e, scaled by the lane's block (q // 2)."""
     w, s, x, _ = _operands(n_experts=1, f=64, k=256, tiles=(0,))
-    words = w[0].reshape(64, -1, 4).astype(np.uint32)
-    words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [F, K/8] little-endian
+    words = np.asarray(pack_words(jnp.asarray(w[0])))  # [F, K/8]: nibble j of word w is code 8w + j
     xp = np.asarray(fw.permute_k(jnp.asarray(x)))
     got = np.zeros((64, x.shape[0]), np.float32)
     for t in range(x.shape[1] // 64):
@@ -73,9 +73,13 @@ def test_permute_k_is_a_permutation_within_chunks():
 
 def test_bad_shapes_are_named():
     w, s, x, tiles = _operands(f=96)
+    args = pack_words(jnp.asarray(w)), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16), jnp.asarray(tiles)
     with pytest.raises(ValueError, match="F 96 must be a multiple of 128"):
-        fw.grouped_gemm_t_mgpu(jnp.asarray(w), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16), jnp.asarray(tiles),
-                               tile_n=8)
+        fw.grouped_gemm_t_mgpu(*args, tile_n=8)
     with pytest.raises(ValueError, match="tile_n must be a multiple of 8"):
-        fw.grouped_gemm_t_mgpu(jnp.asarray(w), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16), jnp.asarray(tiles),
-                               tile_n=12)
+        fw.grouped_gemm_t_mgpu(*args, tile_n=12)
+
+
+def test_scale_range_is_the_triton_gemms():
+    """The engine's scale-range check uses GEMM_SCALE_RANGE for the grouped GEMM, whichever engine runs it."""
+    assert fw.SCALE_RANGE == GEMM_SCALE_RANGE

@@ -560,30 +560,30 @@ def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[d
     down weight (5120 x 2304). Floor: the real assignments' FLOPs at ``MATRIX_RATE`` (the measured bf16 ceiling
     that docs/benchmarks.md's "30 % of peak" of the Triton grouped GEMM is against); padding rows count as waste.
     The time includes the wrapper's two XLA passes (x's K order, the scales' transpose). ``sweep``: also 64-token tiles
-    and 2 or 6 pipeline stages."""
+    and 6 pipeline stages, and one 64-wide K chunk a step instead of two."""
     from dijax.kernels import fp4_wgmma as fw
-    from dijax.kernels.routed_experts import tile_layout
+    from dijax.kernels.routed_experts import pack_words, tile_layout
 
     n_experts, n_active = 384, 6
-    configs = [(128, 4)] + ([(64, 4), (128, 2), (128, 6)] if sweep else [])
+    configs = [(128, 4, 2)] + ([(128, 4, 1), (128, 6, 2), (64, 4, 2)] if sweep else [])  # tile, stages, chunks
     out = []
     for name, (f, k) in {"gate-up": (4608, 5120), "down": (5120, 2304)}.items():
         rng = np.random.default_rng(f)
-        w = jnp.asarray(rng.integers(0, 256, (n_experts, f, k // 2)), jnp.uint8)
+        w = pack_words(jnp.asarray(rng.integers(0, 256, (n_experts, f, k // 2)), jnp.uint8))
         s = jnp.asarray(rng.integers(116, 124, (n_experts, f, k // 32)), jnp.uint8)
         for t in tokens:
             expert_A = jnp.asarray(np.stack([rng.choice(n_experts, n_active, replace=False) for _ in range(t)]),
                                    jnp.int32).reshape(-1)
             floor = 2 * expert_A.size * f * k / MATRIX_RATE
-            for tile_n, stages in configs:
+            for tile_n, stages, chunks in configs:
                 tile_expert_I, token_R, _, _ = tile_layout(expert_A, n_experts, n_active, tile_n)
                 x = jnp.asarray(rng.standard_normal((token_R.shape[0], k)), jnp.bfloat16)
-                fn = jax.jit(lambda w, s, x, te, tile_n=tile_n, stages=stages: fw.grouped_gemm_t_mgpu(
-                    w, s, x, te, tile_n=tile_n, stages=stages))
+                fn = jax.jit(functools.partial(fw.grouped_gemm_t_mgpu, tile_n=tile_n, stages=stages, chunks=chunks))
                 seconds = time_call(fn, w, s, x, tile_expert_I, **timing)
                 busy = int(np.sum(np.asarray(tile_expert_I) >= 0))
                 out.append(_timed_row("fp4_wgmma", f"{name} {f} x {k}, T={t}, A={expert_A.size}",
-                                      f"mgpu tile_n={tile_n} stages={stages} ({busy} tiles)", seconds, floor, None))
+                                      f"mgpu tile_n={tile_n} stages={stages} chunks={chunks} ({busy} tiles)", seconds,
+                                      floor, None))
     return out
 
 

@@ -12,7 +12,7 @@ Rates (H200, jax 0.11.2; docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP
 
 Why transposed: wgmma takes its A operand from registers, so the MXFP4 weights are decoded there (codes -> bf16
 times the block scale) and the tokens are the B operand, read by TMA into shared memory. The weights are read in
-their stored layout, as uint32 words of 8 codes: in each 64-wide K step a warpgroup loads a [64, 8] word tile in
+their stored layout, as uint32 words of 8 codes (``routed_experts.pack_words``, a bitcast): in each 64-wide K step a warpgroup loads a [64, 8] word tile in
 the WGMMA layout, so thread (row r, lane q) holds words 2q and 2q + 1 of rows r and r + 8, and each word decodes to
 bf16 pairs with two masks and two shifts (``bf16_pairs``' bit trick on whole words, not per code). A word's nibbles
 are not the K positions wgmma's fragment gives that thread, so the activations take the matching order instead:
@@ -39,7 +39,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dijax.kernels import quant
 
-K_STEP = 64  # K per pipeline step: one [64, 64] bf16 A fragment a warpgroup
+K_CHUNK = 64  # K of one [64, 64] bf16 A fragment (one decode, one wgmma)
+# The decoded weights are e2m1 * 2^(s - 127 - SCALE_SHIFT) (bf16, exact and normal for ue8m0 bytes s in
+# SCALE_RANGE); the fp32 accumulator is multiplied back by 2^SCALE_SHIFT. The same range as the Triton grouped
+# GEMM's (routed_experts.GEMM_SCALE_RANGE), so the engine's scale-range check covers both.
+SCALE_SHIFT = 32
+SCALE_RANGE = (SCALE_SHIFT + 2, 128 + SCALE_SHIFT)
 ROWS_PER_WG = 64  # wgmma's M
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value a row of a WGMMA-layout tile
 WARPGROUPS = 2  # compute warpgroups a CTA (each its own 64 weight rows), plus one issuing the TMA copies
@@ -49,50 +54,71 @@ def permute_k(x_RK: jax.Array) -> jax.Array:
     """The activations' K order the kernel's fragments expect: in each 64-wide chunk, position
     16j + 8h + 2q + e holds input feature 16q + 8h + 4e + j (j, q < 4; h, e < 2). [..., K] -> [..., K]."""
     *lead, k = x_RK.shape
-    x = x_RK.reshape(*lead, k // K_STEP, 4, 2, 2, 4)  # chunk, q, h, e, j
+    x = x_RK.reshape(*lead, k // K_CHUNK, 4, 2, 2, 4)  # chunk, q, h, e, j
     n = len(lead)
     x = jnp.moveaxis(x, (n + 1, n + 2, n + 3, n + 4), (n + 3, n + 2, n + 4, n + 1))  # chunk, j, h, q, e
     return x.reshape(*lead, k)
 
 
-def grouped_gemm_t_reference(w_EFH: jax.Array, s_EFB: jax.Array, x_RK: jax.Array, tile_expert_I: jax.Array, *,
-                             tile_n: int = 128) -> jax.Array:
-    """bf16 y_FR [F, R]: tile i of x_RK (natural K order) times expert tile_expert_I[i]'s MXFP4 weight (uint8 codes
-    w_EFH [E, F, K/2], ue8m0 s_EFB [E, F, K/32]), transposed; zeros where the expert is negative."""
+def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_RK: jax.Array, tile_expert_I: jax.Array, *,
+                             tile_n: int = 128, stages: int = 4, chunks: int = 2) -> jax.Array:
+    """bf16 y_FR [F, R]: tile i of x_RK (natural K order) times expert tile_expert_I[i]'s MXFP4 weight (uint32 words
+    w_EFW [E, F, K/8], nibble j of word w the code of k = 8w + j, as ``routed_experts.pack_words`` gives them;
+    ue8m0 s_EFB [E, F, K/32]), transposed; zeros where the expert is negative. ``stages`` and ``chunks`` are the
+    kernel's and change nothing here."""
+    del stages, chunks
     n_tiles = tile_expert_I.shape[0]
     e_I = jnp.maximum(tile_expert_I, 0)
-    w_IFK = quant.dequant_fp4_weight(w_EFH[e_I], s_EFB[e_I])
+    w = w_EFW[e_I]
+    w_IFH = lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:-1], -1)
+    w_IFK = quant.dequant_fp4_weight(w_IFH, s_EFB[e_I])
     x_INK = x_RK.reshape(n_tiles, tile_n, -1)
     y_FIN = jnp.einsum("ifk,ink->fin", w_IFK, x_INK, preferred_element_type=jnp.float32)
     y_FIN = jnp.where(tile_expert_I[None, :, None] >= 0, y_FIN, 0.0)
     return y_FIN.reshape(y_FIN.shape[0], -1).astype(jnp.bfloat16)
 
 
-def grouped_gemm_t_mgpu(w_EFH: jax.Array, s_EFB: jax.Array, x_RK: jax.Array, tile_expert_I: jax.Array, *,
-                        tile_n: int = 128, stages: int = 4) -> jax.Array:
-    """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Tiles with a
-    negative expert are left unwritten. F must be a multiple of 128, K of 64, R of ``tile_n`` (<= 256). Exact for
-    ue8m0 bytes <= 128 (the scale multiplier 2^(s - 1) is a bf16; released checkpoints sit near 119); the engine's
-    scale-range check (dijax.kernels.scale_range) must cover it before the model calls it.
-
-    The wrapper views the codes as uint32 words, permutes x's K (``permute_k``) and transposes the scales to
-    [E, K/32, F] (each step's scales of 128 rows are then one 128-byte TMA row); those two are XLA passes.
-    """
-    n_experts, f, h = w_EFH.shape
-    k = 2 * h
-    n_tiles = tile_expert_I.shape[0]
+def shape_error(f: int, k: int, tile_n: int, chunks: int) -> str | None:
+    """Why the kernel cannot take F = ``f`` weight rows, K = ``k``, ``tile_n`` and ``chunks`` (None when it can)."""
     if tile_n % 8 or not 8 <= tile_n <= 256:
-        raise ValueError(f"grouped_gemm_t: tile_n must be a multiple of 8 in [8, 256] (wgmma's N), got {tile_n}")
-    if f % (WARPGROUPS * ROWS_PER_WG) or k % K_STEP or x_RK.shape != (n_tiles * tile_n, k):
-        raise ValueError(f"grouped_gemm_t: F {f} must be a multiple of 128, K {k} of 64, and x [R, K] with R = "
-                         f"tiles x tile_n, got x {x_RK.shape}, {n_tiles} tiles of {tile_n}")
-    w_EFW = lax.bitcast_convert_type(w_EFH.reshape(n_experts, f, k // 8, 4), jnp.uint32)
-    s_EBF = jnp.swapaxes(s_EFB, 1, 2)
-    return _call(w_EFW, s_EBF, permute_k(x_RK), tile_expert_I.astype(jnp.int32), tile_n=tile_n, stages=stages)
+        return f"grouped_gemm_t: tile_n must be a multiple of 8 in [8, 256] (wgmma's N), got {tile_n}"
+    if chunks not in (1, 2):
+        return f"grouped_gemm_t: chunks must be 1 or 2, got {chunks}"
+    if f % (WARPGROUPS * ROWS_PER_WG) or k % (chunks * K_CHUNK):
+        return (f"grouped_gemm_t: F {f} must be a multiple of {WARPGROUPS * ROWS_PER_WG} and K {k} of "
+                f"{chunks * K_CHUNK} ({chunks} chunks of {K_CHUNK})")
+    return None
 
 
-@functools.partial(jax.jit, static_argnames=("tile_n", "stages"))
-def _call(w_EFW, s_EBF, x_RK, tile_expert_I, *, tile_n: int, stages: int):
+def available() -> bool:
+    """Whether the default device can run the kernel: a GPU of compute capability 9.x (wgmma)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_RK: jax.Array, tile_expert_I: jax.Array, *,
+                        tile_n: int = 128, stages: int = 4, chunks: int = 2) -> jax.Array:
+    """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Tiles with a
+    negative expert are left unwritten. ``shape_error`` lists the sizes it takes; exact for ue8m0 bytes in
+    ``SCALE_RANGE``. ``stages``: pipeline depth; ``chunks``: 64-wide K chunks a pipeline step (1 or 2: with 2, the
+    decode of the second overlaps the first's wgmma).
+
+    The wrapper permutes x's K (``permute_k``) and transposes the scales to [E, K/32, F] (a step's scales of 128
+    rows are then 128-byte TMA rows): two XLA passes.
+    """
+    f, k = w_EFW.shape[1], 8 * w_EFW.shape[2]
+    error = shape_error(f, k, tile_n, chunks)
+    if error:
+        raise ValueError(error)
+    if x_RK.shape != (tile_expert_I.shape[0] * tile_n, k):
+        raise ValueError(f"grouped_gemm_t: x must be [tiles x tile_n, K] = [{tile_expert_I.shape[0] * tile_n}, {k}], "
+                         f"got {x_RK.shape}")
+    return _call(w_EFW, jnp.swapaxes(s_EFB, 1, 2), permute_k(x_RK), tile_expert_I.astype(jnp.int32), tile_n=tile_n,
+                 stages=stages, chunks=chunks)
+
+
+@functools.partial(jax.jit, static_argnames=("tile_n", "stages", "chunks"))
+def _call(w_EFW, s_EBF, x_RK, tile_expert_I, *, tile_n: int, stages: int, chunks: int):
     f, k = w_EFW.shape[1], w_EFW.shape[2] * 8
     cta_rows = WARPGROUPS * ROWS_PER_WG
 
@@ -100,12 +126,15 @@ def _call(w_EFW, s_EBF, x_RK, tile_expert_I, *, tile_n: int, stages: int):
         m, i = lax.axis_index("m"), lax.axis_index("i")
         e = tile_expert_ref[i]
 
-        def step(_, w_smem, x_smem, s_smem, acc_ref):
+        def step(_, *refs):
+            *w_smems, x_smem, s_smem, acc_ref = refs
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
-            words = plgpu.load(w_smem.at[rows], layout=plgpu.Layout.WGMMA)
-            s_lo, s_hi = (plgpu.load(s_smem.at[b, rows], layout=ROW_LAYOUT).astype(jnp.uint16) for b in range(2))
-            plgpu.wgmma(acc_ref, _decode(words, s_lo, s_hi), x_smem.T)
+            for c, w_smem in enumerate(w_smems):  # issue each chunk's wgmma, then decode the next one
+                words = plgpu.load(w_smem.at[rows], layout=plgpu.Layout.WGMMA)
+                s_lo, s_hi = (plgpu.load(s_smem.at[2 * c + b, rows], layout=ROW_LAYOUT).astype(jnp.uint16)
+                              for b in range(2))
+                plgpu.wgmma(acc_ref, _decode(words, s_lo, s_hi), x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
             plgpu.wgmma_wait(0)
             return acc_ref
 
@@ -114,25 +143,28 @@ def _call(w_EFW, s_EBF, x_RK, tile_expert_I, *, tile_n: int, stages: int):
             def _(acc_ref):
                 run_pipeline(acc_ref)
                 wg = lax.axis_index("wg")
-                y_smem[wg] = acc_ref[...].astype(jnp.bfloat16)
+                y_smem[wg] = (acc_ref[...] * np.float32(2.0 ** SCALE_SHIFT)).astype(jnp.bfloat16)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(y_smem.at[wg], y_gmem.at[pl.ds(m * cta_rows + wg * ROWS_PER_WG, ROWS_PER_WG),
                                                                  pl.ds(i * tile_n, tile_n)])
                 plgpu.wait_smem_to_gmem(0)
 
         spec = plgpu.BlockSpec
+        words_spec = [spec((cta_rows, K_CHUNK // 8), lambda s, c=c: (0, chunks * s + c),
+                           transforms=(plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)))
+                      for c in range(chunks)]
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            step, grid=(k // K_STEP,), memory_registers=40, wg_axis="wg", num_compute_wgs=WARPGROUPS,
+            step, grid=(k // (chunks * K_CHUNK),), memory_registers=40, wg_axis="wg", num_compute_wgs=WARPGROUPS,
             max_concurrent_steps=stages, compute_context=epilogue,
-            in_specs=[spec((cta_rows, K_STEP // 8), lambda s: (0, s),
-                           transforms=(plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32))),
-                      spec((tile_n, K_STEP), lambda s: (0, s),
+            in_specs=[*words_spec,
+                      spec((tile_n, chunks * K_CHUNK), lambda s: (0, s),
                            transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
-                      spec((2, cta_rows), lambda s: (s, 0))])
+                      spec((2 * chunks, cta_rows), lambda s: (s, 0))])
 
         @pl.when(e >= 0)
         def _():
-            pipeline(w_gmem.at[e, pl.ds(m * cta_rows, cta_rows)], x_gmem.at[pl.ds(i * tile_n, tile_n)],
+            words = w_gmem.at[e, pl.ds(m * cta_rows, cta_rows)]
+            pipeline(*([words] * chunks), x_gmem.at[pl.ds(i * tile_n, tile_n)],
                      s_gmem.at[e, :, pl.ds(m * cta_rows, cta_rows)])
 
     run = plgpu.kernel(
@@ -154,8 +186,8 @@ def _decode(ctx, words, s_lo, s_hi):
     layout = mgpu.WGMMA_LAYOUT
     lane_q = arith.remui(mgpu.utils.thread_idx(), arith.constant(i32, 4))
     first_block = arith.cmpi(arith.CmpIPredicate.ult, lane_q, arith.constant(i32, 2))
-    # 2^(s - 1) as bf16: times a decoded code (e2m1 * 2^-126) it is e2m1 * 2^(s - 127)
-    lo, hi = (((s + 126) << 7).bitcast(bf16).broadcast_in_dim((64, 16), (0,), layout) for s in (s_lo, s_hi))
+    # 2^(s - 1 - SCALE_SHIFT) as bf16: times a decoded code (e2m1 * 2^-126) it is e2m1 * 2^(s - 127 - SCALE_SHIFT)
+    lo, hi = (((s + (126 - SCALE_SHIFT)) << 7).bitcast(bf16).broadcast_in_dim((64, 16), (0,), layout) for s in (s_lo, s_hi))
     scale = np.empty(lo.registers.shape, dtype=object)
     for idx, reg in np.ndenumerate(lo.registers):
         scale[idx] = arith.select(first_block, reg, hi.registers[idx])

@@ -40,11 +40,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import bf16_pairs, interpret_mode, numerics, poison, quant
+from dijax.kernels import bf16_pairs, fp4_wgmma, interpret_mode, numerics, poison, quant
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
 PATHS = ("gathered", "ragged")
+GEMM_ENGINES = ("triton", "mgpu")
 CODES_PER_WORD = 8
 WORDS_PER_SCALE = 4  # 32 codes share one ue8m0 exponent
 # A decoded code is e2m1 * 2^-14 (the float16 bit trick below); the scale multiplier puts the 2^14 back.
@@ -164,6 +165,11 @@ class KernelConfig:
       H200 the same values bit for bit, and the gathered path 1.13x faster at T = 1 (151.9 -> 134.3 us) and 1.05x
       at T = 16 (813 -> 774 us) at the real sizes (eleventh session);
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
+    gemm_engine: the ragged path's GEMMs: 'triton' (the grouped GEMM kernels here: tiles of tokens, gathered
+      activations, the weights' tiles dequantised into a bf16 dot) or 'mgpu' (dijax.kernels.fp4_wgmma: wgmma with
+      the weights decoded in registers as the A operand, tiles of ``mgpu_tile`` tokens, the SwiGLU and the
+      combine in XLA); 'mgpu' falls back to 'triton' off a compute-capability-9 GPU or for sizes it does not take;
+    mgpu_tile / mgpu_stages / mgpu_chunks: fp4_wgmma's tile_n, stages and chunks;
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
@@ -179,6 +185,10 @@ class KernelConfig:
     gemm_words: int = 16
     gemm_warps: int = 4
     gemm_stages: int = 3
+    gemm_engine: str = "triton"
+    mgpu_tile: int = 128
+    mgpu_stages: int = 4
+    mgpu_chunks: int = 2
     gathered_max: int = 96
     poison: bool = False
 
@@ -198,6 +208,9 @@ class KernelConfig:
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"routed_experts KernelConfig.{name} must be one of (1, 2, 4, 8, 16), "
                                  f"got {getattr(self, name)}")
+        if self.gemm_engine not in GEMM_ENGINES:
+            raise ValueError(f"routed_experts KernelConfig.gemm_engine must be one of {GEMM_ENGINES}, "
+                             f"got {self.gemm_engine!r}")
         for name in ("matvec_stages", "gemm_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"routed_experts KernelConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -562,6 +575,9 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
                      stack_A, phase_major(quant.fq8(h_AF)).astype(jnp.float32), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
+    if config.gemm_engine == "mgpu" and _mgpu_takes(d, f, config, interpret):
+        return _ragged_mgpu(((w1, s1), (w3, s3), (w2, s2)), offset, x_act_TD, weights_A, expert_A, n_experts,
+                            n_per_token, limit, config)
     rows = gemm_rows(n_assign, n_experts, config)
     tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, rows)
     tile_expert_I = jnp.where(tile_expert_I >= 0, tile_expert_I + offset, -1)
@@ -581,6 +597,34 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
                  (n_rows, d), (n_tiles, d // cols_d), params, "routed_down_gemm",
                  tile_expert_I, pair_major(h_RF, words_f), w2, s2)
     return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
+
+
+def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
+    """Whether ``_ragged_mgpu`` can run the layer: a compute-capability-9 GPU (not interpreted) and sizes
+    fp4_wgmma takes for w1 / w3 ([F, D]) and w2 ([D, F])."""
+    if interpret or not fp4_wgmma.available():
+        return False
+    return all(fp4_wgmma.shape_error(rows, k, config.mgpu_tile, config.mgpu_chunks) is None
+               for rows, k in ((f, d), (d, f)))
+
+
+def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, n_per_token: int, limit: float,
+                 config: KernelConfig) -> jax.Array:
+    """The ragged path on ``fp4_wgmma``: assignments in expert-sorted tiles of ``mgpu_tile`` rows, each GEMM one
+    kernel with transposed output ([F, R], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU,
+    routing weight and fq8 of h in XLA, then w2 and the combine. -> float32 [T, D]."""
+    ((w1, s1), (w3, s3), (w2, s2)) = stacks
+    t = x_act_TD.shape[0]
+    tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, config.mgpu_tile)
+    tile_expert_I = jnp.where(tile_expert_I >= 0, tile_expert_I + offset, -1)
+    weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
+    gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tile_expert_I=tile_expert_I, tile_n=config.mgpu_tile,
+                             stages=config.mgpu_stages, chunks=config.mgpu_chunks)
+    x_RD = x_act_TD[token_R]  # padding rows read token 0 (finite) at weight 0
+    g_FR, u_FR = gemm(w1, s1, x_RD), gemm(w3, s3, x_RD)
+    h_RF = swiglu(g_FR.T.astype(jnp.float32), u_FR.T.astype(jnp.float32), limit) * weight_R[:, None]
+    y_DR = gemm(w2, s2, quant.fq8(h_RF.astype(jnp.bfloat16)))
+    return _sum_slots(y_DR.T[pos_A], expert_A >= 0, t, n_per_token)
 
 
 def _expert_stacks(experts: dict) -> tuple[list[tuple[jax.Array, jax.Array]], jax.Array]:

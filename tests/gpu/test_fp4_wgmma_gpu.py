@@ -14,26 +14,30 @@ import pytest
 
 from dijax.kernels import fp4_wgmma as fw
 from dijax.kernels import quant
+from dijax.kernels.routed_experts import pack_words
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu" or "H" not in jax.devices()[0].device_kind,
                                 reason="a Mosaic GPU wgmma kernel: needs a Hopper GPU")
 
 
-@pytest.mark.parametrize("n_experts, f, k, tile_n, tiles, stages", [
-    (3, 256, 512, 128, (0, 2, -1, 1), 4),           # small, a padding tile between experts
-    (2, 4608, 5120, 128, (1, 0, 0, -1, -1), 4),     # the real gate-up width (w1 and w3 side by side)
-    (2, 5120, 2304, 64, (0, 1, 1), 2),              # the real down projection, 64-token tiles
-    (1, 128, 256, 256, (0,), 3),
+@pytest.mark.parametrize("n_experts, f, k, tile_n, tiles, stages, chunks, scales", [
+    (3, 256, 512, 128, (0, 2, -1, 1), 4, 2, (116, 128)),       # small, a padding tile between experts
+    (2, 4608, 5120, 128, (1, 0, 0, -1, -1), 4, 2, (100, 160)),  # the real gate-up width, the top of SCALE_RANGE
+    (2, 5120, 2304, 64, (0, 1, 1), 2, 1, (34, 60)),            # the real down projection, its bottom
+    (1, 128, 256, 256, (0,), 3, 2, (116, 128)),
+    (1, 256, 256, 8, (0, 0), 4, 1, (116, 128)),                # the smallest wgmma N
 ])
-def test_kernel_matches_reference(n_experts, f, k, tile_n, tiles, stages):
+def test_kernel_matches_reference(n_experts, f, k, tile_n, tiles, stages, chunks, scales):
     rng = np.random.default_rng(f + k)
-    w = jnp.asarray(rng.integers(0, 256, (n_experts, f, k // 2)), jnp.uint8)
-    s = jnp.asarray(rng.integers(116, 128, (n_experts, f, k // 32)), jnp.uint8)
+    w = pack_words(jnp.asarray(rng.integers(0, 256, (n_experts, f, k // 2)), jnp.uint8))
+    s = jnp.asarray(rng.integers(*scales, (n_experts, f, k // 32)), jnp.uint8)
     x = quant.fq8(jnp.asarray(rng.standard_normal((len(tiles) * tile_n, k)), jnp.float32)).astype(jnp.bfloat16)
     tile_expert = jnp.asarray(tiles, jnp.int32)
-    got = np.asarray(fw.grouped_gemm_t_mgpu(w, s, x, tile_expert, tile_n=tile_n, stages=stages), np.float32)
+    got = np.asarray(fw.grouped_gemm_t_mgpu(w, s, x, tile_expert, tile_n=tile_n, stages=stages, chunks=chunks),
+                     np.float32)
     want = np.asarray(fw.grouped_gemm_t_reference(w, s, x, tile_expert, tile_n=tile_n), np.float32)
-    wd = np.abs(np.asarray(quant.dequant_fp4_weight(w, s), np.float32))
+    w_u8 = jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:-1], -1)
+    wd = np.abs(np.asarray(quant.dequant_fp4_weight(w_u8, s), np.float32))
     xa = np.abs(np.asarray(x, np.float32))
     for i, e in enumerate(tiles):
         if e < 0:

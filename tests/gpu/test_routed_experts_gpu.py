@@ -36,7 +36,10 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 }
 
 
-VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64})}  # the variants the benchmark sweeps
+VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the benchmark sweeps
+            # the ragged path on dijax.kernels.fp4_wgmma (wgmma, weights decoded in registers)
+            "ragged-mgpu": ("ragged", {"gemm_engine": "mgpu"}),
+            "ragged-mgpu-64x1": ("ragged", {"gemm_engine": "mgpu", "mgpu_tile": 64, "mgpu_chunks": 1})}
 
 
 @pytest.mark.parametrize("path", [*rx.PATHS, *VARIANTS])
@@ -59,9 +62,10 @@ def test_gpu_kernels_match_reference(name, path, monkeypatch):
     assert np.all(got[pad_rows] == 0)
 
 
-@pytest.mark.parametrize("path", rx.PATHS)
-def test_gpu_real_expert_shapes_top_of_the_stack(path):
+@pytest.mark.parametrize("path, engine", [("gathered", "triton"), ("ragged", "triton"), ("ragged", "mgpu")])
+def test_gpu_real_expert_shapes_top_of_the_stack(path, engine, monkeypatch):
     """384 experts of 2304 x 5120: a uint8 stack is 2.26 GB, so the last experts' byte offsets pass 2^31."""
+    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine=engine))
     n_experts, d, f = 384, 5120, 2304
     keys = jax.random.split(jax.random.key(0), 6)
 
