@@ -262,3 +262,13 @@ def test_moe_with_pallas_matches_reference(t):
 def test_kernel_config_refuses_bad_tilings(change, field):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(rx.KernelConfig(), **change)
+
+
+def test_mgpu_engine_needs_a_hopper_gpu_and_its_sizes():
+    """gemm_engine='mgpu' runs only where fp4_wgmma can: not interpreted, a compute-capability-9 GPU, sizes it takes
+    (else the ragged path keeps the Triton kernels)."""
+    cfg = dataclasses.replace(rx.CONFIG, gemm_engine="mgpu")
+    assert not rx._mgpu_takes(5120, 2304, cfg, interpret=True)
+    if jax.default_backend() != "gpu":
+        assert not rx._mgpu_takes(5120, 2304, cfg, interpret=False)
+    assert not rx._mgpu_takes(5120, 2304 + 32, cfg, interpret=False)  # F not a multiple of 128
