@@ -3,7 +3,7 @@
 | op | module | implementations |
 |---|---|---|
 | routed experts (MXFP4 / fp8 grouped GEMM, SwiGLU) | ``routed_experts`` | reference, pallas |
-| MXFP4 grouped GEMM on wgmma, weights decoded in registers (not yet in the model) | ``fp4_wgmma`` | reference, mgpu |
+| MXFP4 grouped GEMM on wgmma, weights decoded in registers (``routed_experts``' ``gemm_engine='mgpu'``) | ``fp4_wgmma`` | reference, mgpu |
 | sparse attention with the sink | ``sparse_attn`` | reference, pallas |
 | lightning-indexer scores over the paged key pool | ``indexer`` | reference, pallas |
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |

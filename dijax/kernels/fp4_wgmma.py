@@ -1,14 +1,16 @@
 """MXFP4 expert weights times token tiles on Hopper's tensor cores (Mosaic GPU): ``grouped_gemm_t``.
 
-Status: correct and timed on the H200 (docs/benchmarks.md, twenty-eighth session); the model does not call it yet.
-It is the first tensor-core kernel whose operand layouts we control, the building block of issue 12's prefill path.
-Rates (H200, jax 0.11.2; docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP/s):
-  * one expert's weights, F x K = 36864 x 5120 (the prototype of this kernel, 4 stages): 391 TFLOP/s with 128
-    tokens a tile, 549 with 256; a dense 4608 x 5120 x 4096: 675 (XLA's bf16 dot of already-decoded weights: 769);
-  * grouped at prefill 8192 (``tools/bench_kernels.py --only fp4_wgmma``): ~257 TFLOP/s of real work, against the
-    Triton grouped GEMM's 236-239. ``tile_layout`` pads each expert to whole 128-row tiles (a third of the work
-    here), and each K step waits for its own wgmma (no overlap of decode and tensor cores inside a warpgroup):
-    the two things to fix before the model takes it.
+Status: correct and timed on the H200 (docs/benchmarks.md, twenty-eighth session). The routed experts' ragged path
+runs on it with ``routed_experts.KernelConfig.gemm_engine='mgpu'``, which is off by default: GPU parity holds, but
+the XLA passes around its transposed outputs make the layer slower than the Triton kernels (20.6 against 14.7 ms at
+8192 tokens). It is the first tensor-core kernel whose operand layouts we control, and the building block of issue
+12's prefill path. Rates (H200, jax 0.11.2; docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP/s):
+  * one expert's weights, F x K = 36864 x 5120 (the prototype of this kernel, 4 stages, one K chunk a step): 391
+    TFLOP/s with 128 tokens a tile, 549 with 256; a dense 4608 x 5120 x 4096: 675 (XLA's bf16 dot of
+    already-decoded weights: 769);
+  * grouped at prefill 8192 (128-token tiles, 4 stages, 2 K chunks a step): 266 TFLOP/s of real work on the gate-up
+    weights, 260 on the down weight; the Triton grouped GEMMs run at 236-239. ``tile_layout`` pads each expert to
+    whole 128-row tiles (a third of the work here).
 
 Why transposed: wgmma takes its A operand from registers, so the MXFP4 weights are decoded there (codes -> bf16
 times the block scale) and the tokens are the B operand, read by TMA into shared memory. The weights are read in
