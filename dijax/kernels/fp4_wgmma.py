@@ -14,12 +14,13 @@ the XLA passes around its transposed outputs make the layer slower than the Trit
 
 Why transposed: wgmma takes its A operand from registers, so the MXFP4 weights are decoded there (codes -> bf16
 times the block scale) and the tokens are the B operand, read by TMA into shared memory. The weights are read in
-their stored layout, as uint32 words of 8 codes (``routed_experts.pack_words``, a bitcast): in each 64-wide K step a warpgroup loads a [64, 8] word tile in
-the WGMMA layout, so thread (row r, lane q) holds words 2q and 2q + 1 of rows r and r + 8, and each word decodes to
-bf16 pairs with two masks and two shifts (``bf16_pairs``' bit trick on whole words, not per code). A word's nibbles
-are not the K positions wgmma's fragment gives that thread, so the activations take the matching order instead:
-``permute_k`` (one gather, which the grouped path pays anyway to sort tokens by expert). One thread's codes of a K
-step all fall in one 32-wide scale block (lanes 0-1 the first, 2-3 the second), so its scale is one select.
+their stored layout, as uint32 words of 8 codes (``routed_experts.pack_words``, a bitcast): in each 64-wide K
+step a warpgroup loads a [64, 8] word tile in the WGMMA layout, so thread (row r, lane q) holds words 2q and
+2q + 1 of rows r and r + 8, and each word decodes to bf16 pairs with two masks and two shifts (``bf16_pairs``' bit
+trick on whole words, not per code). A word's nibbles are not the K positions wgmma's fragment gives that thread,
+so the activations take the matching order instead: ``permute_k`` (one gather, which the grouped path pays anyway
+to sort tokens by expert). One thread's codes of a K step all fall in one 32-wide scale block (lanes 0-1 the first,
+2-3 the second), so its scale is one select.
 
 Letters: E experts, F output features (weight rows), K input features, H = K / 2 packed bytes, W = K / 8 words,
 B = K / 32 scale blocks, R token rows (tiles of ``tile_n``), I tiles.
@@ -189,7 +190,8 @@ def _decode(ctx, words, s_lo, s_hi):
     lane_q = arith.remui(mgpu.utils.thread_idx(), arith.constant(i32, 4))
     first_block = arith.cmpi(arith.CmpIPredicate.ult, lane_q, arith.constant(i32, 2))
     # 2^(s - 1 - SCALE_SHIFT) as bf16: times a decoded code (e2m1 * 2^-126) it is e2m1 * 2^(s - 127 - SCALE_SHIFT)
-    lo, hi = (((s + (126 - SCALE_SHIFT)) << 7).bitcast(bf16).broadcast_in_dim((64, 16), (0,), layout) for s in (s_lo, s_hi))
+    lo, hi = (((s + (126 - SCALE_SHIFT)) << 7).bitcast(bf16).broadcast_in_dim((64, 16), (0,), layout)
+              for s in (s_lo, s_hi))
     scale = np.empty(lo.registers.shape, dtype=object)
     for idx, reg in np.ndenumerate(lo.registers):
         scale[idx] = arith.select(first_block, reg, hi.registers[idx])
