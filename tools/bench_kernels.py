@@ -557,11 +557,13 @@ def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[d
     """The Mosaic GPU MXFP4 grouped GEMM (dijax.kernels.fp4_wgmma; routed_experts' gemm_engine='mgpu') at the
     routed experts' prefill shapes: T tokens routed uniformly at random to 6 of 384 experts, assignments sorted
     into tiles of ``tile_n`` (``routed_experts.tile_layout``), the gate-up weights (w1 and w3 side by side:
-    4608 x 5120) and the down weight (5120 x 2304). Floor: the real assignments' FLOPs at ``MATRIX_RATE`` (the measured bf16 ceiling
-    that docs/benchmarks.md's "30 % of peak" of the Triton grouped GEMM is against); padding rows count as waste.
-    The time includes the wrapper's two XLA passes (x's K order, the scales' transpose). ``sweep``: also 64-token
-    tiles, 6 pipeline stages, and one 64-wide K chunk a step instead of two. (On the H200 the sweep's 8 rows did not
-    finish within 100 s: run it with --tokens 8192 alone.)"""
+    4608 x 5120) and the down weight (5120 x 2304).
+
+    Floor: the real assignments' FLOPs at ``MATRIX_RATE`` (the measured bf16 ceiling that docs/benchmarks.md's
+    "30 % of peak" of the Triton grouped GEMM is against); padding rows count as waste. The time includes the
+    wrapper's two XLA passes (x's K order, the scales' transpose). ``sweep``: also 64-token tiles, 6 pipeline
+    stages, and one 64-wide K chunk a step instead of two. (On the H200 the sweep's 8 rows did not finish within
+    100 s: run it with --tokens 8192 alone.)"""
     from dijax.kernels import fp4_wgmma as fw
     from dijax.kernels.routed_experts import pack_words, tile_layout
 
