@@ -1,0 +1,93 @@
+"""The Mosaic GPU kernels lowered for CUDA on a machine without a GPU: every Pallas -> Mosaic GPU lowering rule and
+layout inference run before any device time is spent (docs/mosaic_gpu.md's second method).
+
+    python3 -m venv /tmp/mg && /tmp/mg/bin/pip install "jax==X" "jaxlib==X" numpy      # X: the GPU machine's jax
+    /tmp/mg/bin/pip install --no-deps "jax-cuda13-plugin==X"     # only for its _mosaic_gpu_ext; not a dijax dependency
+    PYTHONPATH=. /tmp/mg/bin/python tools/mgpu_lower.py
+
+It lowers ``dijax.kernels.fp4_wgmma`` at small and real shapes (every tile size and K-chunk form the routed path
+uses), then the routed experts' ragged path with ``gemm_engine='mgpu'`` (its Triton and XLA parts too). It stops
+before PTX: ptxas, the numerics and the speed need the GPU (tests/gpu/test_fp4_wgmma_gpu.py, tools/bench_kernels.py
+--only fp4_wgmma). In the twenty-eighth session every error this caught would otherwise have cost a device call,
+and each kernel that lowered here ran correctly on its first GPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dijax.kernels import fp4_wgmma, lowering_for_gpu  # noqa: E402
+from dijax.kernels import routed_experts as rx  # noqa: E402
+
+# (experts, F, K, tile_n, chunks): the GPU test's shapes, the real gate-up and down, the smallest wgmma N
+KERNEL_SHAPES = [(3, 256, 512, 128, 2), (3, 256, 512, 128, 1), (2, 4608, 5120, 128, 2), (2, 5120, 2304, 64, 2),
+                 (1, 256, 256, 8, 1)]
+
+
+def lower_kernel(n_experts: int, f: int, k: int, tile_n: int, chunks: int) -> int:
+    """Lower one ``grouped_gemm_t_mgpu`` for CUDA from abstract operands; -> the StableHLO text's length."""
+    n_tiles = 4
+    shapes = (jax.ShapeDtypeStruct((n_experts, f, k // 8), jnp.uint32),
+              jax.ShapeDtypeStruct((n_experts, f, k // 32), jnp.uint8),
+              jax.ShapeDtypeStruct((n_tiles * tile_n, k), jnp.bfloat16),
+              jax.ShapeDtypeStruct((n_tiles,), jnp.int32))
+    fn = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tile_n=tile_n, chunks=chunks)
+    return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
+
+
+def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 64, per_token: int = 4) -> int:
+    """Lower the routed experts' ragged path with ``gemm_engine='mgpu'`` for CUDA; -> the number of Mosaic GPU
+    kernels in it (two: w1 and w3 share one lowered kernel of their shape, w2 has its own)."""
+    rng = np.random.default_rng(0)
+
+    def draw(out_dim, in_dim):
+        return {"weight": jnp.asarray(rng.integers(0, 256, (n_experts, out_dim, in_dim // 2)), jnp.uint8),
+                "scale": jnp.asarray(rng.integers(116, 122, (n_experts, out_dim, in_dim // 32)), jnp.uint8)}
+
+    experts = {"w1": draw(f, d), "w3": draw(f, d), "w2": draw(d, f)}
+    x = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
+    ids = jnp.asarray(np.sort(np.stack([rng.choice(n_experts, per_token, replace=False) for _ in range(tokens)]), 1),
+                      jnp.int32)
+    weights = jnp.full(ids.shape, 1 / per_token, jnp.float32)
+    config, available = rx.CONFIG, fp4_wgmma.available
+    rx.CONFIG = dataclasses.replace(config, gemm_engine="mgpu")
+    fp4_wgmma.available = lambda: True  # the abstract target is sm_90
+    try:
+        with lowering_for_gpu():
+            text = jax.jit(rx.routed_experts_pallas, static_argnames=("limit", "path")).trace(
+                experts, x, weights, ids, limit=7.0, path="ragged").lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        rx.CONFIG, fp4_wgmma.available = config, available
+    return text.count("@mosaic_gpu")
+
+
+def main() -> int:
+    print(f"jax {jax.__version__}")
+    failed = 0
+    for shape in KERNEL_SHAPES:
+        try:
+            print(f"fp4_wgmma experts/F/K/tile_n/chunks {shape}: lowered ({lower_kernel(*shape)} chars)")
+        except Exception as error:  # noqa: BLE001 (every shape is reported)
+            failed += 1
+            print(f"fp4_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
+    try:
+        calls = lower_routed()
+        print(f"routed experts, ragged path, gemm_engine='mgpu': lowered, {calls} Mosaic GPU kernels (2 expected)")
+        failed += calls != 2
+    except Exception as error:  # noqa: BLE001
+        failed += 1
+        print(f"routed experts with gemm_engine='mgpu': FAILED {type(error).__name__}: {str(error)[-600:]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
