@@ -44,8 +44,8 @@ from dijax.kernels import quant
 
 K_CHUNK = 64  # K of one [64, 64] bf16 A fragment (one decode, one wgmma)
 # The decoded weights are e2m1 * 2^(s - 127 - SCALE_SHIFT) (bf16, exact and normal for ue8m0 bytes s in
-# SCALE_RANGE); the fp32 accumulator is multiplied back by 2^SCALE_SHIFT. The same range as the Triton grouped
-# GEMM's (routed_experts.GEMM_SCALE_RANGE), so the engine's scale-range check covers both.
+# SCALE_RANGE); the fp32 accumulator is multiplied back by 2^SCALE_SHIFT. routed_experts' Triton grouped GEMM
+# takes the same shift and range (routed_experts.GEMM_SCALE_RANGE is this), so the engine's check covers both.
 SCALE_SHIFT = 32
 SCALE_RANGE = (SCALE_SHIFT + 2, 128 + SCALE_SHIFT)
 ROWS_PER_WG = 64  # wgmma's M

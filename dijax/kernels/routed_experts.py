@@ -379,9 +379,11 @@ def pair_major(x_TD: jax.Array, words: int) -> jax.Array:
 
 # The grouped GEMM's weights carry an extra 2^-_GEMM_SHIFT, which its epilogue multiplies back (exact in fp32):
 # it moves the range of scale bytes whose weight tiles are exact normal bf16 values from [2, 128] to [34, 160].
-_GEMM_SHIFT = 32
+# One shift for both grouped GEMMs (this module's Triton kernels and dijax.kernels.fp4_wgmma), so that one scale
+# range, checked once at engine start (dijax.kernels.scale_range), covers whichever ``gemm_engine`` runs.
+_GEMM_SHIFT = fp4_wgmma.SCALE_SHIFT
 _GEMM_UNSHIFT = np.float32(2.0 ** _GEMM_SHIFT)
-GEMM_SCALE_RANGE = (_GEMM_SHIFT + 2, 128 + _GEMM_SHIFT)  # ue8m0 bytes the grouped GEMM's GPU form is exact for
+GEMM_SCALE_RANGE = fp4_wgmma.SCALE_RANGE  # ue8m0 bytes the grouped GEMM's GPU forms are exact for
 
 
 def gemm_scale_bits(scale_u8: jax.Array) -> jax.Array:
@@ -582,9 +584,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         return _ragged_mgpu(((w1, s1), (w3, s3), (w2, s2)), offset, x_act_TD, weights_A, expert_A, n_experts,
                             n_per_token, limit, config)
     rows = gemm_rows(n_assign, n_experts, config)
-    tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, rows)
-    tile_expert_I = jnp.where(tile_expert_I >= 0, tile_expert_I + offset, -1)
-    weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
+    tile_expert_I, token_R, weight_R, pos_A = _stack_tiles(expert_A, weights_A, n_experts, n_per_token, rows, offset)
     n_rows, n_tiles = token_R.shape[0], tile_expert_I.shape[0]
     cols_f = _block(f, config.gemm_cols, "moe_inter_dim", quant.FP8_BLOCK)  # whole fq8 blocks (epilogue)
     cols_d = _block(d, config.gemm_cols, "dim", 16)
@@ -600,6 +600,15 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
                  (n_rows, d), (n_tiles, d // cols_d), params, "routed_down_gemm",
                  tile_expert_I, pair_major(h_RF, words_f), w2, s2)
     return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
+
+
+def _stack_tiles(expert_A, weights_A, n_experts: int, n_per_token: int, rows: int, offset):
+    """``tile_layout`` for the kernels: (tile_expert_I with ids in the flattened expert stack (``_expert_stacks``'
+    offset added; -1 kept), token_R, weight_R float32 [R] (each row's routing weight, 0 on padding rows), pos_A)."""
+    tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, rows)
+    tile_expert_I = jnp.where(tile_expert_I >= 0, tile_expert_I + offset, -1)
+    weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
+    return tile_expert_I, token_R, weight_R, pos_A
 
 
 def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
@@ -618,9 +627,8 @@ def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, 
     routing weight and fq8 of h in XLA, then w2 and the combine. -> float32 [T, D]."""
     ((w1, s1), (w3, s3), (w2, s2)) = stacks
     t = x_act_TD.shape[0]
-    tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, config.mgpu_tile)
-    tile_expert_I = jnp.where(tile_expert_I >= 0, tile_expert_I + offset, -1)
-    weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
+    tile_expert_I, token_R, weight_R, pos_A = _stack_tiles(expert_A, weights_A, n_experts, n_per_token,
+                                                           config.mgpu_tile, offset)
     gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tile_expert_I=tile_expert_I, tile_n=config.mgpu_tile,
                              stages=config.mgpu_stages, chunks=config.mgpu_chunks)
     x_RD = x_act_TD[token_R]  # padding rows read token 0 (finite) at weight 0
