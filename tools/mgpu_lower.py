@@ -1,9 +1,13 @@
 """The Mosaic GPU kernels lowered for CUDA on a machine without a GPU: every Pallas -> Mosaic GPU lowering rule and
 layout inference run before any device time is spent (docs/mosaic_gpu.md's second method).
 
+    PYTHONPATH=.:.venv/mosaic-lowering .venv/bin/python tools/mgpu_lower.py   # the venv's jax (tools/setup.sh)
+
     python3 -m venv /tmp/mg && /tmp/mg/bin/pip install "jax==X" "jaxlib==X" numpy      # X: the GPU machine's jax
     /tmp/mg/bin/pip install --no-deps "jax-cuda13-plugin==X"     # only for its _mosaic_gpu_ext; not a dijax dependency
     PYTHONPATH=. /tmp/mg/bin/python tools/mgpu_lower.py
+
+The first form is tests/test_mosaic_lowering.py's (CI: the newest jax); the second checks the GPU machine's jax.
 
 It lowers ``dijax.kernels.fp4_wgmma`` at small and real shapes (every tile size and K-chunk form the routed path
 uses), then the routed experts' ragged path with ``gemm_engine='mgpu'`` (its Triton and XLA parts too). It stops

@@ -20,3 +20,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[test]"
+# Only for tests/test_mosaic_lowering.py: jax's CUDA plugin (its Mosaic GPU extension) in a folder of its own, off
+# the venv's path, so that the Mosaic GPU kernels can be lowered for CUDA here; it never runs anything. Optional:
+# without it (no wheel for this platform or jaxlib) that test skips.
+plugin="jax-cuda13-plugin==$(.venv/bin/python -c 'import jaxlib; print(jaxlib.__version__)')"
+rm -rf .venv/mosaic-lowering
+.venv/bin/python -m pip install -q --no-deps --target .venv/mosaic-lowering "$plugin" >/dev/null 2>&1 \
+  || { rm -rf .venv/mosaic-lowering; echo "setup: no $plugin here; tests/test_mosaic_lowering.py will skip" >&2; }
