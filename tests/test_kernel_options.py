@@ -1,4 +1,4 @@
-"""The engine's one kernel option (dijax.kernels.kernel_options, with overrides) and its place in the step's jit
+"""The engine's one kernel option (dijax.kernels.options.kernel_options, with overrides) and its place in the step's jit
 key."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import jax
 import pytest
 
 from dijax.cli.options import add_model_options
-from dijax.kernels import (AUTO_ON_GPU, FAST, OPTION_IMPLS, REFERENCE, fp8_linear, indexer, interpret_mode,
-                           kernel_options, lowering_for_gpu, parse_kernels, routed_experts, router, sinkhorn,
+from dijax.kernels import (fp8_linear, indexer, interpret_mode, lowering_for_gpu, routed_experts, router, sinkhorn,
                            sparse_attn, topk)
+from dijax.kernels.options import AUTO_ON_GPU, FAST, OPTION_IMPLS, REFERENCE, kernel_options, parse_kernels
 from dijax.runtime.model_runner import ModelRunner
 
 
@@ -68,10 +68,14 @@ def test_bad_overrides_name_the_part(kernels, message):
         kernel_options(kernels, "cpu")
 
 
-def test_each_option_lists_its_modules_implementations():
+def test_each_option_takes_its_modules_implementations():
+    """The options of REFERENCE, FAST and OPTION_IMPLS are one set, and each picks one of its module's IMPLS."""
     modules = {"moe_impl": routed_experts, "topk_impl": topk, "sparse_attn_impl": sparse_attn,
                "sinkhorn_impl": sinkhorn, "linear_impl": fp8_linear, "indexer_impl": indexer, "router_impl": router}
-    assert {name: module.IMPLS for name, module in modules.items()} == OPTION_IMPLS
+    assert set(REFERENCE) == set(FAST) == set(OPTION_IMPLS) == set(modules)
+    for name, module in modules.items():
+        assert OPTION_IMPLS[name] is module.IMPLS
+        assert REFERENCE[name] in module.IMPLS and FAST[name] in module.IMPLS and AUTO_ON_GPU[name] in module.IMPLS
 
 
 def test_the_cli_checks_kernels_before_anything_runs(capsys):

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dijax.kernels import FAST, REFERENCE, fp8_linear, routed_experts
+from dijax.kernels import fp8_linear, routed_experts
+from dijax.kernels.options import FAST, REFERENCE
 from dijax.kernels.scale_range import exact_kernels, out_of_range
 from dijax.runtime import model_runner
 

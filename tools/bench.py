@@ -55,7 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 from dijax.cli.options import add_model_options, apply_ep  # noqa: E402
 from dijax.config import ModelConfig  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
-from dijax.kernels import kernel_options  # noqa: E402
+from dijax.kernels.options import kernel_options  # noqa: E402
 from dijax.parallel.mesh import make_mesh, place_params  # noqa: E402
 from dijax.runtime.llm import LLM  # noqa: E402
 from dijax.runtime.llm_engine import LLMEngine  # noqa: E402

@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 
 from dijax.config import ModelConfig  # noqa: E402
 from dijax.cli.options import add_kernels_option  # noqa: E402
-from dijax.kernels import kernel_options  # noqa: E402
+from dijax.kernels.options import kernel_options  # noqa: E402
 from dijax.model.engram import EngramTables, engram_primes  # noqa: E402
 from dijax.model.plan import plan_layers  # noqa: E402
 from dijax.model.step import CacheSpec, StepBatch, init_cache  # noqa: E402

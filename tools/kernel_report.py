@@ -39,7 +39,8 @@ from jax._src.interpreters import mlir  # noqa: E402
 from jax._src.pallas.triton import gpu_info, lowering  # noqa: E402
 from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
 
-from dijax.kernels import kernel_options, lowering_for_gpu  # noqa: E402
+from dijax.kernels import lowering_for_gpu  # noqa: E402
+from dijax.kernels.options import kernel_options  # noqa: E402
 from tools.compile_time import abstract_inputs, flash_config, lower_bucket  # noqa: E402
 
 TRITON_CALL = "__gpu$xla.gpu.triton"

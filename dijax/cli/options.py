@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dijax.kernels import parse_kernels
+from dijax.kernels.options import parse_kernels
 from dijax.parallel.mesh import force_host_devices
 
 
@@ -16,14 +16,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_kernels_option(parser: argparse.ArgumentParser) -> None:
-    """``--kernels auto|on|off[,option=impl...]``, checked at parsing (``dijax.kernels.parse_kernels``)."""
+    """``--kernels auto|on|off[,option=impl...]``, checked at parsing (``dijax.kernels.options.parse_kernels``)."""
     parser.add_argument("--kernels", type=kernels_argument, default="auto",
                         help="step kernels: the Pallas kernels (on, GPU only), the jnp references (off), or auto; "
                              "then optional overrides, e.g. off,sparse_attn_impl=pallas")
 
 
 def kernels_argument(value: str) -> str:
-    """argparse type of ``--kernels``: the value if ``dijax.kernels.parse_kernels`` accepts it."""
+    """argparse type of ``--kernels``: the value if ``dijax.kernels.options.parse_kernels`` accepts it."""
     try:
         parse_kernels(value)
     except ValueError as exc:

@@ -40,7 +40,7 @@ from dijax.cli.options import add_model_options, apply_ep
 from dijax.config import ModelConfig
 from dijax.io.checkpoint import load_params, resolve_checkpoint
 from dijax.io.safetensors import SafetensorsFile
-from dijax.kernels import kernel_options
+from dijax.kernels.options import kernel_options
 from dijax.kernels.scale_range import exact_kernels
 from dijax.model.engram import EngramTables
 from dijax.model.step import SeqChunk

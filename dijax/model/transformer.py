@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dijax import kernels
 from dijax.config import LayerRole, ModelConfig
+from dijax.kernels.options import REFERENCE
 from dijax.kernels.stacked import of_layer
 from dijax.model import engram as engram_lib
 from dijax.model import hc
@@ -299,7 +299,7 @@ class Transformer(nnx.Module):
         if cfg.engram_layer_ids:
             engram_rows, new_cache["engram_hist"] = _engram_rows(consts, cfg, batch, g, cache["engram_hist"])
         ctx = StepContext(geometry=g, engram_rows=engram_rows,
-                          kernel_options=dict(kernels.REFERENCE, **kernel_options))
+                          kernel_options=dict(REFERENCE, **kernel_options))
         published: dict = {"ckv": {}, "ik": {}, "topk": {}, "candidates": None}
         for stage, stage_cache in zip(self.stages, cache["stages"]):
             x_TCD, pre_TC, stage_cache, out = _run_stage(cfg, stage, ctx, x_TCD, pre_TC, stage_cache, published,
@@ -338,7 +338,7 @@ def forward_step(params: nnx.State, cache: dict, batch: StepBatch, consts: dict,
     without Engram; inject_topk: optional {index-source layer: int32 [T, N] compressed positions} overriding that
     layer's selection (a test seam; layers of one scanned stage are given all or none). kernel_options (static):
     ``moe_impl``, ``topk_impl``, ``sparse_attn_impl``, ``sinkhorn_impl``, ``linear_impl``, ``indexer_impl``,
-    ``router_impl`` ('reference' by default, see dijax.kernels).
+    ``router_impl`` ('reference' by default, see dijax.kernels.options).
 
     Returns (logits_RV float32 for ``batch.logit_rows_R``, the new cache, {index-source layer: selected
     compressed positions int32 [T, N], ascending, -1 padded}).

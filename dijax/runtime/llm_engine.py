@@ -59,7 +59,7 @@ class LLMEngine:
                             (ep = 1) there is one rank either way.
     kernels                 'auto' (the Pallas kernels on a GPU, the jnp references elsewhere), 'on' or 'off',
                             optionally followed by overrides such as ',sparse_attn_impl=pallas'
-                            (dijax.kernels.kernel_options).
+                            (dijax.kernels.options.kernel_options).
     trace_steps             keep a host timeline of every ``step()`` in ``timeline`` (a ``StepTimeline``:
                             dijax.runtime.step_timeline); off (``timeline`` None, no stamp taken) by default.
     warmup                  compile every step bucket before the first request (``ModelRunner.warmup``: in

@@ -59,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from tqdm import tqdm
 
 from dijax.config import ModelConfig
-from dijax.kernels import kernel_options
+from dijax.kernels.options import kernel_options
 from dijax.kernels.scale_range import exact_kernels
 from dijax.model.step import CacheSpec, PackedBatch, SeqChunk, build_step, init_cache, pack_batch, unpack_batch
 from dijax.model.transformer import forward_step
