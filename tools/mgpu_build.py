@@ -128,10 +128,7 @@ def build(name: str, lower, dump_root: str, compile_fn, ptxas: str, nvdisasm: st
 
 def configurations() -> list[tuple[str, object]]:
     """(label, lowering thunk) for every kernel shape tools/mgpu_lower.py lowers."""
-    out = [(f"fp4_wgmma {shape}", lambda s=shape: mgpu_lower.lower_kernel(*s)) for shape in mgpu_lower.KERNEL_SHAPES]
-    for shape in getattr(mgpu_lower, "LINEAR_SHAPES", ()):
-        out.append((f"fp8_wgmma {shape}", lambda s=shape: mgpu_lower.lower_linear(*s)))
-    return out
+    return [(f"fp4_wgmma {shape}", lambda s=shape: mgpu_lower.lower_kernel(*s)) for shape in mgpu_lower.KERNEL_SHAPES]
 
 
 def main() -> int:
