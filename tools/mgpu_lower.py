@@ -12,8 +12,9 @@ The first form is tests/test_mosaic_lowering.py's (CI: the newest jax); the seco
 It lowers ``dijax.kernels.fp4_wgmma`` at small and real shapes (every tile size and K-chunk form the routed path
 uses), then the routed experts' ragged path with ``gemm_engine='mgpu'`` (its Triton and XLA parts too). It stops
 before PTX: tools/mgpu_build.py goes on to ptxas and SASS; the numerics and the speed need the GPU
-(tests/gpu/test_fp4_wgmma_gpu.py, tools/bench_kernels.py --only fp4_wgmma). In the twenty-eighth session every error this caught would otherwise have cost a device call,
-and each kernel that lowered here ran correctly on its first GPU run.
+(tests/gpu/test_fp4_wgmma_gpu.py, tools/bench_kernels.py --only fp4_wgmma). In the twenty-eighth session every
+error this caught would otherwise have cost a device call, and each kernel that lowered here ran correctly on its
+first GPU run.
 """
 
 from __future__ import annotations
