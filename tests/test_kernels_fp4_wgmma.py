@@ -33,10 +33,10 @@ def _dequant(w, s):
 
 def test_reference_matches_numpy():
     w, s, x, tiles = _operands()
-    want = np.zeros((w.shape[1], x.shape[0]), np.float32)
+    want = np.zeros((x.shape[0], w.shape[1]), np.float32)
     for i, e in enumerate(tiles):
         if e >= 0:
-            want[:, i * 8:(i + 1) * 8] = _dequant(w[e], s[e]) @ x[i * 8:(i + 1) * 8].T
+            want[i * 8:(i + 1) * 8] = x[i * 8:(i + 1) * 8] @ _dequant(w[e], s[e]).T
     got = fw.grouped_gemm_t_reference(pack_words(jnp.asarray(w)), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16),
                                       jnp.asarray(tiles), tile_n=8)
     np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(jnp.bfloat16).astype(np.float32))

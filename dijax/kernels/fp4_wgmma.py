@@ -1,10 +1,12 @@
 """MXFP4 expert weights times token tiles on Hopper's tensor cores (Mosaic GPU): ``grouped_gemm_t``.
 
-Status: correct and timed on the H200 (docs/benchmarks.md, twenty-eighth session). The routed experts' ragged path
-runs on it with ``routed_experts.KernelConfig.gemm_engine='mgpu'``, which is off by default: GPU parity holds, but
-the XLA passes around its transposed outputs make the layer slower than the Triton kernels (20.6 against 14.7 ms at
-8192 tokens). It is the first tensor-core kernel whose operand layouts we control, and the building block of issue
-12's prefill path. Rates (H200, jax 0.11.2; docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP/s):
+Status (branch fp4-wgmma-natural-out): the output tiles are stored untransposed ([R, F], through a transposed view
+of the shared-memory staging tile), so the routed path needs no XLA transposes around the GEMMs. This form lowers for
+CUDA on the CPU and has not run on a GPU. On main (twenty-eighth session), the transposed form was correct and timed
+on the H200: the routed experts' ragged path runs on it with ``routed_experts.KernelConfig.gemm_engine='mgpu'``,
+which is off by default. GPU parity holds there, but the XLA passes around its transposed outputs make the layer
+slower than the Triton kernels (20.6 against 14.7 ms at 8192 tokens). It is the first tensor-core kernel whose
+operand layouts we control, and the building block of issue 12's prefill path. Rates (H200, jax 0.11.2; docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP/s):
   * one expert's weights, F x K = 36864 x 5120 (the prototype of this kernel, 4 stages, one K chunk a step): 391
     TFLOP/s with 128 tokens a tile, 549 with 256; a dense 4608 x 5120 x 4096: 675 (XLA's bf16 dot of
     already-decoded weights: 769);
@@ -12,15 +14,15 @@ the XLA passes around its transposed outputs make the layer slower than the Trit
     weights, 260 on the down weight; the Triton grouped GEMMs run at 236-239. ``tile_layout`` pads each expert to
     whole 128-row tiles (a third of the work here).
 
-Why transposed: wgmma takes its A operand from registers, so the MXFP4 weights are decoded there (codes -> bf16
-times the block scale) and the tokens are the B operand, read by TMA into shared memory. The weights are read in
-their stored layout, as uint32 words of 8 codes (``routed_experts.pack_words``, a bitcast): in each 64-wide K
-step a warpgroup loads a [64, 8] word tile in the WGMMA layout, so thread (row r, lane q) holds words 2q and
-2q + 1 of rows r and r + 8, and each word decodes to bf16 pairs with two masks and two shifts (``bf16_pairs``' bit
-trick on whole words, not per code). A word's nibbles are not the K positions wgmma's fragment gives that thread,
-so the activations take the matching order instead: ``permute_k`` (one gather, which the grouped path pays anyway
-to sort tokens by expert). One thread's codes of a K step all fall in one 32-wide scale block (lanes 0-1 the first,
-2-3 the second), so its scale is one select.
+Why the weights are wgmma's A operand: wgmma takes A from registers, so the MXFP4 weights are decoded there (codes
+-> bf16 times the block scale) and the tokens are the B operand, read by TMA into shared memory; the accumulator is
+[F, tokens], written out transposed. The weights are read in their stored layout, as uint32 words of 8 codes
+(``routed_experts.pack_words``, a bitcast): in each 64-wide K step a warpgroup loads a [64, 8] word tile in the
+WGMMA layout, so thread (row r, lane q) holds words 2q and 2q + 1 of rows r and r + 8, and each word decodes to
+bf16 pairs with two masks and two shifts (``bf16_pairs``' bit trick on whole words, not per code). A word's nibbles
+are not the K positions wgmma's fragment gives that thread, so the activations take the matching order instead:
+``permute_k`` (one gather, which the grouped path pays anyway to sort tokens by expert). One thread's codes of a K
+step all fall in one 32-wide scale block (lanes 0-1 the first, 2-3 the second), so its scale is one select.
 
 Letters: E experts, F output features (weight rows), K input features, H = K / 2 packed bytes, W = K / 8 words,
 B = K / 32 scale blocks, R token rows (tiles of ``tile_n``), I tiles.
@@ -65,10 +67,10 @@ def permute_k(x_RK: jax.Array) -> jax.Array:
 
 def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_RK: jax.Array, tile_expert_I: jax.Array, *,
                              tile_n: int = 128, stages: int = 4, chunks: int = 2) -> jax.Array:
-    """bf16 y_FR [F, R]: tile i of x_RK (natural K order) times expert tile_expert_I[i]'s MXFP4 weight (uint32 words
+    """bf16 y_RF [R, F]: tile i of x_RK (natural K order) times expert tile_expert_I[i]'s MXFP4 weight (uint32 words
     w_EFW [E, F, K/8], nibble j of word w the code of k = 8w + j, as ``routed_experts.pack_words`` gives them;
-    ue8m0 s_EFB [E, F, K/32]), transposed; zeros where the expert is negative. ``stages`` and ``chunks`` are the
-    kernel's and change nothing here."""
+    ue8m0 s_EFB [E, F, K/32]): x_tile @ W.T; zeros where the expert is negative. ``stages`` and ``chunks`` are
+    the kernel's and change nothing here."""
     del stages, chunks
     n_tiles = tile_expert_I.shape[0]
     e_I = jnp.maximum(tile_expert_I, 0)
@@ -76,9 +78,9 @@ def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_RK: jax.Array
     w_IFH = lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:-1], -1)
     w_IFK = quant.dequant_fp4_weight(w_IFH, s_EFB[e_I])
     x_INK = x_RK.reshape(n_tiles, tile_n, -1)
-    y_FIN = jnp.einsum("ifk,ink->fin", w_IFK, x_INK, preferred_element_type=jnp.float32)
-    y_FIN = jnp.where(tile_expert_I[None, :, None] >= 0, y_FIN, 0.0)
-    return y_FIN.reshape(y_FIN.shape[0], -1).astype(jnp.bfloat16)
+    y_INF = jnp.einsum("ifk,ink->inf", w_IFK, x_INK, preferred_element_type=jnp.float32)
+    y_INF = jnp.where(tile_expert_I[:, None, None] >= 0, y_INF, 0.0)
+    return y_INF.reshape(-1, y_INF.shape[-1]).astype(jnp.bfloat16)
 
 
 def shape_error(f: int, k: int, tile_n: int, chunks: int) -> str | None:
@@ -146,10 +148,10 @@ def _call(w_EFW, s_EBF, x_RK, tile_expert_I, *, tile_n: int, stages: int, chunks
             def _(acc_ref):
                 run_pipeline(acc_ref)
                 wg = lax.axis_index("wg")
-                y_smem[wg] = (acc_ref[...] * np.float32(2.0 ** SCALE_SHIFT)).astype(jnp.bfloat16)
+                y_smem.at[wg].T[...] = (acc_ref[...] * np.float32(2.0 ** SCALE_SHIFT)).astype(jnp.bfloat16)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(y_smem.at[wg], y_gmem.at[pl.ds(m * cta_rows + wg * ROWS_PER_WG, ROWS_PER_WG),
-                                                                 pl.ds(i * tile_n, tile_n)])
+                plgpu.copy_smem_to_gmem(y_smem.at[wg], y_gmem.at[pl.ds(i * tile_n, tile_n),
+                                                                 pl.ds(m * cta_rows + wg * ROWS_PER_WG, ROWS_PER_WG)])
                 plgpu.wait_smem_to_gmem(0)
 
         spec = plgpu.BlockSpec
@@ -171,9 +173,11 @@ def _call(w_EFW, s_EBF, x_RK, tile_expert_I, *, tile_n: int, stages: int, chunks
                      s_gmem.at[e, :, pl.ds(m * cta_rows, cta_rows)])
 
     run = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((f, x_RK.shape[0]), jnp.bfloat16),
+        kernel, out_type=jax.ShapeDtypeStruct((x_RK.shape[0], f), jnp.bfloat16),
         grid=(f // cta_rows, tile_expert_I.shape[0]), grid_names=("m", "i"), num_threads=WARPGROUPS + 1,
-        thread_name="wg", scratch_types=dict(y_smem=plgpu.SMEM((WARPGROUPS, ROWS_PER_WG, tile_n), jnp.bfloat16)),
+        thread_name="wg", scratch_types=dict(y_smem=plgpu.SMEM((WARPGROUPS, tile_n, ROWS_PER_WG), jnp.bfloat16,
+                                                        transforms=(plgpu.TilingTransform((8, 64)),
+                                                                    plgpu.SwizzleTransform(128)))),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return run(tile_expert_I, w_EFW, s_EBF, x_RK)
 

@@ -623,7 +623,7 @@ def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
 def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, n_per_token: int, limit: float,
                  config: KernelConfig) -> jax.Array:
     """The ragged path on ``fp4_wgmma``: assignments in expert-sorted tiles of ``mgpu_tile`` rows, each GEMM one
-    kernel with transposed output ([F, R], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU,
+    kernel ([R, F], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU,
     routing weight and fq8 of h in XLA, then w2 and the combine. -> float32 [T, D]."""
     ((w1, s1), (w3, s3), (w2, s2)) = stacks
     t = x_act_TD.shape[0]
@@ -632,10 +632,10 @@ def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, 
     gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tile_expert_I=tile_expert_I, tile_n=config.mgpu_tile,
                              stages=config.mgpu_stages, chunks=config.mgpu_chunks)
     x_RD = x_act_TD[token_R]  # padding rows read token 0 (finite) at weight 0
-    g_FR, u_FR = gemm(w1, s1, x_RD), gemm(w3, s3, x_RD)
-    h_RF = swiglu(g_FR.T.astype(jnp.float32), u_FR.T.astype(jnp.float32), limit) * weight_R[:, None]
-    y_DR = gemm(w2, s2, quant.fq8(h_RF.astype(jnp.bfloat16)))
-    return _sum_slots(y_DR.T[pos_A], expert_A >= 0, t, n_per_token)
+    g_RF, u_RF = gemm(w1, s1, x_RD), gemm(w3, s3, x_RD)
+    h_RF = swiglu(g_RF.astype(jnp.float32), u_RF.astype(jnp.float32), limit) * weight_R[:, None]
+    y_RD = gemm(w2, s2, quant.fq8(h_RF.astype(jnp.bfloat16)))
+    return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
 
 
 def _expert_stacks(experts: dict) -> tuple[list[tuple[jax.Array, jax.Array]], jax.Array]:
