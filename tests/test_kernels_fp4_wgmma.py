@@ -83,3 +83,13 @@ def test_bad_shapes_are_named():
 def test_scale_range_is_the_triton_gemms():
     """The engine's scale-range check uses GEMM_SCALE_RANGE for the grouped GEMM, whichever engine runs it."""
     assert fw.SCALE_RANGE == GEMM_SCALE_RANGE
+
+
+def test_rows_gather_equals_gathered_rows():
+    w, s, x, tiles = _operands()
+    rows = jnp.asarray(np.random.default_rng(3).integers(0, 5, x.shape[0]), jnp.int32)
+    args = pack_words(jnp.asarray(w)), jnp.asarray(s)
+    x_TK = jnp.asarray(x[:5], jnp.bfloat16)
+    got = fw.grouped_gemm_t_reference(*args, x_TK, jnp.asarray(tiles), rows, tile_n=8)
+    want = fw.grouped_gemm_t_reference(*args, x_TK[rows], jnp.asarray(tiles), tile_n=8)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -65,13 +65,15 @@ def permute_k(x_RK: jax.Array) -> jax.Array:
     return x.reshape(*lead, k)
 
 
-def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_RK: jax.Array, tile_expert_I: jax.Array, *,
-                             tile_n: int = 128, stages: int = 4, chunks: int = 2) -> jax.Array:
-    """bf16 y_RF [R, F]: tile i of x_RK (natural K order) times expert tile_expert_I[i]'s MXFP4 weight (uint32 words
-    w_EFW [E, F, K/8], nibble j of word w the code of k = 8w + j, as ``routed_experts.pack_words`` gives them;
-    ue8m0 s_EFB [E, F, K/32]): x_tile @ W.T; zeros where the expert is negative. ``stages`` and ``chunks`` are
-    the kernel's and change nothing here."""
+def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tile_expert_I: jax.Array,
+                             rows_R: jax.Array | None = None, *, tile_n: int = 128, stages: int = 4,
+                             chunks: int = 2) -> jax.Array:
+    """bf16 y_RF [R, F]: tile i of the rows x_RK = x_TK[rows_R] (x_TK itself when ``rows_R`` is None; natural K
+    order) times expert tile_expert_I[i]'s MXFP4 weight (uint32 words w_EFW [E, F, K/8], nibble j of word w the
+    code of k = 8w + j, as ``routed_experts.pack_words`` gives them; ue8m0 s_EFB [E, F, K/32]): x_tile @ W.T; zeros
+    where the expert is negative. ``stages`` and ``chunks`` are the kernel's and change nothing here."""
     del stages, chunks
+    x_RK = x_TK if rows_R is None else x_TK[rows_R]
     n_tiles = tile_expert_I.shape[0]
     e_I = jnp.maximum(tile_expert_I, 0)
     w = w_EFW[e_I]
@@ -101,24 +103,27 @@ def available() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
-def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_RK: jax.Array, tile_expert_I: jax.Array, *,
-                        tile_n: int = 128, stages: int = 4, chunks: int = 2) -> jax.Array:
+def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tile_expert_I: jax.Array,
+                        rows_R: jax.Array | None = None, *, tile_n: int = 128, stages: int = 4,
+                        chunks: int = 2) -> jax.Array:
     """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Tiles with a
     negative expert are left unwritten. ``shape_error`` lists the sizes it takes; exact for ue8m0 bytes in
     ``SCALE_RANGE``. ``stages``: pipeline depth; ``chunks``: 64-wide K chunks a pipeline step (1 or 2: with 2, the
     decode of the second overlaps the first's wgmma).
 
-    The wrapper permutes x's K (``permute_k``) and transposes the scales to [E, K/32, F] (a step's scales of 128
-    rows are then 128-byte TMA rows): two XLA passes.
+    The wrapper permutes x's K (``permute_k``) before gathering its rows (a pass over T rows, not R) and transposes
+    the scales to [E, K/32, F] (a step's scales of 128 rows are then 128-byte TMA rows).
     """
     f, k = w_EFW.shape[1], 8 * w_EFW.shape[2]
     error = shape_error(f, k, tile_n, chunks)
     if error:
         raise ValueError(error)
-    if x_RK.shape != (tile_expert_I.shape[0] * tile_n, k):
-        raise ValueError(f"grouped_gemm_t: x must be [tiles x tile_n, K] = [{tile_expert_I.shape[0] * tile_n}, {k}], "
-                         f"got {x_RK.shape}")
-    return _call(w_EFW, jnp.swapaxes(s_EFB, 1, 2), permute_k(x_RK), tile_expert_I.astype(jnp.int32), tile_n=tile_n,
+    n_rows = tile_expert_I.shape[0] * tile_n
+    if x_TK.shape[-1] != k or (rows_R.shape if rows_R is not None else x_TK.shape[:1]) != (n_rows,):
+        raise ValueError(f"grouped_gemm_t: the rows of x (rows_R, or x itself) must be tiles x tile_n = {n_rows} of "
+                         f"K = {k}, got x {x_TK.shape}, rows {None if rows_R is None else rows_R.shape}")
+    x_RK = permute_k(x_TK) if rows_R is None else permute_k(x_TK)[rows_R]
+    return _call(w_EFW, jnp.swapaxes(s_EFB, 1, 2), x_RK, tile_expert_I.astype(jnp.int32), tile_n=tile_n,
                  stages=stages, chunks=chunks)
 
 

@@ -631,8 +631,8 @@ def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, 
                                                            config.mgpu_tile, offset)
     gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tile_expert_I=tile_expert_I, tile_n=config.mgpu_tile,
                              stages=config.mgpu_stages, chunks=config.mgpu_chunks)
-    x_RD = x_act_TD[token_R]  # padding rows read token 0 (finite) at weight 0
-    g_RF, u_RF = gemm(w1, s1, x_RD), gemm(w3, s3, x_RD)
+    # padding rows read token 0 (finite) at weight 0
+    g_RF, u_RF = gemm(w1, s1, x_act_TD, rows_R=token_R), gemm(w3, s3, x_act_TD, rows_R=token_R)
     h_RF = swiglu(g_RF.astype(jnp.float32), u_RF.astype(jnp.float32), limit) * weight_R[:, None]
     y_RD = gemm(w2, s2, quant.fq8(h_RF.astype(jnp.bfloat16)))
     return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)

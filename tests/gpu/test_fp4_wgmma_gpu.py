@@ -35,6 +35,11 @@ def test_kernel_matches_reference(n_experts, f, k, tile_n, tiles, stages, chunks
     tile_expert = jnp.asarray(tiles, jnp.int32)
     got = np.asarray(fw.grouped_gemm_t_mgpu(w, s, x, tile_expert, tile_n=tile_n, stages=stages, chunks=chunks),
                      np.float32)
+    rows = jnp.asarray(rng.permutation(x.shape[0]), jnp.int32)  # the gathered form: the same rows, reordered
+    gathered = fw.grouped_gemm_t_mgpu(w, s, x, tile_expert, rows, tile_n=tile_n, stages=stages, chunks=chunks)
+    np.testing.assert_array_equal(np.asarray(gathered, np.float32),
+                                  np.asarray(fw.grouped_gemm_t_mgpu(w, s, x[rows], tile_expert, tile_n=tile_n,
+                                                                    stages=stages, chunks=chunks), np.float32))
     want = np.asarray(fw.grouped_gemm_t_reference(w, s, x, tile_expert, tile_n=tile_n), np.float32)
     w_u8 = jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:-1], -1)
     wd = np.abs(np.asarray(quant.dequant_fp4_weight(w_u8, s), np.float32))
