@@ -53,6 +53,8 @@
 #   xla-gemms  flash-slice decode B=1 and 16 with XLA's Triton GEMM fusions (the default), then with them off
 #            (cuBLAS): the twenty-second session's trace had 19 bf16 GEMM fusions at 9.7 us mean at B=1 (router,
 #            compressor, index weights; ~10 % of their bytes' floor);
+#   mgpu-engine  (branch fp4-wgmma-natural-out, not yet run) the routed experts' ragged path on fp4_wgmma: its GPU tests,
+#            the layer and prefill 8192 against the Triton engine, GPU parity with it as the default;
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -69,7 +71,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -235,6 +237,24 @@ case "$stage" in
       run 250 python3 tools/bench.py --model flash-slice --decode-batch 1,16 --context 4095 --prefill= --kernels on \
         --engine off --warmup 3 --iters 10 --step-xla-option xla_gpu_enable_triton_gemm=$gemms
     done ;;
+  mgpu-engine)
+    # (twenty-eighth session, branch fp4-wgmma-natural-out) the routed experts' ragged path on dijax.kernels.fp4_wgmma:
+    # its GPU tests, the layer at 8192 tokens against the Triton engine, prefill 8192 with and without it, then GPU
+    # parity with it as the default (in this run's copy of the tree only)
+    run 150 python3 -m pytest -q -ra tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py -k "mgpu or fp4"
+    run 100 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='mgpu'" --iters 5 --repeats 2
+    for setting in "" "--kernel-setting routed_experts.CONFIG.gemm_engine='mgpu'"; do
+      run 120 python3 tools/bench.py --model flash-slice --decode-batch= --prefill 8192 --kernels on --engine off \
+        --warmup 2 --iters 5 $setting
+    done
+    sed -i 's/    gemm_engine: str = "triton"/    gemm_engine: str = "mgpu"/' dijax/kernels/routed_experts.py
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    parity mgpu-tiny-nodrop 540 "$fixtures/tiny-nodrop" &
+    parity mgpu-engine 540 "$fixtures/tiny-nodrop" --engine &
+    parity mgpu-tiny 540 "$fixtures/tiny" &
+    wait
+    git checkout dijax/kernels/routed_experts.py 2>/dev/null || sed -i 's/    gemm_engine: str = "mgpu"/    gemm_engine: str = "triton"/' dijax/kernels/routed_experts.py
+    parity_summary "$out"/parity-mgpu-*.txt ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -244,6 +264,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-engine, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
