@@ -6,7 +6,8 @@ CUDA on the CPU and has not run on a GPU. On main (twenty-eighth session), the t
 on the H200: the routed experts' ragged path runs on it with ``routed_experts.KernelConfig.gemm_engine='mgpu'``,
 which is off by default. GPU parity holds there, but the XLA passes around its transposed outputs make the layer
 slower than the Triton kernels (20.6 against 14.7 ms at 8192 tokens). It is the first tensor-core kernel whose
-operand layouts we control, and the building block of issue 12's prefill path. Rates (H200, jax 0.11.2; docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP/s):
+operand layouts we control, and the building block of issue 12's prefill path. Rates (H200, jax 0.11.2;
+docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP/s):
   * one expert's weights, F x K = 36864 x 5120 (the prototype of this kernel, 4 stages, one K chunk a step): 391
     TFLOP/s with 128 tokens a tile, 549 with 256; a dense 4608 x 5120 x 4096: 675 (XLA's bf16 dot of
     already-decoded weights: 769);
