@@ -18,12 +18,17 @@ from dijax.kernels import quant
 from dijax.kernels.routed_experts import GEMM_SCALE_RANGE, pack_words
 
 
+def fixed_tiles(experts, tile_n):
+    """tiles_I3 of equal tiles: tile i is rows [i * tile_n, (i + 1) * tile_n) of expert ``experts[i]``."""
+    return np.array([(e, i * tile_n, tile_n if e >= 0 else 0) for i, e in enumerate(experts)], np.int32)
+
+
 def _operands(n_experts=3, f=128, k=256, tile_n=8, tiles=(0, 2, -1, 1), seed=0):
     rng = np.random.default_rng(seed)
     w = rng.integers(0, 256, (n_experts, f, k // 2)).astype(np.uint8)
     s = rng.integers(120, 126, (n_experts, f, k // 32)).astype(np.uint8)
     x = rng.integers(-4, 5, (len(tiles) * tile_n, k)).astype(np.float32)  # exact in bf16, exact sums
-    return w, s, x, np.array(tiles, np.int32)
+    return w, s, x, fixed_tiles(tiles, tile_n)
 
 
 def _dequant(w, s):
@@ -34,11 +39,11 @@ def _dequant(w, s):
 def test_reference_matches_numpy():
     w, s, x, tiles = _operands()
     want = np.zeros((x.shape[0], w.shape[1]), np.float32)
-    for i, e in enumerate(tiles):
+    for e, r, n in tiles:
         if e >= 0:
-            want[i * 8:(i + 1) * 8] = x[i * 8:(i + 1) * 8] @ _dequant(w[e], s[e]).T
+            want[r:r + n] = x[r:r + n] @ _dequant(w[e], s[e]).T
     got = fw.grouped_gemm_t_reference(pack_words(jnp.asarray(w)), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16),
-                                      jnp.asarray(tiles), tile_n=8)
+                                      jnp.asarray(tiles), sizes=(8,))
     np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(jnp.bfloat16).astype(np.float32))
 
 
@@ -75,9 +80,9 @@ def test_bad_shapes_are_named():
     w, s, x, tiles = _operands(f=96)
     args = pack_words(jnp.asarray(w)), jnp.asarray(s), jnp.asarray(x, jnp.bfloat16), jnp.asarray(tiles)
     with pytest.raises(ValueError, match="F 96 must be a multiple of 128"):
-        fw.grouped_gemm_t_mgpu(*args, tile_n=8)
-    with pytest.raises(ValueError, match="tile_n must be a multiple of 8"):
-        fw.grouped_gemm_t_mgpu(*args, tile_n=12)
+        fw.grouped_gemm_t_mgpu(*args, sizes=(8,))
+    with pytest.raises(ValueError, match="tile sizes must be multiples of 8"):
+        fw.grouped_gemm_t_mgpu(*args, sizes=(8, 12))
 
 
 def test_scale_range_is_the_triton_gemms():
@@ -90,6 +95,20 @@ def test_rows_gather_equals_gathered_rows():
     rows = jnp.asarray(np.random.default_rng(3).integers(0, 5, x.shape[0]), jnp.int32)
     args = pack_words(jnp.asarray(w)), jnp.asarray(s)
     x_TK = jnp.asarray(x[:5], jnp.bfloat16)
-    got = fw.grouped_gemm_t_reference(*args, x_TK, jnp.asarray(tiles), rows, tile_n=8)
-    want = fw.grouped_gemm_t_reference(*args, x_TK[rows], jnp.asarray(tiles), tile_n=8)
+    got = fw.grouped_gemm_t_reference(*args, x_TK, jnp.asarray(tiles), rows, sizes=(8,))
+    want = fw.grouped_gemm_t_reference(*args, x_TK[rows], jnp.asarray(tiles), sizes=(8,))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_tiles_of_several_sizes():
+    """Tiles of different sizes anywhere in x: each covers exactly its rows; rows no tile covers are zeros."""
+    w, s, x, _ = _operands(tiles=(0,) * 6)  # 48 rows
+    tiles = np.array([(1, 0, 16), (0, 16, 8), (-1, 0, 0), (2, 32, 16)], np.int32)  # rows 24-31 uncovered
+    got = np.asarray(fw.grouped_gemm_t_reference(pack_words(jnp.asarray(w)), jnp.asarray(s),
+                                                 jnp.asarray(x, jnp.bfloat16), jnp.asarray(tiles), sizes=(8, 16)),
+                     np.float32)
+    want = np.zeros_like(got)
+    for e, r, n in tiles:
+        if e >= 0:
+            want[r:r + n] = (x[r:r + n] @ _dequant(w[e], s[e]).T).astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(got, want)

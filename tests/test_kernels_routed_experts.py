@@ -272,3 +272,34 @@ def test_mgpu_engine_needs_a_hopper_gpu_and_its_sizes():
     if jax.default_backend() != "gpu":
         assert not rx._mgpu_takes(5120, 2304, cfg, interpret=False)
     assert not rx._mgpu_takes(5120, 2304 + 32, cfg, interpret=False)  # F not a multiple of 128
+
+
+@pytest.mark.parametrize("sizes", [(64, 128, 192, 256), (16, 64), (128,)])
+def test_fit_tiles_cover_each_expert_exactly(sizes):
+    """Every assignment's row lies in exactly one tile, of its own expert; a tile's size is one of ``sizes``; each
+    expert's rows are contiguous, the large tiles first; padding assignments (-1) get no row."""
+    rng = np.random.default_rng(len(sizes))
+    n_experts, per_token, tokens = 12, 4, 333
+    expert_TX = np.stack([rng.choice(n_experts, per_token, replace=False) for _ in range(tokens)])
+    expert_TX[rng.random(expert_TX.shape) < 0.05] = -1
+    expert_A = jnp.asarray(expert_TX.reshape(-1), jnp.int32)
+    tiles_I3, token_R, slot_R, pos_A = (np.asarray(a) for a in rx.fit_tiles(expert_A, n_experts, per_token, sizes))
+    row_tile = np.full(token_R.shape[0], -1)
+    for i, (e, r, n) in enumerate(tiles_I3):
+        if e < 0:
+            continue
+        assert n in sizes and r + n <= token_R.shape[0]
+        assert np.all(row_tile[r:r + n] == -1), "tiles overlap"
+        row_tile[r:r + n] = i
+    for a, e in enumerate(np.asarray(expert_A)):
+        if e < 0:
+            assert a not in slot_R
+            continue
+        row = pos_A[a]
+        assert slot_R[row] == a and token_R[row] == a // per_token
+        assert tiles_I3[row_tile[row], 0] == e
+    for e in range(n_experts):  # whole tiles of the largest size, then at most one smaller tile
+        mine = tiles_I3[tiles_I3[:, 0] == e]
+        assert np.sum(mine[:, 2] != max(sizes)) <= 1
+        count = np.sum(np.asarray(expert_A) == e)
+        assert mine[:, 2].sum() - count < max(b - a for a, b in zip([0, *sorted(sizes)], sorted(sizes)))

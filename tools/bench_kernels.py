@@ -556,19 +556,19 @@ def fp8_linears_rows(tokens=(1, 16), sweep: bool = False, reps: int = 8, **timin
 def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[dict]:
     """The Mosaic GPU MXFP4 grouped GEMM (dijax.kernels.fp4_wgmma; routed_experts' gemm_engine='mgpu') at the
     routed experts' prefill shapes: T tokens routed uniformly at random to 6 of 384 experts, assignments sorted
-    into tiles of ``tile_n`` (``routed_experts.tile_layout``), the gate-up weights (w1 and w3 side by side:
-    4608 x 5120) and the down weight (5120 x 2304).
+    into tiles (``routed_experts.fit_tiles`` with the config's sizes, or equal tiles of 128), the gate-up weights
+    (w1 and w3 side by side: 4608 x 5120) and the down weight (5120 x 2304).
 
     Floor: the real assignments' FLOPs at ``MATRIX_RATE`` (the measured bf16 ceiling that docs/benchmarks.md's
     "30 % of peak" of the Triton grouped GEMM is against); padding rows count as waste. The time includes the
-    wrapper's two XLA passes (x's K order, the scales' transpose). ``sweep``: also 64-token tiles, 6 pipeline
-    stages, and one 64-wide K chunk a step instead of two. (On the H200 the sweep's 8 rows did not finish within
-    100 s: run it with --tokens 8192 alone.)"""
+    wrapper's XLA passes (x's K order and row gather, the scales' transpose). ``sweep``: also one 64-wide K chunk a
+    step instead of two, and equal 128-row tiles. (On the H200 the twenty-eighth session's 8-row sweep did not
+    finish within 100 s: run it with --tokens 8192 alone.)"""
     from dijax.kernels import fp4_wgmma as fw
-    from dijax.kernels.routed_experts import pack_words, tile_layout
+    from dijax.kernels.routed_experts import CONFIG, fit_tiles, pack_words
 
     n_experts, n_active = 384, 6
-    configs = [(128, 4, 2)] + ([(128, 4, 1), (128, 6, 2), (64, 4, 2)] if sweep else [])  # tile, stages, chunks
+    configs = [(CONFIG.mgpu_sizes, 4, 2)] + ([(CONFIG.mgpu_sizes, 4, 1), ((128,), 4, 2)] if sweep else [])
     out = []
     for name, (f, k) in {"gate-up": (4608, 5120), "down": (5120, 2304)}.items():
         rng = np.random.default_rng(f)
@@ -578,15 +578,15 @@ def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[d
             expert_A = jnp.asarray(np.stack([rng.choice(n_experts, n_active, replace=False) for _ in range(t)]),
                                    jnp.int32).reshape(-1)
             floor = 2 * expert_A.size * f * k / MATRIX_RATE
-            for tile_n, stages, chunks in configs:
-                tile_expert_I, token_R, _, _ = tile_layout(expert_A, n_experts, n_active, tile_n)
-                x = jnp.asarray(rng.standard_normal((token_R.shape[0], k)), jnp.bfloat16)
-                fn = jax.jit(functools.partial(fw.grouped_gemm_t_mgpu, tile_n=tile_n, stages=stages, chunks=chunks))
-                seconds = time_call(fn, w, s, x, tile_expert_I, **timing)
-                busy = int(np.sum(np.asarray(tile_expert_I) >= 0))
+            x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+            for sizes, stages, chunks in configs:
+                tiles_I3, token_R, _, _ = fit_tiles(expert_A, n_experts, n_active, sizes)
+                fn = jax.jit(functools.partial(fw.grouped_gemm_t_mgpu, sizes=sizes, stages=stages, chunks=chunks))
+                seconds = time_call(fn, w, s, x, tiles_I3, token_R, **timing)
+                used = np.asarray(tiles_I3)[np.asarray(tiles_I3)[:, 0] >= 0]
                 out.append(_timed_row("fp4_wgmma", f"{name} {f} x {k}, T={t}, A={expert_A.size}",
-                                      f"mgpu tile_n={tile_n} stages={stages} chunks={chunks} ({busy} tiles)", seconds,
-                                      floor, None))
+                                      f"mgpu sizes={sizes} stages={stages} chunks={chunks} ({len(used)} tiles, "
+                                      f"{used[:, 2].sum()} rows)", seconds, floor, None))
     return out
 
 

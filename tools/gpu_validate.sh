@@ -243,6 +243,7 @@ case "$stage" in
     # parity with it as the default (in this run's copy of the tree only)
     run 150 python3 -m pytest -q -ra tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py -k "mgpu or fp4"
     run 100 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='mgpu'" --iters 5 --repeats 2
+    run 100 python3 tools/bench_kernels.py --only fp4_wgmma --tokens 8192 --sweep --iters 5 --repeats 2
     for setting in "" "--kernel-setting routed_experts.CONFIG.gemm_engine='mgpu'"; do
       run 120 python3 tools/bench.py --model flash-slice --decode-batch= --prefill 8192 --kernels on --engine off \
         --warmup 2 --iters 5 $setting

@@ -1,8 +1,11 @@
 """MXFP4 expert weights times token tiles on Hopper's tensor cores (Mosaic GPU): ``grouped_gemm_t``.
 
-Status (branch fp4-wgmma-natural-out): the output tiles are stored untransposed ([R, F], through a transposed view
-of the shared-memory staging tile), so the routed path needs no XLA transposes around the GEMMs. This form lowers for
-CUDA on the CPU and has not run on a GPU. On main (twenty-eighth session), the transposed form was correct and timed
+Status (branch fp4-wgmma-fit-tiles, on fp4-wgmma-natural-out): the output tiles are stored untransposed ([R, F],
+through a transposed view of the shared-memory staging tile), so the routed path needs no XLA transposes around the
+GEMMs; tiles come in several sizes (one compiled pipeline each), so that ``routed_experts.fit_tiles`` can give each
+expert one tile of about its size instead of whole 128-row tiles (564 -> ~384 tiles at prefill 8192: every tile
+decodes its expert's whole weight slice). This form lowers for CUDA on the CPU (tools/mgpu_lower.py) and has not
+run on a GPU. On main (twenty-eighth session), the transposed form was correct and timed
 on the H200: the routed experts' ragged path runs on it with ``routed_experts.KernelConfig.gemm_engine='mgpu'``,
 which is off by default. GPU parity holds there, but the XLA passes around its transposed outputs make the layer
 slower than the Triton kernels (20.6 against 14.7 ms at 8192 tokens). It is the first tensor-core kernel whose
@@ -26,7 +29,7 @@ are not the K positions wgmma's fragment gives that thread, so the activations t
 step all fall in one 32-wide scale block (lanes 0-1 the first, 2-3 the second), so its scale is one select.
 
 Letters: E experts, F output features (weight rows), K input features, H = K / 2 packed bytes, W = K / 8 words,
-B = K / 32 scale blocks, R token rows (tiles of ``tile_n``), I tiles.
+B = K / 32 scale blocks, R token rows, I tiles.
 """
 
 from __future__ import annotations
@@ -66,30 +69,35 @@ def permute_k(x_RK: jax.Array) -> jax.Array:
     return x.reshape(*lead, k)
 
 
-def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tile_expert_I: jax.Array,
-                             rows_R: jax.Array | None = None, *, tile_n: int = 128, stages: int = 4,
+def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
+                             rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
                              chunks: int = 2) -> jax.Array:
-    """bf16 y_RF [R, F]: tile i of the rows x_RK = x_TK[rows_R] (x_TK itself when ``rows_R`` is None; natural K
-    order) times expert tile_expert_I[i]'s MXFP4 weight (uint32 words w_EFW [E, F, K/8], nibble j of word w the
-    code of k = 8w + j, as ``routed_experts.pack_words`` gives them; ue8m0 s_EFB [E, F, K/32]): x_tile @ W.T; zeros
-    where the expert is negative. ``stages`` and ``chunks`` are the kernel's and change nothing here."""
+    """bf16 y_RF [R, F]: each tile (expert e, first row r, rows n) of ``tiles_I3`` int32 [I, 3] multiplies rows
+    [r, r + n) of x_RK = x_TK[rows_R] (x_TK itself when ``rows_R`` is None; natural K order) by expert e's MXFP4
+    weight (uint32 words w_EFW [E, F, K/8], nibble j of word w the code of k = 8w + j, as
+    ``routed_experts.pack_words`` gives them; ue8m0 s_EFB [E, F, K/32]): x_rows @ W.T. Tiles with e < 0 are unused;
+    n is one of ``sizes``; rows no tile covers are zeros. ``stages`` and ``chunks`` are the kernel's and change
+    nothing here."""
     del stages, chunks
     x_RK = x_TK if rows_R is None else x_TK[rows_R]
-    n_tiles = tile_expert_I.shape[0]
-    e_I = jnp.maximum(tile_expert_I, 0)
-    w = w_EFW[e_I]
+    n_rows, n_max = x_RK.shape[0], max(sizes)
+    e_I, row_I, size_I = tiles_I3[:, 0], tiles_I3[:, 1], tiles_I3[:, 2]
+    w = w_EFW[jnp.maximum(e_I, 0)]
     w_IFH = lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:-1], -1)
-    w_IFK = quant.dequant_fp4_weight(w_IFH, s_EFB[e_I])
-    x_INK = x_RK.reshape(n_tiles, tile_n, -1)
-    y_INF = jnp.einsum("ifk,ink->inf", w_IFK, x_INK, preferred_element_type=jnp.float32)
-    y_INF = jnp.where(tile_expert_I[:, None, None] >= 0, y_INF, 0.0)
-    return y_INF.reshape(-1, y_INF.shape[-1]).astype(jnp.bfloat16)
+    w_IFK = quant.dequant_fp4_weight(w_IFH, s_EFB[jnp.maximum(e_I, 0)])
+    r_IN = row_I[:, None] + jnp.arange(n_max)[None, :]
+    used_IN = (jnp.arange(n_max)[None, :] < size_I[:, None]) & (e_I[:, None] >= 0)
+    x_INK = jnp.where(used_IN[..., None], x_RK[jnp.clip(r_IN, 0, n_rows - 1)], 0)
+    y_INF = jnp.einsum("ifk,ink->inf", w_IFK, x_INK, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    y_RF = jnp.zeros((n_rows, w_EFW.shape[1]), jnp.bfloat16)
+    return y_RF.at[jnp.where(used_IN, r_IN, n_rows)].set(y_INF, mode="drop")
 
 
-def shape_error(f: int, k: int, tile_n: int, chunks: int) -> str | None:
-    """Why the kernel cannot take F = ``f`` weight rows, K = ``k``, ``tile_n`` and ``chunks`` (None when it can)."""
-    if tile_n % 8 or not 8 <= tile_n <= 256:
-        return f"grouped_gemm_t: tile_n must be a multiple of 8 in [8, 256] (wgmma's N), got {tile_n}"
+def shape_error(f: int, k: int, sizes: tuple[int, ...], chunks: int) -> str | None:
+    """Why the kernel cannot take F = ``f`` weight rows, K = ``k``, tile ``sizes`` and ``chunks`` (None when it
+    can)."""
+    if not sizes or any(n % 8 or not 8 <= n <= 256 for n in sizes):
+        return f"grouped_gemm_t: tile sizes must be multiples of 8 in [8, 256] (wgmma's N), got {sizes}"
     if chunks not in (1, 2):
         return f"grouped_gemm_t: chunks must be 1 or 2, got {chunks}"
     if f % (WARPGROUPS * ROWS_PER_WG) or k % (chunks * K_CHUNK):
@@ -104,38 +112,52 @@ def available() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
-def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tile_expert_I: jax.Array,
-                        rows_R: jax.Array | None = None, *, tile_n: int = 128, stages: int = 4,
+def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
+                        rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
                         chunks: int = 2) -> jax.Array:
-    """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Tiles with a
-    negative expert are left unwritten. ``shape_error`` lists the sizes it takes; exact for ue8m0 bytes in
-    ``SCALE_RANGE``. ``stages``: pipeline depth; ``chunks``: 64-wide K chunks a pipeline step (1 or 2: with 2, the
-    decode of the second overlaps the first's wgmma).
+    """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Rows no tile covers
+    are left unwritten. ``shape_error`` lists the sizes it takes; exact for ue8m0 bytes in ``SCALE_RANGE``.
+    ``sizes``: the tile row counts (wgmma's N), one compiled pipeline each; ``stages``: pipeline depth (fewer where
+    the larger tiles' shared memory needs it: ``_stages``); ``chunks``: 64-wide K chunks a pipeline step (1 or 2:
+    with 2, the decode of the second overlaps the first's wgmma).
 
     The wrapper permutes x's K (``permute_k``) before gathering its rows (a pass over T rows, not R) and transposes
     the scales to [E, K/32, F] (a step's scales of 128 rows are then 128-byte TMA rows).
     """
     f, k = w_EFW.shape[1], 8 * w_EFW.shape[2]
-    error = shape_error(f, k, tile_n, chunks)
+    sizes = tuple(sorted(set(sizes)))
+    error = shape_error(f, k, sizes, chunks)
     if error:
         raise ValueError(error)
-    n_rows = tile_expert_I.shape[0] * tile_n
-    if x_TK.shape[-1] != k or (rows_R.shape if rows_R is not None else x_TK.shape[:1]) != (n_rows,):
-        raise ValueError(f"grouped_gemm_t: the rows of x (rows_R, or x itself) must be tiles x tile_n = {n_rows} of "
-                         f"K = {k}, got x {x_TK.shape}, rows {None if rows_R is None else rows_R.shape}")
+    if x_TK.shape[-1] != k or tiles_I3.ndim != 2 or tiles_I3.shape[1] != 3:
+        raise ValueError(f"grouped_gemm_t: x must be [rows, K = {k}] and tiles [I, 3], got x {x_TK.shape}, "
+                         f"tiles {tiles_I3.shape}")
     x_RK = permute_k(x_TK) if rows_R is None else permute_k(x_TK)[rows_R]
-    return _call(w_EFW, jnp.swapaxes(s_EFB, 1, 2), x_RK, tile_expert_I.astype(jnp.int32), tile_n=tile_n,
-                 stages=stages, chunks=chunks)
+    return _call(w_EFW, jnp.swapaxes(s_EFB, 1, 2), x_RK, tiles_I3.astype(jnp.int32), sizes=sizes, stages=stages,
+                 chunks=chunks)
 
 
-@functools.partial(jax.jit, static_argnames=("tile_n", "stages", "chunks"))
-def _call(w_EFW, s_EBF, x_RK, tile_expert_I, *, tile_n: int, stages: int, chunks: int):
+SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
+
+
+def _stages(n: int, n_max: int, chunks: int, stages: int) -> int:
+    """Pipeline depth for tiles of ``n`` rows: ``stages``, or fewer where a stage's shared memory (the tile's x
+    rows, both warpgroups' words and scales) would not fit beside the output staging tile of ``n_max`` rows."""
+    per_stage = n * chunks * K_CHUNK * 2 + WARPGROUPS * ROWS_PER_WG * chunks * (K_CHUNK // 8) * 4 + 2 * chunks * 128
+    free = SMEM_BYTES - WARPGROUPS * n_max * ROWS_PER_WG * 2 - 4096  # the staging tile, barriers
+    return max(1, min(stages, free // per_stage))
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks"))
+def _call(w_EFW, s_EBF, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, chunks: int):
     f, k = w_EFW.shape[1], w_EFW.shape[2] * 8
     cta_rows = WARPGROUPS * ROWS_PER_WG
+    n_max = max(sizes)
 
-    def kernel(tile_expert_ref, w_gmem, s_gmem, x_gmem, y_gmem, y_smem):
+    def kernel(tiles_ref, w_gmem, s_gmem, x_gmem, y_gmem, y_smem):
         m, i = lax.axis_index("m"), lax.axis_index("i")
-        e = tile_expert_ref[i]
+        e, n_rows = tiles_ref[i, 0], tiles_ref[i, 2]
+        row0 = pl.multiple_of(tiles_ref[i, 1], 8)  # tile rows start on multiples of 8 (every size is one)
 
         def step(_, *refs):
             *w_smems, x_smem, s_smem, acc_ref = refs
@@ -149,43 +171,46 @@ def _call(w_EFW, s_EBF, x_RK, tile_expert_I, *, tile_n: int, stages: int, chunks
             plgpu.wgmma_wait(0)
             return acc_ref
 
-        def epilogue(run_pipeline):
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WG, tile_n), jnp.float32))
-            def _(acc_ref):
-                run_pipeline(acc_ref)
-                wg = lax.axis_index("wg")
-                y_smem.at[wg].T[...] = (acc_ref[...] * np.float32(2.0 ** SCALE_SHIFT)).astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(y_smem.at[wg], y_gmem.at[pl.ds(i * tile_n, tile_n),
-                                                                 pl.ds(m * cta_rows + wg * ROWS_PER_WG, ROWS_PER_WG)])
-                plgpu.wait_smem_to_gmem(0)
+        def run_tile(tile_n: int):
+            def epilogue(run_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WG, tile_n), jnp.float32))
+                def _(acc_ref):
+                    run_pipeline(acc_ref)
+                    wg = lax.axis_index("wg")
+                    y_tile = y_smem.at[wg, pl.ds(0, tile_n)]
+                    y_tile.T[...] = (acc_ref[...] * np.float32(2.0 ** SCALE_SHIFT)).astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(y_tile, y_gmem.at[pl.ds(row0, tile_n),
+                                                              pl.ds(m * cta_rows + wg * ROWS_PER_WG, ROWS_PER_WG)])
+                    plgpu.wait_smem_to_gmem(0)
 
-        spec = plgpu.BlockSpec
-        words_spec = [spec((cta_rows, K_CHUNK // 8), lambda s, c=c: (0, chunks * s + c),
-                           transforms=(plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)))
-                      for c in range(chunks)]
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            step, grid=(k // (chunks * K_CHUNK),), memory_registers=40, wg_axis="wg", num_compute_wgs=WARPGROUPS,
-            max_concurrent_steps=stages, compute_context=epilogue,
-            in_specs=[*words_spec,
-                      spec((tile_n, chunks * K_CHUNK), lambda s: (0, s),
-                           transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
-                      spec((2 * chunks, cta_rows), lambda s: (s, 0))])
-
-        @pl.when(e >= 0)
-        def _():
+            spec = plgpu.BlockSpec
+            words_spec = [spec((cta_rows, K_CHUNK // 8), lambda s, c=c: (0, chunks * s + c),
+                               transforms=(plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)))
+                          for c in range(chunks)]
+            pipeline = plgpu.emit_pipeline_warp_specialized(
+                step, grid=(k // (chunks * K_CHUNK),), memory_registers=40, wg_axis="wg",
+                num_compute_wgs=WARPGROUPS, max_concurrent_steps=_stages(tile_n, n_max, chunks, stages),
+                compute_context=epilogue,
+                in_specs=[*words_spec,
+                          spec((tile_n, chunks * K_CHUNK), lambda s: (0, s),
+                               transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
+                          spec((2 * chunks, cta_rows), lambda s: (s, 0))])
             words = w_gmem.at[e, pl.ds(m * cta_rows, cta_rows)]
-            pipeline(*([words] * chunks), x_gmem.at[pl.ds(i * tile_n, tile_n)],
+            pipeline(*([words] * chunks), x_gmem.at[pl.ds(row0, tile_n)],
                      s_gmem.at[e, :, pl.ds(m * cta_rows, cta_rows)])
+
+        for tile_n in sizes:
+            pl.when((e >= 0) & (n_rows == tile_n))(functools.partial(run_tile, tile_n))
 
     run = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((x_RK.shape[0], f), jnp.bfloat16),
-        grid=(f // cta_rows, tile_expert_I.shape[0]), grid_names=("m", "i"), num_threads=WARPGROUPS + 1,
-        thread_name="wg", scratch_types=dict(y_smem=plgpu.SMEM((WARPGROUPS, tile_n, ROWS_PER_WG), jnp.bfloat16,
+        grid=(f // cta_rows, tiles_I3.shape[0]), grid_names=("m", "i"), num_threads=WARPGROUPS + 1,
+        thread_name="wg", scratch_types=dict(y_smem=plgpu.SMEM((WARPGROUPS, n_max, ROWS_PER_WG), jnp.bfloat16,
                                                         transforms=(plgpu.TilingTransform((8, 64)),
                                                                     plgpu.SwizzleTransform(128)))),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return run(tile_expert_I, w_EFW, s_EBF, x_RK)
+    return run(tiles_I3, w_EFW, s_EBF, x_RK)
 
 
 @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, ROW_LAYOUT),

@@ -167,12 +167,13 @@ class KernelConfig:
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
     gemm_engine: the ragged path's GEMMs: 'triton' (the grouped GEMM kernels here: tiles of tokens, gathered
       activations, the weights' tiles dequantised into a bf16 dot) or 'mgpu' (dijax.kernels.fp4_wgmma: wgmma with
-      the weights decoded in registers as the A operand, tiles of ``mgpu_tile`` tokens, the SwiGLU and the
+      the weights decoded in registers as the A operand, tiles fitted to each expert, the SwiGLU and the
       combine in XLA); 'mgpu' falls back to 'triton' off a compute-capability-9 GPU or for sizes it does not take.
       'triton' stays the default: on the H200 (twenty-eighth session) 'mgpu' gives the same GPU parity figures but
       the layer at 8192 tokens takes 20.6 ms against 14.7, and prefill 8192 210.7 ms against 181.6. Its kernels
       alone take ~13.2 ms; the rest is the XLA passes around the transposed outputs and the sorted copy of x;
-    mgpu_tile / mgpu_stages / mgpu_chunks: fp4_wgmma's tile_n, stages and chunks;
+    mgpu_sizes / mgpu_stages / mgpu_chunks: fp4_wgmma's tile sizes (``fit_tiles``: each expert's rows in tiles of
+      the largest, then one of the smallest size that covers the rest), stages and chunks;
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
@@ -189,7 +190,7 @@ class KernelConfig:
     gemm_warps: int = 4
     gemm_stages: int = 3
     gemm_engine: str = "triton"
-    mgpu_tile: int = 128
+    mgpu_sizes: tuple[int, ...] = (64, 128, 192, 256)
     mgpu_stages: int = 4
     mgpu_chunks: int = 2
     gathered_max: int = 96
@@ -211,6 +212,9 @@ class KernelConfig:
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"routed_experts KernelConfig.{name} must be one of (1, 2, 4, 8, 16), "
                                  f"got {getattr(self, name)}")
+        if not self.mgpu_sizes or any(n % 8 or not 8 <= n <= 256 for n in self.mgpu_sizes):
+            raise ValueError(f"routed_experts KernelConfig.mgpu_sizes must be multiples of 8 in [8, 256], "
+                             f"got {self.mgpu_sizes}")
         if self.gemm_engine not in GEMM_ENGINES:
             raise ValueError(f"routed_experts KernelConfig.gemm_engine must be one of {GEMM_ENGINES}, "
                              f"got {self.gemm_engine!r}")
@@ -520,6 +524,50 @@ def tile_layout(expert_A: jax.Array, n_experts: int, n_per_token: int, rows: int
     return tile_expert_I, token_R, slot_R, pos_A
 
 
+def fit_tiles(expert_A: jax.Array, n_experts: int, n_per_token: int, sizes: tuple[int, ...]):
+    """Assignments sorted by expert into tiles fitted to each expert: tiles of the largest of ``sizes`` while more
+    rows are left than it holds, then one tile of the smallest size that holds the rest (``fp4_wgmma``'s tiles).
+
+    Returns (tiles_I3 int32 [I, 3]: (expert or -1, first row, rows) each, token_R int32 [R] (0 on padding rows),
+    slot_R int32 [R] (assignment index, -1 on padding rows), pos_A int32 [A] (each assignment's row)). Static
+    bounds: I = ceil(A / max(sizes)) + min(E, A); R = A + min(E, A) * (the largest gap below a size, minus one).
+    """
+    sizes = sorted(set(sizes))
+    big = sizes[-1]
+    n_assign = expert_A.shape[0]
+    valid_A = expert_A >= 0
+    key_A = jnp.where(valid_A, expert_A, n_experts)
+    order_A = jnp.argsort(key_A, stable=True).astype(jnp.int32)
+    count_E = jnp.bincount(key_A, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    full_E = count_E // big
+    rest_E = count_E - full_E * big
+    sizes_S = jnp.asarray(sizes, jnp.int32)
+    last_E = jnp.where(rest_E > 0, sizes_S[jnp.minimum(jnp.searchsorted(sizes_S, rest_E), len(sizes) - 1)], 0)
+    tiles_E = full_E + (rest_E > 0)
+    rows_E = full_E * big + last_E
+    tile_end_E = jnp.cumsum(tiles_E)
+    tile_start_E, row_start_E = tile_end_E - tiles_E, jnp.cumsum(rows_E) - rows_E
+    n_tiles = -(-n_assign // big) + min(n_experts, n_assign)
+    gap = max(b - a for a, b in zip([0, *sizes], sizes))
+    n_rows = -(-(n_assign + min(n_experts, n_assign) * (gap - 1)) // 8) * 8
+    t_I = jnp.arange(n_tiles, dtype=jnp.int32)
+    e_I = jnp.searchsorted(tile_end_E, t_I, side="right").astype(jnp.int32)
+    used_I = e_I < n_experts
+    e_c = jnp.minimum(e_I, n_experts - 1)
+    j_I = t_I - tile_start_E[e_c]
+    tiles_I3 = jnp.stack([jnp.where(used_I, e_I, -1), jnp.where(used_I, row_start_E[e_c] + j_I * big, 0),
+                          jnp.where(used_I, jnp.where(j_I < full_E[e_c], big, last_E[e_c]), 0)], axis=1)
+    sorted_key = key_A[order_A]
+    e_s = jnp.minimum(sorted_key, n_experts - 1)
+    assign_start_E = jnp.cumsum(count_E) - count_E
+    row_sorted = row_start_E[e_s] + jnp.arange(n_assign, dtype=jnp.int32) - assign_start_E[e_s]
+    row_sorted = jnp.where(sorted_key < n_experts, row_sorted, n_rows)  # padding assignments: dropped below
+    slot_R = jnp.full((n_rows,), -1, jnp.int32).at[row_sorted].set(order_A, mode="drop")
+    token_R = jnp.maximum(slot_R, 0) // n_per_token
+    pos_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(jnp.minimum(row_sorted, n_rows - 1))
+    return tiles_I3.astype(jnp.int32), token_R, slot_R, pos_A
+
+
 def pallas_path(n_assignments: int, config: KernelConfig = CONFIG) -> str:
     """The Pallas implementation's static path: 'gathered' (mat-vec kernels) while A <= config.gathered_max, else
     'ragged' (grouped GEMM over expert-sorted tiles)."""
@@ -616,20 +664,21 @@ def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
     fp4_wgmma takes for w1 / w3 ([F, D]) and w2 ([D, F])."""
     if interpret or not fp4_wgmma.available():
         return False
-    return all(fp4_wgmma.shape_error(rows, k, config.mgpu_tile, config.mgpu_chunks) is None
+    return all(fp4_wgmma.shape_error(rows, k, config.mgpu_sizes, config.mgpu_chunks) is None
                for rows, k in ((f, d), (d, f)))
 
 
 def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, n_per_token: int, limit: float,
                  config: KernelConfig) -> jax.Array:
-    """The ragged path on ``fp4_wgmma``: assignments in expert-sorted tiles of ``mgpu_tile`` rows, each GEMM one
-    kernel ([R, F], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU,
-    routing weight and fq8 of h in XLA, then w2 and the combine. -> float32 [T, D]."""
+    """The ragged path on ``fp4_wgmma``: assignments in expert-sorted tiles fitted to each expert (``fit_tiles``),
+    each GEMM one kernel ([R, F], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU, routing
+    weight and fq8 of h in XLA, then w2 and the combine. -> float32 [T, D]."""
     ((w1, s1), (w3, s3), (w2, s2)) = stacks
     t = x_act_TD.shape[0]
-    tile_expert_I, token_R, weight_R, pos_A = _stack_tiles(expert_A, weights_A, n_experts, n_per_token,
-                                                           config.mgpu_tile, offset)
-    gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tile_expert_I=tile_expert_I, tile_n=config.mgpu_tile,
+    tiles_I3, token_R, slot_R, pos_A = fit_tiles(expert_A, n_experts, n_per_token, config.mgpu_sizes)
+    tiles_I3 = tiles_I3.at[:, 0].set(jnp.where(tiles_I3[:, 0] >= 0, tiles_I3[:, 0] + offset, -1))
+    weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
+    gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tiles_I3=tiles_I3, sizes=config.mgpu_sizes,
                              stages=config.mgpu_stages, chunks=config.mgpu_chunks)
     # padding rows read token 0 (finite) at weight 0
     g_RF, u_RF = gemm(w1, s1, x_act_TD, rows_R=token_R), gemm(w3, s3, x_act_TD, rows_R=token_R)

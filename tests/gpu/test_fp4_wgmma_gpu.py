@@ -14,7 +14,8 @@ import pytest
 
 from dijax.kernels import fp4_wgmma as fw
 from dijax.kernels import quant
-from dijax.kernels.routed_experts import pack_words
+from dijax.kernels.routed_experts import fit_tiles, pack_words
+from tests.test_kernels_fp4_wgmma import fixed_tiles
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu" or "H" not in jax.devices()[0].device_kind,
                                 reason="a Mosaic GPU wgmma kernel: needs a Hopper GPU")
@@ -32,15 +33,14 @@ def test_kernel_matches_reference(n_experts, f, k, tile_n, tiles, stages, chunks
     w = pack_words(jnp.asarray(rng.integers(0, 256, (n_experts, f, k // 2)), jnp.uint8))
     s = jnp.asarray(rng.integers(*scales, (n_experts, f, k // 32)), jnp.uint8)
     x = quant.fq8(jnp.asarray(rng.standard_normal((len(tiles) * tile_n, k)), jnp.float32)).astype(jnp.bfloat16)
-    tile_expert = jnp.asarray(tiles, jnp.int32)
-    got = np.asarray(fw.grouped_gemm_t_mgpu(w, s, x, tile_expert, tile_n=tile_n, stages=stages, chunks=chunks),
-                     np.float32)
+    tiles_I3 = jnp.asarray(fixed_tiles(tiles, tile_n))
+    kw = dict(sizes=(tile_n,), stages=stages, chunks=chunks)
+    got = np.asarray(fw.grouped_gemm_t_mgpu(w, s, x, tiles_I3, **kw), np.float32)
     rows = jnp.asarray(rng.permutation(x.shape[0]), jnp.int32)  # the gathered form: the same rows, reordered
-    gathered = fw.grouped_gemm_t_mgpu(w, s, x, tile_expert, rows, tile_n=tile_n, stages=stages, chunks=chunks)
+    gathered = fw.grouped_gemm_t_mgpu(w, s, x, tiles_I3, rows, **kw)
     np.testing.assert_array_equal(np.asarray(gathered, np.float32),
-                                  np.asarray(fw.grouped_gemm_t_mgpu(w, s, x[rows], tile_expert, tile_n=tile_n,
-                                                                    stages=stages, chunks=chunks), np.float32))
-    want = np.asarray(fw.grouped_gemm_t_reference(w, s, x, tile_expert, tile_n=tile_n), np.float32)
+                                  np.asarray(fw.grouped_gemm_t_mgpu(w, s, x[rows], tiles_I3, **kw), np.float32))
+    want = np.asarray(fw.grouped_gemm_t_reference(w, s, x, tiles_I3, sizes=(tile_n,)), np.float32)
     w_u8 = jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:-1], -1)
     wd = np.abs(np.asarray(quant.dequant_fp4_weight(w_u8, s), np.float32))
     xa = np.abs(np.asarray(x, np.float32))
@@ -52,3 +52,24 @@ def test_kernel_matches_reference(n_experts, f, k, tile_n, tiles, stages, chunks
         err = np.abs(got[rows] - want[rows])
         assert np.all(err <= bound), (i, float(np.max(err / bound)))
         assert np.mean(got[rows] == want[rows]) >= 0.9
+
+
+def test_fitted_tiles_match_reference():
+    """fit_tiles' mixed sizes (256-row tiles, then 64 / 128 / 192) on a ragged routing of 8 experts."""
+    rng = np.random.default_rng(7)
+    n_experts, f, k, tokens, per_token = 8, 256, 512, 300, 4
+    expert_A = jnp.asarray(np.stack([rng.choice(n_experts, per_token, replace=False) for _ in range(tokens)]),
+                           jnp.int32).reshape(-1)
+    sizes = (64, 128, 192, 256)
+    tiles_I3, token_R, _, _ = fit_tiles(expert_A, n_experts, per_token, sizes)
+    w = pack_words(jnp.asarray(rng.integers(0, 256, (n_experts, f, k // 2)), jnp.uint8))
+    s = jnp.asarray(rng.integers(116, 128, (n_experts, f, k // 32)), jnp.uint8)
+    x = quant.fq8(jnp.asarray(rng.standard_normal((tokens, k)), jnp.float32)).astype(jnp.bfloat16)
+    got = np.asarray(fw.grouped_gemm_t_mgpu(w, s, x, tiles_I3, token_R, sizes=sizes), np.float32)
+    want = np.asarray(fw.grouped_gemm_t_reference(w, s, x, tiles_I3, token_R, sizes=sizes), np.float32)
+    covered = np.zeros(got.shape[0], bool)
+    for e, r, n in np.asarray(tiles_I3):
+        if e >= 0:
+            covered[r:r + n] = True
+    np.testing.assert_allclose(got[covered], want[covered], rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+    assert np.mean(got[covered] == want[covered]) >= 0.9
