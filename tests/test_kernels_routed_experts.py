@@ -258,7 +258,8 @@ def test_moe_with_pallas_matches_reference(t):
 @pytest.mark.parametrize("change, field", [({"gemm_cols": 16}, "gemm_cols"), ({"gemm_rows_max": 48}, "gemm_rows_max"),
                                            ({"gemm_rows_min": 128}, "gemm_rows_min"), ({"gemm_warps": 3}, "gemm_warps"),
                                            ({"matvec_stages": 0}, "matvec_stages"),
-                                           ({"gemm_engine": "cuda"}, "gemm_engine")])
+                                           ({"gemm_engine": "cuda"}, "gemm_engine"),
+                                           ({"mgpu_sizes": (64, 100)}, "mgpu_sizes")])
 def test_kernel_config_refuses_bad_tilings(change, field):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(rx.KernelConfig(), **change)
