@@ -112,3 +112,17 @@ def test_tiles_of_several_sizes():
         if e >= 0:
             want[r:r + n] = (x[r:r + n] @ _dequant(w[e], s[e]).T).astype(jnp.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_scale_words_give_each_step_its_blocks(chunks):
+    """The kernel reads step s's scales as one word a row and takes block 2 * chunks * s + 2c + b (chunk c, half b)
+    as byte 2c + b of it: that byte is the stored scale, for every step of a K = 2304 row (72 bytes)."""
+    rng = np.random.default_rng(chunks)
+    s_EFB = rng.integers(0, 256, (2, 16, 2304 // 32), dtype=np.uint8)
+    words = np.asarray(fw.scale_words(jnp.asarray(s_EFB), chunks)).astype(np.uint64)
+    assert words.shape == (2, 16, 2304 // (64 * chunks))
+    for step in range(words.shape[-1]):
+        for j in range(2 * chunks):
+            got = (words[..., step] >> (8 * j)) & 0xFF
+            np.testing.assert_array_equal(got, s_EFB[..., 2 * chunks * step + j])

@@ -304,3 +304,59 @@ def test_fit_tiles_cover_each_expert_exactly(sizes):
         assert np.sum(mine[:, 2] != max(sizes)) <= 1
         count = np.sum(np.asarray(expert_A) == e)
         assert mine[:, 2].sum() - count < max(b - a for a, b in zip([0, *sorted(sizes)], sorted(sizes)))
+
+
+def _pad_rows(count: int, sizes: tuple[int, ...]) -> int:
+    """The rows ``fit_tiles`` gives an expert of ``count`` assignments (numpy restatement of its rule)."""
+    big = max(sizes)
+    rest = count % big
+    return count - rest + (min(n for n in sizes if n >= rest) if rest else 0)
+
+
+@pytest.mark.parametrize("sizes", [(8, 16, 32, 64, 128, 192, 256), (64, 128, 192, 256), (16, 64), (128,)])
+def test_fit_rows_bounds_every_layout(sizes):
+    """``fit_rows`` is at least the rows of the worst distributions (every expert one assignment, every expert one
+    past a size, everything on one expert) and of random ones; it is never above the plain A + n (gap - 1)."""
+    rng = np.random.default_rng(7)
+    gap = max(b - a for a, b in zip([0, *sorted(sizes)], sorted(sizes)))
+    for n_experts, n_assign in [(384, 6), (384, 96), (384, 384), (384, 8192), (12, 333), (3, 1000)]:
+        bound = rx.fit_rows(sizes, n_assign, n_experts)
+        n = min(n_experts, n_assign)
+        assert bound % 8 == 0 and bound <= -(-(n_assign + n * (gap - 1)) // 8) * 8
+        layouts = [np.bincount(np.arange(n_assign) % n, minlength=n_experts), np.eye(n_experts, dtype=int)[0] * n_assign]
+        for size in sizes:  # as many experts as fit with one row past each size, the rest on one more
+            per = size % max(sizes) + 1
+            k = min(n, n_assign // per)
+            counts = np.zeros(n_experts, int)
+            counts[:k] = per
+            counts[k % n_experts] += n_assign - counts.sum()
+            layouts.append(counts)
+        layouts += [np.bincount(rng.integers(0, n_experts, n_assign), minlength=n_experts) for _ in range(20)]
+        for counts in layouts:
+            assert counts.sum() == n_assign
+            assert sum(_pad_rows(int(c), sizes) for c in counts if c) <= bound, (n_experts, n_assign, counts)
+
+
+def test_fit_rows_is_tight_at_decode():
+    """Lone assignments at decode lay out one smallest tile each: the bound is exactly that, not A + n (gap - 1)."""
+    sizes = rx.CONFIG.mgpu_sizes
+    assert rx.fit_rows(sizes, 384, 384) == 384 * min(sizes)
+    assert rx.fit_rows(sizes, 6, 384) == 6 * min(sizes)
+
+
+@pytest.mark.parametrize("n_assign, expected", [(6, (8,)), (8, (8,)), (9, (8, 16)), (100, (8, 16, 32, 64, 128)),
+                                                (384, (8, 16, 32, 64, 128, 192, 256)),
+                                                (49152, (8, 16, 32, 64, 128, 192, 256))])
+def test_fit_sizes_keeps_the_sizes_a_tile_can_take(n_assign, expected):
+    """No expert has more rows than A, so sizes above the smallest holding A never occur and are not compiled; the
+    tiles are the same with the full and the kept sizes."""
+    sizes = (8, 16, 32, 64, 128, 192, 256)
+    assert rx.fit_sizes(sizes, n_assign) == expected
+    rng = np.random.default_rng(n_assign)
+    expert_A = jnp.asarray(rng.integers(-1, 5, n_assign), jnp.int32)
+    full, kept = (rx.fit_tiles(expert_A, 5, 1, s) for s in (sizes, expected))
+    used = np.asarray(full[0])[:, 0] >= 0
+    np.testing.assert_array_equal(np.asarray(full[0])[used], np.asarray(kept[0])[np.asarray(kept[0])[:, 0] >= 0])
+    for a, b in zip(full[1:], kept[1:]):
+        n = min(a.shape[0], b.shape[0])
+        np.testing.assert_array_equal(np.asarray(a)[:n], np.asarray(b)[:n])

@@ -53,8 +53,9 @@
 #   xla-gemms  flash-slice decode B=1 and 16 with XLA's Triton GEMM fusions (the default), then with them off
 #            (cuBLAS): the twenty-second session's trace had 19 bf16 GEMM fusions at 9.7 us mean at B=1 (router,
 #            compressor, index weights; ~10 % of their bytes' floor);
-#   mgpu-engine  (branch fp4-wgmma-natural-out, not yet run) the routed experts' ragged path on fp4_wgmma: its GPU tests,
-#            the layer and prefill 8192 against the Triton engine, GPU parity with it as the default;
+#   mgpu-engine  (branch fp4-wgmma-fit-tiles, not yet run) the routed experts' ragged path on fp4_wgmma: its GPU tests,
+#            the layer and prefill 8192 against the Triton engine, the layer and flash-slice decode at batch 1 / 64
+#            on it (gathered_max=0) against the mat-vecs, GPU parity with it as the default;
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -240,21 +241,31 @@ case "$stage" in
   mgpu-engine)
     # (twenty-eighth session, branch fp4-wgmma-natural-out) the routed experts' ragged path on dijax.kernels.fp4_wgmma:
     # its GPU tests, the layer at 8192 tokens against the Triton engine, prefill 8192 with and without it, then GPU
-    # parity with it as the default (in this run's copy of the tree only)
+    # parity with it as the default, decode included (gathered_max=0; in this run's copy of the tree only)
     run 150 python3 -m pytest -q -ra tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py -k "mgpu or fp4"
     run 100 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='mgpu'" --iters 5 --repeats 2
     run 100 python3 tools/bench_kernels.py --only fp4_wgmma --tokens 8192 --sweep --iters 5 --repeats 2
+    # (twenty-ninth session) decode on fp4_wgmma: tiles of 8 rows, the scales read in place; against the mat-vecs
+    run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
+      --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_stages=8" --variant "gemm_engine='mgpu',mgpu_chunks=1"
+    for setting in "" "--kernel-setting routed_experts.CONFIG.gemm_engine='mgpu' --kernel-setting routed_experts.CONFIG.gathered_max=0"; do
+      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --prefill= --kernels on --engine off \
+        --warmup 3 --iters 10 $setting
+    done
     for setting in "" "--kernel-setting routed_experts.CONFIG.gemm_engine='mgpu'"; do
       run 120 python3 tools/bench.py --model flash-slice --decode-batch= --prefill 8192 --kernels on --engine off \
         --warmup 2 --iters 5 $setting
     done
-    sed -i 's/    gemm_engine: str = "triton"/    gemm_engine: str = "mgpu"/' dijax/kernels/routed_experts.py
+    sed -i -e 's/    gemm_engine: str = "triton"/    gemm_engine: str = "mgpu"/' \
+      -e 's/    gathered_max: int = 96/    gathered_max: int = 0/' dijax/kernels/routed_experts.py
+    grep -E '^    (gemm_engine|gathered_max):' dijax/kernels/routed_experts.py | tee -a "$log"
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     parity mgpu-tiny-nodrop 540 "$fixtures/tiny-nodrop" &
     parity mgpu-engine 540 "$fixtures/tiny-nodrop" --engine &
     parity mgpu-tiny 540 "$fixtures/tiny" &
     wait
-    git checkout dijax/kernels/routed_experts.py 2>/dev/null || sed -i 's/    gemm_engine: str = "mgpu"/    gemm_engine: str = "triton"/' dijax/kernels/routed_experts.py
+    git checkout dijax/kernels/routed_experts.py 2>/dev/null || sed -i -e 's/    gemm_engine: str = "mgpu"/    gemm_engine: str = "triton"/' \
+      -e 's/    gathered_max: int = 0/    gathered_max: int = 96/' dijax/kernels/routed_experts.py
     parity_summary "$out"/parity-mgpu-*.txt ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory

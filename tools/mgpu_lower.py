@@ -34,9 +34,10 @@ from dijax.kernels import fp4_wgmma, lowering_for_gpu  # noqa: E402
 from dijax.kernels import routed_experts as rx  # noqa: E402
 
 # (experts, F, K, tile sizes, chunks): the GPU test's shapes, the real gate-up and down with the routed path's
-# fitted sizes (rx.CONFIG.mgpu_sizes), the smallest wgmma N
+# fitted sizes (rx.CONFIG.mgpu_sizes), decode's one size (8,), the smallest wgmma N
 KERNEL_SHAPES = [(3, 256, 512, (128,), 2), (3, 256, 512, (128,), 1), (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2),
-                 (2, 5120, 2304, rx.CONFIG.mgpu_sizes, 2), (2, 5120, 2304, (64,), 2), (1, 256, 256, (8,), 1)]
+                 (2, 5120, 2304, rx.CONFIG.mgpu_sizes, 2), (2, 5120, 2304, (64,), 2), (2, 2304, 5120, (8,), 2),
+                 (2, 5120, 2304, (8,), 2), (1, 256, 256, (8,), 1)]
 
 
 def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks: int) -> int:
@@ -51,8 +52,9 @@ def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks:
 
 
 def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 64, per_token: int = 4) -> int:
-    """Lower the routed experts' ragged path with ``gemm_engine='mgpu'`` for CUDA; -> the number of Mosaic GPU
-    kernels in it (two: w1 and w3 share one lowered kernel of their shape, w2 has its own)."""
+    """Lower the routed experts' ragged path with ``gemm_engine='mgpu'`` for CUDA (``gathered_max=0``, so few tokens
+    take it too); -> the number of Mosaic GPU kernels in it (two: w1 and w3 share one lowered kernel of their
+    shape, w2 has its own)."""
     rng = np.random.default_rng(0)
 
     def draw(out_dim, in_dim):
@@ -65,7 +67,7 @@ def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 6
                       jnp.int32)
     weights = jnp.full(ids.shape, 1 / per_token, jnp.float32)
     config, available = rx.CONFIG, fp4_wgmma.available
-    rx.CONFIG = dataclasses.replace(config, gemm_engine="mgpu")
+    rx.CONFIG = dataclasses.replace(config, gemm_engine="mgpu", gathered_max=0)
     fp4_wgmma.available = lambda: True  # the abstract target is sm_90
     try:
         with lowering_for_gpu():
@@ -85,13 +87,16 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 (every shape is reported)
             failed += 1
             print(f"fp4_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
-    try:
-        calls = lower_routed()
-        print(f"routed experts, ragged path, gemm_engine='mgpu': lowered, {calls} Mosaic GPU kernels (2 expected)")
-        failed += calls != 2
-    except Exception as error:  # noqa: BLE001
-        failed += 1
-        print(f"routed experts with gemm_engine='mgpu': FAILED {type(error).__name__}: {str(error)[-600:]}")
+    for tokens in (64, 1):  # prefill-like (every size) and decode (one size)
+        try:
+            calls = lower_routed(tokens=tokens)
+            print(f"routed experts, {tokens} tokens, gemm_engine='mgpu': lowered, {calls} Mosaic GPU kernels "
+                  f"(2 expected)")
+            failed += calls != 2
+        except Exception as error:  # noqa: BLE001
+            failed += 1
+            print(f"routed experts, {tokens} tokens, gemm_engine='mgpu': FAILED {type(error).__name__}: "
+                  f"{str(error)[-600:]}")
     return 1 if failed else 0
 
 

@@ -121,8 +121,10 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
     the larger tiles' shared memory needs it: ``_stages``); ``chunks``: 64-wide K chunks a pipeline step (1 or 2:
     with 2, the decode of the second overlaps the first's wgmma).
 
-    The wrapper permutes x's K (``permute_k``) before gathering its rows (a pass over T rows, not R) and transposes
-    the scales to [E, K/32, F] (a step's scales of 128 rows are then 128-byte TMA rows).
+    The wrapper permutes x's K (``permute_k``) before gathering its rows (a pass over T rows, not R). The scales
+    are read in their stored layout, one word a row a step (``scale_words``, a bitcast) straight from GMEM by the
+    compute warpgroups: a TMA copy cannot take them (at K = 2304 a row's 72 bytes break TMA's 16-byte stride
+    rule), and transposing them was a pass over every expert's scales a call, most of a decode step's bytes.
     """
     f, k = w_EFW.shape[1], 8 * w_EFW.shape[2]
     sizes = tuple(sorted(set(sizes)))
@@ -133,8 +135,17 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
         raise ValueError(f"grouped_gemm_t: x must be [rows, K = {k}] and tiles [I, 3], got x {x_TK.shape}, "
                          f"tiles {tiles_I3.shape}")
     x_RK = permute_k(x_TK) if rows_R is None else permute_k(x_TK)[rows_R]
-    return _call(w_EFW, jnp.swapaxes(s_EFB, 1, 2), x_RK, tiles_I3.astype(jnp.int32), sizes=sizes, stages=stages,
+    return _call(w_EFW, scale_words(s_EFB, chunks), x_RK, tiles_I3.astype(jnp.int32), sizes=sizes, stages=stages,
                  chunks=chunks)
+
+
+def scale_words(s_EFB: jax.Array, chunks: int) -> jax.Array:
+    """The ue8m0 scales as one word a row a pipeline step, in their stored layout (a bitcast, no pass over them):
+    uint8 [E, F, K/32] -> uint16 [E, F, K/64] (chunks 1) or uint32 [E, F, K/128] (chunks 2); byte j of step s's
+    word is block 2 * chunks * s + j."""
+    e, f, b = s_EFB.shape
+    dtype = {1: jnp.uint16, 2: jnp.uint32}[chunks]
+    return lax.bitcast_convert_type(s_EFB.reshape(e, f, b // (2 * chunks), 2 * chunks), dtype)
 
 
 SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
@@ -142,14 +153,14 @@ SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
 
 def _stages(n: int, n_max: int, chunks: int, stages: int) -> int:
     """Pipeline depth for tiles of ``n`` rows: ``stages``, or fewer where a stage's shared memory (the tile's x
-    rows, both warpgroups' words and scales) would not fit beside the output staging tile of ``n_max`` rows."""
-    per_stage = n * chunks * K_CHUNK * 2 + WARPGROUPS * ROWS_PER_WG * chunks * (K_CHUNK // 8) * 4 + 2 * chunks * 128
+    rows and both warpgroups' words) would not fit beside the output staging tile of ``n_max`` rows."""
+    per_stage = n * chunks * K_CHUNK * 2 + WARPGROUPS * ROWS_PER_WG * chunks * (K_CHUNK // 8) * 4
     free = SMEM_BYTES - WARPGROUPS * n_max * ROWS_PER_WG * 2 - 4096  # the staging tile, barriers
     return max(1, min(stages, free // per_stage))
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks"))
-def _call(w_EFW, s_EBF, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, chunks: int):
+def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, chunks: int):
     f, k = w_EFW.shape[1], w_EFW.shape[2] * 8
     cta_rows = WARPGROUPS * ROWS_PER_WG
     n_max = max(sizes)
@@ -159,14 +170,18 @@ def _call(w_EFW, s_EBF, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
         e, n_rows = tiles_ref[i, 0], tiles_ref[i, 2]
         row0 = pl.multiple_of(tiles_ref[i, 1], 8)  # tile rows start on multiples of 8 (every size is one)
 
-        def step(_, *refs):
-            *w_smems, x_smem, s_smem, acc_ref = refs
+        def step(indices, *refs):
+            *w_smems, x_smem, acc_ref = refs
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
+            # the rows' ue8m0 bytes of this step, one word a row read straight from GMEM (L1 serves the later steps)
+            s_step = plgpu.load(s_gmem.at[e, pl.ds(m * cta_rows + wg * ROWS_PER_WG, ROWS_PER_WG), indices[0]],
+                                layout=ROW_LAYOUT, optimized=False).astype(jnp.uint32)
             for c, w_smem in enumerate(w_smems):  # issue each chunk's wgmma, then decode the next one
                 words = plgpu.load(w_smem.at[rows], layout=plgpu.Layout.WGMMA)
-                s_lo, s_hi = (plgpu.load(s_smem.at[2 * c + b, rows], layout=ROW_LAYOUT).astype(jnp.uint16)
+                s_lo, s_hi = (lax.shift_right_logical(s_step, np.uint32(8 * (2 * c + b))) & np.uint32(0xFF)
                               for b in range(2))
+                s_lo, s_hi = s_lo.astype(jnp.uint16), s_hi.astype(jnp.uint16)
                 plgpu.wgmma(acc_ref, _decode(words, s_lo, s_hi), x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
             plgpu.wgmma_wait(0)
             return acc_ref
@@ -194,11 +209,9 @@ def _call(w_EFW, s_EBF, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
                 compute_context=epilogue,
                 in_specs=[*words_spec,
                           spec((tile_n, chunks * K_CHUNK), lambda s: (0, s),
-                               transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
-                          spec((2 * chunks, cta_rows), lambda s: (s, 0))])
+                               transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))])
             words = w_gmem.at[e, pl.ds(m * cta_rows, cta_rows)]
-            pipeline(*([words] * chunks), x_gmem.at[pl.ds(row0, tile_n)],
-                     s_gmem.at[e, :, pl.ds(m * cta_rows, cta_rows)])
+            pipeline(*([words] * chunks), x_gmem.at[pl.ds(row0, tile_n)])
 
         for tile_n in sizes:
             pl.when((e >= 0) & (n_rows == tile_n))(functools.partial(run_tile, tile_n))
@@ -210,7 +223,7 @@ def _call(w_EFW, s_EBF, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
                                                         transforms=(plgpu.TilingTransform((8, 64)),
                                                                     plgpu.SwizzleTransform(128)))),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return run(tiles_I3, w_EFW, s_EBF, x_RK)
+    return run(tiles_I3, w_EFW, s_EFS, x_RK)
 
 
 @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, ROW_LAYOUT),

@@ -190,7 +190,7 @@ class KernelConfig:
     gemm_warps: int = 4
     gemm_stages: int = 3
     gemm_engine: str = "triton"
-    mgpu_sizes: tuple[int, ...] = (64, 128, 192, 256)
+    mgpu_sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 192, 256)
     mgpu_stages: int = 4
     mgpu_chunks: int = 2
     gathered_max: int = 96
@@ -524,13 +524,39 @@ def tile_layout(expert_A: jax.Array, n_experts: int, n_per_token: int, rows: int
     return tile_expert_I, token_R, slot_R, pos_A
 
 
+def fit_sizes(sizes: tuple[int, ...], n_assignments: int) -> tuple[int, ...]:
+    """The tile sizes ``fit_tiles`` can pick when no expert has more than ``n_assignments`` rows: those below it and
+    the smallest that holds it (all of them when none does). At decode (A = 6) that is one size, (8,): one
+    compiled pipeline instead of one per size."""
+    sizes = sorted(set(sizes))
+    holds = [n for n in sizes if n >= n_assignments]
+    return tuple(n for n in sizes if n < n_assignments) + tuple(holds[:1])
+
+
+def fit_rows(sizes: tuple[int, ...], n_assignments: int, n_experts: int) -> int:
+    """A static bound on the rows ``fit_tiles`` lays out (a multiple of 8): an expert with c rows takes pad(c)
+    rows (whole tiles of the largest size, then the smallest size holding the rest), so for any alpha >= 1 the
+    sum over at most n = min(E, A) experts is <= alpha * A + n * max(0, max_c pad(c) - alpha * c). The bound is the
+    least over a grid of alphas. alpha = 1 is the plain A + n * (largest gap - 1); larger alphas bound many lone
+    assignments (decode at batch 64: A = 384 over 384 experts, sizes from 8: 3072 rows, not 24576)."""
+    sizes = sorted(set(sizes))
+    c = np.arange(1, sizes[-1] + 1)
+    pad_c = np.asarray(sizes)[np.searchsorted(sizes, c)]
+    alphas = np.unique(np.concatenate([[1.0], pad_c / c, np.arange(8, 65) / 8]))
+    alphas = alphas[alphas >= 1]
+    n = min(n_experts, n_assignments)
+    excess = np.maximum(0, (pad_c[None, :] - alphas[:, None] * c[None, :]).max(axis=1))
+    bound = int(np.floor((alphas * n_assignments + n * excess).min() + 1e-6))
+    return -(-bound // 8) * 8
+
+
 def fit_tiles(expert_A: jax.Array, n_experts: int, n_per_token: int, sizes: tuple[int, ...]):
     """Assignments sorted by expert into tiles fitted to each expert: tiles of the largest of ``sizes`` while more
     rows are left than it holds, then one tile of the smallest size that holds the rest (``fp4_wgmma``'s tiles).
 
     Returns (tiles_I3 int32 [I, 3]: (expert or -1, first row, rows) each, token_R int32 [R] (0 on padding rows),
     slot_R int32 [R] (assignment index, -1 on padding rows), pos_A int32 [A] (each assignment's row)). Static
-    bounds: I = ceil(A / max(sizes)) + min(E, A); R = A + min(E, A) * (the largest gap below a size, minus one).
+    bounds: I = ceil(A / max(sizes)) + min(E, A); R = ``fit_rows``. Rows past the last tile belong to no tile.
     """
     sizes = sorted(set(sizes))
     big = sizes[-1]
@@ -548,8 +574,7 @@ def fit_tiles(expert_A: jax.Array, n_experts: int, n_per_token: int, sizes: tupl
     tile_end_E = jnp.cumsum(tiles_E)
     tile_start_E, row_start_E = tile_end_E - tiles_E, jnp.cumsum(rows_E) - rows_E
     n_tiles = -(-n_assign // big) + min(n_experts, n_assign)
-    gap = max(b - a for a, b in zip([0, *sizes], sizes))
-    n_rows = -(-(n_assign + min(n_experts, n_assign) * (gap - 1)) // 8) * 8
+    n_rows = fit_rows(tuple(sizes), n_assign, n_experts)
     t_I = jnp.arange(n_tiles, dtype=jnp.int32)
     e_I = jnp.searchsorted(tile_end_E, t_I, side="right").astype(jnp.int32)
     used_I = e_I < n_experts
@@ -617,7 +642,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         words_d = _block(d // 8, config.matvec_words, "dim/8", WORDS_PER_SCALE)
         words_f = _block(f // 8, config.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
         params = _compiler_params(config.matvec_warps, config.matvec_stages)
-        stack_A = jnp.where(expert_A >= 0, expert_A + offset, -1)  # ids in the flattened stack
+        stack_A = _in_stack(expert_A, offset)
         asm = not interpret  # the inline-PTX conversions only lower for a GPU
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
                                        words=words_d, n_words=d // 8, asm=asm),
@@ -654,9 +679,17 @@ def _stack_tiles(expert_A, weights_A, n_experts: int, n_per_token: int, rows: in
     """``tile_layout`` for the kernels: (tile_expert_I with ids in the flattened expert stack (``_expert_stacks``'
     offset added; -1 kept), token_R, weight_R float32 [R] (each row's routing weight, 0 on padding rows), pos_A)."""
     tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, rows)
-    tile_expert_I = jnp.where(tile_expert_I >= 0, tile_expert_I + offset, -1)
-    weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
-    return tile_expert_I, token_R, weight_R, pos_A
+    return _in_stack(tile_expert_I, offset), token_R, _row_weights(slot_R, weights_A), pos_A
+
+
+def _in_stack(expert_I: jax.Array, offset) -> jax.Array:
+    """Expert ids in the flattened expert stack (``_expert_stacks``' offset added); -1 kept."""
+    return jnp.where(expert_I >= 0, expert_I + offset, -1)
+
+
+def _row_weights(slot_R: jax.Array, weights_A: jax.Array) -> jax.Array:
+    """float32 [R]: each row's routing weight (its assignment's), 0 on padding rows (slot -1)."""
+    return jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
 
 
 def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
@@ -675,10 +708,11 @@ def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, 
     weight and fq8 of h in XLA, then w2 and the combine. -> float32 [T, D]."""
     ((w1, s1), (w3, s3), (w2, s2)) = stacks
     t = x_act_TD.shape[0]
-    tiles_I3, token_R, slot_R, pos_A = fit_tiles(expert_A, n_experts, n_per_token, config.mgpu_sizes)
-    tiles_I3 = tiles_I3.at[:, 0].set(jnp.where(tiles_I3[:, 0] >= 0, tiles_I3[:, 0] + offset, -1))
-    weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
-    gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tiles_I3=tiles_I3, sizes=config.mgpu_sizes,
+    sizes = fit_sizes(config.mgpu_sizes, expert_A.shape[0])
+    tiles_I3, token_R, slot_R, pos_A = fit_tiles(expert_A, n_experts, n_per_token, sizes)
+    tiles_I3 = tiles_I3.at[:, 0].set(_in_stack(tiles_I3[:, 0], offset))
+    weight_R = _row_weights(slot_R, weights_A)
+    gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tiles_I3=tiles_I3, sizes=sizes,
                              stages=config.mgpu_stages, chunks=config.mgpu_chunks)
     # padding rows read token 0 (finite) at weight 0
     g_RF, u_RF = gemm(w1, s1, x_act_TD, rows_R=token_R), gemm(w3, s3, x_act_TD, rows_R=token_R)
