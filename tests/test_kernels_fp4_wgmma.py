@@ -83,6 +83,9 @@ def test_bad_shapes_are_named():
         fw.grouped_gemm_t_mgpu(*args, sizes=(8,))
     with pytest.raises(ValueError, match="tile sizes must be multiples of 8"):
         fw.grouped_gemm_t_mgpu(*args, sizes=(8, 12))
+    with pytest.raises(ValueError, match="warpgroups must be one of"):
+        fw.grouped_gemm_t_mgpu(*args, sizes=(8,), warpgroups=4)
+    assert fw.shape_error(96, 128, (8,), 2) is not None and fw.shape_error(64, 128, (8,), 2, warpgroups=1) is None
 
 
 def test_scale_range_is_the_triton_gemms():

@@ -259,7 +259,9 @@ def test_moe_with_pallas_matches_reference(t):
                                            ({"gemm_rows_min": 128}, "gemm_rows_min"), ({"gemm_warps": 3}, "gemm_warps"),
                                            ({"matvec_stages": 0}, "matvec_stages"),
                                            ({"gemm_engine": "cuda"}, "gemm_engine"),
-                                           ({"mgpu_sizes": (64, 100)}, "mgpu_sizes")])
+                                           ({"mgpu_sizes": (64, 100)}, "mgpu_sizes"),
+                                           ({"mgpu_chunks": 4}, "mgpu_chunks"),
+                                           ({"mgpu_warpgroups": 3}, "mgpu_warpgroups")])
 def test_kernel_config_refuses_bad_tilings(change, field):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(rx.KernelConfig(), **change)

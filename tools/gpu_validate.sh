@@ -247,7 +247,8 @@ case "$stage" in
     run 100 python3 tools/bench_kernels.py --only fp4_wgmma --tokens 8192 --sweep --iters 5 --repeats 2
     # (twenty-ninth session) decode on fp4_wgmma: tiles of 8 rows, the scales read in place; against the mat-vecs
     run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
-      --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_stages=8" --variant "gemm_engine='mgpu',mgpu_chunks=1"
+      --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_stages=8" --variant "gemm_engine='mgpu',mgpu_chunks=1" \
+      --variant "gemm_engine='mgpu',mgpu_warpgroups=1" --variant "gemm_engine='mgpu',mgpu_warpgroups=1,mgpu_stages=8"
     for setting in "" "--kernel-setting routed_experts.CONFIG.gemm_engine='mgpu' --kernel-setting routed_experts.CONFIG.gathered_max=0"; do
       run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --prefill= --kernels on --engine off \
         --warmup 3 --iters 10 $setting

@@ -56,7 +56,7 @@ SCALE_SHIFT = 32
 SCALE_RANGE = (SCALE_SHIFT + 2, 128 + SCALE_SHIFT)
 ROWS_PER_WG = 64  # wgmma's M
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value a row of a WGMMA-layout tile
-WARPGROUPS = 2  # compute warpgroups a CTA (each its own 64 weight rows), plus one issuing the TMA copies
+WARPGROUPS = (1, 2)  # compute warpgroups a CTA may have (each its own 64 weight rows), plus one issuing the TMA copies
 
 
 def permute_k(x_RK: jax.Array) -> jax.Array:
@@ -71,14 +71,14 @@ def permute_k(x_RK: jax.Array) -> jax.Array:
 
 def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
                              rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
-                             chunks: int = 2) -> jax.Array:
+                             chunks: int = 2, warpgroups: int = 2) -> jax.Array:
     """bf16 y_RF [R, F]: each tile (expert e, first row r, rows n) of ``tiles_I3`` int32 [I, 3] multiplies rows
     [r, r + n) of x_RK = x_TK[rows_R] (x_TK itself when ``rows_R`` is None; natural K order) by expert e's MXFP4
     weight (uint32 words w_EFW [E, F, K/8], nibble j of word w the code of k = 8w + j, as
     ``routed_experts.pack_words`` gives them; ue8m0 s_EFB [E, F, K/32]): x_rows @ W.T. Tiles with e < 0 are unused;
-    n is one of ``sizes``; rows no tile covers are zeros. ``stages`` and ``chunks`` are the kernel's and change
-    nothing here."""
-    del stages, chunks
+    n is one of ``sizes``; rows no tile covers are zeros. ``stages``, ``chunks`` and ``warpgroups`` are the
+    kernel's and change nothing here."""
+    del stages, chunks, warpgroups
     x_RK = x_TK if rows_R is None else x_TK[rows_R]
     n_rows, n_max = x_RK.shape[0], max(sizes)
     e_I, row_I, size_I = tiles_I3[:, 0], tiles_I3[:, 1], tiles_I3[:, 2]
@@ -93,15 +93,17 @@ def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array
     return y_RF.at[jnp.where(used_IN, r_IN, n_rows)].set(y_INF, mode="drop")
 
 
-def shape_error(f: int, k: int, sizes: tuple[int, ...], chunks: int) -> str | None:
-    """Why the kernel cannot take F = ``f`` weight rows, K = ``k``, tile ``sizes`` and ``chunks`` (None when it
-    can)."""
+def shape_error(f: int, k: int, sizes: tuple[int, ...], chunks: int, warpgroups: int = 2) -> str | None:
+    """Why the kernel cannot take F = ``f`` weight rows, K = ``k``, tile ``sizes``, ``chunks`` and ``warpgroups``
+    (None when it can)."""
     if not sizes or any(n % 8 or not 8 <= n <= 256 for n in sizes):
         return f"grouped_gemm_t: tile sizes must be multiples of 8 in [8, 256] (wgmma's N), got {sizes}"
     if chunks not in (1, 2):
         return f"grouped_gemm_t: chunks must be 1 or 2, got {chunks}"
-    if f % (WARPGROUPS * ROWS_PER_WG) or k % (chunks * K_CHUNK):
-        return (f"grouped_gemm_t: F {f} must be a multiple of {WARPGROUPS * ROWS_PER_WG} and K {k} of "
+    if warpgroups not in WARPGROUPS:
+        return f"grouped_gemm_t: warpgroups must be one of {WARPGROUPS}, got {warpgroups}"
+    if f % (warpgroups * ROWS_PER_WG) or k % (chunks * K_CHUNK):
+        return (f"grouped_gemm_t: F {f} must be a multiple of {warpgroups * ROWS_PER_WG} and K {k} of "
                 f"{chunks * K_CHUNK} ({chunks} chunks of {K_CHUNK})")
     return None
 
@@ -114,12 +116,13 @@ def available() -> bool:
 
 def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
                         rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
-                        chunks: int = 2) -> jax.Array:
+                        chunks: int = 2, warpgroups: int = 2) -> jax.Array:
     """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Rows no tile covers
     are left unwritten. ``shape_error`` lists the sizes it takes; exact for ue8m0 bytes in ``SCALE_RANGE``.
     ``sizes``: the tile row counts (wgmma's N), one compiled pipeline each; ``stages``: pipeline depth (fewer where
     the larger tiles' shared memory needs it: ``_stages``); ``chunks``: 64-wide K chunks a pipeline step (1 or 2:
-    with 2, the decode of the second overlaps the first's wgmma).
+    with 2, the decode of the second overlaps the first's wgmma); ``warpgroups``: compute warpgroups a CTA, each
+    its own 64 weight rows (1 gives twice the CTAs, for grids too small to fill the GPU: decode).
 
     The wrapper permutes x's K (``permute_k``) before gathering its rows (a pass over T rows, not R). The scales
     are read in their stored layout, one word a row a step (``scale_words``, a bitcast) straight from GMEM by the
@@ -128,7 +131,7 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
     """
     f, k = w_EFW.shape[1], 8 * w_EFW.shape[2]
     sizes = tuple(sorted(set(sizes)))
-    error = shape_error(f, k, sizes, chunks)
+    error = shape_error(f, k, sizes, chunks, warpgroups)
     if error:
         raise ValueError(error)
     if x_TK.shape[-1] != k or tiles_I3.ndim != 2 or tiles_I3.shape[1] != 3:
@@ -136,7 +139,7 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
                          f"tiles {tiles_I3.shape}")
     x_RK = permute_k(x_TK) if rows_R is None else permute_k(x_TK)[rows_R]
     return _call(w_EFW, scale_words(s_EFB, chunks), x_RK, tiles_I3.astype(jnp.int32), sizes=sizes, stages=stages,
-                 chunks=chunks)
+                 chunks=chunks, warpgroups=warpgroups)
 
 
 def scale_words(s_EFB: jax.Array, chunks: int) -> jax.Array:
@@ -151,18 +154,18 @@ def scale_words(s_EFB: jax.Array, chunks: int) -> jax.Array:
 SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
 
 
-def _stages(n: int, n_max: int, chunks: int, stages: int) -> int:
+def _stages(n: int, n_max: int, chunks: int, stages: int, warpgroups: int) -> int:
     """Pipeline depth for tiles of ``n`` rows: ``stages``, or fewer where a stage's shared memory (the tile's x
-    rows and both warpgroups' words) would not fit beside the output staging tile of ``n_max`` rows."""
-    per_stage = n * chunks * K_CHUNK * 2 + WARPGROUPS * ROWS_PER_WG * chunks * (K_CHUNK // 8) * 4
-    free = SMEM_BYTES - WARPGROUPS * n_max * ROWS_PER_WG * 2 - 4096  # the staging tile, barriers
+    rows and every compute warpgroup's words) would not fit beside the output staging tile of ``n_max`` rows."""
+    per_stage = n * chunks * K_CHUNK * 2 + warpgroups * ROWS_PER_WG * chunks * (K_CHUNK // 8) * 4
+    free = SMEM_BYTES - warpgroups * n_max * ROWS_PER_WG * 2 - 4096  # the staging tile, barriers
     return max(1, min(stages, free // per_stage))
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks"))
-def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, chunks: int):
+@functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks", "warpgroups"))
+def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, chunks: int, warpgroups: int):
     f, k = w_EFW.shape[1], w_EFW.shape[2] * 8
-    cta_rows = WARPGROUPS * ROWS_PER_WG
+    cta_rows = warpgroups * ROWS_PER_WG
     n_max = max(sizes)
 
     def kernel(tiles_ref, w_gmem, s_gmem, x_gmem, y_gmem, y_smem):
@@ -205,7 +208,7 @@ def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
                           for c in range(chunks)]
             pipeline = plgpu.emit_pipeline_warp_specialized(
                 step, grid=(k // (chunks * K_CHUNK),), memory_registers=40, wg_axis="wg",
-                num_compute_wgs=WARPGROUPS, max_concurrent_steps=_stages(tile_n, n_max, chunks, stages),
+                num_compute_wgs=warpgroups, max_concurrent_steps=_stages(tile_n, n_max, chunks, stages, warpgroups),
                 compute_context=epilogue,
                 in_specs=[*words_spec,
                           spec((tile_n, chunks * K_CHUNK), lambda s: (0, s),
@@ -218,8 +221,8 @@ def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
 
     run = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((x_RK.shape[0], f), jnp.bfloat16),
-        grid=(f // cta_rows, tiles_I3.shape[0]), grid_names=("m", "i"), num_threads=WARPGROUPS + 1,
-        thread_name="wg", scratch_types=dict(y_smem=plgpu.SMEM((WARPGROUPS, n_max, ROWS_PER_WG), jnp.bfloat16,
+        grid=(f // cta_rows, tiles_I3.shape[0]), grid_names=("m", "i"), num_threads=warpgroups + 1,
+        thread_name="wg", scratch_types=dict(y_smem=plgpu.SMEM((warpgroups, n_max, ROWS_PER_WG), jnp.bfloat16,
                                                         transforms=(plgpu.TilingTransform((8, 64)),
                                                                     plgpu.SwizzleTransform(128)))),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))

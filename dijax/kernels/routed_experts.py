@@ -172,8 +172,9 @@ class KernelConfig:
       'triton' stays the default: on the H200 (twenty-eighth session) 'mgpu' gives the same GPU parity figures but
       the layer at 8192 tokens takes 20.6 ms against 14.7, and prefill 8192 210.7 ms against 181.6. Its kernels
       alone take ~13.2 ms; the rest is the XLA passes around the transposed outputs and the sorted copy of x;
-    mgpu_sizes / mgpu_stages / mgpu_chunks: fp4_wgmma's tile sizes (``fit_tiles``: each expert's rows in tiles of
-      the largest, then one of the smallest size that covers the rest), stages and chunks;
+    mgpu_sizes / mgpu_stages / mgpu_chunks / mgpu_warpgroups: fp4_wgmma's tile sizes (``fit_tiles``: each
+      expert's rows in tiles of the largest, then one of the smallest size that covers the rest; only the sizes A
+      can use are compiled, ``fit_sizes``), stages, chunks and compute warpgroups a CTA;
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
@@ -193,6 +194,7 @@ class KernelConfig:
     mgpu_sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 192, 256)
     mgpu_stages: int = 4
     mgpu_chunks: int = 2
+    mgpu_warpgroups: int = 2
     gathered_max: int = 96
     poison: bool = False
 
@@ -215,6 +217,9 @@ class KernelConfig:
         if not self.mgpu_sizes or any(n % 8 or not 8 <= n <= 256 for n in self.mgpu_sizes):
             raise ValueError(f"routed_experts KernelConfig.mgpu_sizes must be multiples of 8 in [8, 256], "
                              f"got {self.mgpu_sizes}")
+        for name, allowed in (("mgpu_chunks", (1, 2)), ("mgpu_warpgroups", fp4_wgmma.WARPGROUPS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"routed_experts KernelConfig.{name} must be one of {allowed}, got {getattr(self, name)}")
         if self.gemm_engine not in GEMM_ENGINES:
             raise ValueError(f"routed_experts KernelConfig.gemm_engine must be one of {GEMM_ENGINES}, "
                              f"got {self.gemm_engine!r}")
@@ -697,7 +702,7 @@ def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
     fp4_wgmma takes for w1 / w3 ([F, D]) and w2 ([D, F])."""
     if interpret or not fp4_wgmma.available():
         return False
-    return all(fp4_wgmma.shape_error(rows, k, config.mgpu_sizes, config.mgpu_chunks) is None
+    return all(fp4_wgmma.shape_error(rows, k, config.mgpu_sizes, config.mgpu_chunks, config.mgpu_warpgroups) is None
                for rows, k in ((f, d), (d, f)))
 
 
@@ -713,7 +718,8 @@ def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, 
     tiles_I3 = tiles_I3.at[:, 0].set(_in_stack(tiles_I3[:, 0], offset))
     weight_R = _row_weights(slot_R, weights_A)
     gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tiles_I3=tiles_I3, sizes=sizes,
-                             stages=config.mgpu_stages, chunks=config.mgpu_chunks)
+                             stages=config.mgpu_stages, chunks=config.mgpu_chunks,
+                             warpgroups=config.mgpu_warpgroups)
     # padding rows read token 0 (finite) at weight 0
     g_RF, u_RF = gemm(w1, s1, x_act_TD, rows_R=token_R), gemm(w3, s3, x_act_TD, rows_R=token_R)
     h_RF = swiglu(g_RF.astype(jnp.float32), u_RF.astype(jnp.float32), limit) * weight_R[:, None]

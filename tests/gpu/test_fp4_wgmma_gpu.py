@@ -21,20 +21,22 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu" or "H" not in jax
                                 reason="a Mosaic GPU wgmma kernel: needs a Hopper GPU")
 
 
-@pytest.mark.parametrize("n_experts, f, k, tile_n, tiles, stages, chunks, scales", [
-    (3, 256, 512, 128, (0, 2, -1, 1), 4, 2, (116, 128)),       # small, a padding tile between experts
-    (2, 4608, 5120, 128, (1, 0, 0, -1, -1), 4, 2, (100, 160)),  # the real gate-up width, the top of SCALE_RANGE
-    (2, 5120, 2304, 64, (0, 1, 1), 2, 1, (34, 60)),            # the real down projection, its bottom
-    (1, 128, 256, 256, (0,), 3, 2, (116, 128)),
-    (1, 256, 256, 8, (0, 0), 4, 1, (116, 128)),                # the smallest wgmma N
+@pytest.mark.parametrize("n_experts, f, k, tile_n, tiles, stages, chunks, scales, wgs", [
+    (3, 256, 512, 128, (0, 2, -1, 1), 4, 2, (116, 128), 2),       # small, a padding tile between experts
+    (2, 4608, 5120, 128, (1, 0, 0, -1, -1), 4, 2, (100, 160), 2),  # the real gate-up width, the top of SCALE_RANGE
+    (2, 5120, 2304, 64, (0, 1, 1), 2, 1, (34, 60), 2),            # the real down projection, its bottom
+    (1, 128, 256, 256, (0,), 3, 2, (116, 128), 2),
+    (1, 256, 256, 8, (0, 0), 4, 1, (116, 128), 2),                # the smallest wgmma N
+    (2, 2304, 5120, 8, (1, -1, 0), 8, 2, (100, 160), 1),          # decode: one compute warpgroup, deep pipeline
+    (1, 64, 256, 16, (0,), 4, 1, (116, 128), 1),
 ])
-def test_kernel_matches_reference(n_experts, f, k, tile_n, tiles, stages, chunks, scales):
+def test_kernel_matches_reference(n_experts, f, k, tile_n, tiles, stages, chunks, scales, wgs):
     rng = np.random.default_rng(f + k)
     w = pack_words(jnp.asarray(rng.integers(0, 256, (n_experts, f, k // 2)), jnp.uint8))
     s = jnp.asarray(rng.integers(*scales, (n_experts, f, k // 32)), jnp.uint8)
     x = quant.fq8(jnp.asarray(rng.standard_normal((len(tiles) * tile_n, k)), jnp.float32)).astype(jnp.bfloat16)
     tiles_I3 = jnp.asarray(fixed_tiles(tiles, tile_n))
-    kw = dict(sizes=(tile_n,), stages=stages, chunks=chunks)
+    kw = dict(sizes=(tile_n,), stages=stages, chunks=chunks, warpgroups=wgs)
     got = np.asarray(fw.grouped_gemm_t_mgpu(w, s, x, tiles_I3, **kw), np.float32)
     rows = jnp.asarray(rng.permutation(x.shape[0]), jnp.int32)  # the gathered form: the same rows, reordered
     gathered = fw.grouped_gemm_t_mgpu(w, s, x, tiles_I3, rows, **kw)
