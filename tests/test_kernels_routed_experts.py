@@ -277,6 +277,30 @@ def test_mgpu_engine_needs_a_hopper_gpu_and_its_sizes():
     assert not rx._mgpu_takes(5120, 2304 + 32, cfg, interpret=False)  # F not a multiple of 128
 
 
+@pytest.mark.parametrize("t, pool, pad_tokens, pad_slots", [(1, None, (), ()), (16, None, (3,), (5,)),
+                                                          (200, 9, (17,), (2,))])
+def test_mgpu_path_with_the_kernels_reference(t, pool, pad_tokens, pad_slots, monkeypatch):
+    """The 'mgpu' ragged path around its GEMMs (fit_tiles, the row gathers, SwiGLU and routing weights, the
+    combine) on the CPU: fp4_wgmma's kernel replaced by its reference, which has the same signature. Decode (one
+    tile size), padding tokens and slots, empty experts and tiles of several sizes against the reference path."""
+    monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu", rx.fp4_wgmma.grouped_gemm_t_reference)
+    monkeypatch.setattr(rx, "_mgpu_takes", lambda *args: True)
+    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine="mgpu", gathered_max=0))
+    rx._routed_experts_call.clear_cache()
+    rng = np.random.default_rng(t)
+    n_experts, per_token, d, f = 32, 6, 256, 128
+    experts = make_experts(rng, n_experts, d, f, (116, 122))
+    weights_TX, experts_TX = make_routing(rng, t, n_experts, per_token, pool, pad_tokens, pad_slots)
+    x_TD = make_x(rng, t, d, 3.0)
+    try:
+        got = np.asarray(rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT))
+    finally:
+        rx._routed_experts_call.clear_cache()
+    expected = np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT))
+    assert_close(got, expected, min_equal=0.95)
+    assert np.all(got[np.all(np.asarray(experts_TX) < 0, axis=1)] == 0)
+
+
 @pytest.mark.parametrize("sizes", [(64, 128, 192, 256), (16, 64), (128,)])
 def test_fit_tiles_cover_each_expert_exactly(sizes):
     """Every assignment's row lies in exactly one tile, of its own expert; a tile's size is one of ``sizes``; each
