@@ -53,9 +53,9 @@
 #   xla-gemms  flash-slice decode B=1 and 16 with XLA's Triton GEMM fusions (the default), then with them off
 #            (cuBLAS): the twenty-second session's trace had 19 bf16 GEMM fusions at 9.7 us mean at B=1 (router,
 #            compressor, index weights; ~10 % of their bytes' floor);
-#   mgpu-engine  (branch fp4-wgmma-fit-tiles, not yet run) the routed experts' ragged path on fp4_wgmma: its GPU tests,
-#            the layer and prefill 8192 against the Triton engine, the layer and flash-slice decode at batch 1 / 64
-#            on it (gathered_max=0) against the mat-vecs, GPU parity with it as the default;
+#   mgpu-engine, mgpu-model  (branch fp4-wgmma-fit-tiles, not yet run; one device call each) the routed experts on
+#            fp4_wgmma: its GPU tests, the layer at 8192 tokens and at decode (gathered_max=0) against the Triton
+#            kernels; then flash-slice decode and prefill 8192 with it, and GPU parity with it as the default;
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -72,7 +72,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|mgpu-model|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -239,31 +239,32 @@ case "$stage" in
         --engine off --warmup 3 --iters 10 --step-xla-option xla_gpu_enable_triton_gemm=$gemms
     done ;;
   mgpu-engine)
-    # (twenty-eighth session, branch fp4-wgmma-natural-out) the routed experts' ragged path on dijax.kernels.fp4_wgmma:
-    # its GPU tests, the layer at 8192 tokens against the Triton engine, prefill 8192 with and without it, then GPU
-    # parity with it as the default, decode included (gathered_max=0; in this run's copy of the tree only)
+    # (branch fp4-wgmma-fit-tiles; ~350 s) the routed experts on dijax.kernels.fp4_wgmma: its GPU tests, the layer at
+    # 8192 tokens against the Triton engine, the kernel's configurations there, then decode (tiles of 8 rows, the
+    # scales read in place) against the mat-vecs at 1 / 16 / 64 tokens. Then stage mgpu-model.
     run 150 python3 -m pytest -q -ra tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py -k "mgpu or fp4"
     run 100 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='mgpu'" --iters 5 --repeats 2
     run 100 python3 tools/bench_kernels.py --only fp4_wgmma --tokens 8192 --sweep --iters 5 --repeats 2
-    # (twenty-ninth session) decode on fp4_wgmma: tiles of 8 rows, the scales read in place; against the mat-vecs
     run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
       --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_stages=8" --variant "gemm_engine='mgpu',mgpu_chunks=1" \
-      --variant "gemm_engine='mgpu',mgpu_warpgroups=1" --variant "gemm_engine='mgpu',mgpu_warpgroups=1,mgpu_stages=8"
-    for setting in "" "--kernel-setting routed_experts.CONFIG.gemm_engine='mgpu' --kernel-setting routed_experts.CONFIG.gathered_max=0"; do
-      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --prefill= --kernels on --engine off \
-        --warmup 3 --iters 10 $setting
-    done
-    for setting in "" "--kernel-setting routed_experts.CONFIG.gemm_engine='mgpu'"; do
-      run 120 python3 tools/bench.py --model flash-slice --decode-batch= --prefill 8192 --kernels on --engine off \
+      --variant "gemm_engine='mgpu',mgpu_warpgroups=1" --variant "gemm_engine='mgpu',mgpu_warpgroups=1,mgpu_stages=8" ;;
+  mgpu-model)
+    # (branch fp4-wgmma-fit-tiles; ~450 s) flash-slice decode at batch 1 / 64 and prefill 8192 with the routed experts
+    # on fp4_wgmma (decode too: gathered_max=0) against the Triton kernels, then GPU parity with that as the default
+    # (in this run's copy of the tree only). MGPU_SETTINGS: extra --kernel-setting arguments for the mgpu rows (the
+    # winner of stage mgpu-engine's decode variants, e.g. routed_experts.CONFIG.mgpu_warpgroups=1).
+    mgpu="--kernel-setting routed_experts.CONFIG.gemm_engine='mgpu' --kernel-setting routed_experts.CONFIG.gathered_max=0 ${MGPU_SETTINGS:-}"
+    for setting in "" "$mgpu"; do
+      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 --kernels on --engine off \
         --warmup 2 --iters 5 $setting
     done
     sed -i -e 's/    gemm_engine: str = "triton"/    gemm_engine: str = "mgpu"/' \
       -e 's/    gathered_max: int = 96/    gathered_max: int = 0/' dijax/kernels/routed_experts.py
     grep -E '^    (gemm_engine|gathered_max):' dijax/kernels/routed_experts.py | tee -a "$log"
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    parity mgpu-tiny-nodrop 540 "$fixtures/tiny-nodrop" &
-    parity mgpu-engine 540 "$fixtures/tiny-nodrop" --engine &
-    parity mgpu-tiny 540 "$fixtures/tiny" &
+    parity mgpu-tiny-nodrop 300 "$fixtures/tiny-nodrop" &
+    parity mgpu-engine 300 "$fixtures/tiny-nodrop" --engine &
+    parity mgpu-tiny 300 "$fixtures/tiny" &
     wait
     git checkout dijax/kernels/routed_experts.py 2>/dev/null || sed -i -e 's/    gemm_engine: str = "mgpu"/    gemm_engine: str = "triton"/' \
       -e 's/    gathered_max: int = 0/    gathered_max: int = 96/' dijax/kernels/routed_experts.py
