@@ -56,6 +56,8 @@
 #   mgpu-engine, mgpu-model  (branch fp4-wgmma-fit-tiles, not yet run; one device call each) the routed experts on
 #            fp4_wgmma: its GPU tests, the layer at 8192 tokens and at decode (gathered_max=0) against the Triton
 #            kernels; then flash-slice decode and prefill 8192 with it, and GPU parity with it as the default;
+#   mgpu-fp8  (branch fp8-wgmma, not yet run) the fp8 linear on fp8_wgmma: GPU tests, the linears at decode and
+#            flash-slice decode at batch 1 / 16 against the Triton kernel;
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -72,7 +74,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|mgpu-model|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|mgpu-model|mgpu-fp8|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -248,6 +250,16 @@ case "$stage" in
     run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
       --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_stages=8" --variant "gemm_engine='mgpu',mgpu_chunks=1" \
       --variant "gemm_engine='mgpu',mgpu_warpgroups=1" --variant "gemm_engine='mgpu',mgpu_warpgroups=1,mgpu_stages=8" ;;
+  mgpu-fp8)
+    # (branch fp8-wgmma; ~350 s) the fp8 linear on dijax.kernels.fp8_wgmma: its GPU tests, the linears at decode
+    # against the Triton kernel, then flash-slice decode at batch 1 / 16 with it
+    run 150 python3 -m pytest -q -ra tests/gpu/test_fp8_wgmma_gpu.py tests/gpu/test_fp8_linear_gpu.py
+    run 200 python3 tools/bench_kernels.py --only fp8_linear --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
+      --variant "engine='mgpu'" --variant "engine='mgpu',mgpu_warpgroups=2" --variant "engine='mgpu',mgpu_stages=8"
+    for setting in "" "--kernel-setting fp8_linear.CONFIG.engine='mgpu'"; do
+      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,16 --context 4095 --prefill= --kernels on \
+        --engine off --warmup 3 --iters 10 $setting
+    done ;;
   mgpu-model)
     # (branch fp4-wgmma-fit-tiles; ~450 s) flash-slice decode at batch 1 / 64 and prefill 8192 with the routed experts
     # on fp4_wgmma (decode too: gathered_max=0) against the Triton kernels, then GPU parity with that as the default

@@ -10,11 +10,11 @@ layout inference run before any device time is spent (docs/mosaic_gpu.md's secon
 The first form is tests/test_mosaic_lowering.py's (CI: the newest jax); the second checks the GPU machine's jax.
 
 It lowers ``dijax.kernels.fp4_wgmma`` at small and real shapes (every tile size and K-chunk form the routed path
-uses), then the routed experts' ragged path with ``gemm_engine='mgpu'`` (its Triton and XLA parts too). It stops
-before PTX: tools/mgpu_build.py goes on to ptxas and SASS; the numerics and the speed need the GPU
-(tests/gpu/test_fp4_wgmma_gpu.py, tools/bench_kernels.py --only fp4_wgmma). In the twenty-eighth session every
-error this caught would otherwise have cost a device call, and each kernel that lowered here ran correctly on its
-first GPU run.
+uses), ``dijax.kernels.fp8_wgmma`` at the decode linears' shapes, then the routed experts' ragged path with
+``gemm_engine='mgpu'`` (its Triton and XLA parts too). It stops before PTX: tools/mgpu_build.py goes on to ptxas
+and SASS; the numerics and the speed need the GPU (tests/gpu/test_fp4_wgmma_gpu.py, tests/gpu/test_fp8_wgmma_gpu.py,
+tools/bench_kernels.py --only fp4_wgmma). In the twenty-eighth session every error this caught would otherwise
+have cost a device call, and each kernel that lowered here ran correctly on its first GPU run.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dijax.kernels import fp4_wgmma, lowering_for_gpu  # noqa: E402
+from dijax.kernels import fp4_wgmma, fp8_wgmma, lowering_for_gpu  # noqa: E402
 from dijax.kernels import routed_experts as rx  # noqa: E402
 
 # (experts, F, K, tile sizes, chunks): the GPU test's shapes, the real gate-up and down with the routed path's
@@ -48,6 +48,18 @@ def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks:
               jax.ShapeDtypeStruct((n_tiles * max(sizes), k), jnp.bfloat16),
               jax.ShapeDtypeStruct((n_tiles, 3), jnp.int32))
     fn = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, sizes=sizes, chunks=chunks, warpgroups=warpgroups)
+    return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
+
+
+# (T, O, I, warpgroups): the fp8 linears at decode (wkv, wq_b, wo_b with two warpgroups, the Engram wkv), small dims
+LINEAR_SHAPES = [(1, 512, 5120, 1), (16, 32768, 1280, 1), (8, 5120, 8192, 2), (64, 25600, 6144, 1), (3, 64, 256, 1)]
+
+
+def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
+    """Lower one ``fp8_wgmma.linear_mgpu`` for CUDA from abstract operands; -> the StableHLO text's length."""
+    shapes = (jax.ShapeDtypeStruct((t, i), jnp.bfloat16), jax.ShapeDtypeStruct((o, i), jnp.float8_e4m3fn),
+              jax.ShapeDtypeStruct((o // 32, i // 32), jnp.uint8))
+    fn = functools.partial(fp8_wgmma.linear_mgpu, warpgroups=warpgroups)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
@@ -87,6 +99,12 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 (every shape is reported)
             failed += 1
             print(f"fp4_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
+    for shape in LINEAR_SHAPES:
+        try:
+            print(f"fp8_wgmma T/O/I/warpgroups {shape}: lowered ({lower_linear(*shape)} chars)")
+        except Exception as error:  # noqa: BLE001
+            failed += 1
+            print(f"fp8_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
     for tokens in (64, 1):  # prefill-like (every size) and decode (one size)
         try:
             calls = lower_routed(tokens=tokens)

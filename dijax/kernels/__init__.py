@@ -10,6 +10,7 @@
 | the hyper-connection mix split (sigmoids, softmax, Sinkhorn rounds) | ``sinkhorn.split`` | reference, pallas |
 | the MoE router's selection (top-X, ids ascending, renormalised weights) | ``router`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
+| fp8 linear at decode on wgmma, weights decoded in registers (``fp8_linear``'s ``engine='mgpu'``) | ``fp8_wgmma`` | reference, mgpu |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
 | bf16 pairs in uint32 words: the weight decode's pieces (grouped GEMM, fp8 linear) | ``bf16_pairs`` | (helpers) |
 | correctly rounded float32 division inside kernels (``div.rn.f32``) | ``division`` | (helpers) |
