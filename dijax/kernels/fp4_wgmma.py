@@ -156,12 +156,17 @@ def scale_words(s_EFB: jax.Array, chunks: int) -> jax.Array:
 SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
 
 
+def pipeline_depth(stages: int, per_stage: int, staging: int) -> int:
+    """``stages``, or fewer where that many stages of ``per_stage`` bytes of shared memory would not fit beside an
+    output staging tile of ``staging`` bytes and the pipeline's barriers (Mosaic GPU checks at lowering)."""
+    return max(1, min(stages, (SMEM_BYTES - staging - 4096) // per_stage))
+
+
 def _stages(n: int, n_max: int, chunks: int, stages: int, warpgroups: int) -> int:
-    """Pipeline depth for tiles of ``n`` rows: ``stages``, or fewer where a stage's shared memory (the tile's x
-    rows and every compute warpgroup's words) would not fit beside the output staging tile of ``n_max`` rows."""
+    """Pipeline depth for tiles of ``n`` rows: a stage holds the tile's x rows and every compute warpgroup's
+    words; the bf16 staging tile has ``n_max`` rows."""
     per_stage = n * chunks * K_CHUNK * 2 + warpgroups * ROWS_PER_WG * chunks * (K_CHUNK // 8) * 4
-    free = SMEM_BYTES - warpgroups * n_max * ROWS_PER_WG * 2 - 4096  # the staging tile, barriers
-    return max(1, min(stages, free // per_stage))
+    return pipeline_depth(stages, per_stage, warpgroups * n_max * ROWS_PER_WG * 2)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks", "warpgroups"))

@@ -45,7 +45,8 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dijax.kernels import numerics, quant
-from dijax.kernels.fp4_wgmma import K_CHUNK, ROW_LAYOUT, ROWS_PER_WG, WARPGROUPS, available, scale_words
+from dijax.kernels.fp4_wgmma import (K_CHUNK, ROW_LAYOUT, ROWS_PER_WG, WARPGROUPS, available, pipeline_depth,
+                                     scale_words)
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 CODES_PER_WORD = 4
@@ -126,7 +127,7 @@ def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: ja
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "warpgroups"))
 def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: int):
     """The kernel: float32 partial sums [splits, O, N] of the weight's rows (layer ``layer_1[0]`` of the stack)
-    times x's N rows, each split over its part of K."""
+    times x's N rows, each split over its part of K. ``stages`` is capped where shared memory needs it."""
     o, i = w_LOW.shape[1], w_LOW.shape[2] * CODES_PER_WORD
     n = x_NI.shape[0]
     cta_rows = warpgroups * ROWS_PER_WG
@@ -167,7 +168,9 @@ def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
                       for c in range(CHUNKS)]
         pipeline = plgpu.emit_pipeline_warp_specialized(
             step, grid=(per_split,), memory_registers=40, wg_axis="wg", num_compute_wgs=warpgroups,
-            max_concurrent_steps=stages, compute_context=epilogue,
+            max_concurrent_steps=pipeline_depth(stages, CHUNKS * cta_rows * WORDS * 4 + n * STEP_K * 2,
+                                                warpgroups * ROWS_PER_WG * n * 4),
+            compute_context=epilogue,
             in_specs=[*words_spec, spec((n, STEP_K), lambda s: (0, s),
                                         transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))])
         k_words = per_split * STEP_K // CODES_PER_WORD
