@@ -561,14 +561,15 @@ def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[d
 
     Floor: the real assignments' FLOPs at ``MATRIX_RATE`` (the measured bf16 ceiling that docs/benchmarks.md's
     "30 % of peak" of the Triton grouped GEMM is against); padding rows count as waste. The time includes the
-    wrapper's XLA passes (x's K order and row gather, the scales' transpose). ``sweep``: also one 64-wide K chunk a
-    step instead of two, and equal 128-row tiles. (On the H200 the twenty-eighth session's 8-row sweep did not
+    wrapper's XLA pass (x's K order and row gather). ``sweep``: also one 64-wide K chunk a step instead of two,
+    equal 128-row tiles, and ``overlap`` (a step's last wgmma running into the next step). (On the H200 the twenty-eighth session's 8-row sweep did not
     finish within 100 s: run it with --tokens 8192 alone.)"""
     from dijax.kernels import fp4_wgmma as fw
     from dijax.kernels.routed_experts import CONFIG, fit_tiles, pack_words
 
     n_experts, n_active = 384, 6
-    configs = [(CONFIG.mgpu_sizes, 4, 2)] + ([(CONFIG.mgpu_sizes, 4, 1), ((128,), 4, 2)] if sweep else [])
+    configs = [dict(sizes=CONFIG.mgpu_sizes)] + ([dict(sizes=CONFIG.mgpu_sizes, chunks=1), dict(sizes=(128,)),
+                                                  dict(sizes=CONFIG.mgpu_sizes, overlap=True)] if sweep else [])
     out = []
     for name, (f, k) in {"gate-up": (4608, 5120), "down": (5120, 2304)}.items():
         rng = np.random.default_rng(f)
@@ -579,14 +580,14 @@ def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[d
                                    jnp.int32).reshape(-1)
             floor = 2 * expert_A.size * f * k / MATRIX_RATE
             x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
-            for sizes, stages, chunks in configs:
-                tiles_I3, token_R, _, _ = fit_tiles(expert_A, n_experts, n_active, sizes)
-                fn = jax.jit(functools.partial(fw.grouped_gemm_t_mgpu, sizes=sizes, stages=stages, chunks=chunks))
+            for config in configs:
+                tiles_I3, token_R, _, _ = fit_tiles(expert_A, n_experts, n_active, config["sizes"])
+                fn = jax.jit(functools.partial(fw.grouped_gemm_t_mgpu, **config))
                 seconds = time_call(fn, w, s, x, tiles_I3, token_R, **timing)
                 used = np.asarray(tiles_I3)[np.asarray(tiles_I3)[:, 0] >= 0]
                 out.append(_timed_row("fp4_wgmma", f"{name} {f} x {k}, T={t}, A={expert_A.size}",
-                                      f"mgpu sizes={sizes} stages={stages} chunks={chunks} ({len(used)} tiles, "
-                                      f"{used[:, 2].sum()} rows)", seconds, floor, None))
+                                      "mgpu " + " ".join(f"{k}={v}" for k, v in config.items())
+                                      + f" ({len(used)} tiles, {used[:, 2].sum()} rows)", seconds, floor, None))
     return out
 
 

@@ -245,7 +245,8 @@ case "$stage" in
     # 8192 tokens against the Triton engine, the kernel's configurations there, then decode (tiles of 8 rows, the
     # scales read in place) against the mat-vecs at 1 / 16 / 64 tokens. Then stage mgpu-model.
     run 150 python3 -m pytest -q -ra tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py -k "mgpu or fp4"
-    run 100 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='mgpu'" --iters 5 --repeats 2
+    run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='mgpu'" \
+      --variant "gemm_engine='mgpu',mgpu_overlap=True" --iters 5 --repeats 2
     run 100 python3 tools/bench_kernels.py --only fp4_wgmma --tokens 8192 --sweep --iters 5 --repeats 2
     run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
       --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_stages=8" --variant "gemm_engine='mgpu',mgpu_chunks=1" \

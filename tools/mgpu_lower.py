@@ -34,20 +34,24 @@ from dijax.kernels import fp4_wgmma, fp8_wgmma, lowering_for_gpu  # noqa: E402
 from dijax.kernels import routed_experts as rx  # noqa: E402
 
 # (experts, F, K, tile sizes, chunks): the GPU test's shapes, the real gate-up and down with the routed path's
-# fitted sizes (rx.CONFIG.mgpu_sizes), decode's one size (8,), the smallest wgmma N, one compute warpgroup a CTA
+# fitted sizes (rx.CONFIG.mgpu_sizes), decode's one size (8,), the smallest wgmma N, one compute warpgroup a CTA,
+# a step's last wgmma overlapping the next step
 KERNEL_SHAPES = [(3, 256, 512, (128,), 2), (3, 256, 512, (128,), 1), (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2),
                  (2, 5120, 2304, rx.CONFIG.mgpu_sizes, 2), (2, 5120, 2304, (64,), 2), (2, 2304, 5120, (8,), 2),
-                 (2, 5120, 2304, (8,), 2), (1, 256, 256, (8,), 1), (2, 2304, 5120, (8,), 2, 1), (1, 64, 256, (16,), 1, 1)]
+                 (2, 5120, 2304, (8,), 2), (1, 256, 256, (8,), 1), (2, 2304, 5120, (8,), 2, 1), (1, 64, 256, (16,), 1, 1),
+                 (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2, 2, True)]
 
 
-def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks: int, warpgroups: int = 2) -> int:
+def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks: int, warpgroups: int = 2,
+                 overlap: bool = False) -> int:
     """Lower one ``grouped_gemm_t_mgpu`` for CUDA from abstract operands; -> the StableHLO text's length."""
     n_tiles = 4
     shapes = (jax.ShapeDtypeStruct((n_experts, f, k // 8), jnp.uint32),
               jax.ShapeDtypeStruct((n_experts, f, k // 32), jnp.uint8),
               jax.ShapeDtypeStruct((n_tiles * max(sizes), k), jnp.bfloat16),
               jax.ShapeDtypeStruct((n_tiles, 3), jnp.int32))
-    fn = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, sizes=sizes, chunks=chunks, warpgroups=warpgroups)
+    fn = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, sizes=sizes, chunks=chunks, warpgroups=warpgroups,
+                           overlap=overlap)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
@@ -95,7 +99,7 @@ def main() -> int:
     failed = 0
     for shape in KERNEL_SHAPES:
         try:
-            print(f"fp4_wgmma experts/F/K/sizes/chunks[/warpgroups] {shape}: lowered ({lower_kernel(*shape)} chars)")
+            print(f"fp4_wgmma experts/F/K/sizes/chunks[/warpgroups/overlap] {shape}: lowered ({lower_kernel(*shape)} chars)")
         except Exception as error:  # noqa: BLE001 (every shape is reported)
             failed += 1
             print(f"fp4_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")

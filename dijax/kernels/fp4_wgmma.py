@@ -73,14 +73,14 @@ def permute_k(x_RK: jax.Array) -> jax.Array:
 
 def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
                              rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
-                             chunks: int = 2, warpgroups: int = 2) -> jax.Array:
+                             chunks: int = 2, warpgroups: int = 2, overlap: bool = False) -> jax.Array:
     """bf16 y_RF [R, F]: each tile (expert e, first row r, rows n) of ``tiles_I3`` int32 [I, 3] multiplies rows
     [r, r + n) of x_RK = x_TK[rows_R] (x_TK itself when ``rows_R`` is None; natural K order) by expert e's MXFP4
     weight (uint32 words w_EFW [E, F, K/8], nibble j of word w the code of k = 8w + j, as
     ``routed_experts.pack_words`` gives them; ue8m0 s_EFB [E, F, K/32]): x_rows @ W.T. Tiles with e < 0 are unused;
-    n is one of ``sizes``; rows no tile covers are zeros. ``stages``, ``chunks`` and ``warpgroups`` are the
-    kernel's and change nothing here."""
-    del stages, chunks, warpgroups
+    n is one of ``sizes``; rows no tile covers are zeros. ``stages``, ``chunks``, ``warpgroups`` and ``overlap``
+    are the kernel's and change nothing here."""
+    del stages, chunks, warpgroups, overlap
     x_RK = x_TK if rows_R is None else x_TK[rows_R]
     n_rows, n_max = x_RK.shape[0], max(sizes)
     e_I, row_I, size_I = tiles_I3[:, 0], tiles_I3[:, 1], tiles_I3[:, 2]
@@ -118,13 +118,15 @@ def available() -> bool:
 
 def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
                         rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
-                        chunks: int = 2, warpgroups: int = 2) -> jax.Array:
+                        chunks: int = 2, warpgroups: int = 2, overlap: bool = False) -> jax.Array:
     """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Rows no tile covers
     are left unwritten. ``shape_error`` lists the sizes it takes; exact for ue8m0 bytes in ``SCALE_RANGE``.
     ``sizes``: the tile row counts (wgmma's N), one compiled pipeline each; ``stages``: pipeline depth (fewer where
     the larger tiles' shared memory needs it: ``_stages``); ``chunks``: 64-wide K chunks a pipeline step (1 or 2:
     with 2, the decode of the second overlaps the first's wgmma); ``warpgroups``: compute warpgroups a CTA, each
-    its own 64 weight rows (1 gives twice the CTAs, for grids too small to fill the GPU: decode).
+    its own 64 weight rows (1 gives twice the CTAs, for grids too small to fill the GPU: decode); ``overlap``: a
+    step leaves its last wgmma running into the next step's decode (its inputs released a step later; needs two
+    stages; ptxas reports no serialisation of the register operand, tools/mgpu_build.py).
 
     The wrapper permutes x's K (``permute_k``) before gathering its rows (a pass over T rows, not R). The scales
     are read in their stored layout, one word a row a step (``scale_words``, a bitcast) straight from GMEM by the
@@ -141,7 +143,7 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
                          f"tiles {tiles_I3.shape}")
     x_RK = permute_k(x_TK) if rows_R is None else permute_k(x_TK)[rows_R]
     return _call(w_EFW, scale_words(s_EFB, chunks), x_RK, tiles_I3.astype(jnp.int32), sizes=sizes, stages=stages,
-                 chunks=chunks, warpgroups=warpgroups)
+                 chunks=chunks, warpgroups=warpgroups, overlap=overlap)
 
 
 def scale_words(s_EFB: jax.Array, chunks: int) -> jax.Array:
@@ -169,8 +171,9 @@ def _stages(n: int, n_max: int, chunks: int, stages: int, warpgroups: int) -> in
     return pipeline_depth(stages, per_stage, warpgroups * n_max * ROWS_PER_WG * 2)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks", "warpgroups"))
-def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, chunks: int, warpgroups: int):
+@functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks", "warpgroups", "overlap"))
+def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, chunks: int, warpgroups: int,
+          overlap: bool):
     f, k = w_EFW.shape[1], w_EFW.shape[2] * 8
     cta_rows = warpgroups * ROWS_PER_WG
     n_max = max(sizes)
@@ -193,7 +196,7 @@ def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
                               for b in range(2))
                 s_lo, s_hi = s_lo.astype(jnp.uint16), s_hi.astype(jnp.uint16)
                 plgpu.wgmma(acc_ref, _decode(words, s_lo, s_hi), x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
-            plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(1 if overlap else 0)  # overlap: the last chunk's wgmma runs into the next step
             return acc_ref
 
         def run_tile(tile_n: int):
@@ -201,6 +204,7 @@ def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WG, tile_n), jnp.float32))
                 def _(acc_ref):
                     run_pipeline(acc_ref)
+                    plgpu.wgmma_wait(0)
                     wg = lax.axis_index("wg")
                     y_tile = y_smem.at[wg, pl.ds(0, tile_n)]
                     y_tile.T[...] = (acc_ref[...] * np.float32(2.0 ** SCALE_SHIFT)).astype(jnp.bfloat16)
@@ -211,15 +215,18 @@ def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
 
             spec = plgpu.BlockSpec
             words_spec = [spec((cta_rows, K_CHUNK // 8), lambda s, c=c: (0, chunks * s + c),
-                               transforms=(plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)))
+                               transforms=(plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)),
+                               delay_release=int(overlap))
                           for c in range(chunks)]
             pipeline = plgpu.emit_pipeline_warp_specialized(
                 step, grid=(k // (chunks * K_CHUNK),), memory_registers=40, wg_axis="wg",
-                num_compute_wgs=warpgroups, max_concurrent_steps=_stages(tile_n, n_max, chunks, stages, warpgroups),
+                num_compute_wgs=warpgroups,
+                max_concurrent_steps=max(_stages(tile_n, n_max, chunks, stages, warpgroups), 1 + int(overlap)),
                 compute_context=epilogue,
                 in_specs=[*words_spec,
                           spec((tile_n, chunks * K_CHUNK), lambda s: (0, s),
-                               transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))])
+                               transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)),
+                               delay_release=int(overlap))])
             words = w_gmem.at[e, pl.ds(m * cta_rows, cta_rows)]
             pipeline(*([words] * chunks), x_gmem.at[pl.ds(row0, tile_n)])
 

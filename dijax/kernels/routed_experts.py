@@ -175,6 +175,7 @@ class KernelConfig:
     mgpu_sizes / mgpu_stages / mgpu_chunks / mgpu_warpgroups: fp4_wgmma's tile sizes (``fit_tiles``: each
       expert's rows in tiles of the largest, then one of the smallest size that covers the rest; only the sizes A
       can use are compiled, ``fit_sizes``), stages, chunks and compute warpgroups a CTA;
+    mgpu_overlap: fp4_wgmma's ``overlap`` (a step's last wgmma runs on into the next step's decode);
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
@@ -195,6 +196,7 @@ class KernelConfig:
     mgpu_stages: int = 4
     mgpu_chunks: int = 2
     mgpu_warpgroups: int = 2
+    mgpu_overlap: bool = False
     gathered_max: int = 96
     poison: bool = False
 
@@ -719,7 +721,7 @@ def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, 
     weight_R = _row_weights(slot_R, weights_A)
     gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tiles_I3=tiles_I3, sizes=sizes,
                              stages=config.mgpu_stages, chunks=config.mgpu_chunks,
-                             warpgroups=config.mgpu_warpgroups)
+                             warpgroups=config.mgpu_warpgroups, overlap=config.mgpu_overlap)
     # padding rows read token 0 (finite) at weight 0
     g_RF, u_RF = gemm(w1, s1, x_act_TD, rows_R=token_R), gemm(w3, s3, x_act_TD, rows_R=token_R)
     h_RF = swiglu(g_RF.astype(jnp.float32), u_RF.astype(jnp.float32), limit) * weight_R[:, None]

@@ -40,7 +40,8 @@ VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the 
             # the ragged path on dijax.kernels.fp4_wgmma (wgmma, weights decoded in registers)
             "ragged-mgpu": ("ragged", {"gemm_engine": "mgpu"}),
             "ragged-mgpu-64x1": ("ragged", {"gemm_engine": "mgpu", "mgpu_sizes": (16, 64), "mgpu_chunks": 1}),
-            "ragged-mgpu-1wg": ("ragged", {"gemm_engine": "mgpu", "mgpu_warpgroups": 1, "mgpu_stages": 8})}
+            "ragged-mgpu-1wg": ("ragged", {"gemm_engine": "mgpu", "mgpu_warpgroups": 1, "mgpu_stages": 8}),
+            "ragged-mgpu-overlap": ("ragged", {"gemm_engine": "mgpu", "mgpu_overlap": True})}
 
 
 @pytest.mark.parametrize("path", [*rx.PATHS, *VARIANTS])
