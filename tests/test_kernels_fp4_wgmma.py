@@ -15,7 +15,7 @@ import pytest
 
 from dijax.kernels import fp4_wgmma as fw
 from dijax.kernels import quant
-from dijax.kernels.routed_experts import GEMM_SCALE_RANGE, pack_words
+from dijax.kernels.routed_experts import GEMM_SCALE_RANGE, fit_tiles, pack_words
 
 
 def fixed_tiles(experts, tile_n):
@@ -129,3 +129,41 @@ def test_scale_words_give_each_step_its_blocks(chunks):
         for j in range(2 * chunks):
             got = (words[..., step] >> (8 * j)) & 0xFF
             np.testing.assert_array_equal(got, s_EFB[..., 2 * chunks * step + j])
+
+
+def assert_within_ulp(got: np.ndarray, want: np.ndarray, x: np.ndarray, w_abs: np.ndarray) -> None:
+    """The same exact products summed in another order: within a bf16 ulp of the output plus 2^-16 of the sum of
+    |products| (the GPU test's bound); most outputs identical."""
+    bound = np.abs(want) * np.float32(2.0 ** -7) + (np.abs(x) @ w_abs.T) * np.float32(2.0 ** -16)
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / np.maximum(bound, 1e-30)))
+    assert np.mean(got == want) >= 0.9
+
+
+@pytest.mark.parametrize("sizes, chunks, warpgroups, stages, overlap", [
+    ((8,), 2, 2, 2, False),            # decode's tiles
+    ((8, 16, 32), 1, 2, 3, False),     # fitted tiles of three sizes, one K chunk a step
+    ((8, 16), 2, 1, 4, False),         # one compute warpgroup a CTA
+    ((16,), 2, 2, 3, True),            # a step's last wgmma running into the next
+])
+def test_interpreted_kernel_matches_reference(sizes, chunks, warpgroups, stages, overlap):
+    """The Mosaic GPU kernel itself (pipeline, TMA copies, the scale words read from GMEM, wgmma, the transposed
+    store of the output tiles) run by the Mosaic GPU interpreter on the CPU, with ``_decode_values`` in place of
+    the register decode (the interpreter runs no ``inline_mgpu``; test_fragment_order_reproduces_the_reference
+    checks that decode's order), against the reference over fitted tiles and gathered rows."""
+    rng = np.random.default_rng(sum(sizes) + chunks)
+    n_experts, f, k, tokens, per_token = 3, 64 * warpgroups, 512, 13, 2
+    expert_A = jnp.asarray(np.stack([rng.choice(n_experts, per_token, replace=False) for _ in range(tokens)]),
+                           jnp.int32).reshape(-1)
+    tiles_I3, token_R, _, _ = fit_tiles(expert_A, n_experts, per_token, sizes)
+    w = rng.integers(0, 256, (n_experts, f, k // 2)).astype(np.uint8)
+    s = rng.integers(*fw.SCALE_RANGE, (n_experts, f, k // 32)).astype(np.uint8)
+    x = quant.fq8(jnp.asarray(rng.standard_normal((tokens, k)), jnp.float32)).astype(jnp.bfloat16)
+    args = pack_words(jnp.asarray(w)), jnp.asarray(s), x, tiles_I3, token_R
+    kw = dict(sizes=sizes, stages=stages, chunks=chunks, warpgroups=warpgroups, overlap=overlap)
+    got = np.asarray(fw.grouped_gemm_t_mgpu(*args, interpret=True, **kw), np.float32)
+    want = np.asarray(fw.grouped_gemm_t_reference(*args, **kw), np.float32)
+    x_R = np.asarray(x, np.float32)[np.asarray(token_R)]
+    w_abs = np.abs(_dequant(w, s))
+    for e, r, n in np.asarray(tiles_I3):
+        if e >= 0:
+            assert_within_ulp(got[r:r + n], want[r:r + n], x_R[r:r + n], w_abs[e])

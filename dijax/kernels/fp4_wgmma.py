@@ -73,14 +73,15 @@ def permute_k(x_RK: jax.Array) -> jax.Array:
 
 def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
                              rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
-                             chunks: int = 2, warpgroups: int = 2, overlap: bool = False) -> jax.Array:
+                             chunks: int = 2, warpgroups: int = 2, overlap: bool = False,
+                             interpret: bool = False) -> jax.Array:
     """bf16 y_RF [R, F]: each tile (expert e, first row r, rows n) of ``tiles_I3`` int32 [I, 3] multiplies rows
     [r, r + n) of x_RK = x_TK[rows_R] (x_TK itself when ``rows_R`` is None; natural K order) by expert e's MXFP4
     weight (uint32 words w_EFW [E, F, K/8], nibble j of word w the code of k = 8w + j, as
     ``routed_experts.pack_words`` gives them; ue8m0 s_EFB [E, F, K/32]): x_rows @ W.T. Tiles with e < 0 are unused;
-    n is one of ``sizes``; rows no tile covers are zeros. ``stages``, ``chunks``, ``warpgroups`` and ``overlap``
-    are the kernel's and change nothing here."""
-    del stages, chunks, warpgroups, overlap
+    n is one of ``sizes``; rows no tile covers are zeros. ``stages``, ``chunks``, ``warpgroups``, ``overlap`` and
+    ``interpret`` are the kernel's and change nothing here."""
+    del stages, chunks, warpgroups, overlap, interpret
     x_RK = x_TK if rows_R is None else x_TK[rows_R]
     n_rows, n_max = x_RK.shape[0], max(sizes)
     e_I, row_I, size_I = tiles_I3[:, 0], tiles_I3[:, 1], tiles_I3[:, 2]
@@ -118,7 +119,8 @@ def available() -> bool:
 
 def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
                         rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
-                        chunks: int = 2, warpgroups: int = 2, overlap: bool = False) -> jax.Array:
+                        chunks: int = 2, warpgroups: int = 2, overlap: bool = False,
+                        interpret: bool = False) -> jax.Array:
     """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Rows no tile covers
     are left unwritten. ``shape_error`` lists the sizes it takes; exact for ue8m0 bytes in ``SCALE_RANGE``.
     ``sizes``: the tile row counts (wgmma's N), one compiled pipeline each; ``stages``: pipeline depth (fewer where
@@ -126,7 +128,8 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
     with 2, the decode of the second overlaps the first's wgmma); ``warpgroups``: compute warpgroups a CTA, each
     its own 64 weight rows (1 gives twice the CTAs, for grids too small to fill the GPU: decode); ``overlap``: a
     step leaves its last wgmma running into the next step's decode (its inputs released a step later; needs two
-    stages; ptxas reports no serialisation of the register operand, tools/mgpu_build.py).
+    stages; ptxas reports no serialisation of the register operand, tools/mgpu_build.py); ``interpret``: run in
+    the Mosaic GPU interpreter (``interpret_operand``).
 
     The wrapper permutes x's K (``permute_k``) before gathering its rows (a pass over T rows, not R). The scales
     are read in their stored layout, one word a row a step (``scale_words``, a bitcast) straight from GMEM by the
@@ -143,7 +146,7 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
                          f"tiles {tiles_I3.shape}")
     x_RK = permute_k(x_TK) if rows_R is None else permute_k(x_TK)[rows_R]
     return _call(w_EFW, scale_words(s_EFB, chunks), x_RK, tiles_I3.astype(jnp.int32), sizes=sizes, stages=stages,
-                 chunks=chunks, warpgroups=warpgroups, overlap=overlap)
+                 chunks=chunks, warpgroups=warpgroups, overlap=overlap, interpret=interpret)
 
 
 def scale_words(s_EFB: jax.Array, chunks: int) -> jax.Array:
@@ -171,14 +174,14 @@ def _stages(n: int, n_max: int, chunks: int, stages: int, warpgroups: int) -> in
     return pipeline_depth(stages, per_stage, warpgroups * n_max * ROWS_PER_WG * 2)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks", "warpgroups", "overlap"))
+@functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks", "warpgroups", "overlap", "interpret"))
 def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, chunks: int, warpgroups: int,
-          overlap: bool):
+          overlap: bool, interpret: bool):
     f, k = w_EFW.shape[1], w_EFW.shape[2] * 8
     cta_rows = warpgroups * ROWS_PER_WG
     n_max = max(sizes)
 
-    def kernel(tiles_ref, w_gmem, s_gmem, x_gmem, y_gmem, y_smem):
+    def kernel(tiles_ref, w_gmem, s_gmem, x_gmem, y_gmem, y_smem, a_smem=None):
         m, i = lax.axis_index("m"), lax.axis_index("i")
         e, n_rows = tiles_ref[i, 0], tiles_ref[i, 2]
         row0 = pl.multiple_of(tiles_ref[i, 1], 8)  # tile rows start on multiples of 8 (every size is one)
@@ -195,7 +198,9 @@ def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
                 s_lo, s_hi = (lax.shift_right_logical(s_step, np.uint32(8 * (2 * c + b))) & np.uint32(0xFF)
                               for b in range(2))
                 s_lo, s_hi = s_lo.astype(jnp.uint16), s_hi.astype(jnp.uint16)
-                plgpu.wgmma(acc_ref, _decode(words, s_lo, s_hi), x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
+                a = (_decode(words, s_lo, s_hi) if a_smem is None
+                     else interpret_operand(a_smem.at[wg, c], _decode_values(words, s_lo, s_hi)))
+                plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
             plgpu.wgmma_wait(1 if overlap else 0)  # overlap: the last chunk's wgmma runs into the next step
             return acc_ref
 
@@ -238,9 +243,41 @@ def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
         grid=(f // cta_rows, tiles_I3.shape[0]), grid_names=("m", "i"), num_threads=warpgroups + 1,
         thread_name="wg", scratch_types=dict(y_smem=plgpu.SMEM((warpgroups, n_max, ROWS_PER_WG), jnp.bfloat16,
                                                         transforms=(plgpu.TilingTransform((8, 64)),
-                                                                    plgpu.SwizzleTransform(128)))),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+                                                                    plgpu.SwizzleTransform(128))),
+                                             **interpret_scratch(interpret, warpgroups, chunks)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
     return run(tiles_I3, w_EFW, s_EFS, x_RK)
+
+
+def interpret_scratch(interpret: bool, warpgroups: int, chunks: int) -> dict:
+    """Interpret mode's extra scratch: a decoded A tile per compute warpgroup and K chunk (the Mosaic GPU
+    interpreter takes wgmma's A operand from shared memory only, and runs no ``inline_mgpu``); none on the GPU."""
+    return {"a_smem": plgpu.SMEM((warpgroups, chunks, ROWS_PER_WG, K_CHUNK), jnp.bfloat16)} if interpret else {}
+
+
+def interpret_operand(a_ref, a_values: jax.Array):
+    """Interpret mode's A operand: the decoded tile (logical values, ``_decode``'s) stored to ``a_ref``."""
+    a_ref[...] = a_values
+    return a_ref
+
+
+def e2m1_values(codes: jax.Array) -> jax.Array:
+    """e2m1 codes (int32, any shape) -> float32 values by arithmetic (a kernel can capture no table)."""
+    e, m = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
+    magnitude = jnp.where(e == 0, 0.5 * m, jnp.exp2((e - 1).astype(jnp.float32)) * (1 + 0.5 * m))
+    return jnp.where(codes >= 8, -magnitude, magnitude)
+
+
+def _decode_values(words, s_lo, s_hi):
+    """``_decode``'s tile from logical arrays (interpret mode): words uint32 [64, 8], the rows' two scale bytes ->
+    bf16 [64, 64]: the codes in natural order (code 8w + j is nibble j of word w, block k // 32) times
+    2^(s - 127 - SCALE_SHIFT), then put in ``permute_k``'s order, as the fragment holds them."""
+    nibble = lax.broadcasted_iota(jnp.uint32, (ROWS_PER_WG, 8, 8), 2) * jnp.uint32(4)
+    codes = ((words[:, :, None] >> nibble) & jnp.uint32(15)).reshape(ROWS_PER_WG, K_CHUNK).astype(jnp.int32)
+    first = lax.broadcasted_iota(jnp.int32, (ROWS_PER_WG, K_CHUNK), 1) < 32
+    s = jnp.where(first, s_lo[:, None], s_hi[:, None]).astype(jnp.float32)
+    return permute_k(e2m1_values(codes) * jnp.exp2(s - (127 + SCALE_SHIFT))).astype(jnp.bfloat16)
 
 
 @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, ROW_LAYOUT),
