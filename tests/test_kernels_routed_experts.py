@@ -8,6 +8,7 @@ the SwiGLU clamp firing, padding assignments (expert -1), the tile layout's inva
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -277,13 +278,16 @@ def test_mgpu_engine_needs_a_hopper_gpu_and_its_sizes():
     assert not rx._mgpu_takes(5120, 2304 + 32, cfg, interpret=False)  # F not a multiple of 128
 
 
+@pytest.mark.parametrize("gemm", ["reference", "interpreted"])
 @pytest.mark.parametrize("t, pool, pad_tokens, pad_slots", [(1, None, (), ()), (16, None, (3,), (5,)),
                                                           (200, 9, (17,), (2,))])
-def test_mgpu_path_with_the_kernels_reference(t, pool, pad_tokens, pad_slots, monkeypatch):
-    """The 'mgpu' ragged path around its GEMMs (fit_tiles, the row gathers, SwiGLU and routing weights, the
-    combine) on the CPU: fp4_wgmma's kernel replaced by its reference, which has the same signature. Decode (one
+def test_mgpu_path_on_the_cpu(t, pool, pad_tokens, pad_slots, gemm, monkeypatch):
+    """The 'mgpu' ragged path on the CPU: fit_tiles, the row gathers, SwiGLU and routing weights and the combine
+    around fp4_wgmma's reference (same signature) or its kernel run by the Mosaic GPU interpreter. Decode (one
     tile size), padding tokens and slots, empty experts and tiles of several sizes against the reference path."""
-    monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu", rx.fp4_wgmma.grouped_gemm_t_reference)
+    kernel = (rx.fp4_wgmma.grouped_gemm_t_reference if gemm == "reference"
+              else functools.partial(rx.fp4_wgmma.grouped_gemm_t_mgpu, interpret=True))
+    monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu", kernel)
     monkeypatch.setattr(rx, "_mgpu_takes", lambda *args: True)
     monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine="mgpu", gathered_max=0))
     rx._routed_experts_call.clear_cache()

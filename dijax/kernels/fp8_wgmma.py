@@ -45,8 +45,8 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dijax.kernels import numerics, quant
-from dijax.kernels.fp4_wgmma import (K_CHUNK, ROW_LAYOUT, ROWS_PER_WG, WARPGROUPS, available, pipeline_depth,
-                                     scale_words)
+from dijax.kernels.fp4_wgmma import (K_CHUNK, ROW_LAYOUT, ROWS_PER_WG, WARPGROUPS, available, interpret_operand,
+                                     interpret_scratch, pipeline_depth, scale_words)
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 CODES_PER_WORD = 4
@@ -74,11 +74,11 @@ def permute_k(x_TI: jax.Array) -> jax.Array:
 
 
 def linear_reference(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: jax.Array | LayerSlice, *,
-                     stages: int = 4, warpgroups: int = 1, target_ctas: int = 264) -> jax.Array:
+                     stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, interpret: bool = False) -> jax.Array:
     """bf16(fq8(x) @ dequant(W).T): x bf16 [T, I], weight e4m3 [O, I], scale ue8m0 [ceil(O/32), I/32] (either may
     be a ``LayerSlice``) -> bf16 [T, O]; ``fp8_linear.fp8_linear_reference``'s semantics. ``stages``,
-    ``warpgroups`` and ``target_ctas`` are the kernel's and change nothing here."""
-    del stages, warpgroups, target_ctas
+    ``warpgroups``, ``target_ctas`` and ``interpret`` are the kernel's and change nothing here."""
+    del stages, warpgroups, target_ctas, interpret
     w_OI = quant.dequant_fp8_weight(materialize(weight_OI), materialize(scale_BB))
     return numerics.einsum_bf16("ti,oi->to", quant.fq8(x_TI), w_OI)
 
@@ -100,11 +100,12 @@ def splits_for(ctas: int, steps: int, target: int) -> int:
 
 
 def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: jax.Array | LayerSlice, *,
-                stages: int = 4, warpgroups: int = 1, target_ctas: int = 264) -> jax.Array:
+                stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, interpret: bool = False) -> jax.Array:
     """``linear_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0; module docstring), plus the
     XLA passes around it: fq8 and ``permute_k`` of x, the scales spread to rows, the splits' sum. ``shape_error``
     lists the shapes it takes; exact for scale bytes in ``SCALE_RANGE``. A ``LayerSlice`` weight is read in place
-    (its layer index is an operand)."""
+    (its layer index is an operand). ``interpret``: run in the Mosaic GPU interpreter (``fp4_wgmma``'s interpret
+    mode: the register decode replaced by its logical values)."""
     t, i = x_TI.shape
     o = weight_OI.shape[0]
     error = shape_error(t, o, i, warpgroups)
@@ -120,12 +121,12 @@ def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: ja
     steps = i // STEP_K
     splits = splits_for(o // (warpgroups * ROWS_PER_WG), steps, target_ctas)
     y_PON = _call(words_LOW, scale_words(s_OB[None], CHUNKS), x_NI, layer.reshape(1).astype(jnp.int32),
-                  splits=splits, stages=stages, warpgroups=warpgroups)
+                  splits=splits, stages=stages, warpgroups=warpgroups, interpret=interpret)
     return jnp.sum(y_PON, axis=0).T[:t].astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "warpgroups"))
-def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: int):
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "warpgroups", "interpret"))
+def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: int, interpret: bool):
     """The kernel: float32 partial sums [splits, O, N] of the weight's rows (layer ``layer_1[0]`` of the stack)
     times x's N rows, each split over its part of K. ``stages`` is capped where shared memory needs it."""
     o, i = w_LOW.shape[1], w_LOW.shape[2] * CODES_PER_WORD
@@ -133,7 +134,7 @@ def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
     cta_rows = warpgroups * ROWS_PER_WG
     per_split = i // STEP_K // splits  # pipeline steps a CTA
 
-    def kernel(layer_ref, w_gmem, s_gmem, x_gmem, y_gmem, y_smem):
+    def kernel(layer_ref, w_gmem, s_gmem, x_gmem, y_gmem, y_smem, a_smem=None):
         m, part = lax.axis_index("m"), lax.axis_index("p")
         layer = layer_ref[0]
 
@@ -147,7 +148,9 @@ def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
                 words = plgpu.load(w_smem.at[rows], layout=plgpu.Layout.WGMMA)
                 s_lo, s_hi = ((lax.shift_right_logical(s_step, np.uint32(8 * (2 * c + b))) & np.uint32(0xFF))
                               .astype(jnp.uint16) for b in range(2))
-                plgpu.wgmma(acc_ref, _decode(words, s_lo, s_hi), x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
+                a = (_decode(words, s_lo, s_hi) if a_smem is None
+                     else interpret_operand(a_smem.at[wg, c], _decode_values(words, s_lo, s_hi)))
+                plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
             plgpu.wgmma_wait(0)
             return acc_ref
 
@@ -180,9 +183,26 @@ def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
     run = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((splits, o, n), jnp.float32),
         grid=(o // cta_rows, splits), grid_names=("m", "p"), num_threads=warpgroups + 1, thread_name="wg",
-        scratch_types=dict(y_smem=plgpu.SMEM((warpgroups, ROWS_PER_WG, n), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+        scratch_types=dict(y_smem=plgpu.SMEM((warpgroups, ROWS_PER_WG, n), jnp.float32),
+                           **interpret_scratch(interpret, warpgroups, CHUNKS)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
     return run(layer_1, w_LOW, s_1OS, x_NI)
+
+
+def _decode_values(words, s_lo, s_hi):
+    """``_decode``'s tile from logical arrays (interpret mode): words uint32 [64, 16], the rows' two scale bytes ->
+    bf16 [64, 64]: the codes in natural order (code 4w + b is byte b of word w, block k // 32) times 2^(s - 127),
+    then put in ``permute_k``'s order, as the fragment holds them."""
+    shift = lax.broadcasted_iota(jnp.uint32, (ROWS_PER_WG, WORDS, CODES_PER_WORD), 2) * jnp.uint32(8)
+    codes = ((words[:, :, None] >> shift) & jnp.uint32(0xFF)).reshape(ROWS_PER_WG, K_CHUNK).astype(jnp.int32)
+    exponent, mantissa = (codes >> 3) & 15, (codes & 7).astype(jnp.float32)
+    magnitude = jnp.where(exponent == 0, mantissa * 2.0 ** -9,
+                          jnp.exp2((exponent - 7).astype(jnp.float32)) * (1 + mantissa / 8))
+    value = jnp.where(codes >= 128, -magnitude, magnitude)
+    first = lax.broadcasted_iota(jnp.int32, (ROWS_PER_WG, K_CHUNK), 1) < 32
+    s = jnp.where(first, s_lo[:, None], s_hi[:, None]).astype(jnp.float32)
+    return permute_k(value * jnp.exp2(s - 127)).astype(jnp.bfloat16)
 
 
 @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ROW_LAYOUT, ROW_LAYOUT),
