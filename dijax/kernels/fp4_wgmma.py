@@ -6,8 +6,10 @@ GEMMs; tiles come in several sizes (one compiled pipeline each), so that ``route
 expert one tile of about its size instead of whole 128-row tiles (564 -> ~384 tiles at prefill 8192: every tile
 decodes its expert's whole weight slice); the scales are read in their stored layout straight from GMEM (no pass
 over every expert's scales a call); a CTA may have one compute warpgroup. With tiles of 8 rows this is also a
-decode kernel (routed_experts' ``gathered_max=0``). This form lowers for CUDA on the CPU (tools/mgpu_lower.py,
-jax 0.11.2 and 0.12.0.1) and has not run on a GPU (twenty-ninth session: no device lent). On main (twenty-eighth
+decode kernel (routed_experts' ``gathered_max=0``). This form has not run on a GPU (twenty-ninth session: no
+device lent). On the CPU it lowers for CUDA (tools/mgpu_lower.py, jax 0.11.2 and 0.12.0.1), builds through ptxas
+with no spills (tools/mgpu_build.py), and runs in jax's Mosaic GPU interpreter (``interpret=True``: the same kernel
+with the register decode replaced by its logical values), where it matches the reference. On main (twenty-eighth
 session), the transposed form was correct and timed on the H200: the routed experts' ragged path runs on it with
 ``routed_experts.KernelConfig.gemm_engine='mgpu'``, which is off by default. GPU parity holds there, but the XLA
 passes around its transposed outputs make the layer slower than the Triton kernels (20.6 against 14.7 ms at 8192

@@ -1,7 +1,9 @@
 """The fp8 block-scaled linear at decode on Hopper's tensor cores (Mosaic GPU): ``linear_mgpu``.
 
-Status (branch fp8-wgmma, twenty-ninth session): written without a GPU. It lowers for CUDA on the CPU
-(tools/mgpu_lower.py) and its CPU tests check the fragment order and the decode's bit trick; it has not run on a GPU.
+Status (branch fp8-wgmma, twenty-ninth session): written without a GPU, not yet run on one. On the CPU it lowers
+for CUDA (tools/mgpu_lower.py), builds through ptxas with no spills (tools/mgpu_build.py), and runs in jax's Mosaic
+GPU interpreter (``interpret=True``, as ``fp4_wgmma``), where it matches the reference; the CPU tests also check
+the fragment order and the decode's bit trick.
 ``fp8_linear.KernelConfig.engine='mgpu'`` routes the decode-sized linears to it (off by default).
 
 Why: at decode the fp8 linears are ~30 % of a flash-slice step at batch 1 (docs/benchmarks.md, eighteenth
