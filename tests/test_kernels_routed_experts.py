@@ -279,12 +279,14 @@ def test_mgpu_engine_needs_a_hopper_gpu_and_its_sizes():
 
 
 @pytest.mark.parametrize("gemm", ["reference", "interpreted"])
-@pytest.mark.parametrize("t, pool, pad_tokens, pad_slots", [(1, None, (), ()), (16, None, (3,), (5,)),
-                                                          (200, 9, (17,), (2,))])
+@pytest.mark.parametrize("t, pool, pad_tokens, pad_slots", [(1, None, (), ()), (3, 8, (1,), (2,)),
+                                                          (16, None, (3,), (5,)), (200, 9, (17,), (2,))])
 def test_mgpu_path_on_the_cpu(t, pool, pad_tokens, pad_slots, gemm, monkeypatch):
-    """The 'mgpu' ragged path on the CPU: fit_tiles, the row gathers, SwiGLU and routing weights and the combine
-    around fp4_wgmma's reference (same signature) or its kernel run by the Mosaic GPU interpreter. Decode (one
-    tile size), padding tokens and slots, empty experts and tiles of several sizes against the reference path."""
+    """The 'mgpu' ragged path on the CPU: its tile layout (``lone_tiles`` up to ``mgpu_lone_max`` assignments,
+    else fit_tiles), the row gathers, SwiGLU and routing weights and the combine around fp4_wgmma's reference
+    (same signature) or its kernel run by the Mosaic GPU interpreter. Decode (a tile per assignment, experts
+    shared by two tokens), padding tokens and slots, empty experts and tiles of several sizes, against the
+    reference path."""
     kernel = (rx.fp4_wgmma.grouped_gemm_t_reference if gemm == "reference"
               else functools.partial(rx.fp4_wgmma.grouped_gemm_t_mgpu, interpret=True))
     monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu", kernel)
@@ -390,3 +392,17 @@ def test_fit_sizes_keeps_the_sizes_a_tile_can_take(n_assign, expected):
     for a, b in zip(full[1:], kept[1:]):
         n = min(a.shape[0], b.shape[0])
         np.testing.assert_array_equal(np.asarray(a)[:n], np.asarray(b)[:n])
+
+
+def test_lone_tiles_give_each_assignment_its_row():
+    """A tile of LONE_ROWS rows per assignment, the assignment in its first row; padding assignments' tiles unused
+    and their rows padding."""
+    expert_A = jnp.asarray([3, -1, 0, 3], jnp.int32)
+    tiles_I3, token_R, slot_R, pos_A = (np.asarray(a) for a in rx.lone_tiles(expert_A, n_per_token=2))
+    n = rx.LONE_ROWS
+    np.testing.assert_array_equal(tiles_I3, [[3, 0, n], [-1, n, 0], [0, 2 * n, n], [3, 3 * n, n]])
+    np.testing.assert_array_equal(pos_A, [0, n, 2 * n, 3 * n])
+    assert token_R.shape == slot_R.shape == (4 * n,)
+    np.testing.assert_array_equal(slot_R[pos_A], [0, -1, 2, 3])
+    np.testing.assert_array_equal(token_R[pos_A], [0, 0, 1, 1])
+    assert np.all(slot_R[np.setdiff1d(np.arange(4 * n), pos_A)] == -1)

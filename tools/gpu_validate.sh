@@ -250,7 +250,8 @@ case "$stage" in
     run 100 python3 tools/bench_kernels.py --only fp4_wgmma --tokens 8192 --sweep --iters 5 --repeats 2
     run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
       --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_stages=8" --variant "gemm_engine='mgpu',mgpu_chunks=1" \
-      --variant "gemm_engine='mgpu',mgpu_warpgroups=1" --variant "gemm_engine='mgpu',mgpu_warpgroups=1,mgpu_stages=8" ;;
+      --variant "gemm_engine='mgpu',mgpu_warpgroups=1" --variant "gemm_engine='mgpu',mgpu_warpgroups=1,mgpu_stages=8" \
+      --variant "gemm_engine='mgpu',mgpu_lone_max=0" ;;
   mgpu-fp8)
     # (branch fp8-wgmma; ~350 s) the fp8 linear on dijax.kernels.fp8_wgmma: its GPU tests, the linears at decode
     # against the Triton kernel, then flash-slice decode at batch 1 / 16 with it

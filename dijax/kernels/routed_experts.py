@@ -176,6 +176,9 @@ class KernelConfig:
       expert's rows in tiles of the largest, then one of the smallest size that covers the rest; only the sizes A
       can use are compiled, ``fit_sizes``), stages, chunks and compute warpgroups a CTA;
     mgpu_overlap: fp4_wgmma's ``overlap`` (a step's last wgmma runs on into the next step's decode);
+    mgpu_lone_max: up to this many assignments (decode up to 4 tokens of 6 experts) each takes a tile of its own
+      (``lone_tiles``) instead of ``fit_tiles``' expert-sorted layout: two small XLA ops instead of a sort and
+      ~10 more, at the price of reading an expert twice when two assignments share it (as the mat-vecs do);
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
@@ -197,6 +200,7 @@ class KernelConfig:
     mgpu_chunks: int = 2
     mgpu_warpgroups: int = 2
     mgpu_overlap: bool = False
+    mgpu_lone_max: int = 24
     gathered_max: int = 96
     poison: bool = False
 
@@ -600,6 +604,26 @@ def fit_tiles(expert_A: jax.Array, n_experts: int, n_per_token: int, sizes: tupl
     return tiles_I3.astype(jnp.int32), token_R, slot_R, pos_A
 
 
+LONE_ROWS = 8  # wgmma's smallest N: a lone assignment's tile
+
+
+def lone_tiles(expert_A: jax.Array, n_per_token: int):
+    """``fit_tiles``' outputs for a tile per assignment: assignment a is row ``LONE_ROWS * a`` (its tile's first;
+    the other rows are padding: token 0, slot -1), in order, so nothing is sorted. R = LONE_ROWS * A, I = A;
+    padding assignments (-1) give unused tiles."""
+    n_assign = expert_A.shape[0]
+    a_I = jnp.arange(n_assign, dtype=jnp.int32)
+    valid_I = expert_A >= 0
+    tiles_I3 = jnp.stack([jnp.where(valid_I, expert_A, -1), a_I * LONE_ROWS, jnp.where(valid_I, LONE_ROWS, 0)],
+                         axis=1).astype(jnp.int32)
+    r_R = jnp.arange(n_assign * LONE_ROWS, dtype=jnp.int32)
+    a_R = r_R // LONE_ROWS
+    first_R = (r_R % LONE_ROWS == 0) & valid_I[a_R]
+    slot_R = jnp.where(first_R, a_R, -1)
+    token_R = jnp.where(first_R, a_R // n_per_token, 0)
+    return tiles_I3, token_R, slot_R, a_I * LONE_ROWS
+
+
 def pallas_path(n_assignments: int, config: KernelConfig = CONFIG) -> str:
     """The Pallas implementation's static path: 'gathered' (mat-vec kernels) while A <= config.gathered_max, else
     'ragged' (grouped GEMM over expert-sorted tiles)."""
@@ -711,12 +735,16 @@ def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
 def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, n_per_token: int, limit: float,
                  config: KernelConfig) -> jax.Array:
     """The ragged path on ``fp4_wgmma``: assignments in expert-sorted tiles fitted to each expert (``fit_tiles``),
-    each GEMM one kernel ([R, F], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU, routing
+    or, for at most ``mgpu_lone_max`` assignments, a tile each (``lone_tiles``: no sort), each GEMM one kernel ([R, F], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU, routing
     weight and fq8 of h in XLA, then w2 and the combine. -> float32 [T, D]."""
     ((w1, s1), (w3, s3), (w2, s2)) = stacks
     t = x_act_TD.shape[0]
-    sizes = fit_sizes(config.mgpu_sizes, expert_A.shape[0])
-    tiles_I3, token_R, slot_R, pos_A = fit_tiles(expert_A, n_experts, n_per_token, sizes)
+    if expert_A.shape[0] <= config.mgpu_lone_max:
+        sizes = (LONE_ROWS,)
+        tiles_I3, token_R, slot_R, pos_A = lone_tiles(expert_A, n_per_token)
+    else:
+        sizes = fit_sizes(config.mgpu_sizes, expert_A.shape[0])
+        tiles_I3, token_R, slot_R, pos_A = fit_tiles(expert_A, n_experts, n_per_token, sizes)
     tiles_I3 = tiles_I3.at[:, 0].set(_in_stack(tiles_I3[:, 0], offset))
     weight_R = _row_weights(slot_R, weights_A)
     gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tiles_I3=tiles_I3, sizes=sizes,

@@ -41,7 +41,8 @@ VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the 
             "ragged-mgpu": ("ragged", {"gemm_engine": "mgpu"}),
             "ragged-mgpu-64x1": ("ragged", {"gemm_engine": "mgpu", "mgpu_sizes": (16, 64), "mgpu_chunks": 1}),
             "ragged-mgpu-1wg": ("ragged", {"gemm_engine": "mgpu", "mgpu_warpgroups": 1, "mgpu_stages": 8}),
-            "ragged-mgpu-overlap": ("ragged", {"gemm_engine": "mgpu", "mgpu_overlap": True})}
+            "ragged-mgpu-overlap": ("ragged", {"gemm_engine": "mgpu", "mgpu_overlap": True}),
+            "ragged-mgpu-fitted": ("ragged", {"gemm_engine": "mgpu", "mgpu_lone_max": 0})}
 
 
 @pytest.mark.parametrize("path", [*rx.PATHS, *VARIANTS])
