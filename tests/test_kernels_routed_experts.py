@@ -25,7 +25,7 @@ from dijax.kernels import routed_experts as rx
 from dijax.model import moe
 from dijax.model.param_map import checkpoint_tree
 
-pytestmark = pytest.mark.cost(75)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(110)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 LIMIT = 10.0
 

@@ -27,7 +27,7 @@ from tests.test_kernels_fp8_linear import _weights
 from tests.test_kernels_routed_experts import LIMIT, make_experts, make_routing, make_x
 from tests.test_nnx_model import _repeating
 
-pytestmark = pytest.mark.cost(15)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(40)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 LEAD = (2, 3)  # (period, layer) of the stacks
 LAYER = 4  # period 1, layer 1: neither the first nor the last
