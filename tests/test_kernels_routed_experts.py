@@ -355,7 +355,8 @@ def test_fit_rows_bounds_every_layout(sizes):
         bound = rx.fit_rows(sizes, n_assign, n_experts)
         n = min(n_experts, n_assign)
         assert bound % 8 == 0 and bound <= -(-(n_assign + n * (gap - 1)) // 8) * 8
-        layouts = [np.bincount(np.arange(n_assign) % n, minlength=n_experts), np.eye(n_experts, dtype=int)[0] * n_assign]
+        layouts = [np.bincount(np.arange(n_assign) % n, minlength=n_experts),
+                   np.eye(n_experts, dtype=int)[0] * n_assign]
         for size in sizes:  # as many experts as fit with one row past each size, the rest on one more
             per = size % max(sizes) + 1
             k = min(n, n_assign // per)

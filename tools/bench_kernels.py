@@ -562,8 +562,8 @@ def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[d
     Floor: the real assignments' FLOPs at ``MATRIX_RATE`` (the measured bf16 ceiling that docs/benchmarks.md's
     "30 % of peak" of the Triton grouped GEMM is against); padding rows count as waste. The time includes the
     wrapper's XLA pass (x's K order and row gather). ``sweep``: also one 64-wide K chunk a step instead of two,
-    equal 128-row tiles, and ``overlap`` (a step's last wgmma running into the next step). (On the H200 the twenty-eighth session's 8-row sweep did not
-    finish within 100 s: run it with --tokens 8192 alone.)"""
+    equal 128-row tiles, and ``overlap`` (a step's last wgmma running into the next step). (On the H200 the
+    twenty-eighth session's 8-row sweep did not finish within 100 s: run it with --tokens 8192 alone.)"""
     from dijax.kernels import fp4_wgmma as fw
     from dijax.kernels.routed_experts import CONFIG, fit_tiles, pack_words
 

@@ -128,7 +128,9 @@ def build(name: str, lower, dump_root: str, compile_fn, ptxas: str, nvdisasm: st
 
 def configurations() -> list[tuple[str, object]]:
     """(label, lowering thunk) for every kernel shape tools/mgpu_lower.py lowers."""
-    return [(f"fp4_wgmma {shape}", lambda s=shape: mgpu_lower.lower_kernel(*s)) for shape in mgpu_lower.KERNEL_SHAPES]
+    fp4 = [(f"fp4_wgmma {shape}", lambda s=shape: mgpu_lower.lower_kernel(*s)) for shape in mgpu_lower.KERNEL_SHAPES]
+    fp8 = [(f"fp8_wgmma {shape}", lambda s=shape: mgpu_lower.lower_linear(*s)) for shape in mgpu_lower.LINEAR_SHAPES]
+    return fp4 + fp8
 
 
 def main() -> int:

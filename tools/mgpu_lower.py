@@ -38,7 +38,8 @@ from dijax.kernels import routed_experts as rx  # noqa: E402
 # a step's last wgmma overlapping the next step
 KERNEL_SHAPES = [(3, 256, 512, (128,), 2), (3, 256, 512, (128,), 1), (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2),
                  (2, 5120, 2304, rx.CONFIG.mgpu_sizes, 2), (2, 5120, 2304, (64,), 2), (2, 2304, 5120, (8,), 2),
-                 (2, 5120, 2304, (8,), 2), (1, 256, 256, (8,), 1), (2, 2304, 5120, (8,), 2, 1), (1, 64, 256, (16,), 1, 1),
+                 (2, 5120, 2304, (8,), 2), (1, 256, 256, (8,), 1), (2, 2304, 5120, (8,), 2, 1),
+                 (1, 64, 256, (16,), 1, 1),
                  (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2, 2, True)]
 
 
@@ -99,7 +100,8 @@ def main() -> int:
     failed = 0
     for shape in KERNEL_SHAPES:
         try:
-            print(f"fp4_wgmma experts/F/K/sizes/chunks[/warpgroups/overlap] {shape}: lowered ({lower_kernel(*shape)} chars)")
+            chars = lower_kernel(*shape)
+            print(f"fp4_wgmma experts/F/K/sizes/chunks[/warpgroups/overlap] {shape}: lowered ({chars} chars)")
         except Exception as error:  # noqa: BLE001 (every shape is reported)
             failed += 1
             print(f"fp4_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")

@@ -76,7 +76,8 @@ def permute_k(x_TI: jax.Array) -> jax.Array:
 
 
 def linear_reference(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: jax.Array | LayerSlice, *,
-                     stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, interpret: bool = False) -> jax.Array:
+                     stages: int = 4, warpgroups: int = 1, target_ctas: int = 264,
+                     interpret: bool = False) -> jax.Array:
     """bf16(fq8(x) @ dequant(W).T): x bf16 [T, I], weight e4m3 [O, I], scale ue8m0 [ceil(O/32), I/32] (either may
     be a ``LayerSlice``) -> bf16 [T, O]; ``fp8_linear.fp8_linear_reference``'s semantics. ``stages``,
     ``warpgroups``, ``target_ctas`` and ``interpret`` are the kernel's and change nothing here."""

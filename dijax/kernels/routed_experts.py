@@ -225,7 +225,8 @@ class KernelConfig:
                              f"got {self.mgpu_sizes}")
         for name, allowed in (("mgpu_chunks", (1, 2)), ("mgpu_warpgroups", fp4_wgmma.WARPGROUPS)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"routed_experts KernelConfig.{name} must be one of {allowed}, got {getattr(self, name)}")
+                raise ValueError(f"routed_experts KernelConfig.{name} must be one of {allowed}, "
+                                 f"got {getattr(self, name)}")
         if self.gemm_engine not in GEMM_ENGINES:
             raise ValueError(f"routed_experts KernelConfig.gemm_engine must be one of {GEMM_ENGINES}, "
                              f"got {self.gemm_engine!r}")
@@ -735,8 +736,9 @@ def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
 def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, n_per_token: int, limit: float,
                  config: KernelConfig) -> jax.Array:
     """The ragged path on ``fp4_wgmma``: assignments in expert-sorted tiles fitted to each expert (``fit_tiles``),
-    or, for at most ``mgpu_lone_max`` assignments, a tile each (``lone_tiles``: no sort), each GEMM one kernel ([R, F], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU, routing
-    weight and fq8 of h in XLA, then w2 and the combine. -> float32 [T, D]."""
+    or, for at most ``mgpu_lone_max`` assignments, a tile each (``lone_tiles``: no sort); each GEMM one kernel
+    ([R, F], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU, routing weight and fq8 of h in
+    XLA, then w2 and the combine. -> float32 [T, D]."""
     ((w1, s1), (w3, s3), (w2, s2)) = stacks
     t = x_act_TD.shape[0]
     if expert_A.shape[0] <= config.mgpu_lone_max:
