@@ -128,7 +128,10 @@ def build(name: str, lower, dump_root: str, compile_fn, ptxas: str, nvdisasm: st
 
 def configurations() -> list[tuple[str, object]]:
     """(label, lowering thunk) for every kernel shape tools/mgpu_lower.py lowers."""
-    return [(f"fp4_wgmma {shape}", lambda s=shape: mgpu_lower.lower_kernel(*s)) for shape in mgpu_lower.KERNEL_SHAPES]
+    fp4 = [(f"fp4_wgmma {shape}", lambda s=shape: mgpu_lower.lower_kernel(*s)) for shape in mgpu_lower.KERNEL_SHAPES]
+    attn = [(f"sparse_attn_mgpu {shape}", lambda s=shape: mgpu_lower.lower_attention(*s))
+            for shape in mgpu_lower.ATTN_SHAPES]
+    return fp4 + attn
 
 
 def main() -> int:
