@@ -59,6 +59,7 @@ def test_three_sources_empty_blocks_and_rows(splits):
     idx[1, :64] = -1  # a first block with nothing: the running max stays -1e30 until the next
     idx[2, 64:] = -1  # blocks with nothing after the first
     idx[3, :] = -1  # no row at all: zero
+    idx[0, 5] = 700  # past the sources' 603 rows: a zero row with a score of 0, as the reference's gather gives
     got = check(q, sources, idx, sink, splits)
     assert (got[3] == 0).all()
 

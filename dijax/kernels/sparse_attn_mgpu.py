@@ -90,7 +90,7 @@ def warpgroups(k: int) -> int:
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, interpret: bool = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
-    docstring), then the splits' merge in XLA.
+    docstring); with several splits, their merge in XLA.
 
     q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
     [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
@@ -109,9 +109,10 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, splits * split_len - idx_TL.shape[1])),
                      constant_values=-1)
     gathered = ()
-    if interpret:  # the rows gathered in XLA (module docstring): index -1 gives zeros
-        rows_TLK = jnp.concatenate(kv_sources)[jnp.maximum(idx_TL, 0)]
-        gathered = (jnp.where((idx_TL >= 0)[..., None], rows_TLK, 0).astype(jnp.bfloat16),)
+    if interpret:  # the rows gathered in XLA (module docstring): an index outside the sources gives zeros
+        rows = sum(src.shape[0] for src in kv_sources)
+        rows_TLK = jnp.concatenate(kv_sources)[jnp.clip(idx_TL, 0, rows - 1)]
+        gathered = (jnp.where(((idx_TL >= 0) & (idx_TL < rows))[..., None], rows_TLK, 0).astype(jnp.bfloat16),)
     sink_H = jnp.pad(sink_H.astype(jnp.float32), (0, heads - h))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), interpret=interpret)
@@ -308,9 +309,10 @@ def _wait_copies(pending: int) -> None:
 def _gather(idx_ref, *refs, sizes: tuple[int, ...], parts: int) -> None:
     """Each thread of the CTA's ``parts`` warpgroups starts its ``cp.async`` copies of one block's rows: row r of the
     block is row ``idx_ref[r]`` of the sources' concatenation (``refs[:-1]``, bf16 [``sizes``[i], K]), copied into
-    the slot ``refs[-1]`` (bf16 [parts, 64, K / parts], tiled and swizzled: module docstring); an index of -1 gives
-    a row of zeros. Thread i copies the 16-byte chunk ``i mod (K / 8)`` of the rows ``i div (K / 8)`` + multiples
-    of ``128 parts / (K / 8)``: consecutive threads copy consecutive bytes of one row."""
+    the slot ``refs[-1]`` (bf16 [parts, 64, K / parts], tiled and swizzled: module docstring); an index outside the
+    sources (-1) gives a row of zeros, as the reference's gather. Thread i copies the 16-byte chunk ``i mod (K /
+    8)`` of the rows ``i div (K / 8)`` + multiples of ``128 parts / (K / 8)``: consecutive threads copy consecutive
+    bytes of one row."""
     k = refs[0].shape[-1]
     half = k // parts
     chunks = k * 2 // COPY_BYTES  # 16-byte chunks a row
@@ -337,8 +339,9 @@ def _gather(idx_ref, *refs, sizes: tuple[int, ...], parts: int) -> None:
         for r in range(0, ROWS, step):
             row = arith.addi(first, c32(r))
             index = llvm.load(i32, mgpu_utils.getelementptr(idx_ptr, [row], i32))
-            valid = arith.cmpi(arith.CmpIPredicate.sge, index, c32(0))
-            # the source the row lives in and its row there (for -1, row 0 of the first: nothing is read)
+            valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, index, c32(0)),
+                               arith.cmpi(arith.CmpIPredicate.slt, index, c32(bases[-1])))
+            # the source the row lives in and its row there (outside them, row 0 of the first: nothing is read)
             local, src = arith.select(valid, index, c32(0)), src_ptrs[0]
             for base, ptr in zip(bases[1:-1], src_ptrs[1:]):
                 past = arith.cmpi(arith.CmpIPredicate.sge, local, c32(base))
