@@ -63,6 +63,8 @@ ROWS = 64  # rows a block: the reference's block of indices and the scores' wgmm
 HEADS = 64  # heads a CTA: wgmma's M
 WARPGROUP = 128  # threads
 MAX_PART = 256  # output dims a warpgroup: a 64 x 256 fp32 accumulator is 128 registers a thread (and wgmma's N)
+# head dims whose rows the gathering threads split evenly: a row's 16-byte chunks (K / 8) divide the CTA's threads
+HEAD_DIMS = (64, 128, 256, 512)
 SLOTS = 2
 COPY_BYTES = 16  # one cp.async
 COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value a column of a WGMMA-layout tile
@@ -74,9 +76,8 @@ def shape_error(h: int, k: int, n_sources: int) -> str | None:
     """Why the kernel cannot take H = ``h`` heads of dim K = ``k`` over ``n_sources`` sources (None when it can)."""
     if not 1 <= n_sources <= MAX_SOURCES:
         return f"sparse_attn_mgpu: kv_sources must hold 1 to {MAX_SOURCES} arrays, got {n_sources}"
-    if k % (warpgroups(k) * 64) or k > 2 * MAX_PART:
-        return (f"sparse_attn_mgpu: K must be a multiple of 64 up to {MAX_PART}, or of 128 up to {2 * MAX_PART}, "
-                f"got {k}")
+    if k not in HEAD_DIMS:
+        return f"sparse_attn_mgpu: K must be one of {HEAD_DIMS}, got {k}"
     if h > HEADS and h % HEADS:
         return f"sparse_attn_mgpu: H must be at most {HEADS} or a multiple of it, got {h}"
     return None
@@ -317,6 +318,7 @@ def _gather(idx_ref, *refs, sizes: tuple[int, ...], parts: int) -> None:
     half = k // parts
     chunks = k * 2 // COPY_BYTES  # 16-byte chunks a row
     step = parts * WARPGROUP // chunks  # rows a pass of the threads
+    assert parts * WARPGROUP % chunks == 0 and ROWS % step == 0, k  # HEAD_DIMS
     bases = np.cumsum((0,) + sizes).tolist()
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs) + (plgpu.RefType(TILED),))
