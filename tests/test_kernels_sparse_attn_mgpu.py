@@ -28,11 +28,11 @@ def problem(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, seed: i
     return q, sources, idx, sink
 
 
-def check(q, sources, idx, sink, splits: int) -> np.ndarray:
+def check(q, sources, idx, sink, splits: int, split_scores: bool = False) -> np.ndarray:
     scale = q.shape[-1] ** -0.5
     want = np.asarray(sa.sparse_attn_reference(q, sources, jnp.asarray(idx), sink, scale), np.float32)
-    got = np.asarray(sm.sparse_attn_mgpu(q, sources, jnp.asarray(idx), sink, scale, splits=splits, interpret=True),
-                     np.float32)
+    got = np.asarray(sm.sparse_attn_mgpu(q, sources, jnp.asarray(idx), sink, scale, splits=splits,
+                                         split_scores=split_scores, interpret=True), np.float32)
     assert got.shape == want.shape and np.isfinite(got).all()
     # the scores sum two K-halves (another order than the reference's); splits round P relative to their own max
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
@@ -44,12 +44,14 @@ def test_block_is_the_references():
     assert sm.ROWS == sa.BLOCK  # the kernel walks the reference's blocks of indices
 
 
-@pytest.mark.parametrize("k,splits", [(512, 1), (512, 2), (128, 3)])
-def test_two_sources_ragged_list(k, splits):
+@pytest.mark.parametrize("k,splits,split_scores", [(512, 1, False), (512, 2, False), (128, 3, False),
+                                                   (512, 2, True), (512, 1, True)])
+def test_two_sources_ragged_list(k, splits, split_scores):
     # 150 lanes: three blocks, the last one part padding; uneven splits (3 blocks in 2 parts: 2 + 1 with padding);
-    # K = 512: two warpgroups, each half of the output dims; K = 128: one
+    # K = 512: two warpgroups, each half of the output dims (with split_scores, each the scores of its half); K =
+    # 128: one
     q, sources, idx, sink = problem(3, 64, k, (40, 300), 150, seed=splits)
-    check(q, sources, idx, sink, splits)
+    check(q, sources, idx, sink, splits, split_scores)
 
 
 @pytest.mark.parametrize("splits", [1, 2])

@@ -241,6 +241,7 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         if sweep:
             configs += [(f"mgpu {n} split{'s' * (n > 1)}", sa.SparseAttnConfig(engine="mgpu", num_splits=n))
                         for n in (1, 2, 3, 5)]
+            configs += [("mgpu split scores", sa.SparseAttnConfig(engine="mgpu", mgpu_split_scores=True))]
     scale = dim ** -0.5
     out = []
     for batch in batches:

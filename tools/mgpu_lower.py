@@ -50,19 +50,23 @@ def lower_kernel(n_experts: int, f: int, k: int, tile_n: int, chunks: int) -> in
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
-# (T, H, K, source rows, L, splits): a small shape over two sources, decode at 64 tokens (two splits, one source;
-# three sources, one split), two head groups at K = 256, the tiny model's 4 heads of 64 (one warpgroup)
+# (T, H, K, source rows, L, splits[, split_scores]): a small shape over two sources, decode at 64 tokens (two
+# splits, one source; three sources, one split; the split scores), two head groups at K = 256, the tiny model's 4
+# heads of 64 (one warpgroup)
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
-               (64, 64, 512, (4096, 64, 20000), 640, 1), (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2)]
+               (64, 64, 512, (4096, 64, 20000), 640, 1), (64, 64, 512, (8192,), 640, 2, True),
+               (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2)]
 
 
-def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int) -> int:
+def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
+                    split_scores: bool = False) -> int:
     """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands; -> the StableHLO text's
     length."""
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
               tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
-    fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits)
+    fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits,
+                           split_scores=split_scores)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
@@ -103,7 +107,7 @@ def main() -> int:
             print(f"fp4_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
     for shape in ATTN_SHAPES:
         try:
-            print(f"sparse_attn_mgpu T/H/K/sources/L/splits {shape}: lowered ({lower_attention(*shape)} chars)")
+            print(f"sparse_attn_mgpu T/H/K/sources/L/splits[/split_scores] {shape}: lowered ({lower_attention(*shape)} chars)")
         except Exception as error:  # noqa: BLE001
             failed += 1
             print(f"sparse_attn_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")

@@ -120,6 +120,7 @@ class SparseAttnConfig:
     gathers in flight during block b's products; the same splits). 'mgpu' falls back to 'triton' off a
     compute-capability-9 GPU, when interpreted, or for shapes it does not take (``sparse_attn_mgpu.shape_error``);
     'triton' stays the default until the H200 has run it (written in the thirtieth session without a device).
+    ``mgpu_split_scores``: its ``split_scores`` variant (each warpgroup the scores of its own K-half).
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
@@ -133,6 +134,7 @@ class SparseAttnConfig:
     num_warps: int = 8
     num_stages: int | None = None
     engine: str = "triton"
+    mgpu_split_scores: bool = False
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -269,7 +271,8 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     interpret = interpret_mode(interpret)
     if (config.engine == "mgpu" and not interpret and sparse_attn_mgpu.available()
             and sparse_attn_mgpu.shape_error(h, k, len(kv_sources)) is None):
-        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits)
+        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
+                                                 split_scores=config.mgpu_split_scores)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

@@ -89,14 +89,17 @@ def warpgroups(k: int) -> int:
 
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
-                     softmax_scale: float, *, splits: int = 1, interpret: bool = False) -> jax.Array:
+                     softmax_scale: float, *, splits: int = 1, split_scores: bool = False,
+                     interpret: bool = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits, their merge in XLA.
 
     q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
     [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
     one CTA each. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded with zero queries.
-    ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring). -> bf16 [T, H, K].
+    ``split_scores`` (two warpgroups): each warpgroup computes the scores over its own K-part only and the two
+    parts are added through shared memory (32 KB more of it, one more meeting a block), instead of each computing
+    the whole tile: half the score products and their shared-memory reads, for a variant to time. ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring). -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
     error = shape_error(h, k, len(kv_sources))
@@ -116,14 +119,15 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
         gathered = (jnp.where(((idx_TL >= 0) & (idx_TL < rows))[..., None], rows_TLK, 0).astype(jnp.bfloat16),)
     sink_H = jnp.pad(sink_H.astype(jnp.float32), (0, heads - h))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
-                scale=float(np.float32(softmax_scale)), interpret=interpret)
+                scale=float(np.float32(softmax_scale)), split_scores=split_scores, interpret=interpret)
     if splits == 1:
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "interpret"))
-def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "split_scores", "interpret"))
+def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, split_scores: bool,
+          interpret: bool):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One: the output itself, bf16 [T, H, K] (the sink added to the denominator and the division in the kernel, as
@@ -166,7 +170,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
             _cta_sync(cta_bar)
 
-        def walk(q_smem, kv_smem, p_smem, q_bar, kv_bars, cta_bar):
+        def walk(q_smem, kv_smem, p_smem, s_smem, q_bar, kv_bars, cta_bar):
             @pl.when(wg == 0)
             def _():
                 for part in range(wgs):
@@ -187,12 +191,18 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 _commit_copies(interpret)
                 landed(slot, kv_bars, cta_bar)
 
-                def scores(s_ref):
-                    for part in range(wgs):
+                def scores(s_ref, parts):
+                    for part in parts:
                         plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
                     return s_ref[...]
 
-                s = pl.run_scoped(scores, plgpu.ACC((HEADS, ROWS), jnp.float32))
+                if s_smem is None:  # every warpgroup the whole score tile
+                    s = pl.run_scoped(lambda s_ref: scores(s_ref, range(wgs)), plgpu.ACC((HEADS, ROWS), jnp.float32))
+                else:  # each its K-part's, the parts added through shared memory
+                    own = pl.run_scoped(lambda s_ref: scores(s_ref, [wg]), plgpu.ACC((HEADS, ROWS), jnp.float32))
+                    s_smem.at[wg][...] = own
+                    _cta_sync(cta_bar)
+                    s = own + plgpu.load(s_smem.at[1 - wg], layout=plgpu.Layout.WGMMA)
                 idx = plgpu.load(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], layout=COL_LAYOUT, optimized=False)
                 valid = lax.broadcast_in_dim(idx >= 0, (HEADS, ROWS), [1])
                 s = jnp.where(valid, s, -jnp.inf) * np.float32(scale)
@@ -229,6 +239,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             q_smem=plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16, transforms=TILED),
             kv_smem=plgpu.SMEM((SLOTS, wgs, ROWS, half), jnp.bfloat16, transforms=TILED),
             p_smem=(plgpu.SMEM((wgs, HEADS, ROWS), jnp.bfloat16, transforms=TILED) if interpret else None),
+            s_smem=plgpu.SMEM((wgs, HEADS, ROWS), jnp.float32) if split_scores and wgs > 1 else None,
             q_bar=plgpu.Barrier(num_arrivals=wgs),  # a copy a K-half
             kv_bars=plgpu.Barrier(num_arrivals=wgs, num_barriers=SLOTS) if interpret else None,
             cta_bar=plgpu.Barrier(num_arrivals=wgs),
