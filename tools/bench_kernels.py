@@ -218,9 +218,11 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     gathered bf16 rows (T x (window + topk) x dim x 2 bytes). "window + pool" is the model's layout
     (``attention.attend_lists``: ring and new rows concatenated outside the timing, first_T = window).
     ``sweep`` adds splits variants and the kernel over one source (all three concatenated: what the sources'
-    masked loads cost), each layout at 1 stage too.
+    masked loads cost), each layout at 1 stage too. On a compute-capability-9 GPU the Mosaic GPU kernel
+    (``SparseAttnConfig(engine='mgpu')``) has rows too, with splits variants under ``sweep``.
     """
     from dijax.kernels import sparse_attn as sa
+    from dijax.kernels import sparse_attn_mgpu
 
     configs = [("pallas", sa.SparseAttnConfig())]
     if sweep:  # (twenty-fifth session: 4 or 16 warps and 32 or 16 heads a program were 1.4-40x slower at B >= 64)
@@ -233,6 +235,13 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
                     ("pallas 1 source 1 stage", sa.SparseAttnConfig(num_stages=1)),
                     ("pallas window + pool 1 stage", sa.SparseAttnConfig(num_stages=1))]
     configs += [("pallas window + pool", sa.SparseAttnConfig())]
+    if sparse_attn_mgpu.available():  # the Mosaic GPU kernel (engine 'mgpu'), where it runs rather than falls back
+        configs += [("mgpu", sa.SparseAttnConfig(engine="mgpu")),
+                    ("mgpu window + pool", sa.SparseAttnConfig(engine="mgpu"))]
+        if sweep:
+            configs += [(f"mgpu {n} split{'s' * (n > 1)}", sa.SparseAttnConfig(engine="mgpu", num_splits=n))
+                        for n in (1, 2, 3, 5)]
+            configs += [("mgpu split scores", sa.SparseAttnConfig(engine="mgpu", mgpu_split_scores=True))]
     scale = dim ** -0.5
     out = []
     for batch in batches:

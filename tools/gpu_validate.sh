@@ -58,6 +58,10 @@
 #            kernels; then flash-slice decode and prefill 8192 with it, and GPU parity with it as the default;
 #   mgpu-fp8  (branch fp8-wgmma, not yet run) the fp8 linear on fp8_wgmma: GPU tests, the linears at decode and
 #            flash-slice decode at batch 1 / 16 against the Triton kernel;
+#   mgpu-attn  (thirtieth session, not yet run) sparse attention on the Mosaic GPU kernel
+#            (dijax.kernels.sparse_attn_mgpu): its GPU tests, its decode rows against the Triton kernel's, flash-slice
+#            decode with it and without;
+#   mgpu-attn-parity  GPU parity with that kernel as sparse attention's default (in the run's copy of the tree);
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -74,7 +78,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|mgpu-model|mgpu-fp8|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|mgpu-model|mgpu-fp8|mgpu-attn|mgpu-attn-parity|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -283,6 +287,30 @@ case "$stage" in
     git checkout dijax/kernels/routed_experts.py 2>/dev/null || sed -i -e 's/    gemm_engine: str = "mgpu"/    gemm_engine: str = "triton"/' \
       -e 's/    gathered_max: int = 0/    gathered_max: int = 96/' dijax/kernels/routed_experts.py
     parity_summary "$out"/parity-mgpu-*.txt ;;
+  mgpu-attn)
+    # (branch sparse-attn-mgpu; ~450 s) sparse attention on dijax.kernels.sparse_attn_mgpu (rows gathered by cp.async
+    # into wgmma's layout): its GPU tests, the decode rows against the Triton kernel at B = 1 / 64 / 256 with splits
+    # variants, then flash-slice decode at batch 1 / 64 with it and without. Then stage mgpu-attn-parity.
+    run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py
+    run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3
+    for setting in "" "--kernel-setting sparse_attn.CONFIG.engine='mgpu'"; do
+      run 120 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
+        --engine off --warmup 3 --iters 10 $setting
+    done ;;
+  mgpu-attn-parity)
+    # (branch sparse-attn-mgpu; ~300 s) GPU parity with sparse attention on the Mosaic GPU kernel as the default (in
+    # this run's copy of the tree only): the fixtures' 4 heads of 64 take its one-warpgroup form
+    sed -i -e 's/    engine: str = "triton"/    engine: str = "mgpu"/' dijax/kernels/sparse_attn.py
+    grep -E '^    engine:' dijax/kernels/sparse_attn.py | tee -a "$log"
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    parity mgpu-attn-tiny-nodrop 280 "$fixtures/tiny-nodrop" &
+    parity mgpu-attn-chunk7 280 "$fixtures/tiny-nodrop" --chunk 7 &
+    parity mgpu-attn-engine 280 "$fixtures/tiny-nodrop" --engine &
+    parity mgpu-attn-tiny 280 "$fixtures/tiny" &
+    wait
+    git checkout dijax/kernels/sparse_attn.py 2>/dev/null || \
+      sed -i -e 's/    engine: str = "mgpu"/    engine: str = "triton"/' dijax/kernels/sparse_attn.py
+    parity_summary "$out"/parity-mgpu-attn-*.txt ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -292,6 +320,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-engine, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-engine, mgpu-model, mgpu-fp8, mgpu-attn, mgpu-attn-parity, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120

@@ -130,7 +130,9 @@ def configurations() -> list[tuple[str, object]]:
     """(label, lowering thunk) for every kernel shape tools/mgpu_lower.py lowers."""
     fp4 = [(f"fp4_wgmma {shape}", lambda s=shape: mgpu_lower.lower_kernel(*s)) for shape in mgpu_lower.KERNEL_SHAPES]
     fp8 = [(f"fp8_wgmma {shape}", lambda s=shape: mgpu_lower.lower_linear(*s)) for shape in mgpu_lower.LINEAR_SHAPES]
-    return fp4 + fp8
+    attn = [(f"sparse_attn_mgpu {shape}", lambda s=shape: mgpu_lower.lower_attention(*s))
+            for shape in mgpu_lower.ATTN_SHAPES]
+    return fp4 + fp8 + attn
 
 
 def main() -> int:

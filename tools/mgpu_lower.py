@@ -10,11 +10,12 @@ layout inference run before any device time is spent (docs/mosaic_gpu.md's secon
 The first form is tests/test_mosaic_lowering.py's (CI: the newest jax); the second checks the GPU machine's jax.
 
 It lowers ``dijax.kernels.fp4_wgmma`` at small and real shapes (every tile size and K-chunk form the routed path
-uses), ``dijax.kernels.fp8_wgmma`` at the decode linears' shapes, then the routed experts' ragged path with
-``gemm_engine='mgpu'`` (its Triton and XLA parts too). It stops before PTX: tools/mgpu_build.py goes on to ptxas
-and SASS; the numerics and the speed need the GPU (tests/gpu/test_fp4_wgmma_gpu.py, tests/gpu/test_fp8_wgmma_gpu.py,
-tools/bench_kernels.py --only fp4_wgmma). In the twenty-eighth session every error this caught would otherwise
-have cost a device call, and each kernel that lowered here ran correctly on its first GPU run.
+uses), ``dijax.kernels.fp8_wgmma`` at the decode linears' shapes, ``dijax.kernels.sparse_attn_mgpu`` at small and
+decode shapes, then the routed experts' ragged path with ``gemm_engine='mgpu'`` (its Triton and XLA parts too). It
+stops before PTX: tools/mgpu_build.py goes on to ptxas and SASS; the numerics and the speed need the GPU
+(tests/gpu/test_fp4_wgmma_gpu.py, tests/gpu/test_fp8_wgmma_gpu.py, tests/gpu/test_attention_gpu.py,
+tools/bench_kernels.py --only fp4_wgmma / sparse_attn). In the twenty-eighth session every error this caught would
+otherwise have cost a device call, and each kernel that lowered here ran correctly on its first GPU run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dijax.kernels import fp4_wgmma, fp8_wgmma, lowering_for_gpu  # noqa: E402
+from dijax.kernels import fp4_wgmma, fp8_wgmma, lowering_for_gpu, sparse_attn_mgpu  # noqa: E402
 from dijax.kernels import routed_experts as rx  # noqa: E402
 
 # (experts, F, K, tile sizes, chunks): the GPU test's shapes, the real gate-up and down with the routed path's
@@ -65,6 +66,26 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
     shapes = (jax.ShapeDtypeStruct((t, i), jnp.bfloat16), jax.ShapeDtypeStruct((o, i), jnp.float8_e4m3fn),
               jax.ShapeDtypeStruct((o // 32, i // 32), jnp.uint8))
     fn = functools.partial(fp8_wgmma.linear_mgpu, warpgroups=warpgroups)
+    return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
+
+
+# (T, H, K, source rows, L, splits[, split_scores]): a small shape over two sources, decode at 64 tokens (two
+# splits, one source; three sources, one split; the split scores), two head groups at K = 256, the tiny model's 4
+# heads of 64 (one warpgroup)
+ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
+               (64, 64, 512, (4096, 64, 20000), 640, 1), (64, 64, 512, (8192,), 640, 2, True),
+               (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2)]
+
+
+def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
+                    split_scores: bool = False) -> int:
+    """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands; -> the StableHLO text's
+    length."""
+    shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
+              tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
+              jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
+    fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits,
+                           split_scores=split_scores)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
@@ -111,6 +132,13 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001
             failed += 1
             print(f"fp8_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
+    for shape in ATTN_SHAPES:
+        try:
+            chars = lower_attention(*shape)
+            print(f"sparse_attn_mgpu T/H/K/sources/L/splits[/split_scores] {shape}: lowered ({chars} chars)")
+        except Exception as error:  # noqa: BLE001
+            failed += 1
+            print(f"sparse_attn_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
     for tokens in (64, 1):  # prefill-like (every size) and decode (one size)
         try:
             calls = lower_routed(tokens=tokens)

@@ -5,6 +5,8 @@
 | routed experts (MXFP4 / fp8 grouped GEMM, SwiGLU) | ``routed_experts`` | reference, pallas |
 | MXFP4 grouped GEMM on wgmma, weights decoded in registers (``routed_experts``' ``gemm_engine='mgpu'``) | ``fp4_wgmma`` | reference, mgpu |
 | sparse attention with the sink | ``sparse_attn`` | reference, pallas |
+| sparse attention on wgmma, rows gathered by ``cp.async`` (``sparse_attn``'s ``engine='mgpu'``) | ``sparse_attn_mgpu`` | reference, mgpu |
+| the flash-decoding merge of split partial sums with the sink (both sparse-attention kernels) | ``flash_merge`` | (jnp only) |
 | lightning-indexer scores over the paged key pool | ``indexer`` | reference, pallas |
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |
 | the hyper-connection mix split (sigmoids, softmax, Sinkhorn rounds) | ``sinkhorn.split`` | reference, pallas |
