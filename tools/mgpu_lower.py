@@ -13,9 +13,8 @@ It lowers ``dijax.kernels.fp4_wgmma`` at small and real shapes (every tile size 
 uses), ``dijax.kernels.sparse_attn_mgpu`` at small and decode shapes, then the routed experts' ragged path with
 ``gemm_engine='mgpu'`` (its Triton and XLA parts too). It stops before PTX: tools/mgpu_build.py goes on to ptxas
 and SASS; the numerics and the speed need the GPU (tests/gpu/test_fp4_wgmma_gpu.py, tests/gpu/test_attention_gpu.py,
-tools/bench_kernels.py --only fp4_wgmma / sparse_attn). In the twenty-eighth session every
-error this caught would otherwise have cost a device call, and each kernel that lowered here ran correctly on its
-first GPU run.
+tools/bench_kernels.py --only fp4_wgmma / sparse_attn). In the twenty-eighth session every error this caught would
+otherwise have cost a device call, and each kernel that lowered here ran correctly on its first GPU run.
 """
 
 from __future__ import annotations
@@ -107,7 +106,8 @@ def main() -> int:
             print(f"fp4_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
     for shape in ATTN_SHAPES:
         try:
-            print(f"sparse_attn_mgpu T/H/K/sources/L/splits[/split_scores] {shape}: lowered ({lower_attention(*shape)} chars)")
+            chars = lower_attention(*shape)
+            print(f"sparse_attn_mgpu T/H/K/sources/L/splits[/split_scores] {shape}: lowered ({chars} chars)")
         except Exception as error:  # noqa: BLE001
             failed += 1
             print(f"sparse_attn_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
