@@ -99,7 +99,8 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     one CTA each. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded with zero queries.
     ``split_scores`` (two warpgroups): each warpgroup computes the scores over its own K-part only and the two
     parts are added through shared memory (32 KB more of it, one more meeting a block), instead of each computing
-    the whole tile: half the score products and their shared-memory reads, for a variant to time. ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring). -> bf16 [T, H, K].
+    the whole tile: half the score products and their shared-memory reads, for a variant to time. ``interpret``:
+    run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring). -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
     error = shape_error(h, k, len(kv_sources))
