@@ -288,14 +288,15 @@ case "$stage" in
       -e 's/    gathered_max: int = 0/    gathered_max: int = 96/' dijax/kernels/routed_experts.py
     parity_summary "$out"/parity-mgpu-*.txt ;;
   mgpu-attn)
-    # (branch sparse-attn-mgpu; ~450 s) sparse attention on dijax.kernels.sparse_attn_mgpu (rows gathered by cp.async
+    # (branch sparse-attn-mgpu; ~500 s) sparse attention on dijax.kernels.sparse_attn_mgpu (rows gathered by cp.async
     # into wgmma's layout): its GPU tests, the decode rows against the Triton kernel at B = 1 / 64 / 256 with splits
-    # variants, then flash-slice decode at batch 1 / 64 with it and without. Then stage mgpu-attn-parity.
-    run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py
+    # variants, then flash-slice decode at batch 1 / 64 and prefill 8192 (sparse attention was 16 % of it) with it
+    # and without. Then stage mgpu-attn-parity.
+    run 120 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py
     run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3
     for setting in "" "--kernel-setting sparse_attn.CONFIG.engine='mgpu'"; do
-      run 120 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
-        --engine off --warmup 3 --iters 10 $setting
+      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 \
+        --kernels on --engine off --warmup 2 --iters 5 $setting
     done ;;
   mgpu-attn-parity)
     # (branch sparse-attn-mgpu; ~300 s) GPU parity with sparse attention on the Mosaic GPU kernel as the default (in
