@@ -116,8 +116,8 @@ class SparseAttnConfig:
     sources would need 448 KB, over the H200's 227 KB.
 
     engine: 'triton' (this module's kernel) or 'mgpu' (dijax.kernels.sparse_attn_mgpu: the rows gathered by
-    ``cp.async`` into wgmma's shared-memory layout, two warpgroups each half of the output dims, block b + 1's
-    gathers in flight during block b's products; the same splits). 'mgpu' falls back to 'triton' off a
+    ``cp.async`` into wgmma's shared-memory layout, one or two warpgroups each its part of the output dims, block
+    b + 1's gathers in flight during block b's products; the same splits). 'mgpu' falls back to 'triton' off a
     compute-capability-9 GPU, when interpreted, or for shapes it does not take (``sparse_attn_mgpu.shape_error``);
     'triton' stays the default until the H200 has run it (written in the thirtieth session without a device).
     ``mgpu_split_scores``: its ``split_scores`` variant (each warpgroup the scores of its own K-half).
