@@ -14,18 +14,9 @@ import pytest
 
 from dijax.kernels import sparse_attn as sa
 from dijax.kernels import sparse_attn_mgpu as sm
+from tests.test_kernels_sparse_attn import problem
 
 pytestmark = pytest.mark.cost(40)
-
-
-def problem(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, seed: int):
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((t, h, k)), jnp.bfloat16)
-    sources = tuple(jnp.asarray(rng.standard_normal((n, k)) * 2, jnp.bfloat16) for n in sizes)
-    idx = rng.integers(0, sum(sizes), (t, length)).astype(np.int32)
-    idx[rng.random((t, length)) < 0.2] = -1
-    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
-    return q, sources, idx, sink
 
 
 def check(q, sources, idx, sink, splits: int, split_scores: bool = False) -> np.ndarray:
@@ -50,14 +41,14 @@ def test_two_sources_ragged_list(k, splits, split_scores):
     # 150 lanes: three blocks, the last one part padding; uneven splits (3 blocks in 2 parts: 2 + 1 with padding);
     # K = 512: two warpgroups, each half of the output dims (with split_scores, each the scores of its half); K =
     # 128: one
-    q, sources, idx, sink = problem(3, 64, k, (40, 300), 150, seed=splits)
+    q, sources, idx, sink = problem(3, 150, (40, 300), splits, 64, k)
     check(q, sources, idx, sink, splits, split_scores)
 
 
 @pytest.mark.parametrize("splits", [1, 2])
 def test_three_sources_empty_blocks_and_rows(splits):
     # one split writes the output in the kernel (sink, division, bf16); two merge their partials in XLA
-    q, sources, idx, sink = problem(4, 64, 512, (100, 3, 500), 256, seed=7)
+    q, sources, idx, sink = problem(4, 256, (100, 3, 500), 7, 64, 512)
     idx[1, :64] = -1  # a first block with nothing: the running max stays -1e30 until the next
     idx[2, 64:] = -1  # blocks with nothing after the first
     idx[3, :] = -1  # no row at all: zero
@@ -70,7 +61,7 @@ def test_three_sources_empty_blocks_and_rows(splits):
 def test_head_padding_and_groups(h, k):
     # fewer than 64 heads: zero queries pad the CTA's M (4 x 64: the parity fixtures' tiny model); 128 heads: two
     # head groups
-    q, sources, idx, sink = problem(2, h, k, (70, 200), 100, seed=h)
+    q, sources, idx, sink = problem(2, 100, (70, 200), h, h, k)
     check(q, sources, idx, sink, splits=1)
 
 
@@ -82,14 +73,14 @@ def test_shape_errors_name_the_field():
     assert "H must be" in sm.shape_error(96, 128, 1)
     assert "kv_sources" in sm.shape_error(64, 128, 4)
     with pytest.raises(ValueError, match="K must be"):
-        sm.sparse_attn_mgpu(*problem(1, 4, 96, (10,), 8, seed=0), 0.1, interpret=True)
+        sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 96), 0.1, interpret=True)
 
 
 def test_engine_is_validated_and_falls_back_off_the_gpu():
     with pytest.raises(ValueError, match="engine must be one of"):
         sa.SparseAttnConfig(engine="cuda")
     # off a GPU (interpret mode) the 'mgpu' engine takes the Triton kernel: the same values as the default engine
-    q, sources, idx, sink = problem(2, 16, 64, (50, 90), 70, seed=3)
+    q, sources, idx, sink = problem(2, 70, (50, 90), 3, 16, 64)
     args = (q, sources, jnp.asarray(idx), sink, 0.125)
     np.testing.assert_array_equal(np.asarray(sa.sparse_attn_pallas(*args, config=sa.SparseAttnConfig(engine="mgpu"))),
                                   np.asarray(sa.sparse_attn_pallas(*args)))
