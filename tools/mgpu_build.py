@@ -39,7 +39,7 @@ from jax.experimental.mosaic.gpu import core  # noqa: E402
 from tools import mgpu_lower  # noqa: E402
 
 STUB_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_stub.c")
-SASS_GROUPS = ("HGMMA", "LOP3", "SHF", "IMAD", "HMUL2", "PRMT", "LDS", "LDG", "STS", "SYNCS", "BAR")
+SASS_GROUPS = ("HGMMA", "LOP3", "SHF", "IMAD", "HMUL2", "PRMT", "LDS", "LDG", "LDGSTS", "STS", "SYNCS", "BAR")
 
 
 def load_stub(workdir: str) -> None:
