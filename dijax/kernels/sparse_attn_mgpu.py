@@ -34,8 +34,11 @@ one K-part of the scores' B operand). Element (row r, dim d) of a slot lies at b
 line's index in its 1024-byte group).
 
 Interpret mode: the interpreter runs no ``inline_mgpu``, so there the rows are gathered in XLA before the kernel
-([T, L, K]) and copied into the slots by TMA; everything else (the slots, the barriers, both products, the softmax,
-the stores, the merge) is the kernel's. The interpreter also takes wgmma's A operand only from shared memory, so P
+([T, L, K]) and each warpgroup stores its K-part of a block's rows into the slot where the GPU's threads start their
+copies; everything else (the slots and the meetings that guard them, both products, the softmax, the stores, the
+merge) is the kernel's. Its race detector (``detect_races``) checks the slots' protocol: it finds no race, and one
+when the meeting before a slot is refilled is left out (loads stand for wgmma's operand reads, which it does not
+see). The interpreter also takes wgmma's A operand only from shared memory, so P
 goes through a scratch tile, and has no accumulator initialised from registers, so the PV product goes into a fresh
 one added to the running sum.
 
@@ -90,7 +93,7 @@ def warpgroups(k: int) -> int:
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, split_scores: bool = False,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits, their merge in XLA.
 
@@ -100,7 +103,8 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     ``split_scores`` (two warpgroups): each warpgroup computes the scores over its own K-part only and the two
     parts are added through shared memory (32 KB more of it, one more meeting a block), instead of each computing
     the whole tile: half the score products and their shared-memory reads, for a variant to time. ``interpret``:
-    run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring). -> bf16 [T, H, K].
+    run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default parameters or the
+    ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector). -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
     error = shape_error(h, k, len(kv_sources))
@@ -128,7 +132,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
 
 @functools.partial(jax.jit, static_argnames=("split_len", "scale", "split_scores", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, split_scores: bool,
-          interpret: bool):
+          interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One: the output itself, bf16 [T, H, K] (the sink added to the denominator and the division in the kernel, as
@@ -149,35 +153,30 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         wg = lax.axis_index("wg")
         start = ti * list_len + si * split_len  # this split's first index in idx_X
 
-        def fetch(b, slot, kv_smem, kv_bars):
-            """Start block b's row copies into ``slot``."""
+        def fetch(b, slot, kv_smem):
+            """Start block b's row copies into ``slot`` (interpret mode: each warpgroup stores its K-part of the
+            gathered rows at once, the threads' copies done early)."""
             if interpret:
-                @pl.when(wg == 0)
-                def _():
-                    for part in range(wgs):
-                        plgpu.copy_gmem_to_smem(
-                            gathered_gmem.at[ti, pl.ds(si * split_len + b * ROWS, ROWS), pl.ds(part * half, half)],
-                            kv_smem.at[slot, part], kv_bars.at[slot])
+                rows = pl.ds(si * split_len + b * ROWS, ROWS)
+                kv_smem.at[slot, wg][...] = gathered_gmem.at[ti, rows, pl.ds(wg * half, half)][...]
             else:
                 _gather(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], *src_gmems, kv_smem.at[slot], sizes=sizes,
                         parts=wgs)
 
-        def landed(slot, kv_bars, cta_bar):
-            """Wait until every thread's copies of the block in ``slot`` are in shared memory, seen by wgmma."""
-            if interpret:
-                plgpu.barrier_wait(kv_bars.at[slot])
-                return
-            _wait_copies(1)  # this thread's copies of the block (the next block's may still be in flight)
+        def landed(cta_bar):
+            """Wait until every thread's copies of the block are in shared memory, seen by wgmma."""
+            if not interpret:
+                _wait_copies(1)  # this thread's copies of the block (the next block's may still be in flight)
             plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
             _cta_sync(cta_bar)
 
-        def walk(q_smem, kv_smem, p_smem, s_smem, q_bar, kv_bars, cta_bar):
+        def walk(q_smem, kv_smem, p_smem, s_smem, q_bar, cta_bar):
             @pl.when(wg == 0)
             def _():
                 for part in range(wgs):
                     plgpu.copy_gmem_to_smem(q_gmem.at[ti, pl.ds(gi * HEADS, HEADS), pl.ds(part * half, half)],
                                             q_smem.at[part], q_bar)
-            fetch(0, 0, kv_smem, kv_bars)
+            fetch(0, 0, kv_smem)
             _commit_copies(interpret)
             plgpu.barrier_wait(q_bar)
 
@@ -188,9 +187,9 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
 
                 @pl.when(b + 1 < blocks)
                 def _():
-                    fetch(b + 1, 1 - slot, kv_smem, kv_bars)
+                    fetch(b + 1, 1 - slot, kv_smem)
                 _commit_copies(interpret)
-                landed(slot, kv_bars, cta_bar)
+                landed(cta_bar)
 
                 def scores(s_ref, parts):
                     for part in parts:
@@ -226,6 +225,9 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
 
                 if interpret:  # the interpreter has no accumulator initialised from registers (``ACC.init``)
                     acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((HEADS, half), jnp.float32))
+                    # its race detector does not see wgmma's operand reads: these loads stand for them
+                    for part in range(wgs):
+                        kv_smem.at[slot, part][...]
                 else:
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 return acc, new_max, den_h
@@ -242,7 +244,6 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             p_smem=(plgpu.SMEM((wgs, HEADS, ROWS), jnp.bfloat16, transforms=TILED) if interpret else None),
             s_smem=plgpu.SMEM((wgs, HEADS, ROWS), jnp.float32) if split_scores and wgs > 1 else None,
             q_bar=plgpu.Barrier(num_arrivals=wgs),  # a copy a K-half
-            kv_bars=plgpu.Barrier(num_arrivals=wgs, num_barriers=SLOTS) if interpret else None,
             cta_bar=plgpu.Barrier(num_arrivals=wgs),
             collective_axes="wg")
 
@@ -286,7 +287,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         out_type=out_type,
         grid=(t, splits, h // HEADS), grid_names=("t", "s", "g"), num_threads=wgs, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams())
+        if interpret else None)
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
 
 
