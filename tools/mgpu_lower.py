@@ -89,6 +89,16 @@ def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int,
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
+GATHER_SHAPES = [(512, (300, 5000)), (64, (40, 7, 200))]  # (K, source rows): gather_rows_mgpu's two forms
+
+
+def lower_gather(k: int, sizes: tuple[int, ...]) -> int:
+    """Lower ``sparse_attn_mgpu.gather_rows_mgpu`` (the row gather alone, for its GPU test) for CUDA; -> the
+    StableHLO text's length."""
+    shapes = (tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes), jax.ShapeDtypeStruct((192,), jnp.int32))
+    return len(jax.jit(sparse_attn_mgpu.gather_rows_mgpu).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
+
+
 def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 64, per_token: int = 4) -> int:
     """Lower the routed experts' ragged path with ``gemm_engine='mgpu'`` for CUDA (``gathered_max=0``, so few tokens
     take it too); -> the number of Mosaic GPU kernels in it (two: w1 and w3 share one lowered kernel of their
@@ -139,6 +149,12 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001
             failed += 1
             print(f"sparse_attn_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
+    for k, sizes in GATHER_SHAPES:
+        try:
+            print(f"sparse_attn_mgpu.gather_rows_mgpu K={k} sources {sizes}: lowered ({lower_gather(k, sizes)} chars)")
+        except Exception as error:  # noqa: BLE001
+            failed += 1
+            print(f"gather_rows_mgpu K={k}: FAILED {type(error).__name__}: {str(error)[-600:]}")
     for tokens in (64, 1):  # prefill-like (every size) and decode (one size)
         try:
             calls = lower_routed(tokens=tokens)

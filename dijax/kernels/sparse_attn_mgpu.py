@@ -292,6 +292,38 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
 
 
+def gather_rows_mgpu(kv_sources: tuple[jax.Array, ...], idx_L: jax.Array) -> jax.Array:
+    """The kernel's row gather alone (``_gather`` into a slot, then the slot stored by TMA, which undoes the
+    swizzle Mosaic GPU's layout puts on it): bf16 [L, K], row l the sources' row ``idx_L[l]``, zero outside them.
+    For the GPU test that checks the gather's addresses apart from the attention; L a multiple of 64, K in
+    ``HEAD_DIMS``; a GPU of compute capability 9.0."""
+    (length,), k = idx_L.shape, kv_sources[0].shape[-1]
+    wgs, sizes = warpgroups(k), tuple(src.shape[0] for src in kv_sources)
+    half = k // wgs
+
+    def kernel(idx_gmem, *refs):
+        *src_gmems, out_gmem = refs
+        b, wg = lax.axis_index("b"), lax.axis_index("wg")
+
+        def body(slot_smem, cta_bar):
+            _gather(idx_gmem.at[pl.ds(b * ROWS, ROWS)], *src_gmems, slot_smem, sizes=sizes, parts=wgs)
+            _commit_group()
+            _wait_copies(0)
+            plgpu.commit_smem()
+            _cta_sync(cta_bar)
+            plgpu.copy_smem_to_gmem(slot_smem.at[wg], out_gmem.at[pl.ds(b * ROWS, ROWS), pl.ds(wg * half, half)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(body, plgpu.SMEM((wgs, ROWS, half), jnp.bfloat16, transforms=TILED),
+                      plgpu.Barrier(num_arrivals=wgs), collective_axes="wg")
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((length, k), jnp.bfloat16), grid=(length // ROWS,), grid_names=("b",),
+        num_threads=wgs, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(idx_L.astype(jnp.int32), *kv_sources)
+
+
 def _cta_sync(cta_bar) -> None:
     """The CTA's compute warpgroups meet (an mbarrier of one arrival a warpgroup)."""
     plgpu.barrier_arrive(cta_bar)

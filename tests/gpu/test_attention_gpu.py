@@ -185,3 +185,18 @@ def test_sparse_attn_mgpu_engine_window_and_pool(batch):
         q, sources, idx, sink), np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, triton, atol=4e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("k,sizes", [(512, (300, 5000)), (64, (40, 7, 200)), (128, (1000,)), (256, (64, 64))])
+def test_sparse_attn_mgpu_gather_rows(k, sizes):
+    # the kernel's cp.async row gather alone, through its swizzled slot and a TMA store: bit for bit the rows named,
+    # zero rows for -1 and past the sources (if this fails, the gather's addresses are wrong, whatever else passes)
+    rng = np.random.default_rng(k)
+    sources = tuple(jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16) for n in sizes)
+    idx = rng.integers(-1, sum(sizes) + 5, 192).astype(np.int32)
+    rows = np.concatenate([np.asarray(src, np.float32) for src in sources])
+    inside = (idx >= 0) & (idx < len(rows))
+    want = np.where(inside[:, None], rows[np.clip(idx, 0, len(rows) - 1)], 0)
+    poison(192 * k * 2 * 4)
+    got = np.asarray(jax.jit(sparse_attn_mgpu.gather_rows_mgpu)(sources, jnp.asarray(idx)), np.float32)
+    np.testing.assert_array_equal(got, want)
