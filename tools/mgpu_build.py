@@ -132,8 +132,8 @@ def configurations() -> list[tuple[str, object]]:
     fp8 = [(f"fp8_wgmma {shape}", lambda s=shape: mgpu_lower.lower_linear(*s)) for shape in mgpu_lower.LINEAR_SHAPES]
     attn = [(f"sparse_attn_mgpu {shape}", lambda s=shape: mgpu_lower.lower_attention(*s))
             for shape in mgpu_lower.ATTN_SHAPES]
-    gather = [(f"sparse_attn_mgpu.gather_rows_mgpu K={k}", lambda k=k, s=sizes: mgpu_lower.lower_gather(k, s))
-              for k, sizes in mgpu_lower.GATHER_SHAPES]
+    gather = [(f"row_gather.gather_rows_mgpu {shape}", lambda s=shape: mgpu_lower.lower_gather(*s))
+              for shape in mgpu_lower.GATHER_SHAPES]
     return fp4 + fp8 + attn + gather
 
 

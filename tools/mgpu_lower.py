@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dijax.kernels import fp4_wgmma, fp8_wgmma, lowering_for_gpu, sparse_attn_mgpu  # noqa: E402
+from dijax.kernels import fp4_wgmma, fp8_wgmma, lowering_for_gpu, row_gather, sparse_attn_mgpu  # noqa: E402
 from dijax.kernels import routed_experts as rx  # noqa: E402
 
 # (experts, F, K, tile sizes, chunks): the GPU test's shapes, the real gate-up and down with the routed path's
@@ -89,14 +89,15 @@ def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int,
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
-GATHER_SHAPES = [(512, (300, 5000)), (64, (40, 7, 200))]  # (K, source rows): gather_rows_mgpu's two forms
+GATHER_SHAPES = [(512, (300, 5000), 2), (64, (40, 7, 200), 1), (128, (1000,), 1)]  # (K, source rows, parts)
 
 
-def lower_gather(k: int, sizes: tuple[int, ...]) -> int:
-    """Lower ``sparse_attn_mgpu.gather_rows_mgpu`` (the row gather alone, for its GPU test) for CUDA; -> the
-    StableHLO text's length."""
+def lower_gather(k: int, sizes: tuple[int, ...], parts: int) -> int:
+    """Lower ``row_gather.gather_rows_mgpu`` (the row gather alone, for its GPU test) for CUDA; -> the StableHLO
+    text's length."""
     shapes = (tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes), jax.ShapeDtypeStruct((192,), jnp.int32))
-    return len(jax.jit(sparse_attn_mgpu.gather_rows_mgpu).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
+    fn = functools.partial(row_gather.gather_rows_mgpu, parts=parts)
+    return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
 def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 64, per_token: int = 4) -> int:
@@ -149,12 +150,12 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001
             failed += 1
             print(f"sparse_attn_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
-    for k, sizes in GATHER_SHAPES:
+    for shape in GATHER_SHAPES:
         try:
-            print(f"sparse_attn_mgpu.gather_rows_mgpu K={k} sources {sizes}: lowered ({lower_gather(k, sizes)} chars)")
+            print(f"row_gather.gather_rows_mgpu K/sources/parts {shape}: lowered ({lower_gather(*shape)} chars)")
         except Exception as error:  # noqa: BLE001
             failed += 1
-            print(f"gather_rows_mgpu K={k}: FAILED {type(error).__name__}: {str(error)[-600:]}")
+            print(f"gather_rows_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
     for tokens in (64, 1):  # prefill-like (every size) and decode (one size)
         try:
             calls = lower_routed(tokens=tokens)

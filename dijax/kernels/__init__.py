@@ -7,6 +7,7 @@
 | sparse attention with the sink | ``sparse_attn`` | reference, pallas |
 | sparse attention on wgmma, rows gathered by ``cp.async`` (``sparse_attn``'s ``engine='mgpu'``) | ``sparse_attn_mgpu`` | reference, mgpu |
 | the flash-decoding merge of split partial sums with the sink (both sparse-attention kernels) | ``flash_merge`` | (jnp only) |
+| rows gathered by index into wgmma's swizzled shared-memory layout with ``cp.async`` (Mosaic GPU kernels) | ``row_gather`` | (helpers) |
 | lightning-indexer scores over the paged key pool | ``indexer`` | reference, pallas |
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |
 | the hyper-connection mix split (sigmoids, softmax, Sinkhorn rounds) | ``sinkhorn.split`` | reference, pallas |

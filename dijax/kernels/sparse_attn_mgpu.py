@@ -14,7 +14,7 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     a third of a block's; the duplicate keeps the warpgroups independent);
   * the rows are gathered by the warpgroups' threads themselves with ``cp.async`` (16 bytes a copy), straight into
     wgmma's 128-byte-swizzled shared-memory layout: Mosaic GPU has no gather and a TMA copy cannot address one row
-    of a swizzled tile, but an address computed per thread can (``_gather``);
+    of a swizzled tile, but an address computed per thread can (``row_gather``);
   * two row slots: block b + 1's copies are in flight while block b's products run. A 64 x 512 row block is 64 KB;
     q (64 KB) and the two slots fill 192 KB of shared memory, one CTA a multiprocessor;
   * an index of -1 copies nothing (``cp.async``'s source size 0 fills the row with zeros) and its score is masked;
@@ -53,26 +53,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, gpu, llvm, nvvm
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dijax.kernels import flash_merge
+from dijax.kernels import flash_merge, row_gather
 from dijax.kernels.fp4_wgmma import ROW_LAYOUT, available
+from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 
-ROWS = 64  # rows a block: the reference's block of indices and the scores' wgmma N
-HEADS = 64  # heads a CTA: wgmma's M
-WARPGROUP = 128  # threads
+HEADS = 64  # heads a CTA: wgmma's M (ROWS, the rows a block, is the reference's block and the scores' wgmma N)
 MAX_PART = 256  # output dims a warpgroup: a 64 x 256 fp32 accumulator is 128 registers a thread (and wgmma's N)
 # head dims whose rows the gathering threads split evenly: a row's 16-byte chunks (K / 8) divide the CTA's threads
 HEAD_DIMS = (64, 128, 256, 512)
 SLOTS = 2
-COPY_BYTES = 16  # one cp.async
 COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value a column of a WGMMA-layout tile
 MAX_SOURCES = 3
-TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # wgmma's operand layout in shared memory
 
 
 def shape_error(h: int, k: int, n_sources: int) -> str | None:
@@ -160,13 +154,13 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 rows = pl.ds(si * split_len + b * ROWS, ROWS)
                 kv_smem.at[slot, wg][...] = gathered_gmem.at[ti, rows, pl.ds(wg * half, half)][...]
             else:
-                _gather(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], *src_gmems, kv_smem.at[slot], sizes=sizes,
-                        parts=wgs)
+                row_gather.gather_rows(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], *src_gmems, kv_smem.at[slot],
+                                       sizes=sizes, threads=wgs * WARPGROUP)
 
         def landed(cta_bar):
             """Wait until every thread's copies of the block are in shared memory, seen by wgmma."""
             if not interpret:
-                _wait_copies(1)  # this thread's copies of the block (the next block's may still be in flight)
+                row_gather.wait_group(1)  # this thread's copies of the block (the next block's may still be in flight)
             plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
             _cta_sync(cta_bar)
 
@@ -292,38 +286,6 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
 
 
-def gather_rows_mgpu(kv_sources: tuple[jax.Array, ...], idx_L: jax.Array) -> jax.Array:
-    """The kernel's row gather alone (``_gather`` into a slot, then the slot stored by TMA, which undoes the
-    swizzle Mosaic GPU's layout puts on it): bf16 [L, K], row l the sources' row ``idx_L[l]``, zero outside them.
-    For the GPU test that checks the gather's addresses apart from the attention; L a multiple of 64, K in
-    ``HEAD_DIMS``; a GPU of compute capability 9.0."""
-    (length,), k = idx_L.shape, kv_sources[0].shape[-1]
-    wgs, sizes = warpgroups(k), tuple(src.shape[0] for src in kv_sources)
-    half = k // wgs
-
-    def kernel(idx_gmem, *refs):
-        *src_gmems, out_gmem = refs
-        b, wg = lax.axis_index("b"), lax.axis_index("wg")
-
-        def body(slot_smem, cta_bar):
-            _gather(idx_gmem.at[pl.ds(b * ROWS, ROWS)], *src_gmems, slot_smem, sizes=sizes, parts=wgs)
-            _commit_group()
-            _wait_copies(0)
-            plgpu.commit_smem()
-            _cta_sync(cta_bar)
-            plgpu.copy_smem_to_gmem(slot_smem.at[wg], out_gmem.at[pl.ds(b * ROWS, ROWS), pl.ds(wg * half, half)])
-            plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(body, plgpu.SMEM((wgs, ROWS, half), jnp.bfloat16, transforms=TILED),
-                      plgpu.Barrier(num_arrivals=wgs), collective_axes="wg")
-
-    return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((length, k), jnp.bfloat16), grid=(length // ROWS,), grid_names=("b",),
-        num_threads=wgs, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(idx_L.astype(jnp.int32), *kv_sources)
-
-
 def _cta_sync(cta_bar) -> None:
     """The CTA's compute warpgroups meet (an mbarrier of one arrival a warpgroup)."""
     plgpu.barrier_arrive(cta_bar)
@@ -334,81 +296,4 @@ def _commit_copies(interpret: bool) -> None:
     """Close this thread's group of ``cp.async`` copies (an empty group where it issued none, so that the wait's
     count holds at the last block); nothing in interpret mode (TMA there)."""
     if not interpret:
-        _commit_group()
-
-
-@plgpu.inline_mgpu()
-def _commit_group(ctx) -> None:
-    """``cp.async.commit_group``."""
-    del ctx
-    nvvm.cp_async_commit_group()
-
-
-def _wait_copies(pending: int) -> None:
-    """``cp.async.wait_group pending``: all but this thread's last ``pending`` groups have landed."""
-    @plgpu.inline_mgpu()
-    def wait(ctx) -> None:
-        del ctx
-        nvvm.cp_async_wait_group(pending)
-    wait()
-
-
-def _gather(idx_ref, *refs, sizes: tuple[int, ...], parts: int) -> None:
-    """Each thread of the CTA's ``parts`` warpgroups starts its ``cp.async`` copies of one block's rows: row r of the
-    block is row ``idx_ref[r]`` of the sources' concatenation (``refs[:-1]``, bf16 [``sizes``[i], K]), copied into
-    the slot ``refs[-1]`` (bf16 [parts, 64, K / parts], tiled and swizzled: module docstring); an index outside the
-    sources (-1) gives a row of zeros, as the reference's gather. Thread i copies the 16-byte chunk ``i mod (K /
-    8)`` of the rows ``i div (K / 8)`` + multiples of ``128 parts / (K / 8)``: consecutive threads copy consecutive
-    bytes of one row."""
-    k = refs[0].shape[-1]
-    half = k // parts
-    chunks = k * 2 // COPY_BYTES  # 16-byte chunks a row
-    step = parts * WARPGROUP // chunks  # rows a pass of the threads
-    assert parts * WARPGROUP % chunks == 0 and ROWS % step == 0, k  # HEAD_DIMS
-    bases = np.cumsum((0,) + sizes).tolist()
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs) + (plgpu.RefType(TILED),))
-    def gather(ctx, idx, *refs):
-        del ctx
-        *srcs, dst = refs
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        c32 = lambda v: arith.constant(i32, v)
-        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
-        first = arith.divui(tid, c32(chunks))
-        col = arith.muli(arith.remui(tid, c32(chunks)), c32(8))  # the chunk's first element in the row
-        # where the chunk lies in a row of the slot: its K-half, 64-wide column tile, 16-byte index in the tile
-        col_in = arith.remui(col, c32(half))
-        sixteenth = arith.remui(arith.divui(col_in, c32(8)), c32(8))
-        tile_base = arith.addi(arith.muli(arith.divui(col, c32(half)), c32(ROWS * half * 2)),
-                               arith.muli(arith.divui(col_in, c32(64)), c32(1024)))
-        idx_ptr = _global(mgpu_utils.memref_ptr(idx))
-        src_ptrs = [_global(mgpu_utils.memref_ptr(src)) for src in srcs]
-        dst_ptr = mgpu_utils.memref_ptr(dst)
-        for r in range(0, ROWS, step):
-            row = arith.addi(first, c32(r))
-            index = llvm.load(i32, mgpu_utils.getelementptr(idx_ptr, [row], i32))
-            valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, index, c32(0)),
-                               arith.cmpi(arith.CmpIPredicate.slt, index, c32(bases[-1])))
-            # the source the row lives in and its row there (outside them, row 0 of the first: nothing is read)
-            local, src = arith.select(valid, index, c32(0)), src_ptrs[0]
-            for base, ptr in zip(bases[1:-1], src_ptrs[1:]):
-                past = arith.cmpi(arith.CmpIPredicate.sge, local, c32(base))
-                src = arith.select(past, ptr, src)
-                local = arith.select(past, arith.subi(local, c32(base)), local)
-            element = arith.addi(arith.muli(arith.extui(i64, local), arith.constant(i64, k)), arith.extui(i64, col))
-            src_addr = mgpu_utils.getelementptr(src, [element], ir.BF16Type.get())
-            line = arith.remui(row, c32(8))
-            offset = arith.addi(
-                arith.addi(tile_base, arith.muli(arith.divui(row, c32(8)), c32(half // 64 * 1024))),
-                arith.addi(arith.muli(line, c32(128)), arith.muli(arith.xori(sixteenth, line), c32(COPY_BYTES))))
-            dst_addr = mgpu_utils.getelementptr(dst_ptr, [offset], ir.IntegerType.get_signless(8))
-            size = arith.select(valid, c32(COPY_BYTES), c32(0))
-            nvvm.cp_async_shared_global(dst_addr, src_addr, COPY_BYTES, nvvm.LoadCacheModifierKind.CG,
-                                        cp_size=size)
-
-    gather(idx_ref, *refs)
-
-
-def _global(ptr: ir.Value) -> ir.Value:
-    """A generic pointer into GMEM as a global-space (address space 1) one, as ``cp.async`` takes it."""
-    return llvm.addrspacecast(llvm.PointerType.get(address_space=1), ptr)
+        row_gather.commit_group()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.kernels import sparse_attn_mgpu
+from dijax.kernels import row_gather, sparse_attn_mgpu
 from dijax.kernels.sparse_attn import SparseAttnConfig, sparse_attn_pallas, sparse_attn_reference
 from dijax.kernels.topk import topk_reference, topk_select
 
@@ -187,9 +187,10 @@ def test_sparse_attn_mgpu_engine_window_and_pool(batch):
     np.testing.assert_allclose(got, triton, atol=4e-3, rtol=2e-2)
 
 
-@pytest.mark.parametrize("k,sizes", [(512, (300, 5000)), (64, (40, 7, 200)), (128, (1000,)), (256, (64, 64))])
-def test_sparse_attn_mgpu_gather_rows(k, sizes):
-    # the kernel's cp.async row gather alone, through its swizzled slot and a TMA store: bit for bit the rows named,
+@pytest.mark.parametrize("k,sizes,parts", [(512, (300, 5000), 2), (64, (40, 7, 200), 1), (128, (1000,), 1),
+                                           (256, (64, 64), 1), (128, (500,), 2)])
+def test_row_gather(k, sizes, parts):
+    # the kernels' cp.async row gather alone, through its swizzled tile and a TMA store: bit for bit the rows named,
     # zero rows for -1 and past the sources (if this fails, the gather's addresses are wrong, whatever else passes)
     rng = np.random.default_rng(k)
     sources = tuple(jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16) for n in sizes)
@@ -198,5 +199,6 @@ def test_sparse_attn_mgpu_gather_rows(k, sizes):
     inside = (idx >= 0) & (idx < len(rows))
     want = np.where(inside[:, None], rows[np.clip(idx, 0, len(rows) - 1)], 0)
     poison(192 * k * 2 * 4)
-    got = np.asarray(jax.jit(sparse_attn_mgpu.gather_rows_mgpu)(sources, jnp.asarray(idx)), np.float32)
+    got = np.asarray(jax.jit(row_gather.gather_rows_mgpu, static_argnums=2)(sources, jnp.asarray(idx), parts),
+                     np.float32)
     np.testing.assert_array_equal(got, want)
