@@ -349,6 +349,45 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
                 except Exception as exc:  # one failing tiling must not hide the others' rows
                     print(f"indexer {name} at {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
             del args, pool, rows, want
+    out += _indexer_prefill_rows(heads, dim, **timing)
+    return out
+
+
+def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int = 2048, **timing) -> list[dict]:
+    """Prefill lightning-indexer scores (issue 13: 50 % of the tensor cores' peak): ``tokens`` tokens of one
+    sequence over ``width`` compressed positions, token t seeing t // 4 + 1 of them (an index layer of a
+    ``tokens``-token prefill at compression 4), fq4-quantised inputs. Floor: the larger of the visible scores'
+    FLOPs (the dots and the head sums) at the bf16 peak, and the keys, queries and scores through memory. The Triton
+    kernel, and the Mosaic GPU one (``IndexerConfig(engine='mgpu')``) where it runs."""
+    from dijax.kernels import indexer as ix
+    from dijax.kernels import indexer_mgpu, quant
+
+    rng = jax.random.split(jax.random.key(tokens), 4)
+    q = quant.fq4_pow2(jax.random.normal(rng[0], (tokens, heads, dim), jnp.bfloat16), 32)
+    w = (jax.random.normal(rng[1], (tokens, heads), jnp.float32) * (dim * heads) ** -0.5).astype(jnp.bfloat16)
+    pool = quant.fq4_pow2(jax.random.normal(rng[2], (4 * width, dim), jnp.bfloat16), 32)
+    rows = jax.random.permutation(rng[3], 4 * width)[:width].reshape(1, width).astype(jnp.int32)
+    seq = jnp.zeros((tokens,), jnp.int32)
+    visible = jnp.minimum(jnp.arange(tokens, dtype=jnp.int32) // 4 + 1, width)
+    args = (q, w, pool, rows, seq, visible)
+    seen = int(np.asarray(visible).sum())
+    floor = max(2 * seen * heads * (dim + 1) / 7.9e14, (width * dim * 2 + tokens * (heads * dim * 2 + width * 4))
+                / BANDWIDTH)
+    shape = f"prefill T={tokens}, P={width}, {heads} heads x {dim}"
+    want = np.asarray(jax.jit(ix.index_scores_reference)(*args))
+    configs = [("pallas", ix.IndexerConfig())]
+    if indexer_mgpu.available():
+        configs.append(("mgpu", ix.IndexerConfig(engine="mgpu")))
+    out = []
+    for name, config in configs:
+        try:
+            fn = jax.jit(lambda *a, c=config: ix.index_scores_pallas(*a, config=c))
+            got = np.asarray(fn(*args))
+            gap = np.abs(_bf16_order(got) - _bf16_order(want))
+            note = f" ({np.mean(got.view(np.uint32) == want.view(np.uint32)):.2%} equal, max {int(gap.max())} ulp)"
+            out.append(_timed_row("indexer", shape, name + note, time_call(fn, *args, **timing), floor, None))
+        except Exception as exc:  # one failing engine must not hide the other's row
+            print(f"indexer {name} at {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
     return out
 
 

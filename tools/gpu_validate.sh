@@ -62,6 +62,8 @@
 #            (dijax.kernels.sparse_attn_mgpu): its GPU tests, its decode rows against the Triton kernel's, flash-slice
 #            decode with it and without;
 #   mgpu-attn-parity  GPU parity with that kernel as sparse attention's default (in the run's copy of the tree);
+#   mgpu-indexer  (thirtieth session, not yet run) the lightning indexer on the Mosaic GPU kernel
+#            (dijax.kernels.indexer_mgpu): GPU tests, decode and prefill rows, flash-slice prefill 8192 with it;
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -78,7 +80,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|mgpu-model|mgpu-fp8|mgpu-attn|mgpu-attn-parity|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|mgpu-model|mgpu-fp8|mgpu-attn|mgpu-attn-parity|mgpu-indexer|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -298,6 +300,17 @@ case "$stage" in
       run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 \
         --kernels on --engine off --warmup 2 --iters 5 $setting
     done ;;
+  mgpu-indexer)
+    # (branch indexer-mgpu; ~450 s) the lightning indexer on dijax.kernels.indexer_mgpu (tiles of 8 tokens of one
+    # sequence on wgmma, the head sum a second product): the indexer's GPU tests, its decode and prefill rows
+    # (prefill 8192 x 2048: issue 13's 50 % of peak) against the Triton kernel, then flash-slice prefill 8192 with it
+    # and without (the parity fixtures' 32-dim index heads are too narrow for it: its GPU tests are its check)
+    run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
+    run 150 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3
+    for setting in "" "--kernel-setting indexer.CONFIG.engine='mgpu'"; do
+      run 120 python3 tools/bench.py --model flash-slice --decode-batch= --prefill 8192 --kernels on --engine off \
+        --warmup 2 --iters 5 $setting
+    done ;;
   mgpu-attn-parity)
     # (branch sparse-attn-mgpu; ~300 s) GPU parity with sparse attention on the Mosaic GPU kernel as the default (in
     # this run's copy of the tree only): the fixtures' 4 heads of 64 take its one-warpgroup form
@@ -321,6 +334,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-engine, mgpu-model, mgpu-fp8, mgpu-attn, mgpu-attn-parity, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-engine, mgpu-model, mgpu-fp8, mgpu-attn, mgpu-attn-parity, mgpu-indexer, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120

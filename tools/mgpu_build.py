@@ -134,7 +134,9 @@ def configurations() -> list[tuple[str, object]]:
             for shape in mgpu_lower.ATTN_SHAPES]
     gather = [(f"row_gather.gather_rows_mgpu {shape}", lambda s=shape: mgpu_lower.lower_gather(*s))
               for shape in mgpu_lower.GATHER_SHAPES]
-    return fp4 + fp8 + attn + gather
+    indexer = [(f"indexer_mgpu {shape}", lambda s=shape: mgpu_lower.lower_indexer(*s))
+               for shape in mgpu_lower.INDEXER_SHAPES]
+    return fp4 + fp8 + attn + gather + indexer
 
 
 def main() -> int:

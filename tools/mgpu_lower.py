@@ -31,7 +31,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dijax.kernels import fp4_wgmma, fp8_wgmma, lowering_for_gpu, row_gather, sparse_attn_mgpu  # noqa: E402
+from dijax.kernels import fp4_wgmma, fp8_wgmma, indexer_mgpu, lowering_for_gpu, row_gather  # noqa: E402
+from dijax.kernels import sparse_attn_mgpu  # noqa: E402
 from dijax.kernels import routed_experts as rx  # noqa: E402
 
 # (experts, F, K, tile sizes, chunks): the GPU test's shapes, the real gate-up and down with the routed path's
@@ -100,6 +101,21 @@ def lower_gather(k: int, sizes: tuple[int, ...], parts: int) -> int:
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
+# (T, I, J, sequences, P, blocks): a prefill of 8192 tokens over 2048 positions, 64 decode rows over 4096, a small
+# shape with one block a chunk (the second warpgroup idle)
+INDEXER_SHAPES = [(8192, 32, 128, 1, 2048, 8), (64, 32, 128, 64, 4096, 8), (30, 8, 64, 4, 130, 1)]
+
+
+def lower_indexer(t: int, i: int, j: int, s: int, p: int, blocks: int) -> int:
+    """Lower one ``indexer_mgpu.index_scores_mgpu`` for CUDA from abstract operands; -> the StableHLO text's
+    length."""
+    shapes = (jax.ShapeDtypeStruct((t, i, j), jnp.bfloat16), jax.ShapeDtypeStruct((t, i), jnp.bfloat16),
+              jax.ShapeDtypeStruct((s * p, j), jnp.bfloat16), jax.ShapeDtypeStruct((s, p), jnp.int32),
+              jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((t,), jnp.int32))
+    fn = functools.partial(indexer_mgpu.index_scores_mgpu, blocks=blocks)
+    return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
+
+
 def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 64, per_token: int = 4) -> int:
     """Lower the routed experts' ragged path with ``gemm_engine='mgpu'`` for CUDA (``gathered_max=0``, so few tokens
     take it too); -> the number of Mosaic GPU kernels in it (two: w1 and w3 share one lowered kernel of their
@@ -150,6 +166,12 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001
             failed += 1
             print(f"sparse_attn_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
+    for shape in INDEXER_SHAPES:
+        try:
+            print(f"indexer_mgpu T/I/J/S/P/blocks {shape}: lowered ({lower_indexer(*shape)} chars)")
+        except Exception as error:  # noqa: BLE001
+            failed += 1
+            print(f"indexer_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
     for shape in GATHER_SHAPES:
         try:
             print(f"row_gather.gather_rows_mgpu K/sources/parts {shape}: lowered ({lower_gather(*shape)} chars)")

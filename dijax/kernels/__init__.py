@@ -9,6 +9,7 @@
 | the flash-decoding merge of split partial sums with the sink (both sparse-attention kernels) | ``flash_merge`` | (jnp only) |
 | rows gathered by index into wgmma's swizzled shared-memory layout with ``cp.async`` (Mosaic GPU kernels) | ``row_gather`` | (helpers) |
 | lightning-indexer scores over the paged key pool | ``indexer`` | reference, pallas |
+| indexer scores on wgmma for prefill, tiles of 8 tokens, the head sum a second product (``indexer``'s ``engine='mgpu'``) | ``indexer_mgpu`` | reference, mgpu |
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |
 | the hyper-connection mix split (sigmoids, softmax, Sinkhorn rounds) | ``sinkhorn.split`` | reference, pallas |
 | the MoE router's selection (top-X, ids ascending, renormalised weights) | ``router`` | reference, pallas |
