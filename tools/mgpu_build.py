@@ -128,15 +128,8 @@ def build(name: str, lower, dump_root: str, compile_fn, ptxas: str, nvdisasm: st
 
 def configurations() -> list[tuple[str, object]]:
     """(label, lowering thunk) for every kernel shape tools/mgpu_lower.py lowers."""
-    fp4 = [(f"fp4_wgmma {shape}", lambda s=shape: mgpu_lower.lower_kernel(*s)) for shape in mgpu_lower.KERNEL_SHAPES]
-    fp8 = [(f"fp8_wgmma {shape}", lambda s=shape: mgpu_lower.lower_linear(*s)) for shape in mgpu_lower.LINEAR_SHAPES]
-    attn = [(f"sparse_attn_mgpu {shape}", lambda s=shape: mgpu_lower.lower_attention(*s))
-            for shape in mgpu_lower.ATTN_SHAPES]
-    gather = [(f"row_gather.gather_rows_mgpu {shape}", lambda s=shape: mgpu_lower.lower_gather(*s))
-              for shape in mgpu_lower.GATHER_SHAPES]
-    indexer = [(f"indexer_mgpu {shape}", lambda s=shape: mgpu_lower.lower_indexer(*s))
-               for shape in mgpu_lower.INDEXER_SHAPES]
-    return fp4 + fp8 + attn + gather + indexer
+    return [(f"{name} {shape}", lambda lower=lower, shape=shape: lower(*shape))
+            for name, _, lower, shapes in mgpu_lower.kernels() for shape in shapes]
 
 
 def main() -> int:

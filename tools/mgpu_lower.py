@@ -143,41 +143,26 @@ def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 6
     return text.count("@mosaic_gpu")
 
 
+def kernels() -> list[tuple[str, str, object, list]]:
+    """(name, the shape's fields, its lowering function, the shapes) of every Mosaic GPU kernel lowered here
+    (tools/mgpu_build.py builds the same list)."""
+    return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
+            ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
+            ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/split_scores]", lower_attention, ATTN_SHAPES),
+            ("indexer_mgpu", "T/I/J/S/P/blocks", lower_indexer, INDEXER_SHAPES),
+            ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]
+
+
 def main() -> int:
     print(f"jax {jax.__version__}")
     failed = 0
-    for shape in KERNEL_SHAPES:
-        try:
-            chars = lower_kernel(*shape)
-            print(f"fp4_wgmma experts/F/K/sizes/chunks[/warpgroups/overlap] {shape}: lowered ({chars} chars)")
-        except Exception as error:  # noqa: BLE001 (every shape is reported)
-            failed += 1
-            print(f"fp4_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
-    for shape in LINEAR_SHAPES:
-        try:
-            print(f"fp8_wgmma T/O/I/warpgroups {shape}: lowered ({lower_linear(*shape)} chars)")
-        except Exception as error:  # noqa: BLE001
-            failed += 1
-            print(f"fp8_wgmma {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
-    for shape in ATTN_SHAPES:
-        try:
-            chars = lower_attention(*shape)
-            print(f"sparse_attn_mgpu T/H/K/sources/L/splits[/split_scores] {shape}: lowered ({chars} chars)")
-        except Exception as error:  # noqa: BLE001
-            failed += 1
-            print(f"sparse_attn_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
-    for shape in INDEXER_SHAPES:
-        try:
-            print(f"indexer_mgpu T/I/J/S/P/blocks {shape}: lowered ({lower_indexer(*shape)} chars)")
-        except Exception as error:  # noqa: BLE001
-            failed += 1
-            print(f"indexer_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
-    for shape in GATHER_SHAPES:
-        try:
-            print(f"row_gather.gather_rows_mgpu K/sources/parts {shape}: lowered ({lower_gather(*shape)} chars)")
-        except Exception as error:  # noqa: BLE001
-            failed += 1
-            print(f"gather_rows_mgpu {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
+    for name, fields, lower, shapes in kernels():
+        for shape in shapes:
+            try:
+                print(f"{name} {fields} {shape}: lowered ({lower(*shape)} chars)")
+            except Exception as error:  # noqa: BLE001 (every shape is reported)
+                failed += 1
+                print(f"{name} {shape}: FAILED {type(error).__name__}: {str(error)[-600:]}")
     for tokens in (64, 1):  # prefill-like (every size) and decode (one size)
         try:
             calls = lower_routed(tokens=tokens)
