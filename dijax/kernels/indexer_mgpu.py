@@ -150,10 +150,6 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                 row_gather.gather_rows(rows_gmem.at[seq, pl.ds(p0, ROWS)], keys_gmem, k_smem.at[wg, slot],
                                        sizes=(keys_gmem.shape[0],), threads=WARPGROUP)
 
-        def commit():
-            if not interpret:
-                row_gather.commit_group()
-
         def body(q_smem, e_smem, k_smem, o_smem, t_smem, bar):
             @pl.when(wg == 0)
             def _():
@@ -165,16 +161,15 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
             @pl.when(mine > 0)  # (with one block a chunk, the second warpgroup has none)
             def _():
                 fetch(0, k_smem)
-            commit()
+            row_gather.commit_group(interpret)
             plgpu.barrier_wait(bar)
 
             def block(jb, _):
                 @pl.when(jb + 1 < mine)
                 def _():
                     fetch(jb + 1, k_smem)
-                commit()
-                if not interpret:
-                    row_gather.wait_group(1)  # this thread's copies of block jb
+                row_gather.commit_group(interpret)
+                row_gather.wait_group(1, interpret)  # this thread's copies of block jb
                 plgpu.commit_smem()  # the warpgroup's copies, seen by wgmma
                 slot = lax.rem(jb, SLOTS)
 

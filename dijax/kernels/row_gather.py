@@ -39,15 +39,25 @@ def widths(threads: int) -> tuple[int, ...]:
     return tuple(k for k in (64, 128, 256, 512, 1024) if threads % (k // 8) == 0 and ROWS % (threads // (k // 8)) == 0)
 
 
+def commit_group(interpret: bool = False) -> None:
+    """``cp.async.commit_group``: close this thread's group of copies (an empty one where it issued none). Nothing
+    when ``interpret`` (the interpreter runs no ``inline_mgpu``; a kernel's interpret mode stores its rows itself)."""
+    if not interpret:
+        _commit_group()
+
+
 @plgpu.inline_mgpu()
-def commit_group(ctx) -> None:
-    """``cp.async.commit_group``: close this thread's group of copies (an empty one where it issued none)."""
+def _commit_group(ctx) -> None:
     del ctx
     nvvm.cp_async_commit_group()
 
 
-def wait_group(pending: int) -> None:
-    """``cp.async.wait_group pending``: all but this thread's last ``pending`` groups have landed."""
+def wait_group(pending: int, interpret: bool = False) -> None:
+    """``cp.async.wait_group pending``: all but this thread's last ``pending`` groups have landed. Nothing when
+    ``interpret``."""
+    if interpret:
+        return
+
     @plgpu.inline_mgpu()
     def wait(ctx) -> None:
         del ctx

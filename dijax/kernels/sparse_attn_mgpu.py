@@ -159,8 +159,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
 
         def landed(cta_bar):
             """Wait until every thread's copies of the block are in shared memory, seen by wgmma."""
-            if not interpret:
-                row_gather.wait_group(1)  # this thread's copies of the block (the next block's may still be in flight)
+            row_gather.wait_group(1, interpret)  # this thread's copies of the block (not the next block's)
             plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
             _cta_sync(cta_bar)
 
@@ -171,7 +170,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     plgpu.copy_gmem_to_smem(q_gmem.at[ti, pl.ds(gi * HEADS, HEADS), pl.ds(part * half, half)],
                                             q_smem.at[part], q_bar)
             fetch(0, 0, kv_smem)
-            _commit_copies(interpret)
+            row_gather.commit_group(interpret)
             plgpu.barrier_wait(q_bar)
 
             def block(b, carry):
@@ -182,7 +181,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 @pl.when(b + 1 < blocks)
                 def _():
                     fetch(b + 1, 1 - slot, kv_smem)
-                _commit_copies(interpret)
+                row_gather.commit_group(interpret)
                 landed(cta_bar)
 
                 def scores(s_ref, parts):
@@ -290,10 +289,3 @@ def _cta_sync(cta_bar) -> None:
     """The CTA's compute warpgroups meet (an mbarrier of one arrival a warpgroup)."""
     plgpu.barrier_arrive(cta_bar)
     plgpu.barrier_wait(cta_bar)
-
-
-def _commit_copies(interpret: bool) -> None:
-    """Close this thread's group of ``cp.async`` copies (an empty group where it issued none, so that the wait's
-    count holds at the last block); nothing in interpret mode (TMA there)."""
-    if not interpret:
-        row_gather.commit_group()
