@@ -102,8 +102,9 @@ def lower_gather(k: int, sizes: tuple[int, ...], parts: int) -> int:
 
 
 # (T, I, J, sequences, P, blocks): a prefill of 8192 tokens over 2048 positions, 64 decode rows over 4096, a small
-# shape with one block a chunk (the second warpgroup idle)
-INDEXER_SHAPES = [(8192, 32, 128, 1, 2048, 8), (64, 32, 128, 64, 4096, 8), (30, 8, 64, 4, 130, 1)]
+# shape with one block a chunk (the second warpgroup idle), fewer tokens than a tile
+INDEXER_SHAPES = [(8192, 32, 128, 1, 2048, 8), (64, 32, 128, 64, 4096, 8), (30, 8, 64, 4, 130, 1),
+                  (3, 32, 128, 1, 256, 2)]
 
 
 def lower_indexer(t: int, i: int, j: int, s: int, p: int, blocks: int) -> int:

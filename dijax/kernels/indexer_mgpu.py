@@ -44,14 +44,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dijax.kernels import row_gather
-from dijax.kernels.fp4_wgmma import available
+from dijax.kernels.fp4_wgmma import COL_LAYOUT, available
 from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 
 TOKENS = 8  # tokens a tile: the head sum's wgmma N
 WARPGROUPS = 2  # compute warpgroups, alternate blocks of positions
 SLOTS = 2  # key slots a warpgroup
 MAX_N = 256  # wgmma's N: TOKENS x heads
-COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value a column of a WGMMA-layout tile
 
 
 def shape_error(i: int, j: int) -> str | None:
@@ -104,8 +103,12 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     chunk = blocks * ROWS
     padded = -(-width // chunk) * chunk
     tiles_X4, tile_T = tiles(seq_T.astype(jnp.int32), jnp.minimum(visible_T, width), s)
-    # a tile's query rows and weights read past the last token: TOKENS more rows of zeros
-    q_flat = jnp.pad(q_TIJ.astype(jnp.bfloat16).reshape(t * i, j), ((0, TOKENS * i), (0, 0)))
+    # a tile's query rows and weights read past the last token: its TMA copy of q fills them with zeros on the
+    # GPU, no copy of q needed (a padded copy where the interpreter, which raises there, runs it, or where q has
+    # fewer rows than the copy's box); w is read by plain loads, so TOKENS more zeros
+    q_flat = q_TIJ.astype(jnp.bfloat16).reshape(t * i, j)
+    if interpret or t < TOKENS:
+        q_flat = jnp.pad(q_flat, ((0, TOKENS * i), (0, 0)))
     w_flat = jnp.pad(w_TI.astype(jnp.bfloat16).reshape(t * i), (0, TOKENS * i))
     rows_SP = jnp.pad(rows_SP.astype(jnp.int32), ((0, 0), (0, padded - width)), constant_values=-1)
     sum_GC = jnp.asarray(np.arange(TOKENS * i)[None, :] // i == np.arange(TOKENS)[:, None], jnp.bfloat16)
@@ -219,6 +222,5 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
         kernel, out_type=jax.ShapeDtypeStruct((n_tiles, width, TOKENS), jnp.float32),
         grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=WARPGROUPS, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams())
-        if interpret else None)
+        interpret=row_gather.interpreter(interpret))
     return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, *(() if gathered_SPJ is None else (gathered_SPJ,)))

@@ -34,6 +34,14 @@ WARPGROUP = 128  # threads
 TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # wgmma's operand layout in shared memory
 
 
+def interpreter(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.InterpretGPUParams | None:
+    """A kernel's ``plgpu.kernel(interpret=...)`` for its ``interpret`` argument: None (run on the GPU), the
+    interpreter's default parameters (True), or the ``InterpretGPUParams`` given (e.g. ``detect_races=True``)."""
+    if not interpret:
+        return None
+    return interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()
+
+
 def widths(threads: int) -> tuple[int, ...]:
     """The row widths K (bf16 elements, multiples of 64) whose 16-byte chunks ``threads`` threads split evenly."""
     return tuple(k for k in (64, 128, 256, 512, 1024) if threads % (k // 8) == 0 and ROWS % (threads // (k // 8)) == 0)

@@ -57,15 +57,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dijax.kernels import flash_merge, row_gather
-from dijax.kernels.fp4_wgmma import ROW_LAYOUT, available
+from dijax.kernels.fp4_wgmma import COL_LAYOUT, ROW_LAYOUT, available
 from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 
 HEADS = 64  # heads a CTA: wgmma's M (ROWS, the rows a block, is the reference's block and the scores' wgmma N)
 MAX_PART = 256  # output dims a warpgroup: a 64 x 256 fp32 accumulator is 128 registers a thread (and wgmma's N)
-# head dims whose rows the gathering threads split evenly: a row's 16-byte chunks (K / 8) divide the CTA's threads
-HEAD_DIMS = (64, 128, 256, 512)
 SLOTS = 2
-COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value a column of a WGMMA-layout tile
 MAX_SOURCES = 3
 
 
@@ -83,6 +80,10 @@ def shape_error(h: int, k: int, n_sources: int) -> str | None:
 def warpgroups(k: int) -> int:
     """Compute warpgroups a CTA for head dim ``k``: one up to ``MAX_PART`` dims, else two (each K / 2)."""
     return 1 if k <= MAX_PART else 2
+
+
+# head dims of one or two warpgroups whose rows the gathering threads split evenly (row_gather.widths)
+HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.widths(warpgroups(k) * WARPGROUP))
 
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
@@ -280,8 +281,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         out_type=out_type,
         grid=(t, splits, h // HEADS), grid_names=("t", "s", "g"), num_threads=wgs, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams())
-        if interpret else None)
+        interpret=row_gather.interpreter(interpret))
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
 
 
