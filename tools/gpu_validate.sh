@@ -80,7 +80,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-engine|mgpu-model|mgpu-fp8|mgpu-attn|mgpu-attn-parity|mgpu-indexer|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-rows|mgpu-flash|mgpu-engine|mgpu-model|mgpu-fp8|mgpu-attn|mgpu-attn-parity|mgpu-indexer|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -289,6 +289,61 @@ case "$stage" in
     git checkout dijax/kernels/routed_experts.py 2>/dev/null || sed -i -e 's/    gemm_engine: str = "mgpu"/    gemm_engine: str = "triton"/' \
       -e 's/    gathered_max: int = 0/    gathered_max: int = 96/' dijax/kernels/routed_experts.py
     parity_summary "$out"/parity-mgpu-*.txt ;;
+  mgpu-check)
+    # (thirty-first session; ~550 s) every Mosaic GPU kernel's correctness in one call: GPU parity with each kernel
+    # as the default (copies of the tree under /tmp: the routed experts on fp4_wgmma, sparse attention on
+    # sparse_attn_mgpu, the fp8 linear on fp8_wgmma, then all three) beside the Triton defaults, and the kernels' GPU
+    # tests, all side by side; then sparse attention's and the indexer's kernel rows (Triton against Mosaic GPU)
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    sub=/tmp/gv; rm -rf $sub; mkdir -p $sub
+    for t in fp4 attn fp8 all; do mkdir -p $sub/tree-$t; cp -r dijax $sub/tree-$t/; done
+    sed -i -e 's/    gemm_engine: str = "triton"/    gemm_engine: str = "mgpu"/' -e 's/    gathered_max: int = 96/    gathered_max: int = 0/' \
+      $sub/tree-{fp4,all}/dijax/kernels/routed_experts.py
+    sed -i 's/    engine: str = "triton"/    engine: str = "mgpu"/' $sub/tree-{attn,all}/dijax/kernels/sparse_attn.py \
+      $sub/tree-{fp8,all}/dijax/kernels/fp8_linear.py
+    grep -HE '^    (gemm_engine|gathered_max|engine):' $sub/tree-all/dijax/kernels/{routed_experts,sparse_attn,fp8_linear}.py >> "$log"
+    check() {  # name, tree (. or a copy), time limit, command...
+      local name=$1 tree=$2 limit=$3; shift 3
+      (cd "$tree" && timeout "$limit" "$@" > "$sub/$name.txt" 2>&1; echo "$name: exit $?" >> "$sub/exits.txt")
+    }  # (python -m puts the working folder first on the path: a copy is run from inside it)
+    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
+    check parity-triton . 280 $p $fixtures/tiny-nodrop &
+    check parity-fp4 $sub/tree-fp4 280 $p $fixtures/tiny-nodrop &
+    check parity-attn $sub/tree-attn 280 $p $fixtures/tiny-nodrop &
+    check parity-fp8 $sub/tree-fp8 280 $p $fixtures/tiny-nodrop &
+    check parity-all-engine $sub/tree-all 280 $p $fixtures/tiny-nodrop --engine &
+    check parity-all-chunk7 $sub/tree-all 280 $p $fixtures/tiny-nodrop --chunk 7 &
+    check parity-all-tiny $sub/tree-all 280 $p $fixtures/tiny &
+    t="python3 -m pytest -q -ra -p no:cacheprovider"
+    check tests-fp4 . 280 $t tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py &
+    check tests-fp8 . 280 $t tests/gpu/test_fp8_wgmma_gpu.py tests/gpu/test_fp8_linear_gpu.py &
+    check tests-attn . 280 $t tests/gpu/test_attention_gpu.py -k "mgpu or row_gather" &
+    check tests-indexer . 280 $t tests/gpu/test_indexer_gpu.py &
+    wait
+    cat $sub/exits.txt >> "$log"
+    for f in $sub/tests-*.txt; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR|Error" "$f" | tail -12; done >> "$log"
+    parity_summary $sub/parity-*.txt
+    run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3
+    run 120 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3 ;;
+  mgpu-rows)
+    # (thirty-first session; ~450 s) the routed experts and the fp8 linear on Mosaic GPU against the Triton kernels:
+    # decode sizes by GPU kernel time with variants, the routed layer at 8192 tokens by wall time
+    run 160 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
+      --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_warpgroups=1"
+    run 130 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='mgpu'" \
+      --iters 5 --repeats 2
+    run 160 python3 tools/bench_kernels.py --only fp8_linear --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
+      --variant "engine='mgpu'" --variant "engine='mgpu',mgpu_warpgroups=2" ;;
+  mgpu-flash)
+    # (thirty-first session; ~450 s) flash-slice decode at batch 1 / 64 and prefill 8192 with the Triton defaults,
+    # then with MGPU_SETTINGS (the --kernel-setting arguments of the kernels stage mgpu-check passed), then prefill
+    # 8192 with the indexer on Mosaic GPU too
+    run 170 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 --kernels on \
+      --engine off --warmup 2 --iters 5
+    run 170 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 --kernels on \
+      --engine off --warmup 2 --iters 5 ${MGPU_SETTINGS:-}
+    run 110 python3 tools/bench.py --model flash-slice --decode-batch= --prefill 8192 --kernels on --engine off \
+      --warmup 2 --iters 5 ${MGPU_SETTINGS:-} --kernel-setting "indexer.CONFIG.engine='mgpu'" ;;
   mgpu-attn)
     # (branch sparse-attn-mgpu; ~500 s) sparse attention on dijax.kernels.sparse_attn_mgpu (rows gathered by cp.async
     # into wgmma's layout): its GPU tests, the decode rows against the Triton kernel at B = 1 / 64 / 256 with splits
@@ -334,6 +389,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-engine, mgpu-model, mgpu-fp8, mgpu-attn, mgpu-attn-parity, mgpu-indexer, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-rows, mgpu-flash, mgpu-engine, mgpu-model, mgpu-fp8, mgpu-attn, mgpu-attn-parity, mgpu-indexer, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
