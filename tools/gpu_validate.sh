@@ -80,7 +80,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-rows|mgpu-flash|mgpu-engine|mgpu-model|mgpu-fp8|mgpu-attn|mgpu-attn-parity|mgpu-indexer|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-attn-check|mgpu-rows|mgpu-flash|mgpu-engine|mgpu-model|mgpu-fp8|mgpu-attn|mgpu-attn-parity|mgpu-indexer|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -91,6 +91,16 @@ parity() {  # name, time limit, arguments of dijax parity
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m dijax.cli.main parity "$@" --kernels on > "$out/parity-$name.txt" 2>&1
   echo "parity $name: exit $?" >> "$log"
+}
+sub=/tmp/gv  # side-by-side runs' outputs (check) and copies of the tree with other defaults
+check() {  # name, tree (. or a copy), time limit, command...: run in the background of a stage, output to $sub/name.txt
+  local name=$1 tree=$2 limit=$3; shift 3
+  (cd "$tree" && timeout "$limit" "$@" > "$sub/$name.txt" 2>&1; echo "$name: exit $?" >> "$sub/exits.txt")
+}  # (python -m puts the working folder first on the path: a copy is run from inside it)
+checked() {  # after `wait`: the exits, the tests' summaries and the parity runs' into the log
+  cat $sub/exits.txt >> "$log"
+  for f in $sub/tests-*.txt; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR|Error" "$f" | tail -12; done >> "$log"
+  parity_summary $sub/parity-*.txt
 }
 parity_summary() {  # the parity outputs named, each one's header and its tier / check lines, into the log
   for f in "$@"; do
@@ -295,17 +305,13 @@ case "$stage" in
     # sparse_attn_mgpu, the fp8 linear on fp8_wgmma, then all three) beside the Triton defaults, and the kernels' GPU
     # tests, all side by side; then sparse attention's and the indexer's kernel rows (Triton against Mosaic GPU)
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    sub=/tmp/gv; rm -rf $sub; mkdir -p $sub
+    rm -rf $sub; mkdir -p $sub
     for t in fp4 attn fp8 all; do mkdir -p $sub/tree-$t; cp -r dijax $sub/tree-$t/; done
     sed -i -e 's/    gemm_engine: str = "triton"/    gemm_engine: str = "mgpu"/' -e 's/    gathered_max: int = 96/    gathered_max: int = 0/' \
       $sub/tree-{fp4,all}/dijax/kernels/routed_experts.py
     sed -i 's/    engine: str = "triton"/    engine: str = "mgpu"/' $sub/tree-{attn,all}/dijax/kernels/sparse_attn.py \
       $sub/tree-{fp8,all}/dijax/kernels/fp8_linear.py
     grep -HE '^    (gemm_engine|gathered_max|engine):' $sub/tree-all/dijax/kernels/{routed_experts,sparse_attn,fp8_linear}.py >> "$log"
-    check() {  # name, tree (. or a copy), time limit, command...
-      local name=$1 tree=$2 limit=$3; shift 3
-      (cd "$tree" && timeout "$limit" "$@" > "$sub/$name.txt" 2>&1; echo "$name: exit $?" >> "$sub/exits.txt")
-    }  # (python -m puts the working folder first on the path: a copy is run from inside it)
     fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
     check parity-triton . 280 $p $fixtures/tiny-nodrop &
     check parity-fp4 $sub/tree-fp4 280 $p $fixtures/tiny-nodrop &
@@ -320,11 +326,30 @@ case "$stage" in
     check tests-attn . 280 $t tests/gpu/test_attention_gpu.py -k "mgpu or row_gather" &
     check tests-indexer . 280 $t tests/gpu/test_indexer_gpu.py &
     wait
-    cat $sub/exits.txt >> "$log"
-    for f in $sub/tests-*.txt; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR|Error" "$f" | tail -12; done >> "$log"
-    parity_summary $sub/parity-*.txt
+    checked
     run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3
     run 120 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3 ;;
+  mgpu-attn-check)
+    # (thirty-first session, after mgpu-check found the row gather's third source misaddressed; ~480 s) sparse
+    # attention's and fp4_wgmma's GPU tests, and GPU parity with sparse attention on Mosaic GPU (a copy of the tree),
+    # side by side; then its decode rows against the Triton kernel's and flash-slice decode with it
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    rm -rf $sub; mkdir -p $sub/tree-attn; cp -r dijax $sub/tree-attn/
+    sed -i 's/    engine: str = "triton"/    engine: str = "mgpu"/' $sub/tree-attn/dijax/kernels/sparse_attn.py
+    grep -HE '^    engine:' $sub/tree-attn/dijax/kernels/sparse_attn.py >> "$log"
+    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
+    check parity-attn $sub/tree-attn 240 $p $fixtures/tiny-nodrop &
+    check parity-attn-chunk7 $sub/tree-attn 240 $p $fixtures/tiny-nodrop --chunk 7 &
+    check parity-attn-engine $sub/tree-attn 240 $p $fixtures/tiny-nodrop --engine &
+    check parity-attn-tiny $sub/tree-attn 240 $p $fixtures/tiny &
+    t="python3 -m pytest -q -ra -p no:cacheprovider"
+    check tests-attn . 240 $t tests/gpu/test_attention_gpu.py -k "mgpu or row_gather" &
+    check tests-fp4 . 240 $t tests/gpu/test_fp4_wgmma_gpu.py &
+    wait
+    checked
+    run 110 python3 tools/bench_kernels.py --only sparse_attn --iters 10 --repeats 3
+    run 140 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
+      --engine off --warmup 2 --iters 5 --kernel-setting "sparse_attn.CONFIG.engine='mgpu'" ;;
   mgpu-rows)
     # (thirty-first session; ~450 s) the routed experts and the fp8 linear on Mosaic GPU against the Triton kernels:
     # decode sizes by GPU kernel time with variants, the routed layer at 8192 tokens by wall time
@@ -389,6 +414,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-rows, mgpu-flash, mgpu-engine, mgpu-model, mgpu-fp8, mgpu-attn, mgpu-attn-parity, mgpu-indexer, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-attn-check, mgpu-rows, mgpu-flash, mgpu-engine, mgpu-model, mgpu-fp8, mgpu-attn, mgpu-attn-parity, mgpu-indexer, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120

@@ -115,12 +115,14 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int) -> None:
             index = llvm.load(i32, mgpu_utils.getelementptr(idx_ptr, [row], i32))
             valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, index, c32(0)),
                                arith.cmpi(arith.CmpIPredicate.slt, index, c32(bases[-1])))
-            # the source the row lives in and its row there (outside them, row 0 of the first: nothing is read)
-            local, src = arith.select(valid, index, c32(0)), src_ptrs[0]
+            # the source the row lives in (the last whose first row is at or before it) and its row there; outside
+            # them, row 0 of the first (nothing is read)
+            index = arith.select(valid, index, c32(0))
+            local, src = index, src_ptrs[0]
             for base, ptr in zip(bases[1:-1], src_ptrs[1:]):
-                past = arith.cmpi(arith.CmpIPredicate.sge, local, c32(base))
+                past = arith.cmpi(arith.CmpIPredicate.sge, index, c32(base))
                 src = arith.select(past, ptr, src)
-                local = arith.select(past, arith.subi(local, c32(base)), local)
+                local = arith.select(past, arith.subi(index, c32(base)), local)
             element = arith.addi(arith.muli(arith.extui(i64, local), arith.constant(i64, k)), arith.extui(i64, col))
             src_addr = mgpu_utils.getelementptr(src, [element], ir.BF16Type.get())
             line = arith.remui(row, c32(8))
