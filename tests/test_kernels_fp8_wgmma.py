@@ -119,11 +119,12 @@ def test_splits_and_shape_errors():
 
 def test_engine_is_checked_and_needs_a_hopper_gpu(monkeypatch):
     """``fp8_linear.KernelConfig`` names a bad engine or warpgroup count; 'mgpu' runs only where fp8_wgmma can (not
-    interpreted, a compute-capability-9 GPU, its shapes, at most ``max_tokens`` rows), else the Triton kernel."""
+    interpreted, a compute-capability-9 GPU, its shapes, ``mgpu_min_tokens`` to ``max_tokens`` rows), else the Triton
+    kernel."""
     import dataclasses
 
     for change, field in (({"engine": "cuda"}, "engine"), ({"mgpu_warpgroups": 4}, "mgpu_warpgroups"),
-                          ({"mgpu_stages": 0}, "mgpu_stages")):
+                          ({"mgpu_stages": 0}, "mgpu_stages"), ({"mgpu_min_tokens": 0}, "mgpu_min_tokens")):
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(fl.KernelConfig(), **change)
     monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, engine="mgpu"))
@@ -133,6 +134,8 @@ def test_engine_is_checked_and_needs_a_hopper_gpu(monkeypatch):
     assert fl._mgpu_takes(x, [weight], interpret=False)
     assert not fl._mgpu_takes(x, [weight[:96]], interpret=False)  # O not a multiple of 64
     assert not fl._mgpu_takes(jnp.zeros((fl.CONFIG.max_tokens + 1, 256), jnp.bfloat16), [weight], interpret=False)
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, mgpu_min_tokens=x.shape[0] + 1))
+    assert not fl._mgpu_takes(x, [weight], interpret=False)  # fewer rows than mgpu_min_tokens: the Triton kernel
 
 
 def test_seam_runs_each_linear_on_the_emulated_kernel(monkeypatch):

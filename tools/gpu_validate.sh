@@ -330,26 +330,29 @@ case "$stage" in
     run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3
     run 120 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3 ;;
   mgpu-attn-check)
-    # (thirty-first session, after mgpu-check found the row gather's third source misaddressed; ~480 s) sparse
+    # (thirty-first session, after mgpu-check found the row gather's third source misaddressed; ~400 s) sparse
     # attention's and fp4_wgmma's GPU tests, and GPU parity with sparse attention on Mosaic GPU (a copy of the tree),
-    # side by side; then its decode rows against the Triton kernel's and flash-slice decode with it
+    # side by side; then its decode rows against the Triton kernel's, and flash-slice decode with it and with the fp8
+    # linears on fp8_wgmma from 33 to 64 rows (FP8_SETTINGS)
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     rm -rf $sub; mkdir -p $sub/tree-attn; cp -r dijax $sub/tree-attn/
     sed -i 's/    engine: str = "triton"/    engine: str = "mgpu"/' $sub/tree-attn/dijax/kernels/sparse_attn.py
     grep -HE '^    engine:' $sub/tree-attn/dijax/kernels/sparse_attn.py >> "$log"
     fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
-    check parity-attn $sub/tree-attn 240 $p $fixtures/tiny-nodrop &
-    check parity-attn-chunk7 $sub/tree-attn 240 $p $fixtures/tiny-nodrop --chunk 7 &
-    check parity-attn-engine $sub/tree-attn 240 $p $fixtures/tiny-nodrop --engine &
-    check parity-attn-tiny $sub/tree-attn 240 $p $fixtures/tiny &
+    check parity-attn $sub/tree-attn 180 $p $fixtures/tiny-nodrop &
+    check parity-attn-chunk7 $sub/tree-attn 180 $p $fixtures/tiny-nodrop --chunk 7 &
+    check parity-attn-engine $sub/tree-attn 180 $p $fixtures/tiny-nodrop --engine &
+    check parity-attn-tiny $sub/tree-attn 180 $p $fixtures/tiny &
     t="python3 -m pytest -q -ra -p no:cacheprovider"
-    check tests-attn . 240 $t tests/gpu/test_attention_gpu.py -k "mgpu or row_gather" &
-    check tests-fp4 . 240 $t tests/gpu/test_fp4_wgmma_gpu.py &
+    check tests-attn . 180 $t tests/gpu/test_attention_gpu.py -k "mgpu or row_gather" &
+    check tests-fp4 . 180 $t tests/gpu/test_fp4_wgmma_gpu.py &
     wait
     checked
-    run 110 python3 tools/bench_kernels.py --only sparse_attn --iters 10 --repeats 3
-    run 140 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 2 --iters 5 --kernel-setting "sparse_attn.CONFIG.engine='mgpu'" ;;
+    run 100 python3 tools/bench_kernels.py --only sparse_attn --iters 10 --repeats 3
+    fp8="--kernel-setting fp8_linear.CONFIG.engine='mgpu' --kernel-setting fp8_linear.CONFIG.max_tokens=64"
+    fp8="$fp8 --kernel-setting fp8_linear.CONFIG.mgpu_min_tokens=33 --kernel-setting fp8_linear.CONFIG.mgpu_warpgroups=2"
+    run 100 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
+      --engine off --warmup 2 --iters 5 --kernel-setting "sparse_attn.CONFIG.engine='mgpu'" $fp8 ;;
   mgpu-rows)
     # (thirty-first session; ~450 s) the routed experts and the fp8 linear on Mosaic GPU against the Triton kernels:
     # decode sizes by GPU kernel time with variants, the routed layer at 8192 tokens by wall time
