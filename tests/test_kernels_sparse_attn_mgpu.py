@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dijax.kernels import row_gather
 from dijax.kernels import sparse_attn as sa
 from dijax.kernels import sparse_attn_mgpu as sm
 from tests.test_kernels_sparse_attn import problem
@@ -64,6 +65,19 @@ def test_head_padding_and_groups(h, k):
     # head groups
     q, sources, idx, sink = problem(2, 100, (70, 200), h, h, k)
     check(q, sources, idx, sink, splits=1)
+
+
+@pytest.mark.parametrize("sizes", [(40,), (40, 7, 200), (3, 0, 5, 9)])
+def test_row_gather_locates_each_source(sizes):
+    # the gather's source lookup, the same code the kernel runs in MLIR, here on numpy (the interpreter gathers in
+    # XLA instead, so this is the CPU's only check of it: the H200 found rows past a second source misplaced)
+    firsts = np.cumsum((0,) + sizes)
+    index = np.arange(firsts[-1])
+    which, local = row_gather.locate(index, firsts[:-1].tolist(), list(range(len(sizes))), np.where,
+                                     np.greater_equal, np.subtract)
+    want = np.searchsorted(firsts, index, side="right") - 1
+    np.testing.assert_array_equal(which, want)
+    np.testing.assert_array_equal(local, index - firsts[want])
 
 
 def test_shape_errors_name_the_field():

@@ -115,14 +115,10 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int) -> None:
             index = llvm.load(i32, mgpu_utils.getelementptr(idx_ptr, [row], i32))
             valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, index, c32(0)),
                                arith.cmpi(arith.CmpIPredicate.slt, index, c32(bases[-1])))
-            # the source the row lives in (the last whose first row is at or before it) and its row there; outside
-            # them, row 0 of the first (nothing is read)
-            index = arith.select(valid, index, c32(0))
-            local, src = index, src_ptrs[0]
-            for base, ptr in zip(bases[1:-1], src_ptrs[1:]):
-                past = arith.cmpi(arith.CmpIPredicate.sge, index, c32(base))
-                src = arith.select(past, ptr, src)
-                local = arith.select(past, arith.subi(index, c32(base)), local)
+            # the source the row lives in and its row there; outside them, row 0 of the first (nothing is read)
+            src, local = locate(arith.select(valid, index, c32(0)), bases[:-1], src_ptrs, arith.select,
+                                lambda a, b: arith.cmpi(arith.CmpIPredicate.sge, a, c32(b)),
+                                lambda a, b: arith.subi(a, c32(b)))
             element = arith.addi(arith.muli(arith.extui(i64, local), arith.constant(i64, k)), arith.extui(i64, col))
             src_addr = mgpu_utils.getelementptr(src, [element], ir.BF16Type.get())
             line = arith.remui(row, c32(8))
@@ -135,6 +131,18 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int) -> None:
                                         cp_size=size)
 
     gather(idx_ref, *refs)
+
+
+def locate(index, firsts, choices, select, at_least, minus):
+    """The source of a row of the sources' concatenation and its row there, as a chain of selects: (``choices[i]``,
+    ``index - firsts[i]``) for the last i with ``index >= firsts[i]`` (``firsts``: the sources' first rows, from 0).
+    The operations are arguments so that the kernel's MLIR (``arith``) and a CPU test's numpy run this same code."""
+    choice, local = choices[0], index
+    for first, other in zip(firsts[1:], choices[1:]):
+        past = at_least(index, first)
+        choice = select(past, other, choice)
+        local = select(past, minus(index, first), local)
+    return choice, local
 
 
 def gather_rows_mgpu(sources: tuple[jax.Array, ...], idx_L: jax.Array, parts: int = 1) -> jax.Array:
