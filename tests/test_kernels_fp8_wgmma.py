@@ -119,21 +119,23 @@ def test_splits_and_shape_errors():
 
 def test_engine_is_checked_and_needs_a_hopper_gpu(monkeypatch):
     """``fp8_linear.KernelConfig`` names a bad engine or warpgroup count; 'mgpu' runs only where fp8_wgmma can (not
-    interpreted, a compute-capability-9 GPU, its shapes, ``mgpu_min_tokens`` to ``max_tokens`` rows), else the Triton
-    kernel."""
+    interpreted, a compute-capability-9 GPU, its shapes, ``mgpu_min_tokens`` to ``mgpu_max_tokens`` rows), else the
+    Triton kernel."""
     import dataclasses
 
     for change, field in (({"engine": "cuda"}, "engine"), ({"mgpu_warpgroups": 4}, "mgpu_warpgroups"),
-                          ({"mgpu_stages": 0}, "mgpu_stages"), ({"mgpu_min_tokens": 0}, "mgpu_min_tokens")):
+                          ({"mgpu_stages": 0}, "mgpu_stages"), ({"mgpu_min_tokens": 0}, "mgpu_min_tokens"),
+                          ({"mgpu_min_tokens": 65, "mgpu_max_tokens": 64}, "mgpu_min_tokens")):
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(fl.KernelConfig(), **change)
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, engine="mgpu"))
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, engine="mgpu", mgpu_min_tokens=1))
     x, weight, _ = _operands(128, 256, 2, seed=4)
     assert not fl._mgpu_takes(x, [weight], interpret=True)
     monkeypatch.setattr(f8, "available", lambda: True)
     assert fl._mgpu_takes(x, [weight], interpret=False)
     assert not fl._mgpu_takes(x, [weight[:96]], interpret=False)  # O not a multiple of 64
-    assert not fl._mgpu_takes(jnp.zeros((fl.CONFIG.max_tokens + 1, 256), jnp.bfloat16), [weight], interpret=False)
+    assert not fl._mgpu_takes(jnp.zeros((fl.CONFIG.mgpu_max_tokens + 1, 256), jnp.bfloat16), [weight],
+                              interpret=False)
     monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, mgpu_min_tokens=x.shape[0] + 1))
     assert not fl._mgpu_takes(x, [weight], interpret=False)  # fewer rows than mgpu_min_tokens: the Triton kernel
 
@@ -143,7 +145,8 @@ def test_seam_runs_each_linear_on_the_emulated_kernel(monkeypatch):
     through ``linear_mgpu``, equal to the reference; the leading dims of x kept."""
     import dataclasses
 
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, engine="mgpu"))
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, engine="mgpu", mgpu_min_tokens=1,
+                                                          mgpu_warpgroups=1))
     monkeypatch.setattr(f8, "available", lambda: True)
     monkeypatch.setattr(fl, "interpret_mode", lambda requested=None: False)
     monkeypatch.setattr(f8, "_call", emulated_call)

@@ -278,6 +278,27 @@ def test_mgpu_engine_needs_a_hopper_gpu_and_its_sizes():
     assert not rx._mgpu_takes(5120, 2304 + 32, cfg, interpret=False)  # F not a multiple of 128
 
 
+def test_mgpu_engine_from_its_fewest_assignments(monkeypatch):
+    """Below ``mgpu_min_assignments`` the ragged path keeps the Triton kernels (fp4_wgmma never called), from it on
+    it takes fp4_wgmma."""
+    calls, reference = [], rx.fp4_wgmma.grouped_gemm_t_reference  # the kernel's signature, counted
+    monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    monkeypatch.setattr(rx, "_mgpu_takes", lambda *args: True)
+    rng = np.random.default_rng(3)
+    experts = make_experts(rng, 8, 128, 128, (116, 122))
+    weights_TX, experts_TX = make_routing(rng, 5, 8, 2, None, (), ())
+    x_TD = make_x(rng, 5, 128, 1.0)
+    for fewest, used in ((11, False), (10, True)):  # 5 tokens x 2 experts = 10 assignments
+        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gathered_max=0, mgpu_min_assignments=fewest))
+        rx._routed_experts_call.clear_cache()
+        try:
+            rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT)
+        finally:
+            rx._routed_experts_call.clear_cache()
+        assert bool(calls) == used, fewest
+        calls.clear()
+
+
 @pytest.mark.parametrize("gemm", ["reference", "interpreted"])
 @pytest.mark.parametrize("t, pool, pad_tokens, pad_slots", [(1, None, (), ()), (3, 8, (1,), (2,)),
                                                           (16, None, (3,), (5,)), (200, 9, (17,), (2,))])
@@ -291,7 +312,8 @@ def test_mgpu_path_on_the_cpu(t, pool, pad_tokens, pad_slots, gemm, monkeypatch)
               else functools.partial(rx.fp4_wgmma.grouped_gemm_t_mgpu, interpret=True))
     monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu", kernel)
     monkeypatch.setattr(rx, "_mgpu_takes", lambda *args: True)
-    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine="mgpu", gathered_max=0))
+    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine="mgpu", gathered_max=0,
+                                                          mgpu_min_assignments=0))
     rx._routed_experts_call.clear_cache()
     rng = np.random.default_rng(t)
     n_experts, per_token, d, f = 32, 6, 256, 128

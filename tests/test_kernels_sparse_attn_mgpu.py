@@ -91,14 +91,24 @@ def test_shape_errors_name_the_field():
         sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 96), 0.1, interpret=True)
 
 
-def test_engine_is_validated_and_falls_back_off_the_gpu():
+def test_engine_is_validated_and_falls_back_off_the_gpu(monkeypatch):
     with pytest.raises(ValueError, match="engine must be one of"):
         sa.SparseAttnConfig(engine="cuda")
-    # off a GPU (interpret mode) the 'mgpu' engine takes the Triton kernel: the same values as the default engine
+    with pytest.raises(ValueError, match="mgpu_min_tokens"):
+        sa.SparseAttnConfig(mgpu_min_tokens=0)
+    # off a GPU (interpret mode) the 'mgpu' engine takes the Triton kernel: the same values as the Triton engine
     q, sources, idx, sink = problem(2, 70, (50, 90), 3, 16, 64)
     args = (q, sources, jnp.asarray(idx), sink, 0.125)
     np.testing.assert_array_equal(np.asarray(sa.sparse_attn_pallas(*args, config=sa.SparseAttnConfig(engine="mgpu"))),
-                                  np.asarray(sa.sparse_attn_pallas(*args)))
+                                  np.asarray(sa.sparse_attn_pallas(*args, config=sa.SparseAttnConfig(engine="triton"))))
+    # on a Hopper GPU (faked): from mgpu_min_tokens tokens on, shapes it takes, not interpreted
+    monkeypatch.setattr(sm, "available", lambda: True)
+    config = sa.SparseAttnConfig(engine="mgpu", mgpu_min_tokens=64)
+    assert sa._mgpu_takes(config, 64, 64, 512, 3, interpret=False)
+    assert not sa._mgpu_takes(config, 63, 64, 512, 3, interpret=False)
+    assert not sa._mgpu_takes(config, 64, 64, 512, 3, interpret=True)
+    assert not sa._mgpu_takes(config, 64, 64, 96, 3, interpret=False)
+    assert not sa._mgpu_takes(sa.SparseAttnConfig(engine="triton"), 64, 64, 512, 3, interpret=False)
 
 
 @pytest.mark.parametrize("k,split_scores", [(512, False), (512, True), (64, False)])

@@ -154,7 +154,8 @@ def test_routed_experts_of_a_stacked_layer_on_fp4_wgmma(tokens, monkeypatch):
     monkeypatch.setattr(rx, "_mgpu_takes", lambda *args: True)
     monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu",
                         functools.partial(rx.fp4_wgmma.grouped_gemm_t_mgpu, interpret=True))
-    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine="mgpu", mgpu_warpgroups=1))
+    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine="mgpu", mgpu_warpgroups=1,
+                                                             mgpu_min_assignments=0))
     rx._routed_experts_call.clear_cache()
     n_experts, d, f = 8, 128, 128
     rng = np.random.default_rng(4)

@@ -86,7 +86,8 @@ class KernelConfig:
     ``engine``: 'triton' (this module's kernel) or 'mgpu' (dijax.kernels.fp8_wgmma: the weights decoded in
     registers as wgmma's A operand, streamed by TMA; one launch a linear, ``mgpu_warpgroups`` compute warpgroups a
     CTA, ``mgpu_stages`` deep). 'mgpu' falls back to 'triton' off a compute-capability-9 GPU, when interpreted, or
-    for shapes it does not take (``fp8_wgmma.shape_error``), and below ``mgpu_min_tokens`` rows. On the H200
+    for shapes it does not take (``fp8_wgmma.shape_error``), and outside ``mgpu_min_tokens`` to ``mgpu_max_tokens``
+    rows (past ``max_tokens`` the Triton kernel hands over to the reference: 'mgpu' has its own range). On the H200
     (thirty-first session, GPU kernel time) 'mgpu' lost at T = 1 (the 8 flash-slice linears 1.3-2.2x slower) and
     was mixed at 16, but at T = 64 it ran the 7 layer linears in 156 us (2 warpgroups) against 262 us on the
     reference (where ``max_tokens`` = 32 sends them) and 330 us on the Triton kernel, the Engram ``wkv`` in 94
@@ -103,10 +104,11 @@ class KernelConfig:
     target_programs: int = 264  # two per multiprocessor of an H200: K is split until the grid has this many
     max_tokens: int = 32
     fuse: bool = True
-    engine: str = "triton"
-    mgpu_warpgroups: int = 1
+    engine: str = "mgpu"
+    mgpu_warpgroups: int = 2
     mgpu_stages: int = 4
-    mgpu_min_tokens: int = 1
+    mgpu_min_tokens: int = 33
+    mgpu_max_tokens: int = 64
     poison: bool = False
 
     def __post_init__(self):
@@ -117,8 +119,9 @@ class KernelConfig:
                              f"got {self.mgpu_warpgroups}")
         if self.mgpu_stages < 1:
             raise ValueError(f"fp8_linear KernelConfig.mgpu_stages must be >= 1, got {self.mgpu_stages}")
-        if self.mgpu_min_tokens < 1:
-            raise ValueError(f"fp8_linear KernelConfig.mgpu_min_tokens must be >= 1, got {self.mgpu_min_tokens}")
+        if not 1 <= self.mgpu_min_tokens <= self.mgpu_max_tokens:
+            raise ValueError(f"fp8_linear KernelConfig.mgpu_min_tokens must be in [1, mgpu_max_tokens = "
+                             f"{self.mgpu_max_tokens}], got {self.mgpu_min_tokens}")
 
 
 CONFIG = KernelConfig()
@@ -261,9 +264,9 @@ def pallas_supports(x_TI: jax.Array, *weights: Weight) -> bool:
 
 def _mgpu_takes(x_TI: jax.Array, weights: list[Weight], interpret: bool) -> bool:
     """Whether ``CONFIG.engine='mgpu'`` runs these linears on fp8_wgmma: a compute-capability-9 GPU, not
-    interpreted, fp8 weights of shapes it takes, ``CONFIG.mgpu_min_tokens`` to ``CONFIG.max_tokens`` rows."""
+    interpreted, fp8 weights of shapes it takes, ``CONFIG.mgpu_min_tokens`` to ``CONFIG.mgpu_max_tokens`` rows."""
     if (CONFIG.engine != "mgpu" or interpret or not fp8_wgmma.available()
-            or not CONFIG.mgpu_min_tokens <= x_TI.shape[0] <= CONFIG.max_tokens):
+            or not CONFIG.mgpu_min_tokens <= x_TI.shape[0] <= CONFIG.mgpu_max_tokens):
         return False
     return all(w.dtype == jnp.float8_e4m3fn
                and fp8_wgmma.shape_error(x_TI.shape[0], w.shape[0], w.shape[1], CONFIG.mgpu_warpgroups) is None

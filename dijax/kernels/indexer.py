@@ -93,8 +93,9 @@ class IndexerConfig:
     least ``mgpu_min_tokens_per_seq`` tokens a sequence row (T / S, static: a decode step's one token a sequence
     would fill an eighth of its tiles), on a compute-capability-9 GPU, not interpreted, for shapes it takes
     (``indexer_mgpu.shape_error``); otherwise 'triton'. It needs an engine step's token order (at most S + 1 runs
-    of one sequence's consecutive tokens: ``indexer_mgpu.tiles``), which the Triton kernel does not. 'triton'
-    stays the default until the H200 has run it (written in the thirtieth session without a device).
+    of one sequence's consecutive tokens: ``indexer_mgpu.tiles``), which the Triton kernel does not. On the H200
+    (thirty-first session) it took prefill 8192 x 2048 (32 heads x 128) in 433 us against 496 (20.2 % of the
+    tensor-core floor against 17.7 %), its outputs within 1 ulp of the reference.
     """
 
     block_p: int = 128
@@ -104,7 +105,7 @@ class IndexerConfig:
     num_warps: int = 4
     num_stages: int = 1
     poison: bool = False
-    engine: str = "triton"
+    engine: str = "mgpu"
     mgpu_min_tokens_per_seq: int = 4
 
     def __post_init__(self):

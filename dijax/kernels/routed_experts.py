@@ -169,9 +169,11 @@ class KernelConfig:
       activations, the weights' tiles dequantised into a bf16 dot) or 'mgpu' (dijax.kernels.fp4_wgmma: wgmma with
       the weights decoded in registers as the A operand, tiles fitted to each expert, the SwiGLU and the
       combine in XLA); 'mgpu' falls back to 'triton' off a compute-capability-9 GPU or for sizes it does not take.
-      'triton' stays the default: on the H200 (twenty-eighth session) 'mgpu' gives the same GPU parity figures but
-      the layer at 8192 tokens takes 20.6 ms against 14.7, and prefill 8192 210.7 ms against 181.6. Its kernels
-      alone take ~13.2 ms; the rest is the XLA passes around the transposed outputs and the sorted copy of x;
+      On the H200 (thirty-first session, with tiles fitted to each expert and the outputs untransposed) 'mgpu'
+      took the layer at 8192 tokens in 12.59 ms against 14.81 (35.0 % of the floor against 29.7 %) and lost at
+      decode sizes (T = 64: 2.85 against 2.34 ms), so it runs from ``mgpu_min_assignments`` (T x X) on;
+    mgpu_min_assignments: the fewest assignments the ragged path runs on 'mgpu' (below, 'triton'). The crossover
+      lies between the measured 384 (lost) and 49152 (won); 24576 is 64 rows an expert of 384 on average;
     mgpu_sizes / mgpu_stages / mgpu_chunks / mgpu_warpgroups: fp4_wgmma's tile sizes (``fit_tiles``: each
       expert's rows in tiles of the largest, then one of the smallest size that covers the rest; only the sizes A
       can use are compiled, ``fit_sizes``), stages, chunks and compute warpgroups a CTA;
@@ -194,7 +196,8 @@ class KernelConfig:
     gemm_words: int = 16
     gemm_warps: int = 4
     gemm_stages: int = 3
-    gemm_engine: str = "triton"
+    gemm_engine: str = "mgpu"
+    mgpu_min_assignments: int = 24576
     mgpu_sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 192, 256)
     mgpu_stages: int = 4
     mgpu_chunks: int = 2
@@ -227,6 +230,9 @@ class KernelConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"routed_experts KernelConfig.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)}")
+        if self.mgpu_min_assignments < 0:
+            raise ValueError(f"routed_experts KernelConfig.mgpu_min_assignments must be >= 0, "
+                             f"got {self.mgpu_min_assignments}")
         if self.gemm_engine not in GEMM_ENGINES:
             raise ValueError(f"routed_experts KernelConfig.gemm_engine must be one of {GEMM_ENGINES}, "
                              f"got {self.gemm_engine!r}")
@@ -685,7 +691,8 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
                      stack_A, phase_major(quant.fq8(h_AF)).astype(jnp.float32), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
-    if config.gemm_engine == "mgpu" and _mgpu_takes(d, f, config, interpret):
+    if config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments and _mgpu_takes(d, f, config,
+                                                                                                  interpret):
         return _ragged_mgpu(((w1, s1), (w3, s3), (w2, s2)), offset, x_act_TD, weights_A, expert_A, n_experts,
                             n_per_token, limit, config)
     rows = gemm_rows(n_assign, n_experts, config)

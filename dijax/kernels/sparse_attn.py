@@ -118,8 +118,10 @@ class SparseAttnConfig:
     engine: 'triton' (this module's kernel) or 'mgpu' (dijax.kernels.sparse_attn_mgpu: the rows gathered by
     ``cp.async`` into wgmma's shared-memory layout, one or two warpgroups each its part of the output dims, block
     b + 1's gathers in flight during block b's products; the same splits). 'mgpu' falls back to 'triton' off a
-    compute-capability-9 GPU, when interpreted, or for shapes it does not take (``sparse_attn_mgpu.shape_error``);
-    'triton' stays the default until the H200 has run it (written in the thirtieth session without a device).
+    compute-capability-9 GPU, when interpreted, for shapes it does not take (``sparse_attn_mgpu.shape_error``), and
+    below ``mgpu_min_tokens`` tokens. On the H200 (thirty-first session; 640 rows x 512, 64 heads, the model's
+    window + pool sources) it took batch 64 in 41.2 us against 53.1 (23.7 % of the gathered-bytes floor) and 256 in
+    96.6 against 147.3 (40.4 %), and lost at batch 1 (27.1 against 22.4 us).
     ``mgpu_split_scores``: its ``split_scores`` variant (each warpgroup the scores of its own K-half).
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
@@ -133,15 +135,25 @@ class SparseAttnConfig:
     wave_programs: int = 132
     num_warps: int = 8
     num_stages: int | None = None
-    engine: str = "triton"
+    engine: str = "mgpu"
+    mgpu_min_tokens: int = 64
     mgpu_split_scores: bool = False
 
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"sparse_attn SparseAttnConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.mgpu_min_tokens < 1:
+            raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_min_tokens must be >= 1, got {self.mgpu_min_tokens}")
 
 
 CONFIG = SparseAttnConfig()
+
+
+def _mgpu_takes(config: SparseAttnConfig, t: int, h: int, k: int, n_sources: int, interpret: bool) -> bool:
+    """Whether ``sparse_attn_pallas`` runs on ``sparse_attn_mgpu``: engine 'mgpu', at least ``mgpu_min_tokens``
+    tokens, a compute-capability-9 GPU (not interpreted), shapes it takes."""
+    return (config.engine == "mgpu" and t >= config.mgpu_min_tokens and not interpret and sparse_attn_mgpu.available()
+            and sparse_attn_mgpu.shape_error(h, k, n_sources) is None)
 
 
 def _attend(idx_ref, first_ref, q_ref, src_refs, *, sizes: tuple[int, ...], split_len: int, list_len: int,
@@ -269,8 +281,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     blocks = max(1, -(-idx_TL.shape[1] // BLOCK))
     splits = _num_splits(config, t * groups, blocks)
     interpret = interpret_mode(interpret)
-    if (config.engine == "mgpu" and not interpret and sparse_attn_mgpu.available()
-            and sparse_attn_mgpu.shape_error(h, k, len(kv_sources)) is None):
+    if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
         return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
                                                  split_scores=config.mgpu_split_scores)
     split_len = -(-blocks // splits) * BLOCK
