@@ -8,6 +8,7 @@ the SwiGLU clamp firing, padding assignments (expert -1), the tile layout's inva
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -24,7 +25,7 @@ from dijax.kernels import routed_experts as rx
 from dijax.model import moe
 from dijax.model.param_map import checkpoint_tree
 
-pytestmark = pytest.mark.cost(75)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(110)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 LIMIT = 10.0
 
@@ -258,7 +259,10 @@ def test_moe_with_pallas_matches_reference(t):
 @pytest.mark.parametrize("change, field", [({"gemm_cols": 16}, "gemm_cols"), ({"gemm_rows_max": 48}, "gemm_rows_max"),
                                            ({"gemm_rows_min": 128}, "gemm_rows_min"), ({"gemm_warps": 3}, "gemm_warps"),
                                            ({"matvec_stages": 0}, "matvec_stages"),
-                                           ({"gemm_engine": "cuda"}, "gemm_engine")])
+                                           ({"gemm_engine": "cuda"}, "gemm_engine"),
+                                           ({"mgpu_sizes": (64, 100)}, "mgpu_sizes"),
+                                           ({"mgpu_chunks": 4}, "mgpu_chunks"),
+                                           ({"mgpu_warpgroups": 3}, "mgpu_warpgroups")])
 def test_kernel_config_refuses_bad_tilings(change, field):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(rx.KernelConfig(), **change)
@@ -272,3 +276,156 @@ def test_mgpu_engine_needs_a_hopper_gpu_and_its_sizes():
     if jax.default_backend() != "gpu":
         assert not rx._mgpu_takes(5120, 2304, cfg, interpret=False)
     assert not rx._mgpu_takes(5120, 2304 + 32, cfg, interpret=False)  # F not a multiple of 128
+
+
+def test_mgpu_engine_from_its_fewest_assignments(monkeypatch):
+    """Below ``mgpu_min_assignments`` the ragged path keeps the Triton kernels (fp4_wgmma never called), from it on
+    it takes fp4_wgmma."""
+    calls, reference = [], rx.fp4_wgmma.grouped_gemm_t_reference  # the kernel's signature, counted
+    monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    monkeypatch.setattr(rx, "_mgpu_takes", lambda *args: True)
+    rng = np.random.default_rng(3)
+    experts = make_experts(rng, 8, 128, 128, (116, 122))
+    weights_TX, experts_TX = make_routing(rng, 5, 8, 2, None, (), ())
+    x_TD = make_x(rng, 5, 128, 1.0)
+    for fewest, used in ((11, False), (10, True)):  # 5 tokens x 2 experts = 10 assignments
+        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gathered_max=0, mgpu_min_assignments=fewest))
+        rx._routed_experts_call.clear_cache()
+        try:
+            rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT)
+        finally:
+            rx._routed_experts_call.clear_cache()
+        assert bool(calls) == used, fewest
+        calls.clear()
+
+
+@pytest.mark.parametrize("gemm", ["reference", "interpreted"])
+@pytest.mark.parametrize("t, pool, pad_tokens, pad_slots", [(1, None, (), ()), (3, 8, (1,), (2,)),
+                                                          (16, None, (3,), (5,)), (200, 9, (17,), (2,))])
+def test_mgpu_path_on_the_cpu(t, pool, pad_tokens, pad_slots, gemm, monkeypatch):
+    """The 'mgpu' ragged path on the CPU: its tile layout (``lone_tiles`` up to ``mgpu_lone_max`` assignments,
+    else fit_tiles), the row gathers, SwiGLU and routing weights and the combine around fp4_wgmma's reference
+    (same signature) or its kernel run by the Mosaic GPU interpreter. Decode (a tile per assignment, experts
+    shared by two tokens), padding tokens and slots, empty experts and tiles of several sizes, against the
+    reference path."""
+    kernel = (rx.fp4_wgmma.grouped_gemm_t_reference if gemm == "reference"
+              else functools.partial(rx.fp4_wgmma.grouped_gemm_t_mgpu, interpret=True))
+    monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu", kernel)
+    monkeypatch.setattr(rx, "_mgpu_takes", lambda *args: True)
+    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine="mgpu", gathered_max=0,
+                                                          mgpu_min_assignments=0))
+    rx._routed_experts_call.clear_cache()
+    rng = np.random.default_rng(t)
+    n_experts, per_token, d, f = 32, 6, 256, 128
+    experts = make_experts(rng, n_experts, d, f, (116, 122))
+    weights_TX, experts_TX = make_routing(rng, t, n_experts, per_token, pool, pad_tokens, pad_slots)
+    x_TD = make_x(rng, t, d, 3.0)
+    try:
+        got = np.asarray(rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT))
+    finally:
+        rx._routed_experts_call.clear_cache()
+    expected = np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT))
+    assert_close(got, expected, min_equal=0.95)
+    assert np.all(got[np.all(np.asarray(experts_TX) < 0, axis=1)] == 0)
+
+
+@pytest.mark.parametrize("sizes", [(64, 128, 192, 256), (16, 64), (128,)])
+def test_fit_tiles_cover_each_expert_exactly(sizes):
+    """Every assignment's row lies in exactly one tile, of its own expert; a tile's size is one of ``sizes``; each
+    expert's rows are contiguous, the large tiles first; padding assignments (-1) get no row."""
+    rng = np.random.default_rng(len(sizes))
+    n_experts, per_token, tokens = 12, 4, 333
+    expert_TX = np.stack([rng.choice(n_experts, per_token, replace=False) for _ in range(tokens)])
+    expert_TX[rng.random(expert_TX.shape) < 0.05] = -1
+    expert_A = jnp.asarray(expert_TX.reshape(-1), jnp.int32)
+    tiles_I3, token_R, slot_R, pos_A = (np.asarray(a) for a in rx.fit_tiles(expert_A, n_experts, per_token, sizes))
+    row_tile = np.full(token_R.shape[0], -1)
+    for i, (e, r, n) in enumerate(tiles_I3):
+        if e < 0:
+            continue
+        assert n in sizes and r + n <= token_R.shape[0]
+        assert np.all(row_tile[r:r + n] == -1), "tiles overlap"
+        row_tile[r:r + n] = i
+    for a, e in enumerate(np.asarray(expert_A)):
+        if e < 0:
+            assert a not in slot_R
+            continue
+        row = pos_A[a]
+        assert slot_R[row] == a and token_R[row] == a // per_token
+        assert tiles_I3[row_tile[row], 0] == e
+    for e in range(n_experts):  # whole tiles of the largest size, then at most one smaller tile
+        mine = tiles_I3[tiles_I3[:, 0] == e]
+        assert np.sum(mine[:, 2] != max(sizes)) <= 1
+        count = np.sum(np.asarray(expert_A) == e)
+        assert mine[:, 2].sum() - count < max(b - a for a, b in zip([0, *sorted(sizes)], sorted(sizes)))
+
+
+def _pad_rows(count: int, sizes: tuple[int, ...]) -> int:
+    """The rows ``fit_tiles`` gives an expert of ``count`` assignments (numpy restatement of its rule)."""
+    big = max(sizes)
+    rest = count % big
+    return count - rest + (min(n for n in sizes if n >= rest) if rest else 0)
+
+
+@pytest.mark.parametrize("sizes", [(8, 16, 32, 64, 128, 192, 256), (64, 128, 192, 256), (16, 64), (128,)])
+def test_fit_rows_bounds_every_layout(sizes):
+    """``fit_rows`` is at least the rows of the worst distributions (every expert one assignment, every expert one
+    past a size, everything on one expert) and of random ones; it is never above the plain A + n (gap - 1)."""
+    rng = np.random.default_rng(7)
+    gap = max(b - a for a, b in zip([0, *sorted(sizes)], sorted(sizes)))
+    for n_experts, n_assign in [(384, 6), (384, 96), (384, 384), (384, 8192), (12, 333), (3, 1000)]:
+        bound = rx.fit_rows(sizes, n_assign, n_experts)
+        n = min(n_experts, n_assign)
+        assert bound % 8 == 0 and bound <= -(-(n_assign + n * (gap - 1)) // 8) * 8
+        layouts = [np.bincount(np.arange(n_assign) % n, minlength=n_experts),
+                   np.eye(n_experts, dtype=int)[0] * n_assign]
+        for size in sizes:  # as many experts as fit with one row past each size, the rest on one more
+            per = size % max(sizes) + 1
+            k = min(n, n_assign // per)
+            counts = np.zeros(n_experts, int)
+            counts[:k] = per
+            counts[k % n_experts] += n_assign - counts.sum()
+            layouts.append(counts)
+        layouts += [np.bincount(rng.integers(0, n_experts, n_assign), minlength=n_experts) for _ in range(20)]
+        for counts in layouts:
+            assert counts.sum() == n_assign
+            assert sum(_pad_rows(int(c), sizes) for c in counts if c) <= bound, (n_experts, n_assign, counts)
+
+
+def test_fit_rows_is_tight_at_decode():
+    """Lone assignments at decode lay out one smallest tile each: the bound is exactly that, not A + n (gap - 1)."""
+    sizes = rx.CONFIG.mgpu_sizes
+    assert rx.fit_rows(sizes, 384, 384) == 384 * min(sizes)
+    assert rx.fit_rows(sizes, 6, 384) == 6 * min(sizes)
+
+
+@pytest.mark.parametrize("n_assign, expected", [(6, (8,)), (8, (8,)), (9, (8, 16)), (100, (8, 16, 32, 64, 128)),
+                                                (384, (8, 16, 32, 64, 128, 192, 256)),
+                                                (49152, (8, 16, 32, 64, 128, 192, 256))])
+def test_fit_sizes_keeps_the_sizes_a_tile_can_take(n_assign, expected):
+    """No expert has more rows than A, so sizes above the smallest holding A never occur and are not compiled; the
+    tiles are the same with the full and the kept sizes."""
+    sizes = (8, 16, 32, 64, 128, 192, 256)
+    assert rx.fit_sizes(sizes, n_assign) == expected
+    rng = np.random.default_rng(n_assign)
+    expert_A = jnp.asarray(rng.integers(-1, 5, n_assign), jnp.int32)
+    full, kept = (rx.fit_tiles(expert_A, 5, 1, s) for s in (sizes, expected))
+    used = np.asarray(full[0])[:, 0] >= 0
+    np.testing.assert_array_equal(np.asarray(full[0])[used], np.asarray(kept[0])[np.asarray(kept[0])[:, 0] >= 0])
+    for a, b in zip(full[1:], kept[1:]):
+        n = min(a.shape[0], b.shape[0])
+        np.testing.assert_array_equal(np.asarray(a)[:n], np.asarray(b)[:n])
+
+
+def test_lone_tiles_give_each_assignment_its_row():
+    """A tile of LONE_ROWS rows per assignment, the assignment in its first row; padding assignments' tiles unused
+    and their rows padding."""
+    expert_A = jnp.asarray([3, -1, 0, 3], jnp.int32)
+    tiles_I3, token_R, slot_R, pos_A = (np.asarray(a) for a in rx.lone_tiles(expert_A, n_per_token=2))
+    n = rx.LONE_ROWS
+    np.testing.assert_array_equal(tiles_I3, [[3, 0, n], [-1, n, 0], [0, 2 * n, n], [3, 3 * n, n]])
+    np.testing.assert_array_equal(pos_A, [0, n, 2 * n, 3 * n])
+    assert token_R.shape == slot_R.shape == (4 * n,)
+    np.testing.assert_array_equal(slot_R[pos_A], [0, -1, 2, 3])
+    np.testing.assert_array_equal(token_R[pos_A], [0, 0, 1, 1])
+    assert np.all(slot_R[np.setdiff1d(np.arange(4 * n), pos_A)] == -1)

@@ -13,13 +13,14 @@ from dijax.kernels.sparse_attn import (SparseAttnConfig, _num_splits, sparse_att
 H, K = 16, 64
 
 
-def problem(t: int, length: int, sizes: tuple[int, ...], seed: int):
+def problem(t: int, length: int, sizes: tuple[int, ...], seed: int, h: int = H, k: int = K):
+    """(q bf16 [t, h, k], sources bf16 [n, k] of ``sizes``, idx int32 [t, length] with 30 % -1, sink float32 [h])."""
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((t, H, K)), jnp.bfloat16)
-    sources = tuple(jnp.asarray(rng.standard_normal((n, K)) * 2, jnp.bfloat16) for n in sizes)
+    q = jnp.asarray(rng.standard_normal((t, h, k)), jnp.bfloat16)
+    sources = tuple(jnp.asarray(rng.standard_normal((n, k)) * 2, jnp.bfloat16) for n in sizes)
     idx = rng.integers(0, sum(sizes), (t, length)).astype(np.int32)
     idx[rng.random((t, length)) < 0.3] = -1
-    sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
     return q, sources, idx, sink
 
 

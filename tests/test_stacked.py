@@ -4,6 +4,9 @@ not address are sliced, and the scanned step no longer copies a layer's weights 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +27,7 @@ from tests.test_kernels_fp8_linear import _weights
 from tests.test_kernels_routed_experts import LIMIT, make_experts, make_routing, make_x
 from tests.test_nnx_model import _repeating
 
-pytestmark = pytest.mark.cost(15)  # CI seconds, a scheduling hint (tests/conftest.py)
+pytestmark = pytest.mark.cost(40)  # CI seconds, a scheduling hint (tests/conftest.py)
 
 LEAD = (2, 3)  # (period, layer) of the stacks
 LAYER = 4  # period 1, layer 1: neither the first nor the last
@@ -142,3 +145,30 @@ def test_scanned_layers_hand_their_kernels_the_whole_stack():
         return [path for path, v in nnx.to_flat_state(state) if IN_PLACE(path, v)]
 
     assert marked(loaded) == marked(params) and len(marked(params)) > 0
+
+
+@pytest.mark.parametrize("tokens", [2, 9])  # a tile per assignment (6 of them), then fitted tiles (27)
+def test_routed_experts_of_a_stacked_layer_on_fp4_wgmma(tokens, monkeypatch):
+    """The 'mgpu' path reads a stacked layer's experts in place (expert ids offset into the flattened stack):
+    fp4_wgmma's kernel in the Mosaic GPU interpreter, against the same layer's experts as plain arrays."""
+    monkeypatch.setattr(rx, "_mgpu_takes", lambda *args: True)
+    monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu",
+                        functools.partial(rx.fp4_wgmma.grouped_gemm_t_mgpu, interpret=True))
+    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine="mgpu", mgpu_warpgroups=1,
+                                                             mgpu_min_assignments=0))
+    rx._routed_experts_call.clear_cache()
+    n_experts, d, f = 8, 128, 128
+    rng = np.random.default_rng(4)
+    layers = [make_experts(rng, n_experts, d, f, (118, 130)) for _ in range(int(np.prod(LEAD)))]
+    stacks = jax.tree.map(lambda *a: jnp.stack(a).reshape(*LEAD, *a[0].shape), *layers)
+    views = jax.tree.map(lambda a: of_layer(a, LAYER, 3), stacks)
+    x_TD = make_x(rng, tokens, d, 1.0)
+    weights_TX, experts_TX = make_routing(rng, tokens, n_experts, 3, pad_tokens=(1,))
+    try:
+        got = rx.routed_experts(views, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas", path="ragged")
+        plain = rx.routed_experts(layers[LAYER], x_TD, weights_TX, experts_TX, LIMIT, impl="pallas", path="ragged")
+    finally:
+        rx._routed_experts_call.clear_cache()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+    want = rx.routed_experts(layers[LAYER], x_TD, weights_TX, experts_TX, LIMIT)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=4 * 2.0 ** -8 * np.abs(want).max())

@@ -218,9 +218,11 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     gathered bf16 rows (T x (window + topk) x dim x 2 bytes). "window + pool" is the model's layout
     (``attention.attend_lists``: ring and new rows concatenated outside the timing, first_T = window).
     ``sweep`` adds splits variants and the kernel over one source (all three concatenated: what the sources'
-    masked loads cost), each layout at 1 stage too.
+    masked loads cost), each layout at 1 stage too. On a compute-capability-9 GPU the Mosaic GPU kernel
+    (``SparseAttnConfig(engine='mgpu')``) has rows too, with splits variants under ``sweep``.
     """
     from dijax.kernels import sparse_attn as sa
+    from dijax.kernels import sparse_attn_mgpu
 
     configs = [("pallas", sa.SparseAttnConfig())]
     if sweep:  # (twenty-fifth session: 4 or 16 warps and 32 or 16 heads a program were 1.4-40x slower at B >= 64)
@@ -233,6 +235,13 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
                     ("pallas 1 source 1 stage", sa.SparseAttnConfig(num_stages=1)),
                     ("pallas window + pool 1 stage", sa.SparseAttnConfig(num_stages=1))]
     configs += [("pallas window + pool", sa.SparseAttnConfig())]
+    if sparse_attn_mgpu.available():  # the Mosaic GPU kernel (engine 'mgpu'), where it runs rather than falls back
+        configs += [("mgpu", sa.SparseAttnConfig(engine="mgpu")),
+                    ("mgpu window + pool", sa.SparseAttnConfig(engine="mgpu"))]
+        if sweep:
+            configs += [(f"mgpu {n} split{'s' * (n > 1)}", sa.SparseAttnConfig(engine="mgpu", num_splits=n))
+                        for n in (1, 2, 3, 5)]
+            configs += [("mgpu split scores", sa.SparseAttnConfig(engine="mgpu", mgpu_split_scores=True))]
     scale = dim ** -0.5
     out = []
     for batch in batches:
@@ -340,6 +349,45 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
                 except Exception as exc:  # one failing tiling must not hide the others' rows
                     print(f"indexer {name} at {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
             del args, pool, rows, want
+    out += _indexer_prefill_rows(heads, dim, **timing)
+    return out
+
+
+def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int = 2048, **timing) -> list[dict]:
+    """Prefill lightning-indexer scores (issue 13: 50 % of the tensor cores' peak): ``tokens`` tokens of one
+    sequence over ``width`` compressed positions, token t seeing t // 4 + 1 of them (an index layer of a
+    ``tokens``-token prefill at compression 4), fq4-quantised inputs. Floor: the larger of the visible scores'
+    FLOPs (the dots and the head sums) at the bf16 peak, and the keys, queries and scores through memory. The Triton
+    kernel, and the Mosaic GPU one (``IndexerConfig(engine='mgpu')``) where it runs."""
+    from dijax.kernels import indexer as ix
+    from dijax.kernels import indexer_mgpu, quant
+
+    rng = jax.random.split(jax.random.key(tokens), 4)
+    q = quant.fq4_pow2(jax.random.normal(rng[0], (tokens, heads, dim), jnp.bfloat16), 32)
+    w = (jax.random.normal(rng[1], (tokens, heads), jnp.float32) * (dim * heads) ** -0.5).astype(jnp.bfloat16)
+    pool = quant.fq4_pow2(jax.random.normal(rng[2], (4 * width, dim), jnp.bfloat16), 32)
+    rows = jax.random.permutation(rng[3], 4 * width)[:width].reshape(1, width).astype(jnp.int32)
+    seq = jnp.zeros((tokens,), jnp.int32)
+    visible = jnp.minimum(jnp.arange(tokens, dtype=jnp.int32) // 4 + 1, width)
+    args = (q, w, pool, rows, seq, visible)
+    seen = int(np.asarray(visible).sum())
+    floor = max(2 * seen * heads * (dim + 1) / 7.9e14, (width * dim * 2 + tokens * (heads * dim * 2 + width * 4))
+                / BANDWIDTH)
+    shape = f"prefill T={tokens}, P={width}, {heads} heads x {dim}"
+    want = np.asarray(jax.jit(ix.index_scores_reference)(*args))
+    configs = [("pallas", ix.IndexerConfig())]
+    if indexer_mgpu.available():
+        configs.append(("mgpu", ix.IndexerConfig(engine="mgpu")))
+    out = []
+    for name, config in configs:
+        try:
+            fn = jax.jit(lambda *a, c=config: ix.index_scores_pallas(*a, config=c))
+            got = np.asarray(fn(*args))
+            gap = np.abs(_bf16_order(got) - _bf16_order(want))
+            note = f" ({np.mean(got.view(np.uint32) == want.view(np.uint32)):.2%} equal, max {int(gap.max())} ulp)"
+            out.append(_timed_row("indexer", shape, name + note, time_call(fn, *args, **timing), floor, None))
+        except Exception as exc:  # one failing engine must not hide the other's row
+            print(f"indexer {name} at {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
     return out
 
 
@@ -556,19 +604,20 @@ def fp8_linears_rows(tokens=(1, 16), sweep: bool = False, reps: int = 8, **timin
 def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[dict]:
     """The Mosaic GPU MXFP4 grouped GEMM (dijax.kernels.fp4_wgmma; routed_experts' gemm_engine='mgpu') at the
     routed experts' prefill shapes: T tokens routed uniformly at random to 6 of 384 experts, assignments sorted
-    into tiles of ``tile_n`` (``routed_experts.tile_layout``), the gate-up weights (w1 and w3 side by side:
-    4608 x 5120) and the down weight (5120 x 2304).
+    into tiles (``routed_experts.fit_tiles`` with the config's sizes, or equal tiles of 128), the gate-up weights
+    (w1 and w3 side by side: 4608 x 5120) and the down weight (5120 x 2304).
 
     Floor: the real assignments' FLOPs at ``MATRIX_RATE`` (the measured bf16 ceiling that docs/benchmarks.md's
     "30 % of peak" of the Triton grouped GEMM is against); padding rows count as waste. The time includes the
-    wrapper's two XLA passes (x's K order, the scales' transpose). ``sweep``: also 64-token tiles, 6 pipeline
-    stages, and one 64-wide K chunk a step instead of two. (On the H200 the sweep's 8 rows did not finish within
-    100 s: run it with --tokens 8192 alone.)"""
+    wrapper's XLA pass (x's K order and row gather). ``sweep``: also one 64-wide K chunk a step instead of two,
+    equal 128-row tiles, and ``overlap`` (a step's last wgmma running into the next step). (On the H200 the
+    twenty-eighth session's 8-row sweep did not finish within 100 s: run it with --tokens 8192 alone.)"""
     from dijax.kernels import fp4_wgmma as fw
-    from dijax.kernels.routed_experts import pack_words, tile_layout
+    from dijax.kernels.routed_experts import CONFIG, fit_tiles, pack_words
 
     n_experts, n_active = 384, 6
-    configs = [(128, 4, 2)] + ([(128, 4, 1), (128, 6, 2), (64, 4, 2)] if sweep else [])  # tile, stages, chunks
+    configs = [dict(sizes=CONFIG.mgpu_sizes)] + ([dict(sizes=CONFIG.mgpu_sizes, chunks=1), dict(sizes=(128,)),
+                                                  dict(sizes=CONFIG.mgpu_sizes, overlap=True)] if sweep else [])
     out = []
     for name, (f, k) in {"gate-up": (4608, 5120), "down": (5120, 2304)}.items():
         rng = np.random.default_rng(f)
@@ -578,15 +627,15 @@ def fp4_wgmma_rows(tokens=(1024, 8192), sweep: bool = False, **timing) -> list[d
             expert_A = jnp.asarray(np.stack([rng.choice(n_experts, n_active, replace=False) for _ in range(t)]),
                                    jnp.int32).reshape(-1)
             floor = 2 * expert_A.size * f * k / MATRIX_RATE
-            for tile_n, stages, chunks in configs:
-                tile_expert_I, token_R, _, _ = tile_layout(expert_A, n_experts, n_active, tile_n)
-                x = jnp.asarray(rng.standard_normal((token_R.shape[0], k)), jnp.bfloat16)
-                fn = jax.jit(functools.partial(fw.grouped_gemm_t_mgpu, tile_n=tile_n, stages=stages, chunks=chunks))
-                seconds = time_call(fn, w, s, x, tile_expert_I, **timing)
-                busy = int(np.sum(np.asarray(tile_expert_I) >= 0))
+            x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+            for config in configs:
+                tiles_I3, token_R, _, _ = fit_tiles(expert_A, n_experts, n_active, config["sizes"])
+                fn = jax.jit(functools.partial(fw.grouped_gemm_t_mgpu, **config))
+                seconds = time_call(fn, w, s, x, tiles_I3, token_R, **timing)
+                used = np.asarray(tiles_I3)[np.asarray(tiles_I3)[:, 0] >= 0]
                 out.append(_timed_row("fp4_wgmma", f"{name} {f} x {k}, T={t}, A={expert_A.size}",
-                                      f"mgpu tile_n={tile_n} stages={stages} chunks={chunks} ({busy} tiles)", seconds,
-                                      floor, None))
+                                      "mgpu " + " ".join(f"{k}={v}" for k, v in config.items())
+                                      + f" ({len(used)} tiles, {used[:, 2].sum()} rows)", seconds, floor, None))
     return out
 
 

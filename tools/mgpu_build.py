@@ -39,7 +39,7 @@ from jax.experimental.mosaic.gpu import core  # noqa: E402
 from tools import mgpu_lower  # noqa: E402
 
 STUB_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_stub.c")
-SASS_GROUPS = ("HGMMA", "LOP3", "SHF", "IMAD", "HMUL2", "PRMT", "LDS", "LDG", "STS", "SYNCS", "BAR")
+SASS_GROUPS = ("HGMMA", "LOP3", "SHF", "IMAD", "HMUL2", "PRMT", "LDS", "LDG", "LDGSTS", "STS", "SYNCS", "BAR")
 
 
 def load_stub(workdir: str) -> None:
@@ -128,7 +128,8 @@ def build(name: str, lower, dump_root: str, compile_fn, ptxas: str, nvdisasm: st
 
 def configurations() -> list[tuple[str, object]]:
     """(label, lowering thunk) for every kernel shape tools/mgpu_lower.py lowers."""
-    return [(f"fp4_wgmma {shape}", lambda s=shape: mgpu_lower.lower_kernel(*s)) for shape in mgpu_lower.KERNEL_SHAPES]
+    return [(f"{name} {shape}", lambda lower=lower, shape=shape: lower(*shape))
+            for name, _, lower, shapes in mgpu_lower.kernels() for shape in shapes]
 
 
 def main() -> int:

@@ -5,11 +5,16 @@
 | routed experts (MXFP4 / fp8 grouped GEMM, SwiGLU) | ``routed_experts`` | reference, pallas |
 | MXFP4 grouped GEMM on wgmma, weights decoded in registers (``routed_experts``' ``gemm_engine='mgpu'``) | ``fp4_wgmma`` | reference, mgpu |
 | sparse attention with the sink | ``sparse_attn`` | reference, pallas |
+| sparse attention on wgmma, rows gathered by ``cp.async`` (``sparse_attn``'s ``engine='mgpu'``) | ``sparse_attn_mgpu`` | reference, mgpu |
+| the flash-decoding merge of split partial sums with the sink (both sparse-attention kernels) | ``flash_merge`` | (jnp only) |
+| rows gathered by index into wgmma's swizzled shared-memory layout with ``cp.async`` (Mosaic GPU kernels) | ``row_gather`` | (helpers) |
 | lightning-indexer scores over the paged key pool | ``indexer`` | reference, pallas |
+| indexer scores on wgmma for prefill, tiles of 8 tokens, the head sum a second product (``indexer``'s ``engine='mgpu'``) | ``indexer_mgpu`` | reference, mgpu |
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |
 | the hyper-connection mix split (sigmoids, softmax, Sinkhorn rounds) | ``sinkhorn.split`` | reference, pallas |
 | the MoE router's selection (top-X, ids ascending, renormalised weights) | ``router`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
+| fp8 linear at decode on wgmma, weights decoded in registers (``fp8_linear``'s ``engine='mgpu'``) | ``fp8_wgmma`` | reference, mgpu |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
 | bf16 pairs in uint32 words: the weight decode's pieces (grouped GEMM, fp8 linear) | ``bf16_pairs`` | (helpers) |
 | correctly rounded float32 division inside kernels (``div.rn.f32``) | ``division`` | (helpers) |

@@ -48,19 +48,18 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import bf16_pairs, interpret_mode, numerics, poison, quant
+from dijax.kernels import bf16_pairs, fp8_wgmma, interpret_mode, numerics, poison, quant
 from dijax.kernels.quant import FP8_BLOCK
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
+ENGINES = ("triton", "mgpu")
 MIN_DOT = 16  # Triton's dot needs every dimension >= 16
 CODES_PER_WORD = 4  # e4m3 codes per uint32 word of the kernel's weight view
 _F16_BIAS_FIX = 8  # ``decode_e4m3``: a code's float16 is value * 2^-8 (float16 bias 15 against e4m3's 7)
-_BF16_BIAS_FIX = 120  # ``pair_bits``: each bf16 half is value * 2^-120 (bf16 bias 127 against e4m3's 7)
-# ue8m0 bytes whose weights the GPU kernel forms exactly as normal bf16 values: the smallest code (2^-9) times
-# 2^(s - 127) stays >= 2^-126, and the bf16 multiplier 2^(s - 7) stays finite.
-SCALE_RANGE = (10, 134)
-_MAGNITUDE_PAIR, _SIGN_PAIR = 0x07F007F0, 0x80008000  # both halves' bits 10..4 and bit 15
+# ue8m0 bytes whose weights the GPU kernels form exactly as normal bf16 values (both engines decode alike:
+# ``pair_bits`` is fp8_wgmma's decode, each bf16 half the code's value times 2^-120)
+SCALE_RANGE = fp8_wgmma.SCALE_RANGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +83,16 @@ class KernelConfig:
     took 21-28 launches off a flash-slice decode step and left its time unchanged (B=1 and 16, fused against a
     launch each, one machine); off is for A/B runs.
 
+    ``engine``: 'triton' (this module's kernel) or 'mgpu' (dijax.kernels.fp8_wgmma: the weights decoded in
+    registers as wgmma's A operand, streamed by TMA; one launch a linear, ``mgpu_warpgroups`` compute warpgroups a
+    CTA, ``mgpu_stages`` deep). 'mgpu' falls back to 'triton' off a compute-capability-9 GPU, when interpreted, or
+    for shapes it does not take (``fp8_wgmma.shape_error``), and outside ``mgpu_min_tokens`` to ``mgpu_max_tokens``
+    rows (past ``max_tokens`` the Triton kernel hands over to the reference: 'mgpu' has its own range). On the H200
+    (thirty-first session, GPU kernel time) 'mgpu' lost at T = 1 (the 8 flash-slice linears 1.3-2.2x slower) and
+    was mixed at 16, but at T = 64 it ran the 7 layer linears in 156 us (2 warpgroups) against 262 us on the
+    reference (where ``max_tokens`` = 32 sends them) and 330 us on the Triton kernel, the Engram ``wkv`` in 94
+    against 274 and 689 us: docs/benchmarks.md.
+
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
     cols: int = 64
@@ -95,7 +104,24 @@ class KernelConfig:
     target_programs: int = 264  # two per multiprocessor of an H200: K is split until the grid has this many
     max_tokens: int = 32
     fuse: bool = True
+    engine: str = "mgpu"
+    mgpu_warpgroups: int = 2
+    mgpu_stages: int = 4
+    mgpu_min_tokens: int = 33
+    mgpu_max_tokens: int = 64
     poison: bool = False
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"fp8_linear KernelConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.mgpu_warpgroups not in fp8_wgmma.WARPGROUPS:
+            raise ValueError(f"fp8_linear KernelConfig.mgpu_warpgroups must be one of {fp8_wgmma.WARPGROUPS}, "
+                             f"got {self.mgpu_warpgroups}")
+        if self.mgpu_stages < 1:
+            raise ValueError(f"fp8_linear KernelConfig.mgpu_stages must be >= 1, got {self.mgpu_stages}")
+        if not 1 <= self.mgpu_min_tokens <= self.mgpu_max_tokens:
+            raise ValueError(f"fp8_linear KernelConfig.mgpu_min_tokens must be in [1, mgpu_max_tokens = "
+                             f"{self.mgpu_max_tokens}], got {self.mgpu_min_tokens}")
 
 
 CONFIG = KernelConfig()
@@ -126,15 +152,16 @@ def scale_multiplier(scale_u8: jax.Array) -> jax.Array:
 def pair_bits(words_u32: jax.Array, j: int) -> jax.Array:
     """Bytes j and j + 2 (j < 2) of each uint32 word of e4m3 codes -> a bf16 pair's bits (uint32), each half the
     code's value times 2^-120 (module docstring)."""
+    magnitude, sign = np.uint32(fp8_wgmma.E4M3_MAGNITUDE_PAIR), np.uint32(fp8_wgmma.E4M3_SIGN_PAIR)
     if j == 0:
-        return ((words_u32 << 4) & np.uint32(_MAGNITUDE_PAIR)) | ((words_u32 << 8) & np.uint32(_SIGN_PAIR))
-    return ((words_u32 >> 4) & np.uint32(_MAGNITUDE_PAIR)) | (words_u32 & np.uint32(_SIGN_PAIR))
+        return ((words_u32 << 4) & magnitude) | ((words_u32 << 8) & sign)
+    return ((words_u32 >> 4) & magnitude) | (words_u32 & sign)
 
 
 def scale_pair(scale_u8: jax.Array) -> jax.Array:
     """ue8m0 bytes s -> uint32 holding the bf16 ``2^(s - 7)`` in both halves: ``pair_bits`` times it is the weight
     ``e4m3 * 2^(s - 127)`` (exact for s in ``SCALE_RANGE``)."""
-    return bf16_pairs.pow2_pair(scale_u8.astype(jnp.uint32) + np.uint32(_BF16_BIAS_FIX))
+    return bf16_pairs.pow2_pair(scale_u8.astype(jnp.uint32) + np.uint32(fp8_wgmma.E4M3_BIAS_FIX))
 
 
 def pair_columns(depth: int) -> tuple[jax.Array, jax.Array]:
@@ -235,6 +262,17 @@ def pallas_supports(x_TI: jax.Array, *weights: Weight) -> bool:
                     for w in weights))
 
 
+def _mgpu_takes(x_TI: jax.Array, weights: list[Weight], interpret: bool) -> bool:
+    """Whether ``CONFIG.engine='mgpu'`` runs these linears on fp8_wgmma: a compute-capability-9 GPU, not
+    interpreted, fp8 weights of shapes it takes, ``CONFIG.mgpu_min_tokens`` to ``CONFIG.mgpu_max_tokens`` rows."""
+    if (CONFIG.engine != "mgpu" or interpret or not fp8_wgmma.available()
+            or not CONFIG.mgpu_min_tokens <= x_TI.shape[0] <= CONFIG.mgpu_max_tokens):
+        return False
+    return all(w.dtype == jnp.float8_e4m3fn
+               and fp8_wgmma.shape_error(x_TI.shape[0], w.shape[0], w.shape[1], CONFIG.mgpu_warpgroups) is None
+               for w in weights)
+
+
 def fp8_linear_pallas(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight,
                       interpret: bool | None = None) -> jax.Array:
     """``fp8_linear_reference`` in one Pallas kernel (module docstring); other shapes take the reference.
@@ -260,6 +298,10 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]],
     order of the splits' sum. Weights the kernel cannot take together (or all, with ``CONFIG.fuse`` off) run one
     launch each (or on the reference)."""
     weights = [weight_OI for weight_OI, _ in pairs]
+    if _mgpu_takes(x_TI, weights, interpret_mode(interpret)):
+        return [fp8_wgmma.linear_mgpu(x_TI, weight_OI, scale_BB, stages=CONFIG.mgpu_stages,
+                                      warpgroups=CONFIG.mgpu_warpgroups, target_ctas=CONFIG.target_programs)
+                for weight_OI, scale_BB in pairs]
     supported = pallas_supports(x_TI, *weights)
     if len(pairs) > 1 and not (CONFIG.fuse and supported):
         return [fp8_linear_pallas(x_TI, weight_OI, scale_BB, interpret) for weight_OI, scale_BB in pairs]

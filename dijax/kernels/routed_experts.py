@@ -167,12 +167,20 @@ class KernelConfig:
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
     gemm_engine: the ragged path's GEMMs: 'triton' (the grouped GEMM kernels here: tiles of tokens, gathered
       activations, the weights' tiles dequantised into a bf16 dot) or 'mgpu' (dijax.kernels.fp4_wgmma: wgmma with
-      the weights decoded in registers as the A operand, tiles of ``mgpu_tile`` tokens, the SwiGLU and the
+      the weights decoded in registers as the A operand, tiles fitted to each expert, the SwiGLU and the
       combine in XLA); 'mgpu' falls back to 'triton' off a compute-capability-9 GPU or for sizes it does not take.
-      'triton' stays the default: on the H200 (twenty-eighth session) 'mgpu' gives the same GPU parity figures but
-      the layer at 8192 tokens takes 20.6 ms against 14.7, and prefill 8192 210.7 ms against 181.6. Its kernels
-      alone take ~13.2 ms; the rest is the XLA passes around the transposed outputs and the sorted copy of x;
-    mgpu_tile / mgpu_stages / mgpu_chunks: fp4_wgmma's tile_n, stages and chunks;
+      On the H200 (thirty-first session, with tiles fitted to each expert and the outputs untransposed) 'mgpu'
+      took the layer at 8192 tokens in 12.59 ms against 14.81 (35.0 % of the floor against 29.7 %) and lost at
+      decode sizes (T = 64: 2.85 against 2.34 ms), so it runs from ``mgpu_min_assignments`` (T x X) on;
+    mgpu_min_assignments: the fewest assignments the ragged path runs on 'mgpu' (below, 'triton'). The crossover
+      lies between the measured 384 (lost) and 49152 (won); 24576 is 64 rows an expert of 384 on average;
+    mgpu_sizes / mgpu_stages / mgpu_chunks / mgpu_warpgroups: fp4_wgmma's tile sizes (``fit_tiles``: each
+      expert's rows in tiles of the largest, then one of the smallest size that covers the rest; only the sizes A
+      can use are compiled, ``fit_sizes``), stages, chunks and compute warpgroups a CTA;
+    mgpu_overlap: fp4_wgmma's ``overlap`` (a step's last wgmma runs on into the next step's decode);
+    mgpu_lone_max: up to this many assignments (decode up to 4 tokens of 6 experts) each takes a tile of its own
+      (``lone_tiles``) instead of ``fit_tiles``' expert-sorted layout: two small XLA ops instead of a sort and
+      ~10 more, at the price of reading an expert twice when two assignments share it (as the mat-vecs do);
     gathered_max: the Pallas implementation takes the mat-vec path while A <= this. On the H200 at the real sizes
       (E = 384, 2304 x 5120, X = 6) the mat-vec path took 0.83 ms at A = 96 against 1.24 ms for the GEMM, and
       3.13 against 3.08 ms at A = 384;
@@ -188,10 +196,14 @@ class KernelConfig:
     gemm_words: int = 16
     gemm_warps: int = 4
     gemm_stages: int = 3
-    gemm_engine: str = "triton"
-    mgpu_tile: int = 128
+    gemm_engine: str = "mgpu"
+    mgpu_min_assignments: int = 24576
+    mgpu_sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 192, 256)
     mgpu_stages: int = 4
     mgpu_chunks: int = 2
+    mgpu_warpgroups: int = 2
+    mgpu_overlap: bool = False
+    mgpu_lone_max: int = 24
     gathered_max: int = 96
     poison: bool = False
 
@@ -211,6 +223,16 @@ class KernelConfig:
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"routed_experts KernelConfig.{name} must be one of (1, 2, 4, 8, 16), "
                                  f"got {getattr(self, name)}")
+        if not self.mgpu_sizes or any(n % 8 or not 8 <= n <= 256 for n in self.mgpu_sizes):
+            raise ValueError(f"routed_experts KernelConfig.mgpu_sizes must be multiples of 8 in [8, 256], "
+                             f"got {self.mgpu_sizes}")
+        for name, allowed in (("mgpu_chunks", (1, 2)), ("mgpu_warpgroups", fp4_wgmma.WARPGROUPS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"routed_experts KernelConfig.{name} must be one of {allowed}, "
+                                 f"got {getattr(self, name)}")
+        if self.mgpu_min_assignments < 0:
+            raise ValueError(f"routed_experts KernelConfig.mgpu_min_assignments must be >= 0, "
+                             f"got {self.mgpu_min_assignments}")
         if self.gemm_engine not in GEMM_ENGINES:
             raise ValueError(f"routed_experts KernelConfig.gemm_engine must be one of {GEMM_ENGINES}, "
                              f"got {self.gemm_engine!r}")
@@ -520,6 +542,95 @@ def tile_layout(expert_A: jax.Array, n_experts: int, n_per_token: int, rows: int
     return tile_expert_I, token_R, slot_R, pos_A
 
 
+def fit_sizes(sizes: tuple[int, ...], n_assignments: int) -> tuple[int, ...]:
+    """The tile sizes ``fit_tiles`` can pick when no expert has more than ``n_assignments`` rows: those below it and
+    the smallest that holds it (all of them when none does). At decode (A = 6) that is one size, (8,): one
+    compiled pipeline instead of one per size."""
+    sizes = sorted(set(sizes))
+    holds = [n for n in sizes if n >= n_assignments]
+    return tuple(n for n in sizes if n < n_assignments) + tuple(holds[:1])
+
+
+def fit_rows(sizes: tuple[int, ...], n_assignments: int, n_experts: int) -> int:
+    """A static bound on the rows ``fit_tiles`` lays out (a multiple of 8): an expert with c rows takes pad(c)
+    rows (whole tiles of the largest size, then the smallest size holding the rest), so for any alpha >= 1 the
+    sum over at most n = min(E, A) experts is <= alpha * A + n * max(0, max_c pad(c) - alpha * c). The bound is the
+    least over a grid of alphas. alpha = 1 is the plain A + n * (largest gap - 1); larger alphas bound many lone
+    assignments (decode at batch 64: A = 384 over 384 experts, sizes from 8: 3072 rows, not 24576)."""
+    sizes = sorted(set(sizes))
+    c = np.arange(1, sizes[-1] + 1)
+    pad_c = np.asarray(sizes)[np.searchsorted(sizes, c)]
+    alphas = np.unique(np.concatenate([[1.0], pad_c / c, np.arange(8, 65) / 8]))
+    alphas = alphas[alphas >= 1]
+    n = min(n_experts, n_assignments)
+    excess = np.maximum(0, (pad_c[None, :] - alphas[:, None] * c[None, :]).max(axis=1))
+    bound = int(np.floor((alphas * n_assignments + n * excess).min() + 1e-6))
+    return -(-bound // 8) * 8
+
+
+def fit_tiles(expert_A: jax.Array, n_experts: int, n_per_token: int, sizes: tuple[int, ...]):
+    """Assignments sorted by expert into tiles fitted to each expert: tiles of the largest of ``sizes`` while more
+    rows are left than it holds, then one tile of the smallest size that holds the rest (``fp4_wgmma``'s tiles).
+
+    Returns (tiles_I3 int32 [I, 3]: (expert or -1, first row, rows) each, token_R int32 [R] (0 on padding rows),
+    slot_R int32 [R] (assignment index, -1 on padding rows), pos_A int32 [A] (each assignment's row)). Static
+    bounds: I = ceil(A / max(sizes)) + min(E, A); R = ``fit_rows``. Rows past the last tile belong to no tile.
+    """
+    sizes = sorted(set(sizes))
+    big = sizes[-1]
+    n_assign = expert_A.shape[0]
+    valid_A = expert_A >= 0
+    key_A = jnp.where(valid_A, expert_A, n_experts)
+    order_A = jnp.argsort(key_A, stable=True).astype(jnp.int32)
+    count_E = jnp.bincount(key_A, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    full_E = count_E // big
+    rest_E = count_E - full_E * big
+    sizes_S = jnp.asarray(sizes, jnp.int32)
+    last_E = jnp.where(rest_E > 0, sizes_S[jnp.minimum(jnp.searchsorted(sizes_S, rest_E), len(sizes) - 1)], 0)
+    tiles_E = full_E + (rest_E > 0)
+    rows_E = full_E * big + last_E
+    tile_end_E = jnp.cumsum(tiles_E)
+    tile_start_E, row_start_E = tile_end_E - tiles_E, jnp.cumsum(rows_E) - rows_E
+    n_tiles = -(-n_assign // big) + min(n_experts, n_assign)
+    n_rows = fit_rows(tuple(sizes), n_assign, n_experts)
+    t_I = jnp.arange(n_tiles, dtype=jnp.int32)
+    e_I = jnp.searchsorted(tile_end_E, t_I, side="right").astype(jnp.int32)
+    used_I = e_I < n_experts
+    e_c = jnp.minimum(e_I, n_experts - 1)
+    j_I = t_I - tile_start_E[e_c]
+    tiles_I3 = jnp.stack([jnp.where(used_I, e_I, -1), jnp.where(used_I, row_start_E[e_c] + j_I * big, 0),
+                          jnp.where(used_I, jnp.where(j_I < full_E[e_c], big, last_E[e_c]), 0)], axis=1)
+    sorted_key = key_A[order_A]
+    e_s = jnp.minimum(sorted_key, n_experts - 1)
+    assign_start_E = jnp.cumsum(count_E) - count_E
+    row_sorted = row_start_E[e_s] + jnp.arange(n_assign, dtype=jnp.int32) - assign_start_E[e_s]
+    row_sorted = jnp.where(sorted_key < n_experts, row_sorted, n_rows)  # padding assignments: dropped below
+    slot_R = jnp.full((n_rows,), -1, jnp.int32).at[row_sorted].set(order_A, mode="drop")
+    token_R = jnp.maximum(slot_R, 0) // n_per_token
+    pos_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(jnp.minimum(row_sorted, n_rows - 1))
+    return tiles_I3.astype(jnp.int32), token_R, slot_R, pos_A
+
+
+LONE_ROWS = 8  # wgmma's smallest N: a lone assignment's tile
+
+
+def lone_tiles(expert_A: jax.Array, n_per_token: int):
+    """``fit_tiles``' outputs for a tile per assignment: assignment a is row ``LONE_ROWS * a`` (its tile's first;
+    the other rows are padding: token 0, slot -1), in order, so nothing is sorted. R = LONE_ROWS * A, I = A;
+    padding assignments (-1) give unused tiles."""
+    n_assign = expert_A.shape[0]
+    a_I = jnp.arange(n_assign, dtype=jnp.int32)
+    valid_I = expert_A >= 0
+    tiles_I3 = jnp.stack([jnp.where(valid_I, expert_A, -1), a_I * LONE_ROWS, jnp.where(valid_I, LONE_ROWS, 0)],
+                         axis=1).astype(jnp.int32)
+    r_R = jnp.arange(n_assign * LONE_ROWS, dtype=jnp.int32)
+    a_R = r_R // LONE_ROWS
+    first_R = (r_R % LONE_ROWS == 0) & valid_I[a_R]
+    slot_R = jnp.where(first_R, a_R, -1)
+    token_R = jnp.where(first_R, a_R // n_per_token, 0)
+    return tiles_I3, token_R, slot_R, a_I * LONE_ROWS
+
+
 def pallas_path(n_assignments: int, config: KernelConfig = CONFIG) -> str:
     """The Pallas implementation's static path: 'gathered' (mat-vec kernels) while A <= config.gathered_max, else
     'ragged' (grouped GEMM over expert-sorted tiles)."""
@@ -569,7 +680,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         words_d = _block(d // 8, config.matvec_words, "dim/8", WORDS_PER_SCALE)
         words_f = _block(f // 8, config.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
         params = _compiler_params(config.matvec_warps, config.matvec_stages)
-        stack_A = jnp.where(expert_A >= 0, expert_A + offset, -1)  # ids in the flattened stack
+        stack_A = _in_stack(expert_A, offset)
         asm = not interpret  # the inline-PTX conversions only lower for a GPU
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
                                        words=words_d, n_words=d // 8, asm=asm),
@@ -580,7 +691,8 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
                      stack_A, phase_major(quant.fq8(h_AF)).astype(jnp.float32), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
-    if config.gemm_engine == "mgpu" and _mgpu_takes(d, f, config, interpret):
+    if config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments and _mgpu_takes(d, f, config,
+                                                                                                  interpret):
         return _ragged_mgpu(((w1, s1), (w3, s3), (w2, s2)), offset, x_act_TD, weights_A, expert_A, n_experts,
                             n_per_token, limit, config)
     rows = gemm_rows(n_assign, n_experts, config)
@@ -606,9 +718,17 @@ def _stack_tiles(expert_A, weights_A, n_experts: int, n_per_token: int, rows: in
     """``tile_layout`` for the kernels: (tile_expert_I with ids in the flattened expert stack (``_expert_stacks``'
     offset added; -1 kept), token_R, weight_R float32 [R] (each row's routing weight, 0 on padding rows), pos_A)."""
     tile_expert_I, token_R, slot_R, pos_A = tile_layout(expert_A, n_experts, n_per_token, rows)
-    tile_expert_I = jnp.where(tile_expert_I >= 0, tile_expert_I + offset, -1)
-    weight_R = jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
-    return tile_expert_I, token_R, weight_R, pos_A
+    return _in_stack(tile_expert_I, offset), token_R, _row_weights(slot_R, weights_A), pos_A
+
+
+def _in_stack(expert_I: jax.Array, offset) -> jax.Array:
+    """Expert ids in the flattened expert stack (``_expert_stacks``' offset added); -1 kept."""
+    return jnp.where(expert_I >= 0, expert_I + offset, -1)
+
+
+def _row_weights(slot_R: jax.Array, weights_A: jax.Array) -> jax.Array:
+    """float32 [R]: each row's routing weight (its assignment's), 0 on padding rows (slot -1)."""
+    return jnp.where(slot_R >= 0, weights_A[jnp.maximum(slot_R, 0)], np.float32(0))
 
 
 def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
@@ -616,26 +736,34 @@ def _mgpu_takes(d: int, f: int, config: KernelConfig, interpret: bool) -> bool:
     fp4_wgmma takes for w1 / w3 ([F, D]) and w2 ([D, F])."""
     if interpret or not fp4_wgmma.available():
         return False
-    return all(fp4_wgmma.shape_error(rows, k, config.mgpu_tile, config.mgpu_chunks) is None
+    return all(fp4_wgmma.shape_error(rows, k, config.mgpu_sizes, config.mgpu_chunks, config.mgpu_warpgroups) is None
                for rows, k in ((f, d), (d, f)))
 
 
 def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, n_per_token: int, limit: float,
                  config: KernelConfig) -> jax.Array:
-    """The ragged path on ``fp4_wgmma``: assignments in expert-sorted tiles of ``mgpu_tile`` rows, each GEMM one
-    kernel with transposed output ([F, R], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU,
-    routing weight and fq8 of h in XLA, then w2 and the combine. -> float32 [T, D]."""
+    """The ragged path on ``fp4_wgmma``: assignments in expert-sorted tiles fitted to each expert (``fit_tiles``),
+    or, for at most ``mgpu_lone_max`` assignments, a tile each (``lone_tiles``: no sort); each GEMM one kernel
+    ([R, F], rounded to bf16 as the reference rounds every GEMM output), the SwiGLU, routing weight and fq8 of h in
+    XLA, then w2 and the combine. -> float32 [T, D]."""
     ((w1, s1), (w3, s3), (w2, s2)) = stacks
     t = x_act_TD.shape[0]
-    tile_expert_I, token_R, weight_R, pos_A = _stack_tiles(expert_A, weights_A, n_experts, n_per_token,
-                                                           config.mgpu_tile, offset)
-    gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tile_expert_I=tile_expert_I, tile_n=config.mgpu_tile,
-                             stages=config.mgpu_stages, chunks=config.mgpu_chunks)
-    x_RD = x_act_TD[token_R]  # padding rows read token 0 (finite) at weight 0
-    g_FR, u_FR = gemm(w1, s1, x_RD), gemm(w3, s3, x_RD)
-    h_RF = swiglu(g_FR.T.astype(jnp.float32), u_FR.T.astype(jnp.float32), limit) * weight_R[:, None]
-    y_DR = gemm(w2, s2, quant.fq8(h_RF.astype(jnp.bfloat16)))
-    return _sum_slots(y_DR.T[pos_A], expert_A >= 0, t, n_per_token)
+    if expert_A.shape[0] <= config.mgpu_lone_max:
+        sizes = (LONE_ROWS,)
+        tiles_I3, token_R, slot_R, pos_A = lone_tiles(expert_A, n_per_token)
+    else:
+        sizes = fit_sizes(config.mgpu_sizes, expert_A.shape[0])
+        tiles_I3, token_R, slot_R, pos_A = fit_tiles(expert_A, n_experts, n_per_token, sizes)
+    tiles_I3 = tiles_I3.at[:, 0].set(_in_stack(tiles_I3[:, 0], offset))
+    weight_R = _row_weights(slot_R, weights_A)
+    gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tiles_I3=tiles_I3, sizes=sizes,
+                             stages=config.mgpu_stages, chunks=config.mgpu_chunks,
+                             warpgroups=config.mgpu_warpgroups, overlap=config.mgpu_overlap)
+    # padding rows read token 0 (finite) at weight 0
+    g_RF, u_RF = gemm(w1, s1, x_act_TD, rows_R=token_R), gemm(w3, s3, x_act_TD, rows_R=token_R)
+    h_RF = swiglu(g_RF.astype(jnp.float32), u_RF.astype(jnp.float32), limit) * weight_R[:, None]
+    y_RD = gemm(w2, s2, quant.fq8(h_RF.astype(jnp.bfloat16)))
+    return _sum_slots(y_RD[pos_A], expert_A >= 0, t, n_per_token)
 
 
 def _expert_stacks(experts: dict) -> tuple[list[tuple[jax.Array, jax.Array]], jax.Array]:

@@ -33,13 +33,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import interpret_mode
+from dijax.kernels import interpret_mode, sparse_attn_mgpu
 from dijax.kernels.division import div_rn
+from dijax.kernels.flash_merge import merge_splits
 from dijax.kernels.numerics import divide
 
 BLOCK = 64
 HIGHEST = jax.lax.Precision.HIGHEST
 IMPLS = ("reference", "pallas")
+ENGINES = ("triton", "mgpu")
 MAX_SOURCES = 3
 MIN_HEADS = 16  # Triton's dot needs every dimension >= 16: fewer heads (tiny test models) are padded with zero queries
 
@@ -113,6 +115,15 @@ class SparseAttnConfig:
     (cp.async): a 64 KB row block a stage and source beside the 64 KB of queries, 192 KB for one source; three
     sources would need 448 KB, over the H200's 227 KB.
 
+    engine: 'triton' (this module's kernel) or 'mgpu' (dijax.kernels.sparse_attn_mgpu: the rows gathered by
+    ``cp.async`` into wgmma's shared-memory layout, one or two warpgroups each its part of the output dims, block
+    b + 1's gathers in flight during block b's products; the same splits). 'mgpu' falls back to 'triton' off a
+    compute-capability-9 GPU, when interpreted, for shapes it does not take (``sparse_attn_mgpu.shape_error``), and
+    below ``mgpu_min_tokens`` tokens. On the H200 (thirty-first session; 640 rows x 512, 64 heads, the model's
+    window + pool sources) it took batch 64 in 41.2 us against 53.1 (23.7 % of the gathered-bytes floor) and 256 in
+    96.6 against 147.3 (40.4 %), and lost at batch 1 (27.1 against 22.4 us).
+    ``mgpu_split_scores``: its ``split_scores`` variant (each warpgroup the scores of its own K-half).
+
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
     output dims across programs re-gathers the rows and recomputes the scores per part: on the H200 it was 1.1-1.9x
@@ -124,6 +135,25 @@ class SparseAttnConfig:
     wave_programs: int = 132
     num_warps: int = 8
     num_stages: int | None = None
+    engine: str = "mgpu"
+    mgpu_min_tokens: int = 64
+    mgpu_split_scores: bool = False
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"sparse_attn SparseAttnConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.mgpu_min_tokens < 1:
+            raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_min_tokens must be >= 1, got {self.mgpu_min_tokens}")
+
+
+CONFIG = SparseAttnConfig()
+
+
+def _mgpu_takes(config: SparseAttnConfig, t: int, h: int, k: int, n_sources: int, interpret: bool) -> bool:
+    """Whether ``sparse_attn_pallas`` runs on ``sparse_attn_mgpu``: engine 'mgpu', at least ``mgpu_min_tokens``
+    tokens, a compute-capability-9 GPU (not interpreted), shapes it takes."""
+    return (config.engine == "mgpu" and t >= config.mgpu_min_tokens and not interpret and sparse_attn_mgpu.available()
+            and sparse_attn_mgpu.shape_error(h, k, n_sources) is None)
 
 
 def _attend(idx_ref, first_ref, q_ref, src_refs, *, sizes: tuple[int, ...], split_len: int, list_len: int,
@@ -227,11 +257,11 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     [T, L] (-1 = none); sink_H: float32 [H]. first_T: None, or with two sources int32 [T], the caller's promise that
     token t's lanes below first_T[t] index only the first source and the rest only the second (``_attend``): the
     blocks on either side then read one source each. The result does not depend on it while the promise holds.
-    config: tiling (default ``SparseAttnConfig()``); interpret: run the kernel in the Pallas interpreter (default:
-    when the backend is not a GPU). Returns bf16 [T, H, K]. Jitted: the layers of one shape share one trace and
-    lowering.
+    config: tiling (default the module's ``CONFIG``, which ``tools/bench.py --kernel-setting sparse_attn.CONFIG.X=V``
+    sets); interpret: run the kernel in the Pallas interpreter (default: when the backend is not a GPU). Returns bf16
+    [T, H, K]. Jitted: the layers of one shape share one trace and lowering.
     """
-    config = config or SparseAttnConfig()
+    config = config or CONFIG
     if not 1 <= len(kv_sources) <= MAX_SOURCES:
         raise ValueError(f"sparse_attn_pallas: kv_sources must hold 1 to {MAX_SOURCES} arrays, got {len(kv_sources)}")
     t, h, k = q_THK.shape
@@ -250,10 +280,13 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     groups = h // block_h
     blocks = max(1, -(-idx_TL.shape[1] // BLOCK))
     splits = _num_splits(config, t * groups, blocks)
+    interpret = interpret_mode(interpret)
+    if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
+        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
+                                                 split_scores=config.mgpu_split_scores)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)
-    interpret = interpret_mode(interpret)
     walk = dict(sizes=tuple(src.shape[0] for src in kv_sources), split_len=split_len, list_len=list_len,
                 scale=float(np.float32(softmax_scale)), has_first=first_T is not None)
     stages = config.num_stages or (2 if len(kv_sources) == 1 or first_T is not None else 1)
@@ -280,11 +313,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
                    jax.ShapeDtypeStruct((t, splits, h), jnp.float32),
                    jax.ShapeDtypeStruct((t, splits, h), jnp.float32)],
     )(idx_TL.reshape(-1), *firsts, q_THK, *kv_sources)
-    running_max = jnp.max(max_TSh, axis=1)
-    weight_TSh = jnp.exp(max_TSh - running_max[:, None, :])
-    acc = jnp.sum(acc_TShK * weight_TSh[..., None], axis=1)
-    denom = jnp.sum(den_TSh * weight_TSh, axis=1) + jnp.exp(sink_H.astype(jnp.float32)[None, :] - running_max)
-    return divide(acc, denom[..., None]).astype(jnp.bfloat16)
+    return merge_splits(acc_TShK, max_TSh, den_TSh, sink_H)
 
 
 def sparse_attn(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,

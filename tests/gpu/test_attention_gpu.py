@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
+from dijax.kernels import row_gather, sparse_attn_mgpu
 from dijax.kernels.sparse_attn import SparseAttnConfig, sparse_attn_pallas, sparse_attn_reference
 from dijax.kernels.topk import topk_reference, topk_select
 
@@ -133,3 +134,71 @@ def test_sparse_attn_pallas_tiny_model_heads():
     got = np.asarray(jax.jit(lambda *a: sparse_attn_pallas(*a, 0.125))(q, sources, jnp.asarray(idx), sink), np.float32)
     assert got.shape == want.shape and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("batch,splits,split_scores", [(1, 1, False), (1, 5, False), (64, 1, False),
+                                                       (64, 2, False), (5, 3, False), (64, 2, True), (5, 1, True)])
+def test_sparse_attn_mgpu_matches_reference(batch, splits, split_scores):
+    # the Mosaic GPU kernel itself (cp.async row gathers into the swizzled slots), over the three decode sources
+    assert sparse_attn_mgpu.available()
+    q, sources, idx, sink = decode_problem(batch, seed=batch + splits)
+    scale = DIM ** -0.5
+    want = np.asarray(jax.jit(sparse_attn_reference, static_argnums=4)(q, sources, idx, sink, scale), np.float32)
+    kernel = jax.jit(lambda *a: sparse_attn_mgpu.sparse_attn_mgpu(*a, scale, splits=splits,
+                                                                  split_scores=split_scores))
+    poison(batch * splits * HEADS * DIM * 4 * 4)
+    got = np.asarray(kernel(q, sources, idx, sink), np.float32)
+    assert np.isfinite(got).all()
+    assert batch == 1 or (got[-1] == 0).all()
+    np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
+    assert np.abs(got - want).mean() < 2e-3 * np.abs(want).mean()
+
+
+@pytest.mark.parametrize("h,k,sizes", [(64, 128, (40, 300)), (128, 256, (500,)), (8, 512, (10, 3, 900))])
+def test_sparse_attn_mgpu_shapes(h, k, sizes):
+    # K = 128 / 256 (4 and 2 rows a pass of the gathering threads), two head groups, padded heads, sources of
+    # sizes that are not multiples of anything, lists of 150 lanes (a partial last block)
+    rng = np.random.default_rng(h + k)
+    q = jnp.asarray(rng.standard_normal((3, h, k)), jnp.bfloat16)
+    sources = tuple(jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16) for n in sizes)
+    idx = rng.integers(-1, sum(sizes), (3, 150)).astype(np.int32)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    scale = k ** -0.5
+    want = np.asarray(sparse_attn_reference(q, sources, jnp.asarray(idx), sink, scale), np.float32)
+    poison(3 * 3 * max(h, 64) * k * 4 * 4)
+    got = np.asarray(jax.jit(lambda *a: sparse_attn_mgpu.sparse_attn_mgpu(*a, scale, splits=2))(
+        q, sources, jnp.asarray(idx), sink), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_sparse_attn_mgpu_engine_window_and_pool(batch):
+    # the seam: SparseAttnConfig(engine='mgpu') in the model's layout (ring and new rows as one source, the pool
+    # the other), against the Triton kernel
+    q, (ring, new, pool), idx, sink = decode_problem(batch, seed=batch + 200)
+    sources = (jnp.concatenate([ring, new]), pool)
+    scale = DIM ** -0.5
+    triton = np.asarray(jax.jit(lambda *a: sparse_attn_pallas(*a, scale))(q, sources, idx, sink), np.float32)
+    poison(batch * HEADS * DIM * 4 * 16)
+    got = np.asarray(jax.jit(lambda *a: sparse_attn_pallas(*a, scale, config=SparseAttnConfig(engine="mgpu")))(
+        q, sources, idx, sink), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, triton, atol=4e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("k,sizes,parts", [(512, (300, 5000), 2), (64, (40, 7, 200), 1), (128, (1000,), 1),
+                                           (256, (64, 64), 1), (128, (500,), 2)])
+def test_row_gather(k, sizes, parts):
+    # the kernels' cp.async row gather alone, through its swizzled tile and a TMA store: bit for bit the rows named,
+    # zero rows for -1 and past the sources (if this fails, the gather's addresses are wrong, whatever else passes)
+    rng = np.random.default_rng(k)
+    sources = tuple(jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16) for n in sizes)
+    idx = rng.integers(-1, sum(sizes) + 5, 192).astype(np.int32)
+    rows = np.concatenate([np.asarray(src, np.float32) for src in sources])
+    inside = (idx >= 0) & (idx < len(rows))
+    want = np.where(inside[:, None], rows[np.clip(idx, 0, len(rows) - 1)], 0)
+    poison(192 * k * 2 * 4)
+    got = np.asarray(jax.jit(row_gather.gather_rows_mgpu, static_argnums=2)(sources, jnp.asarray(idx), parts),
+                     np.float32)
+    np.testing.assert_array_equal(got, want)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.kernels import quant
+from dijax.kernels import indexer_mgpu, quant
 from dijax.kernels.indexer import IndexerConfig, index_scores_pallas, index_scores_reference
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
@@ -59,10 +59,11 @@ def bf16_ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     return np.abs(ordered(got) - ordered(want))
 
 
-def check(args, config: IndexerConfig, max_fraction: float) -> float:
-    """Run both implementations, assert the agreement above; returns the fraction of scores that differ."""
+def check(args, config: IndexerConfig, max_fraction: float, kernel=None) -> float:
+    """Run both implementations (``kernel``, default the Pallas one with ``config``), assert the agreement above;
+    returns the fraction of scores that differ."""
     want = np.asarray(jax.jit(index_scores_reference)(*args))
-    kernel = jax.jit(lambda *a: index_scores_pallas(*a, config=config))
+    kernel = jax.jit(kernel or (lambda *a: index_scores_pallas(*a, config=config)))
     if not config.poison:
         poison(want.nbytes * 2)
     got = np.asarray(kernel(*args))
@@ -125,3 +126,37 @@ def test_tiny_model_heads_and_zero_scores():
     check(args, IndexerConfig(block_p=16, poison=True), max_fraction=0.02)
     got = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a, config=IndexerConfig(block_p=16)))(*args))
     assert (got[0].view(np.uint32) == 0).all()
+
+
+def engine_order(args, runs):
+    """``args`` with its tokens' sequences in an engine step's order: ``runs`` (sequence, tokens) end to end."""
+    seq = np.concatenate([np.full(n, s_, np.int32) for s_, n in runs])
+    return (*args[:4], jnp.asarray(seq), args[5])
+
+
+def test_mgpu_prefill_of_one_sequence():
+    # the Mosaic GPU kernel at prefill: 8192 tokens of one sequence over 2048 compressed positions, each seeing a
+    # growing prefix (t // 4 + 1), as an index layer's chunk does
+    assert indexer_mgpu.available()
+    t, width = 8192, 2048
+    args = problem(t, width, np.arange(t) // 4 + 1, seqs=1, seed=11)
+    check(args, IndexerConfig(), max_fraction=1e-3, kernel=indexer_mgpu.index_scores_mgpu)
+
+
+@pytest.mark.parametrize("blocks", [8, 1, 3])
+def test_mgpu_ragged_runs_and_padding(blocks):
+    # three sequences' chunks of ragged lengths (tiles cut at each), then padding tokens of sequence row 0 that
+    # see nothing; one block a chunk leaves the second warpgroup idle
+    runs = [(0, 37), (1, 5), (2, 100), (0, 18)]
+    visible = np.concatenate([np.arange(37) * 40 + 1, [0, 1, 63, 64, 65], 3000 - np.arange(100), np.zeros(18)])
+    args = engine_order(problem(160, 3000, visible, seqs=3, seed=blocks), runs)
+    check(args, IndexerConfig(), max_fraction=1e-3,
+          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=blocks))
+
+
+def test_mgpu_random_bf16_and_seam():
+    # unquantised inputs within one ulp; then the seam: IndexerConfig(engine='mgpu') takes a prefill-shaped call
+    args = engine_order(problem(512, 4096, np.linspace(0, 4096, 512).astype(int), seqs=2, seed=3, fq4=False),
+                        [(0, 256), (1, 256)])
+    check(args, IndexerConfig(), max_fraction=0.02, kernel=indexer_mgpu.index_scores_mgpu)
+    check(args, IndexerConfig(engine="mgpu"), max_fraction=0.02)

@@ -39,7 +39,10 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the benchmark sweeps
             # the ragged path on dijax.kernels.fp4_wgmma (wgmma, weights decoded in registers)
             "ragged-mgpu": ("ragged", {"gemm_engine": "mgpu"}),
-            "ragged-mgpu-64x1": ("ragged", {"gemm_engine": "mgpu", "mgpu_tile": 64, "mgpu_chunks": 1})}
+            "ragged-mgpu-64x1": ("ragged", {"gemm_engine": "mgpu", "mgpu_sizes": (16, 64), "mgpu_chunks": 1}),
+            "ragged-mgpu-1wg": ("ragged", {"gemm_engine": "mgpu", "mgpu_warpgroups": 1, "mgpu_stages": 8}),
+            "ragged-mgpu-overlap": ("ragged", {"gemm_engine": "mgpu", "mgpu_overlap": True}),
+            "ragged-mgpu-fitted": ("ragged", {"gemm_engine": "mgpu", "mgpu_lone_max": 0})}
 
 
 @pytest.mark.parametrize("path", [*rx.PATHS, *VARIANTS])

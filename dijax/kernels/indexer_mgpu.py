@@ -1,0 +1,226 @@
+"""Lightning-indexer scores on Hopper's tensor cores (Mosaic GPU): ``index_scores_mgpu``.
+
+Status (branch indexer-mgpu, thirtieth session): written without a GPU, not yet run on one. On the CPU it lowers
+for CUDA (tools/mgpu_lower.py), builds through ptxas (tools/mgpu_build.py), and runs in jax's Mosaic GPU interpreter
+(``interpret=True``), where it agrees with ``indexer.index_scores_reference``. ``indexer.IndexerConfig.engine=
+'mgpu'`` routes the Pallas implementation to it (off by default).
+
+Why: issue 13 asks the indexer at prefill for 50 % of the tensor cores' peak. The Triton kernel (``indexer``) runs
+one token a program: a [I, J] x [J, 128] product (I = 32 heads), its keys gathered again for every token.
+Here a CTA takes a tile of up to ``TOKENS`` consecutive tokens of one sequence (``tiles``), so each gathered key
+block serves them all, as wgmma's A operand (64 positions, swapped so that the tokens' heads are its N = 8 I):
+  * the scores' product: keys [64, J] (gathered by ``row_gather`` into a swizzled tile) x queries [J, 8 I] (the
+    tile's query rows, by TMA) -> fp32 [64, 8 I];
+  * the reference's rounding chain in registers: bf16, ReLU, times the head weight, bf16;
+  * the head sum as a second product: that bf16 tile (registers) x a 0/1 matrix [8 I, 8] that adds each token's I
+    columns -> fp32 [64, 8], one column a token; then bf16, and a zero made +0.0;
+  * two compute warpgroups take alternate blocks of the CTA's positions, each with its own two key slots (the next
+    block's gather in flight during this one's products), so neither waits for the other.
+Each tile writes its own [P, 8] columns (``out_IPG``); the scores [T, P] are picked from them in XLA, where the
+-inf mask (p >= visible_T[t]) is applied, so the kernel skips every chunk of positions no token of its tile sees.
+
+Numerics: the reference's chain (``indexer`` module docstring): each dot of bf16 values in fp32 rounded to bf16,
+ReLU, times the weight in fp32 rounded to bf16, the heads summed in fp32 (here by the second product, whose terms
+are those bf16 values times 1 or 0) and rounded to bf16. As for the Triton kernel, the fp32 sums take another order
+than the reference's, so a score can differ by one bf16 ulp at a rounding tie.
+
+Interpret mode: the interpreter runs no ``inline_mgpu`` and takes wgmma's A operand from shared memory only, so the
+keys are gathered in XLA ([S, P, J]) and stored into the slots by each warpgroup, and the bf16 tile of the head sum
+goes through a scratch tile; the rest is the kernel's.
+
+Letters: T tokens, I index heads, J index head dim, N pool rows, S sequence rows, P positions, G = ``TOKENS``,
+X tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dijax.kernels import row_gather
+from dijax.kernels.fp4_wgmma import COL_LAYOUT, available
+from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
+
+TOKENS = 8  # tokens a tile: the head sum's wgmma N
+WARPGROUPS = 2  # compute warpgroups, alternate blocks of positions
+SLOTS = 2  # key slots a warpgroup
+MAX_N = 256  # wgmma's N: TOKENS x heads
+
+
+def shape_error(i: int, j: int) -> str | None:
+    """Why the kernel cannot take I = ``i`` index heads of dim J = ``j`` (None when it can)."""
+    if TOKENS * i > MAX_N or (TOKENS * i) % 64:
+        return (f"indexer_mgpu: the heads I must be a multiple of {64 // TOKENS} up to {MAX_N // TOKENS} (the tile's "
+                f"heads fill 64-wide wgmma columns), got {i}")
+    if j not in row_gather.widths(WARPGROUP) or j > 256:
+        return f"indexer_mgpu: J must be one of {tuple(w for w in row_gather.widths(WARPGROUP) if w <= 256)}, got {j}"
+    return None
+
+
+def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Array, jax.Array]:
+    """Tiles of at most ``TOKENS`` consecutive tokens of one sequence: (int32 [X, 4] rows (sequence, first token,
+    tokens, the most positions one of them sees), each token's tile int32 [T]); unused rows have 0 tokens.
+
+    X = ceil(T / TOKENS) + ``n_seqs`` + 1: each run of one sequence's consecutive tokens adds at most one
+    part-filled tile, and an engine step has at most ``n_seqs`` + 1 runs (a chunk a sequence, laid end to end,
+    then the padding tokens, whose sequence row is 0). Tokens of more runs than that would fall in no tile."""
+    t = seq_T.shape[0]
+    n_tiles = -(-t // TOKENS) + n_seqs + 1
+    token_T = jnp.arange(t, dtype=jnp.int32)
+    run_start = jnp.concatenate([jnp.ones((1,), bool), seq_T[1:] != seq_T[:-1]])
+    first_of_run = lax.cummax(jnp.where(run_start, token_T, 0))
+    opens = (token_T - first_of_run) % TOKENS == 0  # a token that starts a tile
+    tile_T = jnp.cumsum(opens.astype(jnp.int32)) - 1
+    count_X = jnp.zeros((n_tiles,), jnp.int32).at[tile_T].add(1)
+    first_X = jnp.zeros((n_tiles,), jnp.int32).at[jnp.where(opens, tile_T, n_tiles)].set(token_T, mode="drop")
+    seq_X = seq_T[first_X]
+    seen_X = jnp.zeros((n_tiles,), jnp.int32).at[tile_T].max(visible_T.astype(jnp.int32))
+    return jnp.stack([seq_X, first_X, count_X, seen_X], axis=1), tile_T
+
+
+def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array, seq_T: jax.Array,
+                      visible_T: jax.Array, *, blocks: int = 8,
+                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+    """``indexer.index_scores_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
+    docstring), with the tiles' layout and the scores' pick and mask in XLA. -> float32 [T, P].
+
+    Arguments as the reference's: q_TIJ bf16 [T, I, J], w_TI bf16 [T, I], keys_NJ bf16 [N, J], rows_SP int32 [S, P],
+    seq_T int32 [T] (at most S + 1 runs of one sequence's consecutive tokens, as an engine step's: ``tiles``),
+    visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``shape_error`` lists the shapes it
+    takes. ``interpret``: run in the Mosaic GPU interpreter (keys gathered in XLA: module docstring), with its
+    default parameters or the ``InterpretGPUParams`` given."""
+    t, i, j = q_TIJ.shape
+    s, width = rows_SP.shape
+    error = shape_error(i, j)
+    if error:
+        raise ValueError(error)
+    chunk = blocks * ROWS
+    padded = -(-width // chunk) * chunk
+    tiles_X4, tile_T = tiles(seq_T.astype(jnp.int32), jnp.minimum(visible_T, width), s)
+    # a tile's query rows and weights read past the last token: its TMA copy of q fills them with zeros on the
+    # GPU, no copy of q needed (a padded copy where the interpreter, which raises there, runs it, or where q has
+    # fewer rows than the copy's box); w is read by plain loads, so TOKENS more zeros
+    q_flat = q_TIJ.astype(jnp.bfloat16).reshape(t * i, j)
+    if interpret or t < TOKENS:
+        q_flat = jnp.pad(q_flat, ((0, TOKENS * i), (0, 0)))
+    w_flat = jnp.pad(w_TI.astype(jnp.bfloat16).reshape(t * i), (0, TOKENS * i))
+    rows_SP = jnp.pad(rows_SP.astype(jnp.int32), ((0, 0), (0, padded - width)), constant_values=-1)
+    sum_GC = jnp.asarray(np.arange(TOKENS * i)[None, :] // i == np.arange(TOKENS)[:, None], jnp.bfloat16)
+    gathered = ()
+    if interpret:  # the keys gathered in XLA (module docstring): an index outside the pool gives zeros
+        n = keys_NJ.shape[0]
+        keys_SPJ = keys_NJ.astype(jnp.bfloat16)[jnp.clip(rows_SP, 0, n - 1)]
+        gathered = (jnp.where(((rows_SP >= 0) & (rows_SP < n))[..., None], keys_SPJ, 0),)
+    out_XPG = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, *gathered, heads=i,
+                    blocks=blocks, interpret=interpret)
+    col_T = jnp.arange(t, dtype=jnp.int32) - tiles_X4[tile_T, 1]  # each token's column in its tile
+    score_TP = out_XPG[tile_T[:, None], jnp.arange(width)[None, :], col_T[:, None]]
+    visible = jnp.arange(width, dtype=jnp.int32)[None, :] < visible_T[:, None]
+    return jnp.where(visible, score_TP, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "blocks", "interpret"))
+def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None, *, heads: int, blocks: int,
+          interpret: bool | plgpu.InterpretGPUParams):
+    """The kernel: float32 [X, P, G], tile x's scores of its tokens (column g: its token g) at every position of
+    a chunk some token of the tile sees (other chunks left unwritten)."""
+    n_tiles = tiles_X4.shape[0]
+    j = keys_NJ.shape[1]
+    width = rows_SP.shape[1]
+    n = TOKENS * heads  # the scores' wgmma N
+    chunk = blocks * ROWS
+
+    def kernel(tiles_ref, q_gmem, w_gmem, keys_gmem, rows_gmem, sum_gmem, *refs):
+        gathered_gmem = refs[0] if interpret else None
+        out_gmem = refs[-1]
+        x, c = lax.axis_index("x"), lax.axis_index("c")
+        seq, first, count, seen = (tiles_ref[x, f] for f in range(4))
+        wg = lax.axis_index("wg")
+
+        def fetch(jb, k_smem):
+            """Start the gather of this warpgroup's jb-th block into slot jb % 2."""
+            p0 = c * chunk + (WARPGROUPS * jb + wg) * ROWS
+            slot = lax.rem(jb, SLOTS)
+            if interpret:
+                k_smem.at[wg, slot][...] = gathered_gmem.at[seq, pl.ds(p0, ROWS)][...]
+            else:
+                row_gather.gather_rows(rows_gmem.at[seq, pl.ds(p0, ROWS)], keys_gmem, k_smem.at[wg, slot],
+                                       sizes=(keys_gmem.shape[0],), threads=WARPGROUP)
+
+        def body(q_smem, e_smem, k_smem, o_smem, t_smem, bar):
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first * heads, n)], q_smem, bar)
+                plgpu.copy_gmem_to_smem(sum_gmem, e_smem, bar)
+            w_col = plgpu.load(w_gmem.at[pl.ds(first * heads, n)], layout=COL_LAYOUT, optimized=False)
+            w_col = lax.broadcast_in_dim(w_col.astype(jnp.float32), (ROWS, n), [1])
+            mine = (blocks - wg + WARPGROUPS - 1) // WARPGROUPS  # this warpgroup's blocks: wg, wg + 2, ...
+            @pl.when(mine > 0)  # (with one block a chunk, the second warpgroup has none)
+            def _():
+                fetch(0, k_smem)
+            row_gather.commit_group(interpret)
+            plgpu.barrier_wait(bar)
+
+            def block(jb, _):
+                @pl.when(jb + 1 < mine)
+                def _():
+                    fetch(jb + 1, k_smem)
+                row_gather.commit_group(interpret)
+                row_gather.wait_group(1, interpret)  # this thread's copies of block jb
+                plgpu.commit_smem()  # the warpgroup's copies, seen by wgmma
+                slot = lax.rem(jb, SLOTS)
+
+                def scores(s_ref):
+                    plgpu.wgmma(s_ref, k_smem.at[wg, slot], q_smem.T)
+                    return s_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((ROWS, n), jnp.float32))
+                s = jnp.maximum(s.astype(jnp.bfloat16).astype(jnp.float32), 0.0)
+                terms = (s * w_col).astype(jnp.bfloat16)
+                if interpret:  # the interpreter takes A from shared memory only
+                    t_smem.at[wg][...] = terms
+                    plgpu.commit_smem()
+                    terms = t_smem.at[wg]
+                    k_smem.at[wg, slot][...]  # its race detector does not see wgmma's reads: this load stands for them
+
+                def head_sum(r_ref):
+                    plgpu.wgmma(r_ref, terms, e_smem.T)
+                    return r_ref[...]
+
+                r = pl.run_scoped(head_sum, plgpu.ACC((ROWS, TOKENS), jnp.float32))
+                r = r.astype(jnp.bfloat16).astype(jnp.float32)
+                r = jnp.where(r == 0, 0.0, r)  # +0.0 (the indexer module docstring)
+                plgpu.wait_smem_to_gmem(0)  # the last block's store has read o_smem
+                o_smem.at[wg][...] = r
+                plgpu.commit_smem()
+                p0 = c * chunk + (WARPGROUPS * jb + wg) * ROWS
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[x, pl.ds(p0, ROWS)])
+                return _
+
+            lax.fori_loop(0, mine, block, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when((count > 0) & (c * chunk < seen))  # a chunk some token of the tile sees
+        def _():
+            pl.run_scoped(
+                body,
+                q_smem=plgpu.SMEM((n, j), jnp.bfloat16, transforms=TILED),
+                e_smem=plgpu.SMEM((TOKENS, n), jnp.bfloat16, transforms=TILED),
+                k_smem=plgpu.SMEM((WARPGROUPS, SLOTS, ROWS, j), jnp.bfloat16, transforms=TILED),
+                o_smem=plgpu.SMEM((WARPGROUPS, ROWS, TOKENS), jnp.float32),
+                t_smem=plgpu.SMEM((WARPGROUPS, ROWS, n), jnp.bfloat16, transforms=TILED) if interpret else None,
+                bar=plgpu.Barrier(num_arrivals=2),
+                collective_axes="wg")
+
+    run = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((n_tiles, width, TOKENS), jnp.float32),
+        grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=WARPGROUPS, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=row_gather.interpreter(interpret))
+    return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, *(() if gathered_SPJ is None else (gathered_SPJ,)))

@@ -1,0 +1,291 @@
+"""Sparse attention with the sink on Hopper's tensor cores (Mosaic GPU): ``sparse_attn_mgpu``.
+
+Status (branch sparse-attn-mgpu, thirtieth session): written without a GPU, not yet run on one. On the CPU it
+lowers for CUDA (tools/mgpu_lower.py), builds through ptxas (tools/mgpu_build.py), and runs in jax's Mosaic GPU
+interpreter (``interpret=True``, below), where it matches ``sparse_attn.sparse_attn_reference``.
+``sparse_attn.SparseAttnConfig.engine='mgpu'`` routes the Pallas implementation to it (off by default).
+
+Why: at decode the Triton kernel (``sparse_attn``) runs at 18-28 % of its gathered-bytes floor (docs/benchmarks.md,
+twenty-sixth session; issue 13 asks 70 %). It holds one program a multiprocessor, its 64 x 512 fp32 accumulator in
+one program's registers, and its row gathers do not overlap its products. Here, as in FlashMLA's structure:
+  * a CTA is one (token, split of its list, group of 64 heads) with one compute warpgroup up to K = 256 and two
+    above (``warpgroups``); each warpgroup owns its part of the K output dims (a 64 x K/2 fp32 accumulator, 128
+    registers a thread at K = 512), and each computes the whole 64 x 64 score tile (at two warpgroups its FLOPs are
+    a third of a block's; the duplicate keeps the warpgroups independent);
+  * the rows are gathered by the warpgroups' threads themselves with ``cp.async`` (16 bytes a copy), straight into
+    wgmma's 128-byte-swizzled shared-memory layout: Mosaic GPU has no gather and a TMA copy cannot address one row
+    of a swizzled tile, but an address computed per thread can (``row_gather``);
+  * two row slots: block b + 1's copies are in flight while block b's products run. A 64 x 512 row block is 64 KB;
+    q (64 KB) and the two slots fill 192 KB of shared memory, one CTA a multiprocessor;
+  * an index of -1 copies nothing (``cp.async``'s source size 0 fills the row with zeros) and its score is masked;
+  * with one split the kernel adds the sink, divides and writes the bf16 output; several splits of a list
+    (flash-decoding) write fp32 partial sums, merged in XLA with the sink (``flash_merge``), as the Triton kernel's.
+
+Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
+online softmax from a running max of -1e30, P cast to bf16 for the PV product, the sink in the denominator only.
+The scores are the wgmma K-parts added in fp32 (another summation order than the reference's einsum, as the
+Triton kernel's dot).
+
+The shared-memory layout: rows [slot, part, row, K/P] (P warpgroups) with the tiling (8, 64) and the 128-byte
+swizzle, so that ``.at[slot, part]`` is a plain leading-index view (a warpgroup's B operand of the PV product, and
+one K-part of the scores' B operand). Element (row r, dim d) of a slot lies at byte ``part * 64 * (K/P) * 2 + ((r //
+8) * (K/P / 64) + d' // 64) * 1024 + (r % 8) * 128 + ((d' % 64) // 8 XOR r % 8) * 16 + (d' % 8) * 2`` with part = d
+// (K/P) and d' = d mod K/P: Mosaic GPU's swizzle (its ``transfer_tiled``: a 16-byte chunk's index XOR the 128-byte
+line's index in its 1024-byte group).
+
+Interpret mode: the interpreter runs no ``inline_mgpu``, so there the rows are gathered in XLA before the kernel
+([T, L, K]) and each warpgroup stores its K-part of a block's rows into the slot where the GPU's threads start their
+copies; everything else (the slots and the meetings that guard them, both products, the softmax, the stores, the
+merge) is the kernel's. Its race detector (``detect_races``) checks the slots' protocol: it finds no race, and one
+when the meeting before a slot is refilled is left out (loads stand for wgmma's operand reads, which it does not
+see). The interpreter also takes wgmma's A operand only from shared memory, so P
+goes through a scratch tile, and has no accumulator initialised from registers, so the PV product goes into a fresh
+one added to the running sum.
+
+Letters: T query tokens, H heads, K head dim, L list length, S splits of the list, N rows of a KV source.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dijax.kernels import flash_merge, row_gather
+from dijax.kernels.fp4_wgmma import COL_LAYOUT, ROW_LAYOUT, available
+from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
+
+HEADS = 64  # heads a CTA: wgmma's M (ROWS, the rows a block, is the reference's block and the scores' wgmma N)
+MAX_PART = 256  # output dims a warpgroup: a 64 x 256 fp32 accumulator is 128 registers a thread (and wgmma's N)
+SLOTS = 2
+MAX_SOURCES = 3
+
+
+def shape_error(h: int, k: int, n_sources: int) -> str | None:
+    """Why the kernel cannot take H = ``h`` heads of dim K = ``k`` over ``n_sources`` sources (None when it can)."""
+    if not 1 <= n_sources <= MAX_SOURCES:
+        return f"sparse_attn_mgpu: kv_sources must hold 1 to {MAX_SOURCES} arrays, got {n_sources}"
+    if k not in HEAD_DIMS:
+        return f"sparse_attn_mgpu: K must be one of {HEAD_DIMS}, got {k}"
+    if h > HEADS and h % HEADS:
+        return f"sparse_attn_mgpu: H must be at most {HEADS} or a multiple of it, got {h}"
+    return None
+
+
+def warpgroups(k: int) -> int:
+    """Compute warpgroups a CTA for head dim ``k``: one up to ``MAX_PART`` dims, else two (each K / 2)."""
+    return 1 if k <= MAX_PART else 2
+
+
+# head dims of one or two warpgroups whose rows the gathering threads split evenly (row_gather.widths)
+HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.widths(warpgroups(k) * WARPGROUP))
+
+
+def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
+                     softmax_scale: float, *, splits: int = 1, split_scores: bool = False,
+                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+    """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
+    docstring); with several splits, their merge in XLA.
+
+    q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
+    [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
+    one CTA each. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded with zero queries.
+    ``split_scores`` (two warpgroups): each warpgroup computes the scores over its own K-part only and the two
+    parts are added through shared memory (32 KB more of it, one more meeting a block), instead of each computing
+    the whole tile: half the score products and their shared-memory reads, for a variant to time. ``interpret``:
+    run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default parameters or the
+    ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector). -> bf16 [T, H, K].
+    """
+    t, h, k = q_THK.shape
+    error = shape_error(h, k, len(kv_sources))
+    if error:
+        raise ValueError(error)
+    heads = -(-h // HEADS) * HEADS
+    q_THK = jnp.pad(q_THK, ((0, 0), (0, heads - h), (0, 0)))
+    blocks = max(1, -(-idx_TL.shape[1] // ROWS))
+    splits = max(1, min(splits, blocks))
+    split_len = -(-blocks // splits) * ROWS
+    idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, splits * split_len - idx_TL.shape[1])),
+                     constant_values=-1)
+    gathered = ()
+    if interpret:  # the rows gathered in XLA (module docstring): an index outside the sources gives zeros
+        rows = sum(src.shape[0] for src in kv_sources)
+        rows_TLK = jnp.concatenate(kv_sources)[jnp.clip(idx_TL, 0, rows - 1)]
+        gathered = (jnp.where(((idx_TL >= 0) & (idx_TL < rows))[..., None], rows_TLK, 0).astype(jnp.bfloat16),)
+    sink_H = jnp.pad(sink_H.astype(jnp.float32), (0, heads - h))
+    out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
+                scale=float(np.float32(softmax_scale)), split_scores=split_scores, interpret=interpret)
+    if splits == 1:
+        return out[:, :h]
+    return flash_merge.merge_splits(*out, sink_H)[:, :h]
+
+
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "split_scores", "interpret"))
+def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, split_scores: bool,
+          interpret: bool | plgpu.InterpretGPUParams):
+    """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
+    group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
+    One: the output itself, bf16 [T, H, K] (the sink added to the denominator and the division in the kernel, as
+    ``flash_merge.merge_splits`` does them: no partials go through memory)."""
+    t, h, k = q_THK.shape
+    splits = idx_X.shape[0] // t // split_len
+    list_len = splits * split_len
+    wgs = warpgroups(k)
+    half = k // wgs  # a warpgroup's part of the output dims
+    blocks = split_len // ROWS
+    sizes = tuple(src.shape[0] for src in sources)
+    n_src = len(sources)
+
+    def kernel(q_gmem, idx_gmem, *refs):
+        src_gmems, (sink_gmem, *refs) = refs[:n_src], refs[n_src:]
+        gathered_gmem = refs.pop(0) if interpret else None
+        ti, si, gi = lax.axis_index("t"), lax.axis_index("s"), lax.axis_index("g")
+        wg = lax.axis_index("wg")
+        start = ti * list_len + si * split_len  # this split's first index in idx_X
+
+        def fetch(b, slot, kv_smem):
+            """Start block b's row copies into ``slot`` (interpret mode: each warpgroup stores its K-part of the
+            gathered rows at once, the threads' copies done early)."""
+            if interpret:
+                rows = pl.ds(si * split_len + b * ROWS, ROWS)
+                kv_smem.at[slot, wg][...] = gathered_gmem.at[ti, rows, pl.ds(wg * half, half)][...]
+            else:
+                row_gather.gather_rows(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], *src_gmems, kv_smem.at[slot],
+                                       sizes=sizes, threads=wgs * WARPGROUP)
+
+        def landed(cta_bar):
+            """Wait until every thread's copies of the block are in shared memory, seen by wgmma."""
+            row_gather.wait_group(1, interpret)  # this thread's copies of the block (not the next block's)
+            plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
+            _cta_sync(cta_bar)
+
+        def walk(q_smem, kv_smem, p_smem, s_smem, q_bar, cta_bar):
+            @pl.when(wg == 0)
+            def _():
+                for part in range(wgs):
+                    plgpu.copy_gmem_to_smem(q_gmem.at[ti, pl.ds(gi * HEADS, HEADS), pl.ds(part * half, half)],
+                                            q_smem.at[part], q_bar)
+            fetch(0, 0, kv_smem)
+            row_gather.commit_group(interpret)
+            plgpu.barrier_wait(q_bar)
+
+            def block(b, carry):
+                acc, max_h, den_h = carry
+                slot = lax.rem(b, SLOTS)
+                _cta_sync(cta_bar)  # every thread is done with block b - 1, whose slot block b + 1 takes
+
+                @pl.when(b + 1 < blocks)
+                def _():
+                    fetch(b + 1, 1 - slot, kv_smem)
+                row_gather.commit_group(interpret)
+                landed(cta_bar)
+
+                def scores(s_ref, parts):
+                    for part in parts:
+                        plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
+                    return s_ref[...]
+
+                if s_smem is None:  # every warpgroup the whole score tile
+                    s = pl.run_scoped(lambda s_ref: scores(s_ref, range(wgs)), plgpu.ACC((HEADS, ROWS), jnp.float32))
+                else:  # each its K-part's, the parts added through shared memory
+                    own = pl.run_scoped(lambda s_ref: scores(s_ref, [wg]), plgpu.ACC((HEADS, ROWS), jnp.float32))
+                    s_smem.at[wg][...] = own
+                    _cta_sync(cta_bar)
+                    s = own + plgpu.load(s_smem.at[1 - wg], layout=plgpu.Layout.WGMMA)
+                idx = plgpu.load(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], layout=COL_LAYOUT, optimized=False)
+                valid = lax.broadcast_in_dim(idx >= 0, (HEADS, ROWS), [1])
+                s = jnp.where(valid, s, -jnp.inf) * np.float32(scale)
+                new_max = jnp.maximum(max_h, s.max(axis=1))
+                alpha = jnp.exp(max_h - new_max)
+                p = jnp.exp(s - lax.broadcast_in_dim(new_max, s.shape, [0]))
+                den_h = den_h * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(jnp.bfloat16)
+                if interpret:  # the interpreter takes A from shared memory only
+                    p_smem.at[wg][...] = p16
+                    p16 = p_smem.at[wg]
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, wg])
+
+                def pv_alone(acc_ref):
+                    pv(acc_ref)
+                    return acc_ref[...]
+
+                if interpret:  # the interpreter has no accumulator initialised from registers (``ACC.init``)
+                    acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((HEADS, half), jnp.float32))
+                    # its race detector does not see wgmma's operand reads: these loads stand for them
+                    for part in range(wgs):
+                        kv_smem.at[slot, part][...]
+                else:
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                return acc, new_max, den_h
+
+            init = (plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((HEADS,), -1e30, jnp.float32), ROW_LAYOUT),
+                    plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), ROW_LAYOUT))
+            return lax.fori_loop(0, blocks, block, init)
+
+        acc, max_h, den_h = pl.run_scoped(
+            walk,
+            q_smem=plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16, transforms=TILED),
+            kv_smem=plgpu.SMEM((SLOTS, wgs, ROWS, half), jnp.bfloat16, transforms=TILED),
+            p_smem=(plgpu.SMEM((wgs, HEADS, ROWS), jnp.bfloat16, transforms=TILED) if interpret else None),
+            s_smem=plgpu.SMEM((wgs, HEADS, ROWS), jnp.float32) if split_scores and wgs > 1 else None,
+            q_bar=plgpu.Barrier(num_arrivals=wgs),  # a copy a K-half
+            cta_bar=plgpu.Barrier(num_arrivals=wgs),
+            collective_axes="wg")
+
+        rows, cols = pl.ds(gi * HEADS, HEADS), pl.ds(wg * half, half)
+
+        def store_partials(o_smem, stats_smem):
+            acc_gmem, max_gmem, den_gmem = refs
+            o_smem.at[wg][...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], acc_gmem.at[ti, si, rows, cols])
+
+            @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
+            def _():
+                stats_smem.at[0][...] = max_h
+                stats_smem.at[1][...] = den_h
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(stats_smem.at[0], max_gmem.at[ti, si, rows])
+                plgpu.copy_smem_to_gmem(stats_smem.at[1], den_gmem.at[ti, si, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        def store_output(o_smem):
+            [out_gmem] = refs
+            sink_h = plgpu.load(sink_gmem.at[rows], layout=ROW_LAYOUT, optimized=False)
+            den = den_h + jnp.exp(sink_h - max_h)
+            o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(den, acc.shape, [0])).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[ti, rows, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        if splits == 1:
+            pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16), collective_axes="wg")
+        else:
+            pl.run_scoped(store_partials, o_smem=plgpu.SMEM((wgs, HEADS, half), jnp.float32),
+                          stats_smem=plgpu.SMEM((2, HEADS), jnp.float32), collective_axes="wg")
+
+    out_type = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16) if splits == 1 else
+                (jax.ShapeDtypeStruct((t, splits, h, k), jnp.float32),
+                 jax.ShapeDtypeStruct((t, splits, h), jnp.float32), jax.ShapeDtypeStruct((t, splits, h), jnp.float32)))
+    run = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=(t, splits, h // HEADS), grid_names=("t", "s", "g"), num_threads=wgs, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=row_gather.interpreter(interpret))
+    return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
+
+
+def _cta_sync(cta_bar) -> None:
+    """The CTA's compute warpgroups meet (an mbarrier of one arrival a warpgroup)."""
+    plgpu.barrier_arrive(cta_bar)
+    plgpu.barrier_wait(cta_bar)

@@ -1,0 +1,71 @@
+"""dijax.kernels.indexer_mgpu in jax's Mosaic GPU interpreter (CPU) against the jnp reference, and its tiles.
+
+The kernel needs a Hopper GPU (tests/gpu/test_indexer_gpu.py runs it). Interpreted, its keys are gathered in XLA
+(the interpreter runs no ``inline_mgpu``: the module docstring); the rest is the kernel's own: the tiles of tokens,
+the two warpgroups' alternate blocks and their slots, both products, the rounding chain, the stores, and the pick
+and mask in XLA. The interpreter's race detector runs over every case.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dijax.kernels import indexer as ix
+from dijax.kernels import indexer_mgpu as im
+from tests.test_kernels_indexer import assert_agree, problem
+
+pytestmark = pytest.mark.cost(30)
+RACES = plgpu.InterpretGPUParams(detect_races=True)
+
+
+def check(seq, visible, width, *, heads, dim, blocks, fq4=False, seed=0):
+    args = problem(seq, visible, width, heads=heads, dim=dim, fq4=fq4, seed=seed)
+    want = np.asarray(jax.jit(ix.index_scores_reference)(*args))
+    got = np.asarray(im.index_scores_mgpu(*args, blocks=blocks, interpret=RACES))
+    assert_agree(got, want, np.minimum(np.asarray(visible), width))
+    return got, want
+
+
+def test_prefill_tiles_and_causal_visibility():
+    # one sequence's 21 tokens (tiles of 8, 8 and 5) seeing a growing prefix: chunks no token of a tile sees are
+    # skipped, the rest masked in XLA; fq4 inputs (the model's) make every sum exact: bit for bit
+    got, want = check([0] * 21, np.arange(21) * 6 + 1, 128, heads=32, dim=128, blocks=1, fq4=True)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("heads,dim,blocks", [(32, 128, 2), (8, 64, 1), (16, 256, 3)])
+def test_ragged_sequences(heads, dim, blocks):
+    # four sequences of ragged lengths (tiles cut at every sequence), visible lengths from 0 past the width
+    rng = np.random.default_rng(heads)
+    seq = np.sort(rng.integers(0, 4, 30))
+    check(seq, rng.integers(0, 150, 30), 130, heads=heads, dim=dim, blocks=blocks, seed=heads)
+
+
+def test_tiles():
+    # an engine step's order: one chunk a sequence, end to end, then padding tokens of sequence row 0 (5 runs)
+    seq = np.array([1] * 11 + [2] * 3 + [0] * 17 + [3] + [0] * 2, np.int32)
+    visible = np.arange(len(seq), dtype=np.int32) % 13
+    tiles_X4, tile_T = (np.asarray(a) for a in im.tiles(jax.numpy.asarray(seq), jax.numpy.asarray(visible), 4))
+    assert tiles_X4.shape == (-(-len(seq) // im.TOKENS) + 4 + 1, 4)
+    used = tiles_X4[tiles_X4[:, 2] > 0]
+    np.testing.assert_array_equal(used[:, 2], [8, 3, 3, 8, 8, 1, 1, 2])  # runs of 11, 3, 17, 1 and 2 tokens
+    for x, (s, first, count, seen) in enumerate(tiles_X4):
+        if count:
+            tokens = np.arange(first, first + count)
+            assert (seq[tokens] == s).all() and (tile_T[tokens] == x).all() and seen == visible[tokens].max()
+    assert np.bincount(tile_T, minlength=len(tiles_X4)).tolist() == tiles_X4[:, 2].tolist()
+
+
+def test_shape_errors_and_engine():
+    assert im.shape_error(32, 128) is None and im.shape_error(8, 64) is None
+    assert "heads" in im.shape_error(4, 128) and "heads" in im.shape_error(40, 128)
+    assert "J must be" in im.shape_error(32, 32)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        ix.IndexerConfig(engine="cuda")
+    # off a GPU (interpret mode) the 'mgpu' engine takes the Triton kernel: the same values as the Triton engine
+    args = problem([0] * 12, np.arange(12) * 3, 64, heads=8, dim=64, seed=1)
+    np.testing.assert_array_equal(np.asarray(ix.index_scores_pallas(*args, config=ix.IndexerConfig(engine="mgpu"))),
+                                  np.asarray(ix.index_scores_pallas(*args, config=ix.IndexerConfig(engine="triton"))))

@@ -1,0 +1,119 @@
+"""dijax.kernels.sparse_attn_mgpu in jax's Mosaic GPU interpreter (CPU) against the jnp reference.
+
+The kernel needs a Hopper GPU (tests/gpu/test_attention_gpu.py runs it). Interpreted, its rows are gathered in
+XLA (the interpreter runs no ``inline_mgpu``: the module docstring); the rest is the kernel's own: the two
+warpgroups' K-halves, the slots and barriers, the score and PV products, the masks, the online softmax, the stores of
+the splits' partials and their merge.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dijax.kernels import row_gather
+from dijax.kernels import sparse_attn as sa
+from dijax.kernels import sparse_attn_mgpu as sm
+from tests.test_kernels_sparse_attn import problem
+
+pytestmark = pytest.mark.cost(40)
+
+
+def check(q, sources, idx, sink, splits: int, split_scores: bool = False, interpret=True) -> np.ndarray:
+    scale = q.shape[-1] ** -0.5
+    want = np.asarray(sa.sparse_attn_reference(q, sources, jnp.asarray(idx), sink, scale), np.float32)
+    got = np.asarray(sm.sparse_attn_mgpu(q, sources, jnp.asarray(idx), sink, scale, splits=splits,
+                                         split_scores=split_scores, interpret=interpret), np.float32)
+    assert got.shape == want.shape and np.isfinite(got).all()
+    # the scores sum two K-halves (another order than the reference's); splits round P relative to their own max
+    np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
+    assert np.abs(got - want).mean() < 2e-3 * np.abs(want).mean()
+    return got
+
+
+def test_block_is_the_references():
+    assert sm.ROWS == sa.BLOCK  # the kernel walks the reference's blocks of indices
+
+
+@pytest.mark.parametrize("k,splits,split_scores", [(512, 1, False), (512, 2, False), (128, 3, False),
+                                                   (512, 2, True), (512, 1, True)])
+def test_two_sources_ragged_list(k, splits, split_scores):
+    # 150 lanes: three blocks, the last one part padding; uneven splits (3 blocks in 2 parts: 2 + 1 with padding);
+    # K = 512: two warpgroups, each half of the output dims (with split_scores, each the scores of its half); K =
+    # 128: one
+    q, sources, idx, sink = problem(3, 150, (40, 300), splits, 64, k)
+    check(q, sources, idx, sink, splits, split_scores)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_three_sources_empty_blocks_and_rows(splits):
+    # one split writes the output in the kernel (sink, division, bf16); two merge their partials in XLA
+    q, sources, idx, sink = problem(4, 256, (100, 3, 500), 7, 64, 512)
+    idx[1, :64] = -1  # a first block with nothing: the running max stays -1e30 until the next
+    idx[2, 64:] = -1  # blocks with nothing after the first
+    idx[3, :] = -1  # no row at all: zero
+    idx[0, 5] = 700  # past the sources' 603 rows: a zero row with a score of 0, as the reference's gather gives
+    got = check(q, sources, idx, sink, splits)
+    assert (got[3] == 0).all()
+
+
+@pytest.mark.parametrize("h,k", [(4, 64), (128, 256), (8, 512)])
+def test_head_padding_and_groups(h, k):
+    # fewer than 64 heads: zero queries pad the CTA's M (4 x 64: the parity fixtures' tiny model); 128 heads: two
+    # head groups
+    q, sources, idx, sink = problem(2, 100, (70, 200), h, h, k)
+    check(q, sources, idx, sink, splits=1)
+
+
+@pytest.mark.parametrize("sizes", [(40,), (40, 7, 200), (3, 0, 5, 9)])
+def test_row_gather_locates_each_source(sizes):
+    # the gather's source lookup, the same code the kernel runs in MLIR, here on numpy (the interpreter gathers in
+    # XLA instead, so this is the CPU's only check of it: the H200 found rows past a second source misplaced)
+    firsts = np.cumsum((0,) + sizes)
+    index = np.arange(firsts[-1])
+    which, local = row_gather.locate(index, firsts[:-1].tolist(), list(range(len(sizes))), np.where,
+                                     np.greater_equal, np.subtract)
+    want = np.searchsorted(firsts, index, side="right") - 1
+    np.testing.assert_array_equal(which, want)
+    np.testing.assert_array_equal(local, index - firsts[want])
+
+
+def test_shape_errors_name_the_field():
+    assert sm.shape_error(64, 512, 3) is None and sm.shape_error(4, 64, 1) is None
+    assert [sm.warpgroups(k) for k in (64, 256, 512)] == [1, 1, 2]
+    for k in (96, 192, 384, 768):  # 192 / 384: a row's 24 / 48 chunks do not divide the gathering threads
+        assert "K must be" in sm.shape_error(64, k, 1)
+    assert "H must be" in sm.shape_error(96, 128, 1)
+    assert "kv_sources" in sm.shape_error(64, 128, 4)
+    with pytest.raises(ValueError, match="K must be"):
+        sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 96), 0.1, interpret=True)
+
+
+def test_engine_is_validated_and_falls_back_off_the_gpu(monkeypatch):
+    with pytest.raises(ValueError, match="engine must be one of"):
+        sa.SparseAttnConfig(engine="cuda")
+    with pytest.raises(ValueError, match="mgpu_min_tokens"):
+        sa.SparseAttnConfig(mgpu_min_tokens=0)
+    # off a GPU (interpret mode) the 'mgpu' engine takes the Triton kernel: the same values as the Triton engine
+    q, sources, idx, sink = problem(2, 70, (50, 90), 3, 16, 64)
+    args = (q, sources, jnp.asarray(idx), sink, 0.125)
+    np.testing.assert_array_equal(np.asarray(sa.sparse_attn_pallas(*args, config=sa.SparseAttnConfig(engine="mgpu"))),
+                                  np.asarray(sa.sparse_attn_pallas(*args, config=sa.SparseAttnConfig(engine="triton"))))
+    # on a Hopper GPU (faked): from mgpu_min_tokens tokens on, shapes it takes, not interpreted
+    monkeypatch.setattr(sm, "available", lambda: True)
+    config = sa.SparseAttnConfig(engine="mgpu", mgpu_min_tokens=64)
+    assert sa._mgpu_takes(config, 64, 64, 512, 3, interpret=False)
+    assert not sa._mgpu_takes(config, 63, 64, 512, 3, interpret=False)
+    assert not sa._mgpu_takes(config, 64, 64, 512, 3, interpret=True)
+    assert not sa._mgpu_takes(config, 64, 64, 96, 3, interpret=False)
+    assert not sa._mgpu_takes(sa.SparseAttnConfig(engine="triton"), 64, 64, 512, 3, interpret=False)
+
+
+@pytest.mark.parametrize("k,split_scores", [(512, False), (512, True), (64, False)])
+def test_no_race_in_the_slots(k, split_scores):
+    # the interpreter's happens-before race detector over the slots' refills and reads and the scores' exchange
+    # (it raises on a race; leaving out the meeting before a slot is refilled makes it raise)
+    q, sources, idx, sink = problem(2, 200, (40, 300), 5, 64, k)
+    check(q, sources, idx, sink, 1, split_scores, interpret=plgpu.InterpretGPUParams(detect_races=True))
