@@ -224,17 +224,18 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     from dijax.kernels import sparse_attn as sa
     from dijax.kernels import sparse_attn_mgpu
 
-    configs = [("pallas", sa.SparseAttnConfig())]
+    triton = functools.partial(sa.SparseAttnConfig, engine="triton")  # the Triton kernel's rows
+    configs = [("pallas", triton())]
     if sweep:  # (twenty-fifth session: 4 or 16 warps and 32 or 16 heads a program were 1.4-40x slower at B >= 64)
-        configs += [("pallas 1 block/program", sa.SparseAttnConfig(num_splits=1 << 20)),
-                    ("pallas 2 waves", sa.SparseAttnConfig(wave_programs=264))]
-        configs += [(f"pallas {n} split{'s' * (n > 1)}", sa.SparseAttnConfig(num_splits=n)) for n in (1, 2, 3)]
+        configs += [("pallas 1 block/program", triton(num_splits=1 << 20)),
+                    ("pallas 2 waves", triton(wave_programs=264))]
+        configs += [(f"pallas {n} split{'s' * (n > 1)}", triton(num_splits=n)) for n in (1, 2, 3)]
         # one source (2 stages by default: pipelined gathers) and one source at 1 stage; the model's layout
         # (``attend_lists``: the window rows as one source, the pool from lane first_T) at 1 stage (2 by default)
-        configs += [("pallas 1 source", sa.SparseAttnConfig()),
-                    ("pallas 1 source 1 stage", sa.SparseAttnConfig(num_stages=1)),
-                    ("pallas window + pool 1 stage", sa.SparseAttnConfig(num_stages=1))]
-    configs += [("pallas window + pool", sa.SparseAttnConfig())]
+        configs += [("pallas 1 source", triton()),
+                    ("pallas 1 source 1 stage", triton(num_stages=1)),
+                    ("pallas window + pool 1 stage", triton(num_stages=1))]
+    configs += [("pallas window + pool", triton())]
     if sparse_attn_mgpu.available():  # the Mosaic GPU kernel (engine 'mgpu'), where it runs rather than falls back
         configs += [("mgpu", sa.SparseAttnConfig(engine="mgpu")),
                     ("mgpu window + pool", sa.SparseAttnConfig(engine="mgpu"))]
@@ -303,15 +304,16 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
     from dijax.kernels import indexer as ix
     from dijax.kernels import quant
 
-    configs = [("pallas", ix.IndexerConfig())]
+    triton = functools.partial(ix.IndexerConfig, engine="triton")  # the Triton kernel's rows
+    configs = [("pallas", triton())]
     if sweep:
-        configs += [("pallas p64", ix.IndexerConfig(block_p=64)),
-                    ("pallas p256 warps8", ix.IndexerConfig(block_p=256, num_warps=8)),
-                    ("pallas 1 block/program", ix.IndexerConfig(blocks=1)),
-                    ("pallas 4 blocks/program", ix.IndexerConfig(blocks=4)),
-                    ("pallas 16 blocks/program", ix.IndexerConfig(blocks=16)),
-                    ("pallas warps8", ix.IndexerConfig(num_warps=8)),
-                    ("pallas stages2", ix.IndexerConfig(num_stages=2))]
+        configs += [("pallas p64", triton(block_p=64)),
+                    ("pallas p256 warps8", triton(block_p=256, num_warps=8)),
+                    ("pallas 1 block/program", triton(blocks=1)),
+                    ("pallas 4 blocks/program", triton(blocks=4)),
+                    ("pallas 16 blocks/program", triton(blocks=16)),
+                    ("pallas warps8", triton(num_warps=8)),
+                    ("pallas stages2", triton(num_stages=2))]
     out = []
     for batch in batches:
         for width in contexts:
@@ -375,7 +377,7 @@ def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int =
                 / BANDWIDTH)
     shape = f"prefill T={tokens}, P={width}, {heads} heads x {dim}"
     want = np.asarray(jax.jit(ix.index_scores_reference)(*args))
-    configs = [("pallas", ix.IndexerConfig())]
+    configs = [("pallas", ix.IndexerConfig(engine="triton"))]
     if indexer_mgpu.available():
         configs.append(("mgpu", ix.IndexerConfig(engine="mgpu")))
     out = []

@@ -53,17 +53,13 @@
 #   xla-gemms  flash-slice decode B=1 and 16 with XLA's Triton GEMM fusions (the default), then with them off
 #            (cuBLAS): the twenty-second session's trace had 19 bf16 GEMM fusions at 9.7 us mean at B=1 (router,
 #            compressor, index weights; ~10 % of their bytes' floor);
-#   mgpu-engine, mgpu-model  (branch fp4-wgmma-fit-tiles, not yet run; one device call each) the routed experts on
-#            fp4_wgmma: its GPU tests, the layer at 8192 tokens and at decode (gathered_max=0) against the Triton
-#            kernels; then flash-slice decode and prefill 8192 with it, and GPU parity with it as the default;
-#   mgpu-fp8  (branch fp8-wgmma, not yet run) the fp8 linear on fp8_wgmma: GPU tests, the linears at decode and
-#            flash-slice decode at batch 1 / 16 against the Triton kernel;
-#   mgpu-attn  (thirtieth session, not yet run) sparse attention on the Mosaic GPU kernel
-#            (dijax.kernels.sparse_attn_mgpu): its GPU tests, its decode rows against the Triton kernel's, flash-slice
-#            decode with it and without;
-#   mgpu-attn-parity  GPU parity with that kernel as sparse attention's default (in the run's copy of the tree);
-#   mgpu-indexer  (thirtieth session, not yet run) the lightning indexer on the Mosaic GPU kernel
-#            (dijax.kernels.indexer_mgpu): GPU tests, decode and prefill rows, flash-slice prefill 8192 with it;
+#   mgpu-check  (thirty-first session) the Mosaic GPU kernels' GPU tests, and GPU parity with the defaults (each
+#            Mosaic GPU engine where it takes a step) beside a copy of the tree with every engine 'triton', all side
+#            by side; then sparse attention's and the indexer's rows, Triton against Mosaic GPU;
+#   mgpu-rows  the routed experts and the fp8 linears on Mosaic GPU against the Triton kernels at decode sizes (GPU
+#            kernel time) and the routed layer at 8192 tokens;
+#   mgpu-flash  flash-slice decode at batch 1 / 64 and prefill 8192 with the defaults, then with every engine
+#            'triton' (TRITON_SETTINGS);
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -80,7 +76,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-attn-check|mgpu-rows|mgpu-flash|mgpu-engine|mgpu-model|mgpu-fp8|mgpu-attn|mgpu-attn-parity|mgpu-indexer|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-rows|mgpu-flash|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -256,70 +252,22 @@ case "$stage" in
       run 250 python3 tools/bench.py --model flash-slice --decode-batch 1,16 --context 4095 --prefill= --kernels on \
         --engine off --warmup 3 --iters 10 --step-xla-option xla_gpu_enable_triton_gemm=$gemms
     done ;;
-  mgpu-engine)
-    # (branch fp4-wgmma-fit-tiles; ~350 s) the routed experts on dijax.kernels.fp4_wgmma: its GPU tests, the layer at
-    # 8192 tokens against the Triton engine, the kernel's configurations there, then decode (tiles of 8 rows, the
-    # scales read in place) against the mat-vecs at 1 / 16 / 64 tokens. Then stage mgpu-model.
-    run 150 python3 -m pytest -q -ra tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py -k "mgpu or fp4"
-    run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='mgpu'" \
-      --variant "gemm_engine='mgpu',mgpu_overlap=True" --iters 5 --repeats 2
-    run 100 python3 tools/bench_kernels.py --only fp4_wgmma --tokens 8192 --sweep --iters 5 --repeats 2
-    run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
-      --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_stages=8" --variant "gemm_engine='mgpu',mgpu_chunks=1" \
-      --variant "gemm_engine='mgpu',mgpu_warpgroups=1" --variant "gemm_engine='mgpu',mgpu_warpgroups=1,mgpu_stages=8" \
-      --variant "gemm_engine='mgpu',mgpu_lone_max=0" ;;
-  mgpu-fp8)
-    # (branch fp8-wgmma; ~350 s) the fp8 linear on dijax.kernels.fp8_wgmma: its GPU tests, the linears at decode
-    # against the Triton kernel, then flash-slice decode at batch 1 / 16 with it
-    run 150 python3 -m pytest -q -ra tests/gpu/test_fp8_wgmma_gpu.py tests/gpu/test_fp8_linear_gpu.py
-    run 200 python3 tools/bench_kernels.py --only fp8_linear --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
-      --variant "engine='mgpu'" --variant "engine='mgpu',mgpu_warpgroups=2" --variant "engine='mgpu',mgpu_stages=8"
-    for setting in "" "--kernel-setting fp8_linear.CONFIG.engine='mgpu'"; do
-      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,16 --context 4095 --prefill= --kernels on \
-        --engine off --warmup 3 --iters 10 $setting
-    done ;;
-  mgpu-model)
-    # (branch fp4-wgmma-fit-tiles; ~450 s) flash-slice decode at batch 1 / 64 and prefill 8192 with the routed experts
-    # on fp4_wgmma (decode too: gathered_max=0) against the Triton kernels, then GPU parity with that as the default
-    # (in this run's copy of the tree only). MGPU_SETTINGS: extra --kernel-setting arguments for the mgpu rows (the
-    # winner of stage mgpu-engine's decode variants, e.g. routed_experts.CONFIG.mgpu_warpgroups=1).
-    mgpu="--kernel-setting routed_experts.CONFIG.gemm_engine='mgpu' --kernel-setting routed_experts.CONFIG.gathered_max=0 ${MGPU_SETTINGS:-}"
-    for setting in "" "$mgpu"; do
-      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 --kernels on --engine off \
-        --warmup 2 --iters 5 $setting
-    done
-    sed -i -e 's/    gemm_engine: str = "triton"/    gemm_engine: str = "mgpu"/' \
-      -e 's/    gathered_max: int = 96/    gathered_max: int = 0/' dijax/kernels/routed_experts.py
-    grep -E '^    (gemm_engine|gathered_max):' dijax/kernels/routed_experts.py | tee -a "$log"
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    parity mgpu-tiny-nodrop 300 "$fixtures/tiny-nodrop" &
-    parity mgpu-engine 300 "$fixtures/tiny-nodrop" --engine &
-    parity mgpu-tiny 300 "$fixtures/tiny" &
-    wait
-    git checkout dijax/kernels/routed_experts.py 2>/dev/null || sed -i -e 's/    gemm_engine: str = "mgpu"/    gemm_engine: str = "triton"/' \
-      -e 's/    gathered_max: int = 0/    gathered_max: int = 96/' dijax/kernels/routed_experts.py
-    parity_summary "$out"/parity-mgpu-*.txt ;;
   mgpu-check)
-    # (thirty-first session; ~550 s) every Mosaic GPU kernel's correctness in one call: GPU parity with each kernel
-    # as the default (copies of the tree under /tmp: the routed experts on fp4_wgmma, sparse attention on
-    # sparse_attn_mgpu, the fp8 linear on fp8_wgmma, then all three) beside the Triton defaults, and the kernels' GPU
-    # tests, all side by side; then sparse attention's and the indexer's kernel rows (Triton against Mosaic GPU)
+    # (~450 s; the thirty-first session's first form, with copies of the tree per engine, found the row gather's
+    # third source misaddressed)
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    rm -rf $sub; mkdir -p $sub
-    for t in fp4 attn fp8 all; do mkdir -p $sub/tree-$t; cp -r dijax $sub/tree-$t/; done
-    sed -i -e 's/    gemm_engine: str = "triton"/    gemm_engine: str = "mgpu"/' -e 's/    gathered_max: int = 96/    gathered_max: int = 0/' \
-      $sub/tree-{fp4,all}/dijax/kernels/routed_experts.py
-    sed -i 's/    engine: str = "triton"/    engine: str = "mgpu"/' $sub/tree-{attn,all}/dijax/kernels/sparse_attn.py \
-      $sub/tree-{fp8,all}/dijax/kernels/fp8_linear.py
-    grep -HE '^    (gemm_engine|gathered_max|engine):' $sub/tree-all/dijax/kernels/{routed_experts,sparse_attn,fp8_linear}.py >> "$log"
+    rm -rf $sub; mkdir -p $sub/tree-triton; cp -r dijax $sub/tree-triton/
+    sed -i 's/    gemm_engine: str = "mgpu"/    gemm_engine: str = "triton"/' $sub/tree-triton/dijax/kernels/routed_experts.py
+    sed -i 's/    engine: str = "mgpu"/    engine: str = "triton"/' \
+      $sub/tree-triton/dijax/kernels/{sparse_attn,fp8_linear,indexer}.py
+    grep -HE '^    (gemm_engine|engine):' $sub/tree-triton/dijax/kernels/{routed_experts,sparse_attn,fp8_linear,indexer}.py \
+      >> "$log"
     fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
-    check parity-triton . 280 $p $fixtures/tiny-nodrop &
-    check parity-fp4 $sub/tree-fp4 280 $p $fixtures/tiny-nodrop &
-    check parity-attn $sub/tree-attn 280 $p $fixtures/tiny-nodrop &
-    check parity-fp8 $sub/tree-fp8 280 $p $fixtures/tiny-nodrop &
-    check parity-all-engine $sub/tree-all 280 $p $fixtures/tiny-nodrop --engine &
-    check parity-all-chunk7 $sub/tree-all 280 $p $fixtures/tiny-nodrop --chunk 7 &
-    check parity-all-tiny $sub/tree-all 280 $p $fixtures/tiny &
+    check parity-triton $sub/tree-triton 280 $p $fixtures/tiny-nodrop &
+    check parity-tiny-nodrop . 280 $p $fixtures/tiny-nodrop &
+    check parity-chunk7 . 280 $p $fixtures/tiny-nodrop --chunk 7 &
+    check parity-engine . 280 $p $fixtures/tiny-nodrop --engine &
+    check parity-tiny . 280 $p $fixtures/tiny &
     t="python3 -m pytest -q -ra -p no:cacheprovider"
     check tests-fp4 . 280 $t tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py &
     check tests-fp8 . 280 $t tests/gpu/test_fp8_wgmma_gpu.py tests/gpu/test_fp8_linear_gpu.py &
@@ -327,87 +275,24 @@ case "$stage" in
     check tests-indexer . 280 $t tests/gpu/test_indexer_gpu.py &
     wait
     checked
-    run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3
-    run 120 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3 ;;
-  mgpu-attn-check)
-    # (thirty-first session, after mgpu-check found the row gather's third source misaddressed; ~400 s) sparse
-    # attention's and fp4_wgmma's GPU tests, and GPU parity with sparse attention on Mosaic GPU (a copy of the tree),
-    # side by side; then its decode rows against the Triton kernel's, and flash-slice decode with it and with the fp8
-    # linears on fp8_wgmma from 33 to 64 rows (FP8_SETTINGS)
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    rm -rf $sub; mkdir -p $sub/tree-attn; cp -r dijax $sub/tree-attn/
-    sed -i 's/    engine: str = "triton"/    engine: str = "mgpu"/' $sub/tree-attn/dijax/kernels/sparse_attn.py
-    grep -HE '^    engine:' $sub/tree-attn/dijax/kernels/sparse_attn.py >> "$log"
-    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
-    check parity-attn $sub/tree-attn 180 $p $fixtures/tiny-nodrop &
-    check parity-attn-chunk7 $sub/tree-attn 180 $p $fixtures/tiny-nodrop --chunk 7 &
-    check parity-attn-engine $sub/tree-attn 180 $p $fixtures/tiny-nodrop --engine &
-    check parity-attn-tiny $sub/tree-attn 180 $p $fixtures/tiny &
-    t="python3 -m pytest -q -ra -p no:cacheprovider"
-    check tests-attn . 180 $t tests/gpu/test_attention_gpu.py -k "mgpu or row_gather" &
-    check tests-fp4 . 180 $t tests/gpu/test_fp4_wgmma_gpu.py &
-    wait
-    checked
     run 100 python3 tools/bench_kernels.py --only sparse_attn --iters 10 --repeats 3
-    fp8="--kernel-setting fp8_linear.CONFIG.engine='mgpu' --kernel-setting fp8_linear.CONFIG.max_tokens=64"
-    fp8="$fp8 --kernel-setting fp8_linear.CONFIG.mgpu_min_tokens=33 --kernel-setting fp8_linear.CONFIG.mgpu_warpgroups=2"
-    run 100 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 2 --iters 5 --kernel-setting "sparse_attn.CONFIG.engine='mgpu'" $fp8 ;;
+    run 100 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3 ;;
   mgpu-rows)
-    # (thirty-first session; ~450 s) the routed experts and the fp8 linear on Mosaic GPU against the Triton kernels:
-    # decode sizes by GPU kernel time with variants, the routed layer at 8192 tokens by wall time
+    # (~450 s) GPU kernel time at decode sizes with variants, then the routed layer at 8192 tokens by wall time
     run 160 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
-      --variant "gemm_engine='mgpu'" --variant "gemm_engine='mgpu',mgpu_warpgroups=1"
-    run 130 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='mgpu'" \
+      --variant "mgpu_min_assignments=0" --variant "mgpu_min_assignments=0,mgpu_warpgroups=1"
+    run 130 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='triton'" \
       --iters 5 --repeats 2
     run 160 python3 tools/bench_kernels.py --only fp8_linear --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
-      --variant "engine='mgpu'" --variant "engine='mgpu',mgpu_warpgroups=2" ;;
+      --variant "engine='triton'" --variant "mgpu_min_tokens=1" --variant "mgpu_min_tokens=1,mgpu_warpgroups=1" ;;
   mgpu-flash)
-    # (thirty-first session; ~450 s) flash-slice decode at batch 1 / 64 and prefill 8192 with the Triton defaults,
-    # then with MGPU_SETTINGS (the --kernel-setting arguments of the kernels stage mgpu-check passed), then prefill
-    # 8192 with the indexer on Mosaic GPU too
-    run 170 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 --kernels on \
-      --engine off --warmup 2 --iters 5
-    run 170 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 --kernels on \
-      --engine off --warmup 2 --iters 5 ${MGPU_SETTINGS:-}
-    run 110 python3 tools/bench.py --model flash-slice --decode-batch= --prefill 8192 --kernels on --engine off \
-      --warmup 2 --iters 5 ${MGPU_SETTINGS:-} --kernel-setting "indexer.CONFIG.engine='mgpu'" ;;
-  mgpu-attn)
-    # (branch sparse-attn-mgpu; ~500 s) sparse attention on dijax.kernels.sparse_attn_mgpu (rows gathered by cp.async
-    # into wgmma's layout): its GPU tests, the decode rows against the Triton kernel at B = 1 / 64 / 256 with splits
-    # variants, then flash-slice decode at batch 1 / 64 and prefill 8192 (sparse attention was 16 % of it) with it
-    # and without. Then stage mgpu-attn-parity.
-    run 120 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py
-    run 150 python3 tools/bench_kernels.py --only sparse_attn --sweep --iters 10 --repeats 3
-    for setting in "" "--kernel-setting sparse_attn.CONFIG.engine='mgpu'"; do
-      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 \
-        --kernels on --engine off --warmup 2 --iters 5 $setting
+    # (~400 s)
+    triton="--kernel-setting routed_experts.CONFIG.gemm_engine='triton' --kernel-setting sparse_attn.CONFIG.engine='triton'"
+    triton="$triton --kernel-setting fp8_linear.CONFIG.engine='triton' --kernel-setting indexer.CONFIG.engine='triton'"
+    for setting in "" "${TRITON_SETTINGS:-$triton}"; do
+      run 170 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 --kernels on \
+        --engine off --warmup 2 --iters 5 $setting
     done ;;
-  mgpu-indexer)
-    # (branch indexer-mgpu; ~450 s) the lightning indexer on dijax.kernels.indexer_mgpu (tiles of 8 tokens of one
-    # sequence on wgmma, the head sum a second product): the indexer's GPU tests, its decode and prefill rows
-    # (prefill 8192 x 2048: issue 13's 50 % of peak) against the Triton kernel, then flash-slice prefill 8192 with it
-    # and without (the parity fixtures' 32-dim index heads are too narrow for it: its GPU tests are its check)
-    run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
-    run 150 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3
-    for setting in "" "--kernel-setting indexer.CONFIG.engine='mgpu'"; do
-      run 120 python3 tools/bench.py --model flash-slice --decode-batch= --prefill 8192 --kernels on --engine off \
-        --warmup 2 --iters 5 $setting
-    done ;;
-  mgpu-attn-parity)
-    # (branch sparse-attn-mgpu; ~300 s) GPU parity with sparse attention on the Mosaic GPU kernel as the default (in
-    # this run's copy of the tree only): the fixtures' 4 heads of 64 take its one-warpgroup form
-    sed -i -e 's/    engine: str = "triton"/    engine: str = "mgpu"/' dijax/kernels/sparse_attn.py
-    grep -E '^    engine:' dijax/kernels/sparse_attn.py | tee -a "$log"
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    parity mgpu-attn-tiny-nodrop 280 "$fixtures/tiny-nodrop" &
-    parity mgpu-attn-chunk7 280 "$fixtures/tiny-nodrop" --chunk 7 &
-    parity mgpu-attn-engine 280 "$fixtures/tiny-nodrop" --engine &
-    parity mgpu-attn-tiny 280 "$fixtures/tiny" &
-    wait
-    git checkout dijax/kernels/sparse_attn.py 2>/dev/null || \
-      sed -i -e 's/    engine: str = "mgpu"/    engine: str = "triton"/' dijax/kernels/sparse_attn.py
-    parity_summary "$out"/parity-mgpu-attn-*.txt ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -417,6 +302,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-attn-check, mgpu-rows, mgpu-flash, mgpu-engine, mgpu-model, mgpu-fp8, mgpu-attn, mgpu-attn-parity, mgpu-indexer, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-rows, mgpu-flash, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120

@@ -1,20 +1,15 @@
 """MXFP4 expert weights times token tiles on Hopper's tensor cores (Mosaic GPU): ``grouped_gemm_t``.
 
-Status (branch fp4-wgmma-fit-tiles, on fp4-wgmma-natural-out): the output tiles are stored untransposed ([R, F],
-through a transposed view of the shared-memory staging tile), so the routed path needs no XLA transposes around the
-GEMMs; tiles come in several sizes (one compiled pipeline each), so that ``routed_experts.fit_tiles`` can give each
-expert one tile of about its size instead of whole 128-row tiles (564 -> ~384 tiles at prefill 8192: every tile
-decodes its expert's whole weight slice); the scales are read in their stored layout straight from GMEM (no pass
-over every expert's scales a call); a CTA may have one compute warpgroup. With tiles of 8 rows this is also a
-decode kernel (routed_experts' ``gathered_max=0``). This form has not run on a GPU (twenty-ninth session: no
-device lent). On the CPU it lowers for CUDA (tools/mgpu_lower.py, jax 0.11.2 and 0.12.0.1), builds through ptxas
-with no spills (tools/mgpu_build.py), and runs in jax's Mosaic GPU interpreter (``interpret=True``: the same kernel
-with the register decode replaced by its logical values), where it matches the reference. On main (twenty-eighth
-session), the transposed form was correct and timed on the H200: the routed experts' ragged path runs on it with
-``routed_experts.KernelConfig.gemm_engine='mgpu'``, which is off by default. GPU parity holds there, but the XLA
-passes around its transposed outputs make the layer slower than the Triton kernels (20.6 against 14.7 ms at 8192
-tokens). It is the first tensor-core kernel whose operand layouts we control, and the building block of issue 12's
-prefill path. Rates (H200, jax 0.11.2; docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP/s):
+Status (thirty-first session, on the H200): the output tiles are stored untransposed ([R, F], through a transposed
+view of the shared-memory staging tile), so the routed path needs no XLA transposes around the GEMMs; tiles come in
+several sizes (one compiled pipeline each), so that ``routed_experts.fit_tiles`` can give each expert one tile of
+about its size instead of whole 128-row tiles; the scales are read in their stored layout straight from GMEM; a CTA
+may have one compute warpgroup. Its GPU tests pass, and the routed experts' ragged path runs on it by default from
+``routed_experts.KernelConfig.mgpu_min_assignments`` on: the layer at 8192 tokens took 12.59 ms against the Triton
+kernels' 14.81 (the transposed form of the twenty-eighth session: 20.6 ms), while at decode sizes it lost (T = 64:
+2.85 against 2.34 ms). GPU parity with it on every step equals the Triton path's to the printed digits. It is the
+first tensor-core kernel whose operand layouts we control, and the building block of issue 12's prefill path. Rates
+of earlier forms (H200, jax 0.11.2; docs/benchmarks.md's measured bf16 ceiling is 790 TFLOP/s):
   * one expert's weights, F x K = 36864 x 5120 (the prototype of this kernel, 4 stages, one K chunk a step): 391
     TFLOP/s with 128 tokens a tile, 549 with 256; a dense 4608 x 5120 x 4096: 675 (XLA's bf16 dot of
     already-decoded weights: 769);

@@ -1,9 +1,9 @@
 """Lightning-indexer scores on Hopper's tensor cores (Mosaic GPU): ``index_scores_mgpu``.
 
-Status (branch indexer-mgpu, thirtieth session): written without a GPU, not yet run on one. On the CPU it lowers
-for CUDA (tools/mgpu_lower.py), builds through ptxas (tools/mgpu_build.py), and runs in jax's Mosaic GPU interpreter
-(``interpret=True``), where it agrees with ``indexer.index_scores_reference``. ``indexer.IndexerConfig.engine=
-'mgpu'`` routes the Pallas implementation to it (off by default).
+Status (thirty-first session, on the H200): its GPU tests pass (within 1 ulp of the reference at the real 32 heads
+x 128), and at prefill 8192 x 2048 it takes 433 us against the Triton kernel's 496 (20.2 % of the tensor-core floor;
+issue 13 asks 50 %). ``indexer.IndexerConfig.engine='mgpu'`` is the default; it takes prefill-shaped steps only.
+The parity fixtures' 32-wide index heads are below its smallest J (64), so GPU parity does not reach it.
 
 Why: issue 13 asks the indexer at prefill for 50 % of the tensor cores' peak. The Triton kernel (``indexer``) runs
 one token a program: a [I, J] x [J, 128] product (I = 32 heads), its keys gathered again for every token.
