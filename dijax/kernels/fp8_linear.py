@@ -88,7 +88,7 @@ class KernelConfig:
     CTA, ``mgpu_stages`` deep). 'mgpu' falls back to 'triton' off a compute-capability-9 GPU, when interpreted, or
     for shapes it does not take (``fp8_wgmma.shape_error``), and outside ``mgpu_min_tokens`` to ``mgpu_max_tokens``
     rows (past ``max_tokens`` the Triton kernel hands over to the reference: 'mgpu' has its own range). On the H200
-    (thirty-first session, GPU kernel time) 'mgpu' lost at T = 1 (the 8 flash-slice linears 1.3-2.2x slower) and
+    (thirty-first session, GPU kernel time) 'mgpu' lost at T = 1 (the 8 flash-slice linears 1.3-2.3x slower) and
     was mixed at 16, but at T = 64 it ran the 7 layer linears in 156 us (2 warpgroups) against 262 us on the
     reference (where ``max_tokens`` = 32 sends them) and 330 us on the Triton kernel, the Engram ``wkv`` in 94
     against 274 and 689 us: docs/benchmarks.md.

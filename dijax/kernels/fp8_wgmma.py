@@ -2,7 +2,7 @@
 
 Status (thirty-first session, on the H200): its GPU tests pass, and GPU parity with it on every linear it takes
 (up to 32 rows then) equals the Triton kernel's to the printed digits. By GPU kernel time it loses to the Triton
-kernel at one row (the 8 flash-slice linears 1.3-2.2x slower) and is mixed at 16, but at 64 rows it ran the 7 layer
+kernel at one row (the 8 flash-slice linears 1.3-2.3x slower) and is mixed at 16, but at 64 rows it ran the 7 layer
 linears in 156 us against 262 on the reference and 330 on the Triton kernel. So ``fp8_linear.KernelConfig`` routes
 33-64 rows to it (``mgpu_min_tokens`` / ``mgpu_max_tokens``, 2 compute warpgroups), by default.
 
