@@ -289,7 +289,8 @@ def test_mgpu_engine_from_its_fewest_assignments(monkeypatch):
     weights_TX, experts_TX = make_routing(rng, 5, 8, 2, None, (), ())
     x_TD = make_x(rng, 5, 128, 1.0)
     for fewest, used in ((11, False), (10, True)):  # 5 tokens x 2 experts = 10 assignments
-        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gathered_max=0, mgpu_min_assignments=fewest))
+        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine="mgpu", gathered_max=0,
+                                                              mgpu_min_assignments=fewest))
         rx._routed_experts_call.clear_cache()
         try:
             rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT)

@@ -691,8 +691,8 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
                      stack_A, phase_major(quant.fq8(h_AF)).astype(jnp.float32), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
-    if config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments and _mgpu_takes(d, f, config,
-                                                                                                  interpret):
+    if (config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments
+            and _mgpu_takes(d, f, config, interpret)):
         return _ragged_mgpu(((w1, s1), (w3, s3), (w2, s2)), offset, x_act_TD, weights_A, expert_A, n_experts,
                             n_per_token, limit, config)
     rows = gemm_rows(n_assign, n_experts, config)

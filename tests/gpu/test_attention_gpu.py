@@ -7,6 +7,8 @@ full of NaN and any element the kernel fails to write shows up in the comparison
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,8 @@ import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.kernels import row_gather, sparse_attn_mgpu
 from dijax.kernels.sparse_attn import SparseAttnConfig, sparse_attn_pallas, sparse_attn_reference
 from dijax.kernels.topk import topk_reference, topk_select
+
+TRITON = functools.partial(SparseAttnConfig, engine="triton")  # the Triton kernel's tests
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="GPU kernels: needs a CUDA backend (jax.default_backend() == 'gpu')")
@@ -77,9 +81,9 @@ def decode_problem(batch: int, seed: int, pool_rows_per_seq: int = 1024):
     return q, (ring, new, pool), jnp.asarray(idx), sink
 
 
-@pytest.mark.parametrize("batch,config", [(1, SparseAttnConfig()), (64, SparseAttnConfig()),
-                                          (64, SparseAttnConfig(num_splits=1)), (64, SparseAttnConfig(num_splits=5)),
-                                          (5, SparseAttnConfig(block_h=32, num_splits=1, num_warps=4))])
+@pytest.mark.parametrize("batch,config", [(1, TRITON()), (64, TRITON()),
+                                          (64, TRITON(num_splits=1)), (64, TRITON(num_splits=5)),
+                                          (5, TRITON(block_h=32, num_splits=1, num_warps=4))])
 def test_sparse_attn_pallas_matches_reference(batch, config):
     q, sources, idx, sink = decode_problem(batch, seed=batch)
     scale = DIM ** -0.5
@@ -93,9 +97,9 @@ def test_sparse_attn_pallas_matches_reference(batch, config):
     assert np.abs(got - want).mean() < 2e-3 * np.abs(want).mean()
 
 
-@pytest.mark.parametrize("batch,config", [(1, SparseAttnConfig()), (64, SparseAttnConfig()),
-                                          (64, SparseAttnConfig(num_splits=1)), (5, SparseAttnConfig(num_splits=3)),
-                                          (64, SparseAttnConfig(num_stages=1))])
+@pytest.mark.parametrize("batch,config", [(1, TRITON()), (64, TRITON()),
+                                          (64, TRITON(num_splits=1)), (5, TRITON(num_splits=3)),
+                                          (64, TRITON(num_stages=1))])
 def test_sparse_attn_pallas_window_and_pool(batch, config):
     # the model's layout (attention.attend_lists): ring and new rows as one source, the pool as the other, from lane
     # first_T[t] on; short windows (a sequence's first 127 tokens) move the pool's lanes down, into a block that
@@ -179,10 +183,12 @@ def test_sparse_attn_mgpu_engine_window_and_pool(batch):
     q, (ring, new, pool), idx, sink = decode_problem(batch, seed=batch + 200)
     sources = (jnp.concatenate([ring, new]), pool)
     scale = DIM ** -0.5
-    triton = np.asarray(jax.jit(lambda *a: sparse_attn_pallas(*a, scale))(q, sources, idx, sink), np.float32)
+    triton = np.asarray(jax.jit(lambda *a: sparse_attn_pallas(*a, scale, config=TRITON()))(q, sources, idx, sink),
+                        np.float32)
     poison(batch * HEADS * DIM * 4 * 16)
-    got = np.asarray(jax.jit(lambda *a: sparse_attn_pallas(*a, scale, config=SparseAttnConfig(engine="mgpu")))(
-        q, sources, idx, sink), np.float32)
+    mgpu = SparseAttnConfig(engine="mgpu", mgpu_min_tokens=1)
+    got = np.asarray(jax.jit(lambda *a: sparse_attn_pallas(*a, scale, config=mgpu))(q, sources, idx, sink),
+                     np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, triton, atol=4e-3, rtol=2e-2)
 

@@ -47,7 +47,7 @@ def test_a_layer_of_a_stack_in_place():
 
 def test_seam_with_the_mgpu_engine(monkeypatch):
     """``fp8_linears`` with ``engine='mgpu'``: both linears of one input, each on fp8_wgmma."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, engine="mgpu"))
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, engine="mgpu", mgpu_min_tokens=1))
     pairs = [_weights(1280, 5120, seed=1)[:2], _weights(512, 5120, seed=2)[:2]]
     x = jax.random.normal(jax.random.key(1), (4, 5120), jnp.bfloat16)
     got = jax.jit(lambda x: fl.fp8_linears(x, pairs, impl="pallas"))(x)

@@ -12,6 +12,8 @@ nearly all of them agree bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,8 @@ import pytest
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.kernels import indexer_mgpu, quant
 from dijax.kernels.indexer import IndexerConfig, index_scores_pallas, index_scores_reference
+
+TRITON = functools.partial(IndexerConfig, engine="triton")  # the Triton kernel's tests
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="GPU kernels: needs a CUDA backend (jax.default_backend() == 'gpu')")
@@ -83,11 +87,11 @@ def check(args, config: IndexerConfig, max_fraction: float, kernel=None) -> floa
 
 
 @pytest.mark.parametrize("batch,width,config", [
-    (1, 262_144, IndexerConfig()),
-    (64, 65_536, IndexerConfig()),
-    (256, 4096, IndexerConfig(poison=True)),
-    (64, 65_536, IndexerConfig(block_p=64, blocks=1, num_warps=4, poison=True)),
-    (64, 65_536, IndexerConfig(block_p=256, blocks=2, num_warps=8)),
+    (1, 262_144, TRITON()),
+    (64, 65_536, TRITON()),
+    (256, 4096, TRITON(poison=True)),
+    (64, 65_536, TRITON(block_p=64, blocks=1, num_warps=4, poison=True)),
+    (64, 65_536, TRITON(block_p=256, blocks=2, num_warps=8)),
 ])
 def test_decode_matches_reference(batch, width, config):
     rng = np.random.default_rng(batch)
@@ -104,14 +108,14 @@ def test_prefill_tokens_of_few_sequences():
     width = 3000
     visible = np.concatenate([np.arange(16) * 37, 1500 + np.arange(16), width - np.arange(16)])
     args = problem(48, width, visible, seqs=3, seed=7)
-    check(args, IndexerConfig(poison=True), max_fraction=1e-3)
+    check(args, TRITON(poison=True), max_fraction=1e-3)
 
 
 @pytest.mark.parametrize("heads", [32, 64])
 def test_random_bf16_inputs_within_one_ulp(heads):
     # unquantised inputs: the dot and head sums round, in another order than XLA's
     args = problem(16, 8192, np.linspace(0, 8192, 16).astype(int), heads=heads, seed=heads, fq4=False)
-    check(args, IndexerConfig(poison=True), max_fraction=0.02)
+    check(args, TRITON(poison=True), max_fraction=0.02)
 
 
 def test_tiny_model_heads_and_zero_scores():
@@ -123,8 +127,8 @@ def test_tiny_model_heads_and_zero_scores():
     keys = jnp.abs(keys)
     w = w.at[0].set(-jnp.abs(w[0]))
     args = (q, w, keys, rows, seq, visible)
-    check(args, IndexerConfig(block_p=16, poison=True), max_fraction=0.02)
-    got = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a, config=IndexerConfig(block_p=16)))(*args))
+    check(args, TRITON(block_p=16, poison=True), max_fraction=0.02)
+    got = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a, config=TRITON(block_p=16)))(*args))
     assert (got[0].view(np.uint32) == 0).all()
 
 

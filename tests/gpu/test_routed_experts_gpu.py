@@ -36,13 +36,14 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 }
 
 
+MGPU = {"gemm_engine": "mgpu", "mgpu_min_assignments": 0}  # the ragged path on fp4_wgmma at every size
 VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the benchmark sweeps
             # the ragged path on dijax.kernels.fp4_wgmma (wgmma, weights decoded in registers)
-            "ragged-mgpu": ("ragged", {"gemm_engine": "mgpu"}),
-            "ragged-mgpu-64x1": ("ragged", {"gemm_engine": "mgpu", "mgpu_sizes": (16, 64), "mgpu_chunks": 1}),
-            "ragged-mgpu-1wg": ("ragged", {"gemm_engine": "mgpu", "mgpu_warpgroups": 1, "mgpu_stages": 8}),
-            "ragged-mgpu-overlap": ("ragged", {"gemm_engine": "mgpu", "mgpu_overlap": True}),
-            "ragged-mgpu-fitted": ("ragged", {"gemm_engine": "mgpu", "mgpu_lone_max": 0})}
+            "ragged-mgpu": ("ragged", MGPU),
+            "ragged-mgpu-64x1": ("ragged", {**MGPU, "mgpu_sizes": (16, 64), "mgpu_chunks": 1}),
+            "ragged-mgpu-1wg": ("ragged", {**MGPU, "mgpu_warpgroups": 1, "mgpu_stages": 8}),
+            "ragged-mgpu-overlap": ("ragged", {**MGPU, "mgpu_overlap": True}),
+            "ragged-mgpu-fitted": ("ragged", {**MGPU, "mgpu_lone_max": 0})}
 
 
 @pytest.mark.parametrize("path", [*rx.PATHS, *VARIANTS])
@@ -68,7 +69,7 @@ def test_gpu_kernels_match_reference(name, path, monkeypatch):
 @pytest.mark.parametrize("path, engine", [("gathered", "triton"), ("ragged", "triton"), ("ragged", "mgpu")])
 def test_gpu_real_expert_shapes_top_of_the_stack(path, engine, monkeypatch):
     """384 experts of 2304 x 5120: a uint8 stack is 2.26 GB, so the last experts' byte offsets pass 2^31."""
-    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine=engine))
+    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine=engine, mgpu_min_assignments=0))
     n_experts, d, f = 384, 5120, 2304
     keys = jax.random.split(jax.random.key(0), 6)
 
