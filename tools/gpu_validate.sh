@@ -58,6 +58,7 @@
 #            by side; then sparse attention's and the indexer's rows, Triton against Mosaic GPU;
 #   mgpu-rows  the routed experts and the fp8 linears on Mosaic GPU against the Triton kernels at decode sizes (GPU
 #            kernel time) and the routed layer at 8192 tokens;
+#   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
 #   mgpu-flash  flash-slice decode at batch 1 / 64 and prefill 8192 with the defaults, then with every engine
 #            'triton' (TRITON_SETTINGS);
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
@@ -76,7 +77,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-rows|mgpu-flash|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-rows|mgpu-attn-time|mgpu-flash|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -285,6 +286,13 @@ case "$stage" in
       --iters 5 --repeats 2
     run 160 python3 tools/bench_kernels.py --only fp8_linear --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
       --variant "engine='triton'" --variant "mgpu_min_tokens=1" --variant "mgpu_min_tokens=1,mgpu_warpgroups=1" ;;
+  mgpu-attn-time)
+    # (~300 s) sparse attention by GPU kernel time (the kernels of a call summed: launches and gaps left out),
+    # every variant (the splits, split_scores), then by wall time: issue 13's 70 % at batch >= 64 needs to know how
+    # much of the 41 us wall time at batch 64 (thirty-first session) is launches and gaps
+    for timing in device wall; do
+      run 140 python3 tools/bench_kernels.py --only sparse_attn --sweep --timing $timing --iters 10 --repeats 3
+    done ;;
   mgpu-flash)
     # (~400 s)
     triton="--kernel-setting routed_experts.CONFIG.gemm_engine='triton' --kernel-setting sparse_attn.CONFIG.engine='triton'"
@@ -302,6 +310,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-rows, mgpu-flash, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-rows, mgpu-attn-time, mgpu-flash, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
