@@ -118,9 +118,9 @@ def lower_indexer(t: int, i: int, j: int, s: int, p: int, blocks: int) -> int:
 
 
 def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 64, per_token: int = 4) -> int:
-    """Lower the routed experts' ragged path with ``gemm_engine='mgpu'`` for CUDA (``gathered_max=0``, so few tokens
-    take it too); -> the number of Mosaic GPU kernels in it (two: w1 and w3 share one lowered kernel of their
-    shape, w2 has its own)."""
+    """Lower the routed experts' ragged path with ``gemm_engine='mgpu'`` for CUDA (``gathered_max=0`` and
+    ``mgpu_min_assignments=0``, so few tokens take it too); -> the number of Mosaic GPU kernels in it (two: w1 and w3
+    share one lowered kernel of their shape, w2 has its own)."""
     rng = np.random.default_rng(0)
 
     def draw(out_dim, in_dim):
@@ -133,7 +133,7 @@ def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 6
                       jnp.int32)
     weights = jnp.full(ids.shape, 1 / per_token, jnp.float32)
     config, available = rx.CONFIG, fp4_wgmma.available
-    rx.CONFIG = dataclasses.replace(config, gemm_engine="mgpu", gathered_max=0)
+    rx.CONFIG = dataclasses.replace(config, gemm_engine="mgpu", gathered_max=0, mgpu_min_assignments=0)
     fp4_wgmma.available = lambda: True  # the abstract target is sm_90
     try:
         with lowering_for_gpu():
