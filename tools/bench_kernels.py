@@ -236,13 +236,12 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
                     ("pallas 1 source 1 stage", triton(num_stages=1)),
                     ("pallas window + pool 1 stage", triton(num_stages=1))]
     configs += [("pallas window + pool", triton())]
-    if sparse_attn_mgpu.available():  # the Mosaic GPU kernel (engine 'mgpu'), where it runs rather than falls back
-        configs += [("mgpu", sa.SparseAttnConfig(engine="mgpu")),
-                    ("mgpu window + pool", sa.SparseAttnConfig(engine="mgpu"))]
+    if sparse_attn_mgpu.available():  # the Mosaic GPU kernel at every batch (by default it starts at 64 tokens)
+        mgpu = functools.partial(sa.SparseAttnConfig, engine="mgpu", mgpu_min_tokens=1)
+        configs += [("mgpu", mgpu()), ("mgpu window + pool", mgpu())]
         if sweep:
-            configs += [(f"mgpu {n} split{'s' * (n > 1)}", sa.SparseAttnConfig(engine="mgpu", num_splits=n))
-                        for n in (1, 2, 3, 5)]
-            configs += [("mgpu split scores", sa.SparseAttnConfig(engine="mgpu", mgpu_split_scores=True))]
+            configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 5)]
+            configs += [("mgpu split scores", mgpu(mgpu_split_scores=True))]
     scale = dim ** -0.5
     out = []
     for batch in batches:
@@ -302,7 +301,6 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
     bf16 ulps. ``sweep`` adds tilings.
     """
     from dijax.kernels import indexer as ix
-    from dijax.kernels import quant
 
     triton = functools.partial(ix.IndexerConfig, engine="triton")  # the Triton kernel's rows
     configs = [("pallas", triton())]
@@ -317,11 +315,8 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
     out = []
     for batch in batches:
         for width in contexts:
-            rng = jax.random.split(jax.random.key(batch * 7 + width), 4)
-            q = quant.fq4_pow2(jax.random.normal(rng[0], (batch, heads, dim), jnp.bfloat16), 32)
-            w = (jax.random.normal(rng[1], (batch, heads), jnp.float32) * (dim * heads) ** -0.5).astype(jnp.bfloat16)
-            pool = quant.fq4_pow2(jax.random.normal(rng[2], (pool_rows, dim), jnp.bfloat16), 32)
-            rows = jax.random.randint(rng[3], (batch, width), 0, pool_rows, jnp.int32)
+            q, w, pool, key = _index_operands(jax.random.key(batch * 7 + width), batch, heads, dim, pool_rows)
+            rows = jax.random.randint(key, (batch, width), 0, pool_rows, jnp.int32)
             seq = jnp.arange(batch, dtype=jnp.int32)
             visible = jnp.full((batch,), width, jnp.int32)
             args = (q, w, pool, rows, seq, visible)
@@ -341,11 +336,7 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
                     fn = jax.jit(lambda *a, c=config: ix.index_scores_pallas(*a, config=c))
                     note = ""
                     if want is not None:
-                        got = np.asarray(fn(*args))
-                        gap = np.abs(_bf16_order(got) - _bf16_order(want))
-                        note = f" ({np.mean(got.view(np.uint32) == want.view(np.uint32)):.2%} equal, " \
-                               f"max {int(gap.max())} ulp)"
-                        del got
+                        note = _ulp_note(np.asarray(fn(*args)), want)
                     seconds = time_call(fn, *args, **timing)
                     out.append(_row("indexer", shape, name + note, seconds, floor_bytes, base))
                 except Exception as exc:  # one failing tiling must not hide the others' rows
@@ -355,6 +346,25 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
     return out
 
 
+def _index_operands(key: jax.Array, tokens: int, heads: int, dim: int, pool_rows: int):
+    """The indexer's operands for a benchmark: fq4-quantised queries bf16 [tokens, heads, dim], head weights bf16
+    [tokens, heads] (scaled by (dim x heads)^-1/2), an fq4-quantised key pool bf16 [pool_rows, dim], and a key left
+    for the caller's rows."""
+    from dijax.kernels import quant
+
+    rng = jax.random.split(key, 4)
+    q = quant.fq4_pow2(jax.random.normal(rng[0], (tokens, heads, dim), jnp.bfloat16), 32)
+    w = (jax.random.normal(rng[1], (tokens, heads), jnp.float32) * (dim * heads) ** -0.5).astype(jnp.bfloat16)
+    pool = quant.fq4_pow2(jax.random.normal(rng[2], (pool_rows, dim), jnp.bfloat16), 32)
+    return q, w, pool, rng[3]
+
+
+def _ulp_note(got: np.ndarray, want: np.ndarray) -> str:
+    """" (x% equal, max n ulp)": float32 scores against the reference's, as bf16 ulps (``_bf16_order``)."""
+    gap = np.abs(_bf16_order(got) - _bf16_order(want))
+    return f" ({np.mean(got.view(np.uint32) == want.view(np.uint32)):.2%} equal, max {int(gap.max())} ulp)"
+
+
 def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int = 2048, **timing) -> list[dict]:
     """Prefill lightning-indexer scores (issue 13: 50 % of the tensor cores' peak): ``tokens`` tokens of one
     sequence over ``width`` compressed positions, token t seeing t // 4 + 1 of them (an index layer of a
@@ -362,13 +372,10 @@ def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int =
     FLOPs (the dots and the head sums) at the bf16 peak, and the keys, queries and scores through memory. The Triton
     kernel, and the Mosaic GPU one (``IndexerConfig(engine='mgpu')``) where it runs."""
     from dijax.kernels import indexer as ix
-    from dijax.kernels import indexer_mgpu, quant
+    from dijax.kernels import indexer_mgpu
 
-    rng = jax.random.split(jax.random.key(tokens), 4)
-    q = quant.fq4_pow2(jax.random.normal(rng[0], (tokens, heads, dim), jnp.bfloat16), 32)
-    w = (jax.random.normal(rng[1], (tokens, heads), jnp.float32) * (dim * heads) ** -0.5).astype(jnp.bfloat16)
-    pool = quant.fq4_pow2(jax.random.normal(rng[2], (4 * width, dim), jnp.bfloat16), 32)
-    rows = jax.random.permutation(rng[3], 4 * width)[:width].reshape(1, width).astype(jnp.int32)
+    q, w, pool, key = _index_operands(jax.random.key(tokens), tokens, heads, dim, 4 * width)
+    rows = jax.random.permutation(key, 4 * width)[:width].reshape(1, width).astype(jnp.int32)
     seq = jnp.zeros((tokens,), jnp.int32)
     visible = jnp.minimum(jnp.arange(tokens, dtype=jnp.int32) // 4 + 1, width)
     args = (q, w, pool, rows, seq, visible)
@@ -384,9 +391,7 @@ def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int =
     for name, config in configs:
         try:
             fn = jax.jit(lambda *a, c=config: ix.index_scores_pallas(*a, config=c))
-            got = np.asarray(fn(*args))
-            gap = np.abs(_bf16_order(got) - _bf16_order(want))
-            note = f" ({np.mean(got.view(np.uint32) == want.view(np.uint32)):.2%} equal, max {int(gap.max())} ulp)"
+            note = _ulp_note(np.asarray(fn(*args)), want)
             out.append(_timed_row("indexer", shape, name + note, time_call(fn, *args, **timing), floor, None))
         except Exception as exc:  # one failing engine must not hide the other's row
             print(f"indexer {name} at {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")

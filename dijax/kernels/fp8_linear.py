@@ -68,7 +68,8 @@ class KernelConfig:
     halved until they divide their dimension (never below 32, the scale block). ``rows`` grows to cover up to
     ``rows_max`` tokens. K is split into the fewest parts (a divisor of its slices) that give ``target_programs``
     programs. Steps of more than ``max_tokens`` tokens take the reference (XLA's dequantisation, then cuBLAS:
-    faster on the H200 once the GEMM is compute bound, see docs/benchmarks.md).
+    faster on the H200 once the GEMM is compute bound, see docs/benchmarks.md), except those in the 'mgpu'
+    engine's own range (``engine`` below).
 
     ``depth`` 256 (K slices of 256 codes: twice the bytes in flight per load) against 128, on the H200 at the
     flash-slice shapes (twentieth session): the 7 layer linears sum 114 against 131 us at T = 1, 153 against 153
