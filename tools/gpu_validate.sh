@@ -94,7 +94,9 @@ check() {  # name, tree (. or a copy), time limit, command...: run in the backgr
   local name=$1 tree=$2 limit=$3; shift 3
   (cd "$tree" && timeout "$limit" "$@" > "$sub/$name.txt" 2>&1; echo "$name: exit $?" >> "$sub/exits.txt")
 }  # (python -m puts the working folder first on the path: a copy is run from inside it)
-checked() {  # after `wait`: the exits, the tests' summaries and the parity runs' into the log
+checked() {  # after `wait`: the exits, the tests' summaries and the parity runs' into the log; every output in one
+  # archive under $out (a device call brings back at most 8 files)
+  tar czf "$out/checks.tgz" -C $sub --exclude='tree-*' .
   cat $sub/exits.txt >> "$log"
   for f in $sub/tests-*.txt; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR|Error" "$f" | tail -12; done >> "$log"
   parity_summary $sub/parity-*.txt
