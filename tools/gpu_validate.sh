@@ -55,7 +55,8 @@
 #            compressor, index weights; ~10 % of their bytes' floor);
 #   mgpu-check  (thirty-first session) the Mosaic GPU kernels' GPU tests, and GPU parity with the defaults (each
 #            Mosaic GPU engine where it takes a step) beside a copy of the tree with every engine 'triton', all side
-#            by side; then sparse attention's and the indexer's rows, Triton against Mosaic GPU;
+#            by side; then sparse attention's and the indexer's rows, Triton against Mosaic GPU (with ALL_TESTS=1: every
+#            other GPU test and the engine's timeline and warm-up tests side by side instead of the rows);
 #   mgpu-rows  the routed experts and the fp8 linears on Mosaic GPU against the Triton kernels at decode sizes (GPU
 #            kernel time) and the routed layer at 8192 tokens;
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
@@ -274,12 +275,18 @@ case "$stage" in
     t="python3 -m pytest -q -ra -p no:cacheprovider"
     check tests-fp4 . 280 $t tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py &
     check tests-fp8 . 280 $t tests/gpu/test_fp8_wgmma_gpu.py tests/gpu/test_fp8_linear_gpu.py &
-    check tests-attn . 280 $t tests/gpu/test_attention_gpu.py -k "mgpu or row_gather" &
+    check tests-attn . 280 $t tests/gpu/test_attention_gpu.py &
     check tests-indexer . 280 $t tests/gpu/test_indexer_gpu.py &
+    if [ -n "${ALL_TESTS:-}" ]; then  # the remaining GPU tests and the engine's GPU-guarded tests, side by side too
+      check tests-rest . 400 $t tests/gpu/test_{router,sinkhorn,stacked,topk}_gpu.py &
+      check tests-engine . 400 $t tests/test_step_timeline.py "tests/test_engine.py::test_no_new_compilations_after_warm_up" &
+    fi
     wait
     checked
-    run 100 python3 tools/bench_kernels.py --only sparse_attn --iters 10 --repeats 3
-    run 100 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3 ;;
+    if [ -z "${ALL_TESTS:-}" ]; then
+      run 100 python3 tools/bench_kernels.py --only sparse_attn --iters 10 --repeats 3
+      run 100 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3
+    fi ;;
   mgpu-rows)
     # (~450 s) GPU kernel time at decode sizes with variants, then the routed layer at 8192 tokens by wall time
     run 160 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \

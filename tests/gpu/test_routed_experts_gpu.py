@@ -66,18 +66,25 @@ def test_gpu_kernels_match_reference(name, path, monkeypatch):
     assert np.all(got[pad_rows] == 0)
 
 
+def random_mxfp4(key: jax.Array, lead: tuple[int, ...], out_dim: int, in_dim: int) -> dict:
+    """Random MXFP4 codes and exponents of real-size expert matrices: {'weight': uint8 [*lead, out_dim, in_dim / 2],
+    'scale': uint8 [*lead, out_dim, in_dim / 32]}, scales 2^-11..2^-7. The codes are random 32-bit words viewed as
+    bytes: random uint8 bits would need a temporary 4x the stack (8.4 GiB for 384 experts, over an H100's memory
+    beside the rest)."""
+    k1, k2 = jax.random.split(key)
+    words = jax.random.bits(k1, (*lead, out_dim, in_dim // 8), jnp.uint32)
+    return {"weight": jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*lead, out_dim, in_dim // 2),
+            "scale": jax.random.randint(k2, (*lead, out_dim, in_dim // 32), 116, 121).astype(jnp.uint8)}
+
+
 @pytest.mark.parametrize("path, engine", [("gathered", "triton"), ("ragged", "triton"), ("ragged", "mgpu")])
 def test_gpu_real_expert_shapes_top_of_the_stack(path, engine, monkeypatch):
     """384 experts of 2304 x 5120: a uint8 stack is 2.26 GB, so the last experts' byte offsets pass 2^31."""
     monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, gemm_engine=engine, mgpu_min_assignments=0))
     n_experts, d, f = 384, 5120, 2304
-    keys = jax.random.split(jax.random.key(0), 6)
-
-    def draw(k1, k2, out_dim, in_dim):
-        return {"weight": jax.random.bits(k1, (n_experts, out_dim, in_dim // 2), jnp.uint8),
-                "scale": jax.random.randint(k2, (n_experts, out_dim, in_dim // 32), 116, 121).astype(jnp.uint8)}
-
-    experts = {"w1": draw(*keys[:2], f, d), "w3": draw(*keys[2:4], f, d), "w2": draw(*keys[4:], d, f)}
+    keys = jax.random.split(jax.random.key(0), 3)
+    experts = {"w1": random_mxfp4(keys[0], (n_experts,), f, d), "w3": random_mxfp4(keys[1], (n_experts,), f, d),
+               "w2": random_mxfp4(keys[2], (n_experts,), d, f)}
     experts_TX = jnp.asarray([[0, 190, 370, 380, 382, 383], [1, 2, 300, 381, 382, 383]], jnp.int32)
     weights_TX = jnp.full(experts_TX.shape, 0.2, jnp.float32)
     x_TD = make_x(np.random.default_rng(1), 2, d, 3.0)

@@ -16,6 +16,7 @@ import pytest
 from dijax.kernels import fp8_linear as fl
 from dijax.kernels import routed_experts as rx
 from dijax.kernels.stacked import of_layer
+from tests.gpu.test_routed_experts_gpu import random_mxfp4
 from tests.test_kernels_fp8_linear import _weights
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
@@ -43,16 +44,10 @@ def test_fp8_linear_reads_the_stacked_layer(t):
 @pytest.mark.parametrize("t", [1, 64])  # the mat-vec and the grouped-GEMM path
 def test_routed_experts_read_a_stack_past_4_gib(t):
     n_experts, d, f, lead = 384, 5120, 2304, (1, 2)  # real V4.1-Flash experts, two stacked layers
-
-    def matrix(key, out_dim, in_dim):
-        k1, k2 = jax.random.split(key)
-        # random 32-bit words viewed as bytes: random uint8 bits would need a 4x larger temporary
-        words = jax.random.bits(k1, (*lead, n_experts, out_dim, in_dim // 8), jnp.uint32)
-        return {"weight": jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*words.shape[:-1], in_dim // 2),
-                "scale": jax.random.randint(k2, (*lead, n_experts, out_dim, in_dim // 32), 116, 121).astype(jnp.uint8)}
-
     keys = jax.random.split(jax.random.key(0), 3)
-    stacks = {"w1": matrix(keys[0], f, d), "w3": matrix(keys[1], f, d), "w2": matrix(keys[2], d, f)}
+    lead = (*lead, n_experts)
+    stacks = {"w1": random_mxfp4(keys[0], lead, f, d), "w3": random_mxfp4(keys[1], lead, f, d),
+              "w2": random_mxfp4(keys[2], lead, d, f)}
     assert stacks["w1"]["weight"].nbytes > 2 ** 32
     views = jax.tree.map(lambda a: of_layer(a, 1, 3), stacks)
     layer = jax.tree.map(lambda a: a[0, 1], stacks)
