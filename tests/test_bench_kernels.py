@@ -59,3 +59,10 @@ def test_sinkhorn_rows_keep_their_rounds():
     the twenty-seventh session ``--iters 10`` made the rows run 10 rounds instead of a V4.1 layer's 20."""
     rows = bench_kernels.sinkhorn_rows(tokens=(1,), iters=1, repeats=1)
     assert rows and all("20 iterations" in row["shape"] for row in rows)
+
+
+def test_rows_filter_keeps_the_named_rows():
+    assert bench_kernels.kept("mgpu split scores", ("mgpu",))
+    assert bench_kernels.kept("pallas 2 splits", ("split", "mgpu"))
+    assert not bench_kernels.kept("pallas window + pool", ("mgpu",))
+    assert bench_kernels.kept("pallas", ())

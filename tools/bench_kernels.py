@@ -209,7 +209,8 @@ def _topk_stage_rows(score, k: int, **timing) -> list[dict]:
 
 
 def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, heads: int = 64, dim: int = 512,
-                     pool_rows_per_seq: int = 4096, sweep: bool = False, reps: int = 4, **timing) -> list[dict]:
+                     pool_rows_per_seq: int = 4096, sweep: bool = False, reps: int = 4, names: tuple[str, ...] = (),
+                     **timing) -> list[dict]:
     """Decode sparse attention with the sink: the jnp reference against the Pallas kernel.
 
     Each token lists ``window`` rows (ring and its new row) and ``topk`` compressed rows of its own sequence, from
@@ -219,7 +220,8 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     (``attention.attend_lists``: ring and new rows concatenated outside the timing, first_T = window).
     ``sweep`` adds splits variants and the kernel over one source (all three concatenated: what the sources'
     masked loads cost), each layout at 1 stage too. On a compute-capability-9 GPU the Mosaic GPU kernel
-    (``SparseAttnConfig(engine='mgpu')``) has rows too, with splits variants under ``sweep``.
+    (``SparseAttnConfig(engine='mgpu')``) has rows too, with splits variants under ``sweep``. ``names``: only the
+    kernel rows whose name contains one of these (``kept``; the reference row always comes, as their base).
     """
     from dijax.kernels import sparse_attn as sa
     from dijax.kernels import sparse_attn_mgpu
@@ -242,6 +244,7 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         if sweep:
             configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 5)]
             configs += [("mgpu split scores", mgpu(mgpu_split_scores=True))]
+    configs = [(name, config) for name, config in configs if kept(name, names)]
     scale = dim ** -0.5
     out = []
     for batch in batches:
@@ -282,6 +285,11 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     return out
 
 
+def kept(name: str, names: tuple[str, ...]) -> bool:
+    """Whether a kernel row ``name`` is timed under ``--rows`` ``names`` (every row when there are none)."""
+    return not names or any(n in name for n in names)
+
+
 def _bf16_order(x: np.ndarray) -> np.ndarray:
     """Integers in the order of the float32 array of bf16 values ``x``, one apart per bf16 ulp (-0.0 = +0.0)."""
     bits = (x.view(np.int32) >> 16).astype(np.int64)
@@ -290,7 +298,7 @@ def _bf16_order(x: np.ndarray) -> np.ndarray:
 
 def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: int = 32, dim: int = 128,
                  pool_rows: int = 1 << 22, reference_max_bytes: float = 32e9, sweep: bool = False,
-                 **timing) -> list[dict]:
+                 names: tuple[str, ...] = (), **timing) -> list[dict]:
     """Decode lightning-indexer scores: the jnp reference against the Pallas kernel.
 
     ``batch`` tokens, one sequence each, every one seeing its whole context of P compressed positions (the
@@ -298,7 +306,8 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
     Floor: the visible keys and their row indices read once, the [T, P] float32 scores written. The reference
     (it materialises [T, P, J] keys and [T, I, P] dots) is skipped above ``reference_max_bytes`` of those. The
     kernel's row notes its agreement with the reference: the share of scores equal bit for bit, the largest gap in
-    bf16 ulps. ``sweep`` adds tilings.
+    bf16 ulps. ``sweep`` adds tilings. ``names``: only the kernel rows whose name contains one of these (``kept``);
+    a shape none of them runs at is skipped with its reference.
     """
     from dijax.kernels import indexer as ix
 
@@ -312,8 +321,9 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
                     ("pallas 16 blocks/program", triton(blocks=16)),
                     ("pallas warps8", triton(num_warps=8)),
                     ("pallas stages2", triton(num_stages=2))]
+    configs = [(name, config) for name, config in configs if kept(name, names)]
     out = []
-    for batch in batches:
+    for batch in batches if configs else ():
         for width in contexts:
             q, w, pool, key = _index_operands(jax.random.key(batch * 7 + width), batch, heads, dim, pool_rows)
             rows = jax.random.randint(key, (batch, width), 0, pool_rows, jnp.int32)
@@ -342,7 +352,7 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
                 except Exception as exc:  # one failing tiling must not hide the others' rows
                     print(f"indexer {name} at {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
             del args, pool, rows, want
-    out += _indexer_prefill_rows(heads, dim, **timing)
+    out += _indexer_prefill_rows(heads, dim, names=names, **timing)
     return out
 
 
@@ -365,7 +375,8 @@ def _ulp_note(got: np.ndarray, want: np.ndarray) -> str:
     return f" ({np.mean(got.view(np.uint32) == want.view(np.uint32)):.2%} equal, max {int(gap.max())} ulp)"
 
 
-def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int = 2048, **timing) -> list[dict]:
+def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int = 2048, names: tuple[str, ...] = (),
+                          **timing) -> list[dict]:
     """Prefill lightning-indexer scores (issue 13: 50 % of the tensor cores' peak): ``tokens`` tokens of one
     sequence over ``width`` compressed positions, token t seeing t // 4 + 1 of them (an index layer of a
     ``tokens``-token prefill at compression 4), fq4-quantised inputs. Floor: the larger of the visible scores'
@@ -388,6 +399,7 @@ def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int =
     if indexer_mgpu.available():
         configs.append(("mgpu", ix.IndexerConfig(engine="mgpu")))
     out = []
+    configs = [(name, config) for name, config in configs if kept(name, names)]
     for name, config in configs:
         try:
             fn = jax.jit(lambda *a, c=config: ix.index_scores_pallas(*a, config=c))
@@ -807,6 +819,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="routed_experts and fp8_linear: one more KernelConfig change to time (repeatable), e.g. "
                          "gemm_cols=64 or cols=32")
+    ap.add_argument("--rows", default="", help="sparse_attn and indexer: only the kernel rows whose name contains "
+                                               "one of these comma-separated strings (e.g. 'mgpu')")
     ap.add_argument("--linears", default="", help="fp8_linear: comma-separated subset of the linears' names "
                                                   "(default all; e.g. 'engram wkv,wq_b')")
     args = ap.parse_args()
@@ -829,6 +843,8 @@ def main() -> None:
         if name in ("routed_experts", "fp8_linear", "fp8_linears", "fp4_wgmma"):
             if args.tokens:
                 extra["tokens"] = tuple(int(t) for t in args.tokens.split(","))
+        if name in ("sparse_attn", "indexer"):
+            extra["names"] = tuple(n for n in args.rows.split(",") if n)
         if name == "fp8_linear":
             extra["linears"] = tuple(n.strip() for n in args.linears.split(",") if n.strip())
         rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats,
