@@ -57,6 +57,9 @@
 #            Mosaic GPU engine where it takes a step) beside a copy of the tree with every engine 'triton', all side
 #            by side; then sparse attention's and the indexer's rows, Triton against Mosaic GPU (with ALL_TESTS=1: every
 #            other GPU test and the engine's timeline and warm-up tests side by side instead of the rows);
+#   mgpu-ab  a sparse-attention / indexer kernel change (thirty-second session: branch gather-under-scores) against
+#            ab-base: their GPU tests, parity with sparse attention on Mosaic GPU at every step, then their Mosaic GPU
+#            rows by GPU kernel time in both trees (bench_kernels --rows mgpu --sweep);
 #   mgpu-rows  the routed experts and the fp8 linears on Mosaic GPU against the Triton kernels at decode sizes (GPU
 #            kernel time) and the routed layer at 8192 tokens;
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
@@ -78,7 +81,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-rows|mgpu-attn-time|mgpu-flash|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-attn-time|mgpu-flash|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -287,6 +290,27 @@ case "$stage" in
       run 100 python3 tools/bench_kernels.py --only sparse_attn --iters 10 --repeats 3
       run 100 python3 tools/bench_kernels.py --only indexer --iters 10 --repeats 3
     fi ;;
+  mgpu-ab)
+    # (~550 s) a sparse-attention / indexer kernel change against ab-base (export it as for `ab`): the two kernels'
+    # GPU tests and GPU parity with sparse attention on Mosaic GPU at every step (mgpu_min_tokens=1), side by side;
+    # then their Mosaic GPU rows by GPU kernel time, ab-base's tree, then this one's
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    rm -rf $sub; mkdir -p $sub/tree-every; cp -r dijax $sub/tree-every/
+    sed -i 's/    mgpu_min_tokens: int = 64/    mgpu_min_tokens: int = 1/' $sub/tree-every/dijax/kernels/sparse_attn.py
+    grep -H '^    mgpu_min_tokens:' $sub/tree-every/dijax/kernels/sparse_attn.py >> "$log"
+    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on" t="python3 -m pytest -q -ra -p no:cacheprovider"
+    check parity-tiny-nodrop $sub/tree-every 270 $p $fixtures/tiny-nodrop &
+    check parity-chunk7 $sub/tree-every 270 $p $fixtures/tiny-nodrop --chunk 7 &
+    check parity-engine $sub/tree-every 270 $p $fixtures/tiny-nodrop --engine &
+    check parity-tiny $sub/tree-every 270 $p $fixtures/tiny &
+    check tests-attn . 250 $t tests/gpu/test_attention_gpu.py &
+    check tests-indexer . 250 $t tests/gpu/test_indexer_gpu.py &
+    wait
+    checked
+    for tree in ab-base .; do
+      (cd $tree && run 140 python3 tools/bench_kernels.py --only sparse_attn,indexer --rows mgpu --sweep --timing device \
+        --iters 10 --repeats 3)
+    done ;;
   mgpu-rows)
     # (~450 s) GPU kernel time at decode sizes with variants, then the routed layer at 8192 tokens by wall time
     run 160 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
@@ -319,6 +343,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-rows, mgpu-attn-time, mgpu-flash, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-ab, mgpu-rows, mgpu-attn-time, mgpu-flash, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
