@@ -62,7 +62,8 @@ def test_sinkhorn_rows_keep_their_rounds():
 
 
 def test_rows_filter_keeps_the_named_rows():
-    assert bench_kernels.kept("mgpu split scores", ("mgpu",))
-    assert bench_kernels.kept("pallas 2 splits", ("split", "mgpu"))
-    assert not bench_kernels.kept("pallas window + pool", ("mgpu",))
-    assert bench_kernels.kept("pallas", ())
+    configs = [("pallas", 1), ("pallas 2 splits", 2), ("mgpu", 3), ("mgpu split scores", 4)]
+    assert bench_kernels.kept(configs, ("mgpu",)) == [("mgpu", 3), ("mgpu split scores", 4)]
+    assert bench_kernels.kept(configs, ("split", "mgpu")) == configs[1:]
+    assert bench_kernels.kept(configs, ()) == configs
+    assert bench_kernels.kept(configs, ("window",)) == []

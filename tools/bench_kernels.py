@@ -244,7 +244,7 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         if sweep:
             configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 5)]
             configs += [("mgpu split scores", mgpu(mgpu_split_scores=True))]
-    configs = [(name, config) for name, config in configs if kept(name, names)]
+    configs = kept(configs, names)
     scale = dim ** -0.5
     out = []
     for batch in batches:
@@ -285,9 +285,10 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     return out
 
 
-def kept(name: str, names: tuple[str, ...]) -> bool:
-    """Whether a kernel row ``name`` is timed under ``--rows`` ``names`` (every row when there are none)."""
-    return not names or any(n in name for n in names)
+def kept(configs: list[tuple[str, object]], names: tuple[str, ...]) -> list[tuple[str, object]]:
+    """The (row name, config) pairs timed under ``--rows`` ``names``: those whose name contains one of them (every
+    row when there are none)."""
+    return [(row, config) for row, config in configs if not names or any(n in row for n in names)]
 
 
 def _bf16_order(x: np.ndarray) -> np.ndarray:
@@ -321,7 +322,7 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
                     ("pallas 16 blocks/program", triton(blocks=16)),
                     ("pallas warps8", triton(num_warps=8)),
                     ("pallas stages2", triton(num_stages=2))]
-    configs = [(name, config) for name, config in configs if kept(name, names)]
+    configs = kept(configs, names)
     out = []
     for batch in batches if configs else ():
         for width in contexts:
@@ -385,6 +386,12 @@ def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int =
     from dijax.kernels import indexer as ix
     from dijax.kernels import indexer_mgpu
 
+    configs = [("pallas", ix.IndexerConfig(engine="triton"))]
+    if indexer_mgpu.available():
+        configs.append(("mgpu", ix.IndexerConfig(engine="mgpu")))
+    configs = kept(configs, names)
+    if not configs:
+        return []
     q, w, pool, key = _index_operands(jax.random.key(tokens), tokens, heads, dim, 4 * width)
     rows = jax.random.permutation(key, 4 * width)[:width].reshape(1, width).astype(jnp.int32)
     seq = jnp.zeros((tokens,), jnp.int32)
@@ -395,11 +402,7 @@ def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int =
                 / BANDWIDTH)
     shape = f"prefill T={tokens}, P={width}, {heads} heads x {dim}"
     want = np.asarray(jax.jit(ix.index_scores_reference)(*args))
-    configs = [("pallas", ix.IndexerConfig(engine="triton"))]
-    if indexer_mgpu.available():
-        configs.append(("mgpu", ix.IndexerConfig(engine="mgpu")))
     out = []
-    configs = [(name, config) for name, config in configs if kept(name, names)]
     for name, config in configs:
         try:
             fn = jax.jit(lambda *a, c=config: ix.index_scores_pallas(*a, config=c))
