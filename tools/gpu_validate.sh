@@ -64,6 +64,7 @@
 #            kernel time; the routed GEMM also at 8 stages, whose 80 KB in flight a CTA at 8-row tiles is twice
 #            the default's: at decode one CTA a multiprocessor streams 327 KB of weights, thirty-second session)
 #            and the routed layer at 8192 tokens;
+#   mgpu-profile  Nsight Compute counters of fp4_wgmma at decode sizes (T = 1 and 64, the ragged path forced);
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
 #   mgpu-flash  flash-slice decode at batch 1 / 64 and prefill 8192 with the defaults, then with every engine
 #            'triton' (TRITON_SETTINGS);
@@ -83,7 +84,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-attn-time|mgpu-flash|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-profile|mgpu-attn-time|mgpu-flash|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -322,6 +323,17 @@ case "$stage" in
       --iters 5 --repeats 2
     run 160 python3 tools/bench_kernels.py --only fp8_linear --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
       --variant "engine='triton'" --variant "mgpu_min_tokens=1" --variant "mgpu_min_tokens=1,mgpu_warpgroups=1" ;;
+  mgpu-profile)
+    # (~300 s; first after a machine start, as `profile` says) hardware counters of fp4_wgmma at decode sizes, where
+    # it streams its weights at 28-35 % of the bytes floor (T = 1: 89.7 us, T = 64: 2.85 ms a layer, thirty-first
+    # session): stall reasons, bytes in flight, issue rate. The details page comes back whole ($out/ncu-mgpu.txt).
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    run 280 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section LaunchStats -c 60 -o "$out/ncu-mgpu" \
+      python3 tools/profile_routed.py 1:ragged 64:ragged --config "{'mgpu_min_assignments': 0}"
+    ncu --import "$out/ncu-mgpu.ncu-rep" --page details > "$out/ncu-mgpu.txt" 2>&1
+    grep -E "^  [A-Za-z_]|Duration|Memory Throughput|Registers Per|Achieved Occupancy|Cycles Per Issued|Stall" \
+      "$out/ncu-mgpu.txt" | head -150 >> "$log" ;;
   mgpu-attn-time)
     # (~300 s) sparse attention by GPU kernel time (the kernels of a call summed: launches and gaps left out),
     # every variant (the splits, split_scores), then by wall time: issue 13's 70 % at batch >= 64 needs to know how
@@ -346,6 +358,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-ab, mgpu-rows, mgpu-attn-time, mgpu-flash, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-ab, mgpu-rows, mgpu-profile, mgpu-attn-time, mgpu-flash, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
