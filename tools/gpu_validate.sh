@@ -62,7 +62,8 @@
 #            rows by GPU kernel time in both trees (bench_kernels --rows mgpu --sweep);
 #   mgpu-rows  the routed experts and the fp8 linears on Mosaic GPU against the Triton kernels at decode sizes (GPU
 #            kernel time; the routed GEMM also at 8 stages, whose 80 KB in flight a CTA at 8-row tiles is twice
-#            the default's: at decode one CTA a multiprocessor streams 327 KB of weights, thirty-second session)
+#            the default's, and with `overlap`: at decode one CTA a multiprocessor streams 327 KB of weights, and its
+#            SASS waits for every step's wgmma before the next step's scale load and decode, thirty-second session)
 #            and the routed layer at 8192 tokens;
 #   mgpu-profile  Nsight Compute counters of fp4_wgmma at decode sizes (T = 1 and 64, the ragged path forced);
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
@@ -318,7 +319,8 @@ case "$stage" in
     # (~450 s) GPU kernel time at decode sizes with variants, then the routed layer at 8192 tokens by wall time
     run 160 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
       --variant "mgpu_min_assignments=0" --variant "mgpu_min_assignments=0,mgpu_warpgroups=1" \
-      --variant "mgpu_min_assignments=0,mgpu_stages=8" --variant "mgpu_min_assignments=0,mgpu_warpgroups=1,mgpu_stages=8"
+      --variant "mgpu_min_assignments=0,mgpu_stages=8" --variant "mgpu_min_assignments=0,mgpu_warpgroups=1,mgpu_stages=8" \
+      --variant "mgpu_min_assignments=0,mgpu_overlap=True" --variant "mgpu_min_assignments=0,mgpu_overlap=True,mgpu_stages=8"
     run 130 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='triton'" \
       --iters 5 --repeats 2
     run 160 python3 tools/bench_kernels.py --only fp8_linear --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
