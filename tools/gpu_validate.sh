@@ -60,11 +60,12 @@
 #   mgpu-ab  a sparse-attention / indexer kernel change (thirty-second session: branch gather-under-scores) against
 #            ab-base: their GPU tests, parity with sparse attention on Mosaic GPU at every step, then their Mosaic GPU
 #            rows by GPU kernel time in both trees (bench_kernels --rows mgpu --sweep);
-#   mgpu-rows  the routed experts and the fp8 linears on Mosaic GPU against the Triton kernels at decode sizes (GPU
+#   mgpu-rows  the routed experts on Mosaic GPU against the Triton kernels at decode sizes (GPU
 #            kernel time; the routed GEMM also at 8 stages, whose 80 KB in flight a CTA at 8-row tiles is twice
 #            the default's, and with `overlap`: at decode one CTA a multiprocessor streams 327 KB of weights, and its
 #            SASS waits for every step's wgmma before the next step's scale load and decode, thirty-second session)
 #            and the routed layer at 8192 tokens;
+#   mgpu-fp8  the fp8 linears on Mosaic GPU against the Triton kernel at decode sizes (GPU kernel time);
 #   mgpu-profile  Nsight Compute counters of fp4_wgmma at decode sizes (T = 1 and 64, the ragged path forced);
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
 #   mgpu-flash  flash-slice decode at batch 1 / 64 and prefill 8192 with the defaults, then with every engine
@@ -85,7 +86,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-profile|mgpu-attn-time|mgpu-flash|parity|ab|ep-parity|ep-bench|ep-trace}
+stage=${1:?usage: tools/gpu_validate.sh tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|parity|ab|ep-parity|ep-bench|ep-trace}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -316,13 +317,17 @@ case "$stage" in
         --iters 10 --repeats 3)
     done ;;
   mgpu-rows)
-    # (~450 s) GPU kernel time at decode sizes with variants, then the routed layer at 8192 tokens by wall time
+    # (~500 s) the routed experts by GPU kernel time at decode sizes with variants (two runs: a table prints only at
+    # the end of its run), then the routed layer at 8192 tokens by wall time
+    v="mgpu_min_assignments=0"
+    run 200 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
+      --variant "$v" --variant "$v,mgpu_warpgroups=1" --variant "$v,mgpu_stages=8" --variant "$v,mgpu_warpgroups=1,mgpu_stages=8"
     run 160 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
-      --variant "mgpu_min_assignments=0" --variant "mgpu_min_assignments=0,mgpu_warpgroups=1" \
-      --variant "mgpu_min_assignments=0,mgpu_stages=8" --variant "mgpu_min_assignments=0,mgpu_warpgroups=1,mgpu_stages=8" \
-      --variant "mgpu_min_assignments=0,mgpu_overlap=True" --variant "mgpu_min_assignments=0,mgpu_overlap=True,mgpu_stages=8"
+      --variant "$v,mgpu_overlap=True" --variant "$v,mgpu_overlap=True,mgpu_stages=8"
     run 130 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='triton'" \
-      --iters 5 --repeats 2
+      --iters 5 --repeats 2 ;;
+  mgpu-fp8)
+    # (~200 s) the fp8 linears on Mosaic GPU against the Triton kernel at decode sizes (GPU kernel time)
     run 160 python3 tools/bench_kernels.py --only fp8_linear --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
       --variant "engine='triton'" --variant "mgpu_min_tokens=1" --variant "mgpu_min_tokens=1,mgpu_warpgroups=1" ;;
   mgpu-profile)
@@ -360,6 +365,6 @@ case "$stage" in
     parity tiny 540 "$fixtures/tiny" &
     wait
     parity_summary "$out"/parity-*.txt ;;
-  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-ab, mgpu-rows, mgpu-profile, mgpu-attn-time, mgpu-flash, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, kernels, sweep, sweep-fp8, sinkhorn, profile, warmup, compile, cache, stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, prefill-moe, xla-gemms, mgpu-check, mgpu-ab, mgpu-rows, mgpu-fp8, mgpu-profile, mgpu-attn-time, mgpu-flash, parity, ab, ep-parity, ep-bench, ep-trace)" >&2; exit 2 ;;
 esac
 grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |  (decode|prefill|engine|device))" "$log" | tail -120
