@@ -10,6 +10,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from tools import bench_kernels
@@ -67,3 +68,10 @@ def test_rows_filter_keeps_the_named_rows():
     assert bench_kernels.kept(configs, ("split", "mgpu")) == configs[1:]
     assert bench_kernels.kept(configs, ()) == configs
     assert bench_kernels.kept(configs, ("window",)) == []
+
+
+def test_random_mxfp4_shapes_and_exponents():
+    m = bench_kernels.random_mxfp4(jax.random.key(0), (2, 3), 64, 256)
+    assert m["weight"].shape == (2, 3, 64, 128) and m["weight"].dtype == jax.numpy.uint8
+    assert m["scale"].shape == (2, 3, 64, 8)
+    assert set(np.unique(np.asarray(m["scale"]))) <= set(range(116, 121))

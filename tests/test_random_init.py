@@ -12,7 +12,7 @@ import pytest
 from dijax.config import ModelConfig
 from dijax.io.loader import ASSETS, load
 from dijax.model.param_map import checkpoint_tree
-from dijax.io.random_init import random_codes_params, random_params
+from dijax.io.random_init import random_bytes, random_codes_params, random_params
 from dijax.model.step import SeqChunk
 from dijax.runtime.model_runner import ModelRunner
 
@@ -40,3 +40,13 @@ def test_random_codes_match_the_recipe_layout_and_give_finite_logits():
     logits_RV = np.concatenate(logits)
     assert logits_RV.shape == (2, cfg.vocab_size) and np.isfinite(logits_RV).all()
     assert float(np.std(logits_RV)) > 0
+
+
+def test_random_bytes_are_uniform_bytes_of_the_shape():
+    key = jax.random.key(0)
+    for shape in [(64, 256), (3, 33, 31)]:  # words viewed as bytes; an odd last dimension drawn byte-wise
+        got = np.asarray(random_bytes(key, shape))
+        assert got.shape == shape and got.dtype == np.uint8
+        assert len(np.unique(got)) > 100 and abs(got.mean() - 127.5) < 10
+    np.testing.assert_array_equal(random_bytes(key, (4, 8)), random_bytes(key, (4, 8)))
+    assert not np.array_equal(random_bytes(key, (4, 8)), random_bytes(jax.random.key(1), (4, 8)))

@@ -420,14 +420,20 @@ def _routed_experts_weights() -> tuple[dict, float, int]:
 
     cfg = flash_slice_config(384)
     n_experts, d, f = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
-    keys = jax.random.split(jax.random.key(0), 6)
-
-    def draw(k1, k2, out_dim: int, in_dim: int) -> dict:
-        return {"weight": jax.random.bits(k1, (n_experts, out_dim, in_dim // 2), jnp.uint8),
-                "scale": jax.random.randint(k2, (n_experts, out_dim, in_dim // 32), 116, 121).astype(jnp.uint8)}
-
-    experts = {"w1": draw(*keys[:2], f, d), "w3": draw(*keys[2:4], f, d), "w2": draw(*keys[4:], d, f)}
+    keys = jax.random.split(jax.random.key(0), 3)
+    experts = {"w1": random_mxfp4(keys[0], (n_experts,), f, d), "w3": random_mxfp4(keys[1], (n_experts,), f, d),
+               "w2": random_mxfp4(keys[2], (n_experts,), d, f)}
     return experts, cfg.swiglu_limit, cfg.n_activated_experts
+
+
+def random_mxfp4(key: jax.Array, lead: tuple[int, ...], out_dim: int, in_dim: int) -> dict:
+    """Random MXFP4 matrices (benchmarks and the GPU tests' real-size stacks): {'weight': uint8 codes [*lead,
+    out_dim, in_dim / 2], 'scale': ue8m0 bytes 116..120 [*lead, out_dim, in_dim / 32]} (scales 2^-11..2^-7)."""
+    from dijax.io.random_init import random_bytes
+
+    k1, k2 = jax.random.split(key)
+    return {"weight": random_bytes(k1, (*lead, out_dim, in_dim // 2)),
+            "scale": jax.random.randint(k2, (*lead, out_dim, in_dim // 32), 116, 121).astype(jnp.uint8)}
 
 
 def routed_experts_inputs(tokens: int) -> tuple[dict, float, tuple[jax.Array, jax.Array, jax.Array]]:

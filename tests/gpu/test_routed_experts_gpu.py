@@ -17,6 +17,7 @@ import pytest
 
 from dijax.kernels import routed_experts as rx
 from tests.test_kernels_routed_experts import LIMIT, assert_close, make_experts, make_routing, make_x
+from tools.bench_kernels import random_mxfp4
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="compiles the Pallas kernels for a GPU (the CPU tests run them interpreted)")
@@ -64,17 +65,6 @@ def test_gpu_kernels_match_reference(name, path, monkeypatch):
     assert_close(got, expected, min_equal=0.95)
     pad_rows = np.all(np.asarray(experts_TX) < 0, axis=1)
     assert np.all(got[pad_rows] == 0)
-
-
-def random_mxfp4(key: jax.Array, lead: tuple[int, ...], out_dim: int, in_dim: int) -> dict:
-    """Random MXFP4 codes and exponents of real-size expert matrices: {'weight': uint8 [*lead, out_dim, in_dim / 2],
-    'scale': uint8 [*lead, out_dim, in_dim / 32]}, scales 2^-11..2^-7. The codes are random 32-bit words viewed as
-    bytes: random uint8 bits would need a temporary 4x the stack (8.4 GiB for 384 experts, over an H100's memory
-    beside the rest)."""
-    k1, k2 = jax.random.split(key)
-    words = jax.random.bits(k1, (*lead, out_dim, in_dim // 8), jnp.uint32)
-    return {"weight": jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*lead, out_dim, in_dim // 2),
-            "scale": jax.random.randint(k2, (*lead, out_dim, in_dim // 32), 116, 121).astype(jnp.uint8)}
 
 
 @pytest.mark.parametrize("path, engine", [("gathered", "triton"), ("ragged", "triton"), ("ragged", "mgpu")])

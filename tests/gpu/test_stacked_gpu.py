@@ -16,8 +16,8 @@ import pytest
 from dijax.kernels import fp8_linear as fl
 from dijax.kernels import routed_experts as rx
 from dijax.kernels.stacked import of_layer
-from tests.gpu.test_routed_experts_gpu import random_mxfp4
 from tests.test_kernels_fp8_linear import _weights
+from tools.bench_kernels import random_mxfp4
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="compiles the Pallas kernels for a GPU (the CPU tests run them interpreted)")
