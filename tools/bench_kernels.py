@@ -398,8 +398,8 @@ def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int =
     visible = jnp.minimum(jnp.arange(tokens, dtype=jnp.int32) // 4 + 1, width)
     args = (q, w, pool, rows, seq, visible)
     seen = int(np.asarray(visible).sum())
-    floor = max(2 * seen * heads * (dim + 1) / 7.9e14, (width * dim * 2 + tokens * (heads * dim * 2 + width * 4))
-                / BANDWIDTH)
+    floor = max(2 * seen * heads * (dim + 1) / MATRIX_RATE,
+                (width * dim * 2 + tokens * (heads * dim * 2 + width * 4)) / BANDWIDTH)
     shape = f"prefill T={tokens}, P={width}, {heads} heads x {dim}"
     want = np.asarray(jax.jit(ix.index_scores_reference)(*args))
     out = []
@@ -481,7 +481,7 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
         f, d = experts["w1"]["weight"].shape[1], x_TD.shape[1]
         expert_bytes = sum(v.nbytes for w in experts.values() for v in w.values()) / n_experts
         distinct = int(np.unique(np.asarray(experts_TX)).size)
-        floor = max((distinct * expert_bytes + t * d * 2 * 2) / BANDWIDTH, 2 * 3 * d * f * t * x / 7.9e14)
+        floor = max((distinct * expert_bytes + t * d * 2 * 2) / BANDWIDTH, 2 * 3 * d * f * t * x / MATRIX_RATE)
         shape = f"T={t}, X={x}, {distinct} experts"
         if t * x <= reference_max_assignments:
             ref_impl, ref_name = "reference", f"reference ({rx.routed_path(t * x, n_experts)})"
@@ -568,7 +568,7 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
         ws, ss = zip(*(random_fp8_weight(o, i, r) for r in range(reps)))
         for t in tokens:
             x = (jax.random.normal(jax.random.key(t), (t, i), jnp.float32) * 3).astype(jnp.bfloat16)
-            floor = max((o * i + ss[0].size + 2 * t * (i + o)) / BANDWIDTH, 2 * t * o * i / 7.9e14)
+            floor = max((o * i + ss[0].size + 2 * t * (i + o)) / BANDWIDTH, 2 * t * o * i / MATRIX_RATE)
             shape = f"{name} {o} x {i}, T={t}"
             ref_fn = repeated(fl.fp8_linear_reference)
             want = np.asarray(ref_fn(x, ws, ss)[0].astype(jnp.float32))
@@ -707,7 +707,7 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
         ws, ss = [w for w, _ in weights], [s for _, s in weights]
         for t in tokens:
             x = (jax.random.normal(jax.random.key(t), (t, i), jnp.float32) * 3).astype(jnp.bfloat16)
-            floor = max((o * i * item + 2 * t * (i + o)) / BANDWIDTH, 2 * t * o * i / 7.9e14)
+            floor = max((o * i * item + 2 * t * (i + o)) / BANDWIDTH, 2 * t * o * i / MATRIX_RATE)
             base = None
             for label, options in (("autotuned", None), ("autotune level 0", {"xla_gpu_autotune_level": 0})):
                 call = jax.jit(lambda x, ws, ss: [fn(x, w, s) for w, s in zip(ws, ss)], compiler_options=options)
