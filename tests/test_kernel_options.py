@@ -9,8 +9,8 @@ import jax
 import pytest
 
 from dijax.cli.options import add_model_options
-from dijax.kernels import (fp8_linear, indexer, interpret_mode, lowering_for_gpu, routed_experts, router, sinkhorn,
-                           sparse_attn, topk)
+from dijax.kernels import (fp4_wgmma, fp8_linear, indexer, interpret_mode, lowering_for_gpu, routed_experts, router,
+                           sinkhorn, sparse_attn, topk)
 from dijax.kernels.options import AUTO_ON_GPU, FAST, OPTION_IMPLS, REFERENCE, kernel_options, parse_kernels
 from dijax.runtime.model_runner import ModelRunner
 
@@ -44,6 +44,14 @@ def test_lowering_for_gpu_switches_interpretation_off_only_within():
             assert not interpret_mode() and interpret_mode(True)
             raise RuntimeError("restored on the way out")
     assert interpret_mode() is on_cpu
+
+
+def test_mosaic_kernels_are_available_when_lowering_for_an_sm90_gpu():
+    # tools/deviceless.py compiles the step for an H100 on a CPU: the Mosaic GPU kernels are picked as there
+    on_sm90 = fp4_wgmma.available()
+    with lowering_for_gpu():
+        assert fp4_wgmma.available()
+    assert fp4_wgmma.available() is on_sm90
 
 
 def test_overrides_after_the_choice():

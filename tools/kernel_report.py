@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import subprocess
@@ -53,6 +54,18 @@ FAMILIES = {"HGMMA": "wgmma", "HMMA": "mma.sync", "QGMMA": "fp8 wgmma", "FFMA": 
             "SHFL": "shuffle"}
 
 
+@contextlib.contextmanager
+def triton_sm90():
+    """Within: Pallas' Triton lowering targets compute capability 9.0 instead of asking the (absent) device."""
+    saved = registration.gpu_info_lib.get_gpu_info
+    registration.gpu_info_lib.get_gpu_info = lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0",
+                                                                      compute_capability=90)
+    try:
+        yield
+    finally:
+        registration.gpu_info_lib.get_gpu_info = saved
+
+
 class TritonCapture:
     """Collects (name, Triton IR text, num_warps, num_stages) of every ``pallas_call`` lowered while active."""
 
@@ -61,13 +74,12 @@ class TritonCapture:
         self._modules: list[str] = []
 
     def __enter__(self):
-        self._saved = (registration.gpu_info_lib.get_gpu_info, lowering.lower_jaxpr_to_triton_module,
-                       mlir.custom_call)
-        registration.gpu_info_lib.get_gpu_info = lambda: gpu_info.GpuInfo(
-            gpu_version=None, arch_name="9.0", compute_capability=90)
+        self._saved = (lowering.lower_jaxpr_to_triton_module, mlir.custom_call)
+        self._sm90 = triton_sm90()
+        self._sm90.__enter__()
 
         def lower_module(*args, **kwargs):
-            result = self._saved[1](*args, **kwargs)
+            result = self._saved[0](*args, **kwargs)
             self._modules.append(str(result.module))
             return result
 
@@ -77,14 +89,15 @@ class TritonCapture:
                 self.kernels.append((mlir.ir.StringAttr(config["name"]).value, self._modules.pop(),
                                      mlir.ir.IntegerAttr(config["num_warps"]).value,
                                      mlir.ir.IntegerAttr(config["num_stages"]).value))
-            return self._saved[2](call_target_name, *args, backend_config=backend_config, **kwargs)
+            return self._saved[1](call_target_name, *args, backend_config=backend_config, **kwargs)
 
         lowering.lower_jaxpr_to_triton_module = lower_module
         registration.mlir.custom_call = custom_call
         return self
 
     def __exit__(self, *exc):
-        registration.gpu_info_lib.get_gpu_info, lowering.lower_jaxpr_to_triton_module, mlir.custom_call = self._saved
+        lowering.lower_jaxpr_to_triton_module, mlir.custom_call = self._saved
+        self._sm90.__exit__(*exc)
 
 
 def lower_step_kernels(buckets: list[tuple[int, int, int]]) -> list[tuple[str, str, int, int]]:

@@ -36,14 +36,20 @@ _lowering_for_gpu = False
 
 @contextlib.contextmanager
 def lowering_for_gpu():
-    """Within: kernels take their GPU (Triton) form whatever the default backend, so that a step can be lowered
-    for CUDA on a machine without a GPU (tools/kernel_report.py). Running them there still needs a GPU."""
+    """Within: kernels take their GPU form (Triton, and Mosaic GPU where the engine would pick it: the target is
+    taken for compute capability 9.0) whatever the default backend, so that a step can be lowered for CUDA on a
+    machine without a GPU (tools/kernel_report.py, tools/deviceless.py). Running them there still needs a GPU."""
     global _lowering_for_gpu
     _lowering_for_gpu = True
     try:
         yield
     finally:
         _lowering_for_gpu = False
+
+
+def lowering_for_sm90() -> bool:
+    """Whether the step is being lowered for a compute-capability 9.0 GPU without one (``lowering_for_gpu``)."""
+    return _lowering_for_gpu
 
 
 def interpret_mode(requested: bool | None = None) -> bool:
