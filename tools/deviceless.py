@@ -15,7 +15,7 @@ Pallas' Triton lowering is told it targets compute capability 9.0 (``tools.kerne
 compiles the Triton kernels itself. Mosaic GPU kernels are chosen as on an sm_90 device (``fp4_wgmma.available``)
 and stay MLIR in the executable (the driver would build them when it loads; tools/mgpu_build.py builds them here).
 
-Checked against the GPU: docs/benchmarks.md, thirty-third session (the counts here against the device's).
+Checked against the GPU: docs/benchmarks.md, thirty-third session (launch counts within 1.5 % of the device's).
 
 Each row is one engine bucket as tools/bench.py's rows take it (decode: B sequences of ``--context`` positions, one
 new token each; prefill: one sequence of N tokens; block size ``--block-size``): the step's launches as
