@@ -17,8 +17,8 @@ and stay MLIR in the executable (the driver would build them when it loads; tool
 
 Checked against the GPU: docs/benchmarks.md, thirty-third session (launch counts within 1.5 % of the device's).
 
-Each row is one engine bucket as tools/bench.py's rows take it (decode: B sequences of ``--context`` positions, one
-new token each; prefill: one sequence of N tokens; block size ``--block-size``): the step's launches as
+Each row is one engine bucket as tools/bench.py's rows take it (decode: B sequences of ``--context`` cached tokens
+and one new token each; prefill: one sequence of N tokens; block size ``--block-size``): the step's launches as
 ``tools/bench.kernel_launches`` counts them (a ``while`` body once per known trip), the XLA temporaries and the
 arguments' bytes (``memory_analysis``), and the compile seconds. ``--top`` lists the launches per source function
 of the first row (``tools/hlo_kernels.attribute``). The parameters and the Engram constants are abstract
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help=f"tiny or a preset of tools/bench.py: {', '.join(PRESETS)}")
     parser.add_argument("--decode", default="1", help="comma-separated decode batch sizes ('' for none)")
-    parser.add_argument("--context", type=int, default=256, help="positions of each decode sequence")
+    parser.add_argument("--context", type=int, default=256, help="cached tokens of each decode sequence")
     parser.add_argument("--prefill", default="", help="comma-separated prefill lengths (one sequence each)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--target", choices=sorted(TARGETS), default="h100")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = compile_only_device(args.target)
     cfg = model_config(args.model)
-    rows = [(f"decode B={b} ctx={args.context}", [(args.context - 1, 1)] * b) for b in _ints(args.decode, 1)]
+    rows = [(f"decode B={b} ctx={args.context}", [(args.context, 1)] * b) for b in _ints(args.decode, 1)]
     rows += [(f"prefill {n}", [(0, n)]) for n in _ints(args.prefill, 1)]
     if not rows:
         raise SystemExit("deviceless: give --decode or --prefill")

@@ -70,6 +70,9 @@
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
 #   mgpu-flash  flash-slice decode at batch 1 / 64 and prefill 8192 with the defaults, then with every engine
 #            'triton' (TRITON_SETTINGS);
+#   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
+#            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
+#            decode B=1 / 16 / 64 (thirty-third session; flash-slice under a 0.92 memory fraction: counts only);
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -356,6 +359,16 @@ case "$stage" in
       run 170 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill 8192 --kernels on \
         --engine off --warmup 2 --iters 5 $setting
     done ;;
+  launch-check)
+    # (~450 s)
+    tiny="--decode 1,64 --context 256 --prefill 256 --block-size 16"
+    flash="--model flash-slice --context 4095 --block-size 128"
+    run 150 python3 tools/bench.py --kernels on ${tiny/--decode/--decode-batch} --engine off --warmup 1 --iters 3
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 run 150 python3 tools/bench.py $flash --decode-batch 1,16,64 --prefill= \
+      --kernels on --engine off --warmup 1 --iters 3
+    target=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100)
+    run 60 python3 tools/deviceless.py --kernels on --target $target $tiny
+    run 90 python3 tools/deviceless.py --kernels on --target $target $flash --decode 1,16,64 ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
