@@ -54,7 +54,7 @@ from dijax.runtime.model_runner import (MIN_TOKENS, bucket, bucket_inputs, compi
 from dijax.runtime.step_buffers import StepBuffers  # noqa: E402
 from tools.bench import PRESETS, _ints, flash_slice_config, kernel_launches  # noqa: E402
 from tools.compile_time import abstract_inputs  # noqa: E402
-from tools.hlo_kernels import attribute  # noqa: E402
+from tools.hlo_kernels import attribute, print_counts  # noqa: E402
 from tools.kernel_report import triton_sm90  # noqa: E402
 
 # The cards' figures XLA's cost models read (its GpuDeviceInfo), from NVIDIA's published specifications: SMs, clock,
@@ -174,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table))
     if args.top:
         print(f"\nlaunches per source function, {rows[0][0]}:")
-        for place, n in census.most_common(args.top):
-            print(f"{n:5d}  {place}")
+        print_counts(census, args.top)
     return 0
 
 

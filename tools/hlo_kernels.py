@@ -121,6 +121,12 @@ def gemm_tilings(hlo_text: str) -> collections.Counter:
     return counts
 
 
+def print_counts(counts: collections.Counter, top: int | None = None) -> None:
+    """The ``top`` most common entries of ``counts``, a row each: the count, then the entry."""
+    for entry, n in counts.most_common(top):
+        print(f"{n:5d}  {entry}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("hlo", help="optimised HLO text (tools/bench.py --dump)")
@@ -133,13 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.gemm:
         tilings = gemm_tilings(text)
         print(f"{sum(tilings.values())} Triton GEMM fusions in {args.hlo}")
-        for tiling, n in tilings.most_common():
-            print(f"{n:5d}  {tiling}")
+        print_counts(tilings)
         return 0
     counts = attribute(text, by=args.by)
     print(f"{sum(counts.values())} kernels in the entry computation of {args.hlo}")
-    for place, n in counts.most_common(args.top):
-        print(f"{n:5d}  {place}")
+    print_counts(counts, args.top)
     return 0
 
 
