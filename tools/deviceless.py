@@ -10,7 +10,8 @@ by a ``GpuTargetConfigProto`` (``target_config``; ``TARGETS`` holds the two card
 are ``ShapeDtypeStruct``s placed on that topology's device, so ``jit(...).lower(...).compile()`` runs XLA's GPU
 compiler for sm_90: every pass it runs on the device (fusion, scheduling, command buffers, buffer assignment)
 except the autotuners, which need the device (GEMM fusions take XLA's default tilings, which can change a fusion's
-form but rarely the launch count). The kernels take their GPU form (``dijax.kernels.lowering_for_gpu``) and
+form but rarely the launch count), and CUB's sort, whose scratch size needs the device (XLA warns and emits its own
+sort: still one instruction, counted once either way). The kernels take their GPU form (``dijax.kernels.lowering_for_gpu``) and
 Pallas' Triton lowering is told it targets compute capability 9.0 (``tools.kernel_report.triton_sm90``); XLA then
 compiles the Triton kernels itself. Mosaic GPU kernels are chosen as on an sm_90 device (``fp4_wgmma.available``)
 and stay MLIR in the executable (the driver would build them when it loads; tools/mgpu_build.py builds them here).
@@ -53,7 +54,7 @@ from dijax.runtime.model_runner import (MIN_TOKENS, bucket, bucket_inputs, compi
                                        width_bucket)
 from dijax.runtime.step_buffers import StepBuffers  # noqa: E402
 from tools.bench import PRESETS, _ints, flash_slice_config, kernel_launches  # noqa: E402
-from tools.compile_time import abstract_inputs  # noqa: E402
+from tools.compile_time import abstract_inputs, flash_config  # noqa: E402
 from tools.hlo_kernels import attribute, print_counts  # noqa: E402
 from tools.kernel_report import triton_sm90  # noqa: E402
 
@@ -92,11 +93,14 @@ def compile_only_device(target: str) -> jax.Device:
 
 
 def model_config(name: str) -> ModelConfig:
-    """The embedded tiny config or a real-dimension preset of tools/bench.py (384 experts)."""
+    """The embedded tiny config, the released V4.1-Flash (``flash``: tools/compile_time.py's 40 layers) or a
+    real-dimension preset of tools/bench.py (384 experts)."""
     if name == "tiny":
         return ModelConfig.from_file(os.path.join(ASSETS, "config.json"))
+    if name == "flash":
+        return flash_config()
     if name not in PRESETS:
-        raise SystemExit(f"--model must be one of {('tiny', *PRESETS)}, got {name!r}")
+        raise SystemExit(f"--model must be one of {('tiny', 'flash', *PRESETS)}, got {name!r}")
     return flash_slice_config(384, name)
 
 
@@ -136,7 +140,8 @@ def compile_step(cfg: ModelConfig, kernels: str, lengths: list[tuple[int, int]],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", help=f"tiny or a preset of tools/bench.py: {', '.join(PRESETS)}")
+    parser.add_argument("--model", default="tiny",
+                        help=f"tiny, flash (the released 40 layers) or a preset of tools/bench.py: {', '.join(PRESETS)}")
     parser.add_argument("--decode", default="1", help="comma-separated decode batch sizes ('' for none)")
     parser.add_argument("--context", type=int, default=256, help="cached tokens of each decode sequence")
     parser.add_argument("--prefill", default="", help="comma-separated prefill lengths (one sequence each)")

@@ -47,8 +47,8 @@ def lowering_for_gpu():
         _lowering_for_gpu = False
 
 
-def lowering_for_sm90() -> bool:
-    """Whether the step is being lowered for a compute-capability 9.0 GPU without one (``lowering_for_gpu``)."""
+def lowering_without_gpu() -> bool:
+    """Whether the step is being lowered for a GPU on a machine without one (inside ``lowering_for_gpu``)."""
     return _lowering_for_gpu
 
 

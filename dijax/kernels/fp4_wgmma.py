@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dijax.kernels import lowering_for_sm90, quant
+from dijax.kernels import lowering_without_gpu, quant
 
 K_CHUNK = 64  # K of one [64, 64] bf16 A fragment (one decode, one wgmma)
 # The decoded weights are e2m1 * 2^(s - 127 - SCALE_SHIFT) (bf16, exact and normal for ue8m0 bytes s in
@@ -112,7 +112,7 @@ def shape_error(f: int, k: int, sizes: tuple[int, ...], chunks: int, warpgroups:
 def available() -> bool:
     """Whether the step's device can run the kernel: the default device is a GPU of compute capability 9.x (wgmma),
     or the step is lowered for one (``dijax.kernels.lowering_for_gpu``)."""
-    if lowering_for_sm90():
+    if lowering_without_gpu():
         return True
     device = jax.devices()[0]
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
