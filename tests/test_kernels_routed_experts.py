@@ -330,6 +330,16 @@ def test_mgpu_path_on_the_cpu(t, pool, pad_tokens, pad_slots, gemm, monkeypatch)
     assert np.all(got[np.all(np.asarray(experts_TX) < 0, axis=1)] == 0)
 
 
+@pytest.mark.parametrize("layout", ["tile_layout", "fit_tiles"])
+def test_tile_layouts_have_no_loop(layout):
+    # on a GPU each trip of a loop is kernels of its own: jnp.searchsorted's default binary search was a 9-trip loop
+    # per layer, 315 of a flash-slice decode step's 1036 launches at batch 64 (docs/benchmarks.md, 33rd session)
+    expert_A = jnp.zeros((384,), jnp.int32)
+    fn = {"tile_layout": lambda e: rx.tile_layout(e, 384, 6, 16),
+          "fit_tiles": lambda e: rx.fit_tiles(e, 384, 6, (8, 16, 64, 128))}[layout]
+    assert "stablehlo.while" not in jax.jit(fn).lower(expert_A).as_text()
+
+
 @pytest.mark.parametrize("sizes", [(64, 128, 192, 256), (16, 64), (128,)])
 def test_fit_tiles_cover_each_expert_exactly(sizes):
     """Every assignment's row lies in exactly one tile, of its own expert; a tile's size is one of ``sizes``; each
