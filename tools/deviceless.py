@@ -11,10 +11,11 @@ are ``ShapeDtypeStruct``s placed on that topology's device, so ``jit(...).lower(
 compiler for sm_90: every pass it runs on the device (fusion, scheduling, command buffers, buffer assignment)
 except the autotuners, which need the device (GEMM fusions take XLA's default tilings, which can change a fusion's
 form but rarely the launch count), and CUB's sort, whose scratch size needs the device (XLA warns and emits its own
-sort: still one instruction, counted once either way). The kernels take their GPU form (``dijax.kernels.lowering_for_gpu``) and
-Pallas' Triton lowering is told it targets compute capability 9.0 (``tools.kernel_report.triton_sm90``); XLA then
-compiles the Triton kernels itself. Mosaic GPU kernels are chosen as on an sm_90 device (``fp4_wgmma.available``)
-and stay MLIR in the executable (the driver would build them when it loads; tools/mgpu_build.py builds them here).
+sort: still one instruction, counted once either way). The kernels take their GPU form
+(``dijax.kernels.lowering_for_gpu``) and Pallas' Triton lowering is told it targets compute capability 9.0
+(``tools.kernel_report.triton_sm90``); XLA then compiles the Triton kernels itself. Mosaic GPU kernels are chosen
+as on an sm_90 device (``fp4_wgmma.available``) and stay MLIR in the executable (the driver would build them when
+it loads; tools/mgpu_build.py builds them here).
 
 Checked against the GPU: docs/benchmarks.md, thirty-third session (launch counts within 1.5 % of the device's).
 
@@ -114,10 +115,12 @@ def step_bucket(lengths: list[tuple[int, int]], block_size: int) -> tuple[int, i
     return tokens, rows, width, max_blocks * len(lengths), len(lengths)
 
 
-def compile_step(cfg: ModelConfig, kernels: str, lengths: list[tuple[int, int]], block_size: int,
-                 device: jax.Device) -> tuple[jax.stages.Compiled, float]:
-    """(the engine's model step for ``lengths`` compiled for ``device``, seconds to lower and compile)."""
-    placed = SingleDeviceSharding(device)
+def lower_step(cfg: ModelConfig, kernels: str, lengths: list[tuple[int, int]], block_size: int,
+               device: jax.Device | None = None) -> jax.stages.Lowered:
+    """The engine's model step for ``lengths`` (``step_bucket``) lowered in its GPU form with the kernels
+    ``kernels`` takes on a GPU: for ``device`` (a compile-only one: ``.compile()`` then runs XLA's GPU compiler), or
+    without one for CUDA, its StableHLO only (no CUDA plugin needed: tests/test_deviceless.py)."""
+    placed = None if device is None else SingleDeviceSharding(device)
     on_device = lambda tree: jax.tree.map(  # noqa: E731
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), tree)
     params, consts = abstract_inputs(cfg, fold=True)
@@ -130,18 +133,25 @@ def compile_step(cfg: ModelConfig, kernels: str, lengths: list[tuple[int, int]],
     staged, logits, sampled, sampling = StepBuffers(placed, placed).abstract(batch, remap_T, prev_tokens, rows,
                                                                              cfg.vocab_size)
     step = compiled_step(cfg, tuple(sorted(kernel_options(kernels, "gpu").items())), tree)
-    start = time.perf_counter()
     with lowering_for_gpu(), triton_sm90():
-        lowered = step.trace(on_device(leaves), on_device(cache), staged, on_device(consts), None, logits, sampled,
-                             sampling).lower()
-    compiled = lowered.compile()
+        traced = step.trace(on_device(leaves), on_device(cache), staged, on_device(consts), None, logits, sampled,
+                            sampling)
+        return traced.lower(lowering_platforms=None if device is not None else ("cuda",))
+
+
+def compile_step(cfg: ModelConfig, kernels: str, lengths: list[tuple[int, int]], block_size: int,
+                 device: jax.Device) -> tuple[jax.stages.Compiled, float]:
+    """(the engine's model step for ``lengths`` compiled for ``device``, seconds to lower and compile)."""
+    start = time.perf_counter()
+    compiled = lower_step(cfg, kernels, lengths, block_size, device).compile()
     return compiled, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny",
-                        help=f"tiny, flash (the released 40 layers) or a preset of tools/bench.py: {', '.join(PRESETS)}")
+                        help=f"tiny, flash (the released 40 layers) or a preset of tools/bench.py: "
+                             f"{', '.join(PRESETS)}")
     parser.add_argument("--decode", default="1", help="comma-separated decode batch sizes ('' for none)")
     parser.add_argument("--context", type=int, default=256, help="cached tokens of each decode sequence")
     parser.add_argument("--prefill", default="", help="comma-separated prefill lengths (one sequence each)")
