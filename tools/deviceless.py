@@ -27,7 +27,8 @@ of the first row (``tools/hlo_kernels.attribute``). The parameters and the Engra
 (``tools/compile_time.abstract_inputs``: no weights are read) and the kernels are chosen by ``--kernels`` alone (the
 engine also hands a kernel whose exact scale range a weight leaves to the reference: the weights decide that).
 
-Static counts are not timings: this says what a step is made of; the device says how fast it runs.
+Static counts are not timings: this says what a step is made of; the device says how fast it runs. (Without a GPU
+the plugin logs that ``cuInit`` failed, once, as it looks for one: expected here.)
 """
 
 from __future__ import annotations
