@@ -55,7 +55,8 @@ from dijax.model.step import CacheSpec, init_cache  # noqa: E402
 from dijax.runtime.model_runner import (MIN_TOKENS, bucket, bucket_inputs, compiled_step, min_width,  # noqa: E402
                                        width_bucket)
 from dijax.runtime.step_buffers import StepBuffers  # noqa: E402
-from tools.bench import PRESETS, _ints, flash_slice_config, kernel_launches  # noqa: E402
+from tools.bench import (PRESETS, _ints, add_step_option_argument, apply_kernel_settings,  # noqa: E402
+                         apply_step_options, flash_slice_config, kernel_launches)
 from tools.compile_time import abstract_inputs, flash_config  # noqa: E402
 from tools.hlo_kernels import attribute, print_counts  # noqa: E402
 from tools.kernel_report import triton_sm90  # noqa: E402
@@ -159,9 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--target", choices=sorted(TARGETS), default="h100")
     add_kernels_option(parser)  # the engine's option
+    add_step_option_argument(parser)  # e.g. xla_gpu_experimental_enable_fusion_block_level_rewriter=True
+    parser.add_argument("--kernel-setting", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="a kernel dispatch setting, as tools/bench.py's option; repeatable")
     parser.add_argument("--top", type=int, default=0, help="launches per source function of the first row")
     parser.add_argument("--dump", metavar="DIR", help="write each row's optimised HLO text into DIR")
     args = parser.parse_args(argv)
+    apply_step_options(args.step_xla_option)
+    apply_kernel_settings(args.kernel_setting)
     device = compile_only_device(args.target)
     cfg = model_config(args.model)
     rows = [(f"decode B={b} ctx={args.context}", [(args.context, 1)] * b) for b in _ints(args.decode, 1)]
