@@ -2,8 +2,9 @@
 launches, which source lines they come from, and the step's temporary memory, before any device time is spent.
 
     pip install --no-deps "jax-cuda13-pjrt==X" "jax-cuda13-plugin==X"    # X: this venv's jaxlib; tool-only
-    PYTHONPATH=. python3 tools/deviceless.py [--model tiny] [--decode 1,64] [--context 256] [--prefill 256]
-                                             [--kernels auto] [--target h100] [--top 20] [--dump DIR]
+    PYTHONPATH=. python3 tools/deviceless.py [--model tiny|flash|flash-slice|flash-stack] [--decode 1,64]
+        [--context 256] [--prefill 256] [--kernels auto] [--target h100|h200] [--top 20] [--dump DIR]
+        [--step-xla-option NAME=VALUE] [--kernel-setting MODULE.NAME=VALUE]    # A/B by launch count
 
 How: the CUDA PJRT plugin compiles without a device when it is given a compile-only topology whose GPU is described
 by a ``GpuTargetConfigProto`` (``target_config``; ``TARGETS`` holds the two cards' figures). The step's arguments
