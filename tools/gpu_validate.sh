@@ -82,7 +82,8 @@
 #            1.36-1.91 ms on four machines at one tree). Export the base first, then carry it:
 #              rm -rf ab-base && mkdir ab-base && git archive REV dijax tools | tar -x -C ab-base
 #            (ab-base/ is git-ignored; the device call needs carry ["ab-base"]). AB_ARGS: bench.py's arguments
-#            (default: the tiny decode step at B=1; write an empty value as `--prefill=`).
+#            (default: the tiny decode step at B=1; write an empty value as `--prefill=`). AB_ROUNDS: rounds
+#            (default 2; 1 where a row's runs are long, e.g. flash-slice: ~130 s a run, its launches printed too).
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
@@ -245,7 +246,7 @@ case "$stage" in
     [ -d ab-base/dijax ] || { echo "ab: export the base tree into ab-base/ first (see the stage's note)" >&2; exit 2; }
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-ab-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     read -r -a ab_args <<< "${AB_ARGS:---kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 --engine off --warmup 10 --iters 50}"
-    for round in 1 2; do
+    for round in $(seq "${AB_ROUNDS:-2}"); do
       for tree in ab-base .; do
         name=$([ "$tree" = . ] && echo this || echo base)
         echo "== $name, round $round" | tee -a "$log"
