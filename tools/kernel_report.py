@@ -75,8 +75,6 @@ class TritonCapture:
 
     def __enter__(self):
         self._saved = (lowering.lower_jaxpr_to_triton_module, mlir.custom_call)
-        self._sm90 = triton_sm90()
-        self._sm90.__enter__()
 
         def lower_module(*args, **kwargs):
             result = self._saved[0](*args, **kwargs)
@@ -97,7 +95,6 @@ class TritonCapture:
 
     def __exit__(self, *exc):
         lowering.lower_jaxpr_to_triton_module, mlir.custom_call = self._saved
-        self._sm90.__exit__(*exc)
 
 
 def lower_step_kernels(buckets: list[tuple[int, int, int]]) -> list[tuple[str, str, int, int]]:
@@ -106,7 +103,7 @@ def lower_step_kernels(buckets: list[tuple[int, int, int]]) -> list[tuple[str, s
     params, consts = abstract_inputs(cfg, fold=True)
     options = kernel_options("on", "gpu")
     seen, kernels = set(), []
-    with TritonCapture() as capture, lowering_for_gpu():
+    with TritonCapture() as capture, triton_sm90(), lowering_for_gpu():
         for tokens, seqs, width in buckets:
             lower_bucket(cfg, params, consts, tokens, seqs, width, num_blocks=4096, block_size=128, fold=True,
                          options=options, platforms=("cuda",))
