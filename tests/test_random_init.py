@@ -11,8 +11,10 @@ import pytest
 
 from dijax.config import ModelConfig
 from dijax.io.loader import ASSETS, load
-from dijax.model.param_map import checkpoint_tree
-from dijax.io.random_init import random_bytes, random_codes_params, random_params
+from dijax.model import param_map
+from dijax.model.param_map import Deferred, checkpoint_tree
+from dijax.io.checkpoint import params_from_tensors
+from dijax.io.random_init import random_bytes, random_codes, random_codes_params, random_params
 from dijax.model.step import SeqChunk
 from dijax.runtime.model_runner import ModelRunner
 
@@ -50,3 +52,42 @@ def test_random_bytes_are_uniform_bytes_of_the_shape():
         assert len(np.unique(got)) > 100 and abs(got.mean() - 127.5) < 10
     np.testing.assert_array_equal(random_bytes(key, (4, 8)), random_bytes(key, (4, 8)))
     assert not np.array_equal(random_bytes(key, (4, 8)), random_bytes(jax.random.key(1), (4, 8)))
+
+
+def test_random_codes_are_drawn_one_at_a_time_as_they_are_placed(monkeypatch):
+    """The device never holds the drawn tensors beside the parameters (an H100 ran out of memory drawing flash-slice
+    when every tensor was drawn before the first was placed and the stacked parameters were filled from them): at
+    every tensor made and every layer written into a stacked parameter, the live device arrays are at most the
+    parameters' bytes and one tensor's. The accelerator's path (layers written into their stacked buffers on the
+    device) is taken on this CPU; the values equal the CPU path's."""
+    cfg = ModelConfig.from_file(os.path.join(ASSETS, "config.json"))
+    monkeypatch.setattr(param_map.jax, "default_backend", lambda: "gpu")
+    live, made = [], []
+
+    def watched(item):
+        name, deferred = item
+        assert isinstance(deferred, Deferred), name
+
+        def make():
+            live.append(sum(a.nbytes for a in jax.live_arrays()))
+            made.append(name)
+            return deferred.make()
+        return name, deferred._replace(make=make)
+
+    def watch(module, name):
+        def watched_call(*args, **kwargs):
+            live.append(sum(a.nbytes for a in jax.live_arrays()))
+            return call(*args, **kwargs)
+        call = getattr(module, name)
+        monkeypatch.setattr(module, name, watched_call)
+    watch(param_map, "_write_donated")
+    watch(param_map.jax, "device_put")
+
+    state = params_from_tensors(cfg, map(watched, random_codes(cfg, seed=3)))
+    params = sum(x.nbytes for x in jax.tree.leaves(state))
+    largest = max(np.prod(d.shape) * d.dtype.itemsize for _, d in random_codes(cfg, seed=3))
+    assert len(made) == len(set(made)) == len(list(random_codes(cfg, seed=3)))  # each made once
+    assert max(live) <= params + largest, (max(live), params, largest)
+    want = random_codes_params(cfg, seed=3)  # the same values whichever path placed them
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

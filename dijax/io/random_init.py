@@ -7,6 +7,8 @@ stable: Linear weights N(0, 1/in) with a few gains, an embedding of std 3, a hea
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -18,6 +20,7 @@ from dijax.config import ModelConfig
 from dijax.io.checkpoint import params_from_tensors
 from dijax.io.tensor_spec import backbone_spec
 from dijax.kernels.quant import E2M1_GRID, FP4_BLOCK, FP8_BLOCK
+from dijax.model.param_map import Deferred
 
 _GAINS = {"attn.wo_b": 0.4, ".w2": 0.2, "engram.wkv": 0.3, "ffn.gate": 3.0}
 
@@ -120,24 +123,27 @@ def random_params(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> 
     return params_from_tensors(cfg, random_tensors(cfg, seed), source=f"random weights (seed {seed})", mesh=mesh)
 
 
-class _DeviceDraws:
-    """The slice of numpy's Generator API that ``_dense`` uses, drawn on the default device by ``jax.random``."""
+class _KeyDraws:
+    """The slice of numpy's Generator API that ``_dense`` uses, drawn on the default device by ``jax.random`` from
+    one tensor's key: each tensor takes exactly one draw (a second would repeat the first's bits, so it raises)."""
 
-    def __init__(self, seed: int):
-        self._key, self._count = jax.random.key(seed), 0
+    def __init__(self, key: jax.Array):
+        self._key = key
 
-    def _next(self) -> jax.Array:
-        self._count += 1
-        return jax.random.fold_in(self._key, self._count)
+    def _take(self) -> jax.Array:
+        key, self._key = self._key, None
+        if key is None:
+            raise RuntimeError("one tensor's random codes take one draw")
+        return key
 
     def normal(self, loc: float, scale: float, size: tuple[int, ...]) -> jax.Array:
-        return loc + scale * jax.random.normal(self._next(), size, jnp.float32)
+        return loc + scale * jax.random.normal(self._take(), size, jnp.float32)
 
     def uniform(self, low: float, high: float, size: tuple[int, ...]) -> jax.Array:
-        return jax.random.uniform(self._next(), size, jnp.float32, low, high)
+        return jax.random.uniform(self._take(), size, jnp.float32, low, high)
 
     def bytes(self, size: tuple[int, ...]) -> jax.Array:
-        return random_bytes(self._next(), size)
+        return random_bytes(self._take(), size)
 
 
 def random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -156,17 +162,21 @@ def _unit_exponent(fan_in: int) -> int:
 
 
 def random_codes(cfg: ModelConfig, seed: int = 0):
-    """Yield (reference name, device array) for every backbone tensor, drawn on the device in seconds.
+    """Yield (reference name, ``Deferred`` device array) for every backbone tensor, drawn on the device in seconds
+    when it is placed (dijax.model.param_map.Deferred: the device never holds the drawn tensors and the parameters
+    at once; ``np.asarray`` draws one on its own).
 
     For benchmarks at the real model's dimensions, where quantising random floats on the host (``random_tensors``)
     would take minutes: fp8 and MXFP4 tensors are uniformly random codes (fp8 limited to exponent fields 0..7, so
     magnitudes stay below 2 and no NaN code appears) under one power-of-two scale per tensor that brings them to
     about N(0, 1/fan_in); dense tensors follow the same recipe as ``random_tensors``. Same shapes and dtypes; the
     routed experts come stacked per layer (``layers.L.ffn.experts.w1.weight`` [E, ...]), drawn in one piece so that
-    the device memory holds no per-expert fragments.
+    the device memory holds no per-expert fragments. Tensor i in name order draws from ``fold_in(key(seed), i)``,
+    whenever it is made.
     """
-    draws = _DeviceDraws(seed)
+    root = jax.random.key(seed)
     spec = backbone_spec(cfg)
+    drawn = 0
     for name in sorted(spec):
         if name.endswith(".scale"):
             continue
@@ -178,23 +188,39 @@ def random_codes(cfg: ModelConfig, seed: int = 0):
                 continue
             name = ".".join(parts[:4] + parts[5:])
             shape, scale_shape = (cfg.n_routed_experts, *shape), (cfg.n_routed_experts, *scale_shape)
+        drawn += 1
+        draws = _KeyDraws(jax.random.fold_in(root, drawn))
         scale_name = name[:-len("weight")] + "scale"
         packed = s.dtypes[0] in ("I8", "F4", "U8")
         if packed or s.dtypes[0] == "F8_E4M3" and not name.endswith("attn.wo_a.weight"):
-            codes = draws.bytes(shape)
             fan_in = shape[-1] * (2 if packed else 1)
             if packed:
-                exponent = _unit_exponent(fan_in) - 1  # e2m1 codes reach 6
+                exponent, dtype = _unit_exponent(fan_in) - 1, jnp.uint8  # e2m1 codes reach 6
+                make = partial(draws.bytes, shape)
             else:
-                codes = jax.lax.bitcast_convert_type(codes & 0xBF, jnp.float8_e4m3fn)
                 exponent = 127 if name.endswith("engram.embed.weight") else _unit_exponent(fan_in)
-            yield name, codes
-            yield scale_name, jnp.full(scale_shape, exponent, jnp.uint8)
+                dtype, make = jnp.float8_e4m3fn, partial(_fp8_codes, draws, shape)
+            yield name, Deferred(shape, np.dtype(dtype), make)
+            yield scale_name, Deferred(scale_shape, np.dtype(jnp.uint8),
+                                       partial(jnp.full, scale_shape, exponent, jnp.uint8))
         elif name.endswith("attn.wo_a.weight"):  # held dequantised, as the converter writes it
-            yield name, draws.normal(0.0, 1 / np.sqrt(shape[1]), shape).astype(jnp.bfloat16)
+            yield name, Deferred(shape, np.dtype(jnp.bfloat16), partial(_wo_a, draws, shape))
         else:
-            yield name, _dense(name, shape, draws, cfg, _gain(name)).astype(
-                jnp.float32 if s.dtypes[0] == "F32" else jnp.bfloat16)
+            dtype = jnp.float32 if s.dtypes[0] == "F32" else jnp.bfloat16
+            yield name, Deferred(shape, np.dtype(dtype), partial(_dense_codes, name, shape, draws, cfg, dtype))
+
+
+def _wo_a(draws: _KeyDraws, shape: tuple[int, ...]) -> jax.Array:
+    return draws.normal(0.0, 1 / np.sqrt(shape[1]), shape).astype(jnp.bfloat16)
+
+
+def _dense_codes(name: str, shape: tuple[int, ...], draws: _KeyDraws, cfg: ModelConfig, dtype) -> jax.Array:
+    return _dense(name, shape, draws, cfg, _gain(name)).astype(dtype)
+
+
+def _fp8_codes(draws: _KeyDraws, shape: tuple[int, ...]) -> jax.Array:
+    """Uniformly random e4m3 codes with exponent fields 0..7 (magnitudes below 2, no NaN)."""
+    return jax.lax.bitcast_convert_type(draws.bytes(shape) & 0xBF, jnp.float8_e4m3fn)
 
 
 def random_codes_params(cfg: ModelConfig, seed: int = 0) -> nnx.State:

@@ -22,6 +22,7 @@ the mesh by its logical axes (dijax.parallel.mesh), every device's block read fo
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,23 @@ from dijax.model.transformer import abstract_state
 from dijax.parallel.mesh import padded_shape, param_sharding
 
 _HC = ("hc_attn", "hc_ffn")
+
+
+class Deferred(NamedTuple):
+    """A tensor made only when it is placed: ``make()`` returns it (a device array). A tree of these (random codes
+    drawn on the device, dijax.io.random_init) costs no memory until ``state_from_tree`` places each parameter, so
+    the device holds the parameters placed so far and one tensor, not the model twice over (the thirty-third
+    session's flash-slice draw ran out of 80 GB that way). ``np.asarray`` makes it too."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    make: Callable[[], jax.Array]
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.make(), dtype)
+
+
+def _made(array):
+    return array.make() if isinstance(array, Deferred) else array
 
 
 def _block_rest(name_rest: tuple[str, ...]) -> tuple[str, ...]:
@@ -137,22 +155,23 @@ def _host(array) -> np.ndarray:
 
 def _place(spec: jax.ShapeDtypeStruct, arrays: list, members: int) -> jax.Array:
     """The device array of one parameter from its per-layer tensors (``members`` layers per repeat when stacked,
-    0 when not), each tensor (or expert) read from its memory map and copied to the device on its own."""
+    0 when not), each tensor (or expert) read from its memory map, or made (``Deferred``), and copied to the device
+    on its own."""
     if jax.default_backend() == "cpu":  # device memory is host memory: stack there and place once
         host = _host(arrays[0]) if not members else np.stack([_host(a) for a in arrays]).reshape(spec.shape)
         return jax.device_put(host)
     if not any(isinstance(a, list) for a in arrays):
         if not members:
-            return jax.device_put(arrays[0])
+            return jax.device_put(_made(arrays[0]))
         if len(arrays) == 1:
-            return jax.device_put(arrays[0][None, None])
+            return jax.device_put(_made(arrays[0])[None, None])
     value = jnp.zeros(spec.shape, spec.dtype)
     for k, array in enumerate(arrays):
         layer = (k // members, k % members) if members else ()
         pieces = enumerate(array) if isinstance(array, list) else [(None, array)]
         for e, piece in pieces:
             index = layer + (() if e is None else (e,))
-            value = _write_donated(value, jax.device_put(piece), index)
+            value = _write_donated(value, jax.device_put(_made(piece)), index)
     return value
 
 
@@ -180,7 +199,7 @@ def _shard(shape: tuple[int, ...], dtype, arrays: list, members: int, index: tup
         if isinstance(array, list):
             piece = np.stack([array[e][:] for e in rows])
         else:
-            piece = np.asarray(array[rows.start:min(rows.stop, array.shape[0])])
+            piece = np.asarray(_made(array)[rows.start:min(rows.stop, array.shape[0])])
         piece = piece[(slice(None),) + rest]
         at = tuple(i - r.start for i, r in zip(layer, ranges))
         if on_host:
