@@ -37,16 +37,17 @@ from dijax.kernels import routed_experts as rx  # noqa: E402
 
 # (experts, F, K, tile sizes, chunks): the GPU test's shapes, the real gate-up and down with the routed path's
 # fitted sizes (rx.CONFIG.mgpu_sizes), decode's one size (8,), the smallest wgmma N, one compute warpgroup a CTA,
-# a step's last wgmma overlapping the next step
+# a step's last wgmma overlapping the next step, each step's scale words loaded a step ahead (decode; with overlap)
 KERNEL_SHAPES = [(3, 256, 512, (128,), 2), (3, 256, 512, (128,), 1), (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2),
                  (2, 5120, 2304, rx.CONFIG.mgpu_sizes, 2), (2, 5120, 2304, (64,), 2), (2, 2304, 5120, (8,), 2),
                  (2, 5120, 2304, (8,), 2), (1, 256, 256, (8,), 1), (2, 2304, 5120, (8,), 2, 1),
                  (1, 64, 256, (16,), 1, 1),
-                 (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2, 2, True)]
+                 (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2, 2, True), (2, 2304, 5120, (8,), 2, 2, False, True),
+                 (2, 2304, 5120, (8,), 2, 2, True, True)]
 
 
 def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks: int, warpgroups: int = 2,
-                 overlap: bool = False) -> int:
+                 overlap: bool = False, scales_ahead: bool = False) -> int:
     """Lower one ``grouped_gemm_t_mgpu`` for CUDA from abstract operands; -> the StableHLO text's length."""
     n_tiles = 4
     shapes = (jax.ShapeDtypeStruct((n_experts, f, k // 8), jnp.uint32),
@@ -54,7 +55,7 @@ def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks:
               jax.ShapeDtypeStruct((n_tiles * max(sizes), k), jnp.bfloat16),
               jax.ShapeDtypeStruct((n_tiles, 3), jnp.int32))
     fn = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, sizes=sizes, chunks=chunks, warpgroups=warpgroups,
-                           overlap=overlap)
+                           overlap=overlap, scales_ahead=scales_ahead)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
@@ -147,7 +148,7 @@ def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 6
 def kernels() -> list[tuple[str, str, object, list]]:
     """(name, the shape's fields, its lowering function, the shapes) of every Mosaic GPU kernel lowered here
     (tools/mgpu_build.py builds the same list)."""
-    return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
+    return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap/scales_ahead]", lower_kernel, KERNEL_SHAPES),
             ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
             ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/split_scores]", lower_attention, ATTN_SHAPES),
             ("indexer_mgpu", "T/I/J/S/P/blocks", lower_indexer, INDEXER_SHAPES),
