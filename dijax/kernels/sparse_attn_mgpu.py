@@ -20,6 +20,10 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     of a swizzled tile, but an address computed per thread can (``row_gather``);
   * two row slots: block b + 1's copies are in flight while block b's products run. A 64 x 512 row block is 64 KB;
     q (64 KB) and the two slots fill 192 KB of shared memory, one CTA a multiprocessor;
+  * a block's order: one meeting (its rows landed, the block before done with), its mask indices' load, the score
+    products issued, then the next block's gather (its index loads and copies) issued while they run, so that no
+    load's latency lies on the block's path (the thirty-second session's SASS had the next block's index loads
+    and copies, then a second meeting, before the products, and the mask indices' load after them);
   * an index of -1 copies nothing (``cp.async``'s source size 0 fills the row with zeros) and its score is masked;
   * with one split the kernel adds the sink, divides and writes the bf16 output; several splits of a list
     (flash-decoding) write fp32 partial sums, merged in XLA with the sink (``flash_merge``), as the Triton kernel's.
@@ -162,8 +166,10 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                                        sizes=sizes, threads=wgs * WARPGROUP)
 
         def landed(cta_bar):
-            """Wait until every thread's copies of the block are in shared memory, seen by wgmma."""
-            row_gather.wait_group(1, interpret)  # this thread's copies of the block (not the next block's)
+            """The block's one meeting: every thread's copies of it are in shared memory, seen by wgmma (each
+            thread has only this block's copies in flight), and every thread is done with the block before, whose
+            slot the next block's gather then takes."""
+            row_gather.wait_group(0, interpret)
             plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
             _cta_sync(cta_bar)
 
@@ -180,17 +186,18 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             def block(b, carry):
                 acc, max_h, den_h = carry
                 slot = lax.rem(b, SLOTS)
-                _cta_sync(cta_bar)  # every thread is done with block b - 1, whose slot block b + 1 takes
-
-                @pl.when(b + 1 < blocks)
-                def _():
-                    fetch(b + 1, 1 - slot, kv_smem)
-                row_gather.commit_group(interpret)
                 landed(cta_bar)
+                # the block's mask indices, loaded before the products so that their latency hides under them
+                idx = plgpu.load(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], layout=COL_LAYOUT, optimized=False)
 
                 def scores(s_ref, parts):
                     for part in parts:
                         plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
+
+                    @pl.when(b + 1 < blocks)  # the next block's gather (index loads, then copies) under the products
+                    def _():
+                        fetch(b + 1, 1 - slot, kv_smem)
+                    row_gather.commit_group(interpret)
                     return s_ref[...]
 
                 if s_smem is None:  # every warpgroup the whole score tile
@@ -200,7 +207,6 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     s_smem.at[wg][...] = own
                     _cta_sync(cta_bar)
                     s = own + plgpu.load(s_smem.at[1 - wg], layout=plgpu.Layout.WGMMA)
-                idx = plgpu.load(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], layout=COL_LAYOUT, optimized=False)
                 valid = lax.broadcast_in_dim(idx >= 0, (HEADS, ROWS), [1])
                 s = jnp.where(valid, s, -jnp.inf) * np.float32(scale)
                 new_max = jnp.maximum(max_h, s.max(axis=1))
