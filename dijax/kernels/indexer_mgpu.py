@@ -15,7 +15,9 @@ block serves them all, as wgmma's A operand (64 positions, swapped so that the t
   * the head sum as a second product: that bf16 tile (registers) x a 0/1 matrix [8 I, 8] that adds each token's I
     columns -> fp32 [64, 8], one column a token; then bf16, and a zero made +0.0;
   * two compute warpgroups take alternate blocks of the CTA's positions, each with its own two key slots (the next
-    block's gather in flight during this one's products), so neither waits for the other.
+    block's gather in flight during this one's products), so neither waits for the other; a block's scores are
+    issued before the next block's gather (its index loads, then copies), so that the index loads' latency lies
+    under the products rather than before them (thirty-fourth session; sparse_attn_mgpu's order).
 Each tile writes its own [P, 8] columns (``out_IPG``); the scores [T, P] are picked from them in XLA, where the
 -inf mask (p >= visible_T[t]) is applied, so the kernel skips every chunk of positions no token of its tile sees.
 
@@ -168,16 +170,17 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
             plgpu.barrier_wait(bar)
 
             def block(jb, _):
-                @pl.when(jb + 1 < mine)
-                def _():
-                    fetch(jb + 1, k_smem)
-                row_gather.commit_group(interpret)
-                row_gather.wait_group(1, interpret)  # this thread's copies of block jb
-                plgpu.commit_smem()  # the warpgroup's copies, seen by wgmma
+                row_gather.wait_group(0, interpret)  # this thread's copies of block jb (the only ones in flight)
+                plgpu.commit_smem()  # the warpgroup's copies, seen by wgmma; the warpgroup done with block jb - 1
                 slot = lax.rem(jb, SLOTS)
 
                 def scores(s_ref):
                     plgpu.wgmma(s_ref, k_smem.at[wg, slot], q_smem.T)
+
+                    @pl.when(jb + 1 < mine)  # the next block's gather (index loads, then copies) under the products
+                    def _():
+                        fetch(jb + 1, k_smem)
+                    row_gather.commit_group(interpret)
                     return s_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((ROWS, n), jnp.float32))
