@@ -69,9 +69,9 @@
 #            sizes by GPU kernel time on Mosaic GPU without and with it (alone, at 8 stages, with overlap) beside the
 #            default path (Triton at these sizes);
 #   reorder-check  (thirty-fourth session, ~560 s) that session's three kernel changes in one call: the GPU tests of
-#            fp4_wgmma (scales_ahead), sparse attention and the indexer (their block loops reordered) and GPU parity
+#            fp4_wgmma and fp8_wgmma (scales_ahead), sparse attention and the indexer (their block loops reordered) and GPU parity
 #            with sparse attention on Mosaic GPU at every step, side by side; then the routed experts at decode sizes
-#            with and without scales_ahead (GPU kernel time), and sparse attention's and the indexer's Mosaic GPU
+#            and the fp8 linears at 64 rows with and without scales_ahead (GPU kernel time), and sparse attention's and the indexer's Mosaic GPU
 #            rows in ab-base's tree and this one's (export the tree before the reorders as for `ab`);
 #   mgpu-fp8  the fp8 linears on Mosaic GPU against the Triton kernel at decode sizes (GPU kernel time);
 #   mgpu-profile  Nsight Compute counters of fp4_wgmma at decode sizes (T = 1 and 64, the ragged path forced);
@@ -359,13 +359,16 @@ case "$stage" in
     check tests-attn . 230 $t tests/gpu/test_attention_gpu.py &
     check tests-indexer . 230 $t tests/gpu/test_indexer_gpu.py &
     check tests-fp4 . 230 $t tests/gpu/test_fp4_wgmma_gpu.py &
+    check tests-fp8 . 230 $t tests/gpu/test_fp8_wgmma_gpu.py &
     wait
     checked
     v="mgpu_min_assignments=0" a="mgpu_min_assignments=0,mgpu_scales_ahead=True"
     run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
       --variant "$v" --variant "$a" --variant "$a,mgpu_stages=8"
+    run 60 python3 tools/bench_kernels.py --only fp8_linear --tokens 64 --timing device --iters 10 --repeats 3 \
+      --variant "mgpu_scales_ahead=True"
     for tree in ab-base .; do
-      (cd $tree && run 70 python3 tools/bench_kernels.py --only sparse_attn,indexer --rows mgpu --timing device \
+      (cd $tree && run 60 python3 tools/bench_kernels.py --only sparse_attn,indexer --rows mgpu --timing device \
         --iters 10 --repeats 3)
     done ;;
   mgpu-fp8)

@@ -60,14 +60,15 @@ def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks:
 
 
 # (T, O, I, warpgroups): the fp8 linears at decode (wkv, wq_b, wo_b with two warpgroups, the Engram wkv), small dims
-LINEAR_SHAPES = [(1, 512, 5120, 1), (16, 32768, 1280, 1), (8, 5120, 8192, 2), (64, 25600, 6144, 1), (3, 64, 256, 1)]
+LINEAR_SHAPES = [(1, 512, 5120, 1), (16, 32768, 1280, 1), (8, 5120, 8192, 2), (64, 25600, 6144, 1), (3, 64, 256, 1),
+                 (64, 5120, 8192, 2, True)]  # the scale words a step ahead
 
 
-def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
+def lower_linear(t: int, o: int, i: int, warpgroups: int, scales_ahead: bool = False) -> int:
     """Lower one ``fp8_wgmma.linear_mgpu`` for CUDA from abstract operands; -> the StableHLO text's length."""
     shapes = (jax.ShapeDtypeStruct((t, i), jnp.bfloat16), jax.ShapeDtypeStruct((o, i), jnp.float8_e4m3fn),
               jax.ShapeDtypeStruct((o // 32, i // 32), jnp.uint8))
-    fn = functools.partial(fp8_wgmma.linear_mgpu, warpgroups=warpgroups)
+    fn = functools.partial(fp8_wgmma.linear_mgpu, warpgroups=warpgroups, scales_ahead=scales_ahead)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
@@ -149,7 +150,7 @@ def kernels() -> list[tuple[str, str, object, list]]:
     """(name, the shape's fields, its lowering function, the shapes) of every Mosaic GPU kernel lowered here
     (tools/mgpu_build.py builds the same list)."""
     return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap/scales_ahead]", lower_kernel, KERNEL_SHAPES),
-            ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
+            ("fp8_wgmma", "T/O/I/warpgroups[/scales_ahead]", lower_linear, LINEAR_SHAPES),
             ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/split_scores]", lower_attention, ATTN_SHAPES),
             ("indexer_mgpu", "T/I/J/S/P/blocks", lower_indexer, INDEXER_SHAPES),
             ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]

@@ -103,11 +103,13 @@ def splits_for(ctas: int, steps: int, target: int) -> int:
 
 
 def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: jax.Array | LayerSlice, *,
-                stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, interpret: bool = False) -> jax.Array:
+                stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, scales_ahead: bool = False,
+                interpret: bool = False) -> jax.Array:
     """``linear_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0; module docstring), plus the
     XLA passes around it: fq8 and ``permute_k`` of x, the scales spread to rows, the splits' sum. ``shape_error``
     lists the shapes it takes; exact for scale bytes in ``SCALE_RANGE``. A ``LayerSlice`` weight is read in place
-    (its layer index is an operand). ``interpret``: run in the Mosaic GPU interpreter (``fp4_wgmma``'s interpret
+    (its layer index is an operand). ``scales_ahead``: each pipeline step issues the next step's scale-word load
+    and carries it (``fp4_wgmma``'s). ``interpret``: run in the Mosaic GPU interpreter (``fp4_wgmma``'s interpret
     mode: the register decode replaced by its logical values)."""
     t, i = x_TI.shape
     o = weight_OI.shape[0]
@@ -124,12 +126,14 @@ def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: ja
     steps = i // STEP_K
     splits = splits_for(o // (warpgroups * ROWS_PER_WG), steps, target_ctas)
     y_PON = _call(words_LOW, scale_words(s_OB[None], CHUNKS), x_NI, layer.reshape(1).astype(jnp.int32),
-                  splits=splits, stages=stages, warpgroups=warpgroups, interpret=interpret)
+                  splits=splits, stages=stages, warpgroups=warpgroups, scales_ahead=scales_ahead,
+                  interpret=interpret)
     return jnp.sum(y_PON, axis=0).T[:t].astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "warpgroups", "interpret"))
-def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "warpgroups", "scales_ahead", "interpret"))
+def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: int, scales_ahead: bool,
+          interpret: bool):
     """The kernel: float32 partial sums [splits, O, N] of the weight's rows (layer ``layer_1[0]`` of the stack)
     times x's N rows, each split over its part of K. ``stages`` is capped where shared memory needs it."""
     o, i = w_LOW.shape[1], w_LOW.shape[2] * CODES_PER_WORD
@@ -141,12 +145,21 @@ def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
         m, part = lax.axis_index("m"), lax.axis_index("p")
         layer = layer_ref[0]
 
+        def scales(step_index):
+            """The compute warpgroup's rows' scale words of this split's pipeline step ``step_index`` (GMEM)."""
+            wg = lax.axis_index("wg")
+            return plgpu.load(s_gmem.at[0, pl.ds(m * cta_rows + wg * ROWS_PER_WG, ROWS_PER_WG),
+                                        part * per_split + step_index], layout=ROW_LAYOUT, optimized=False)
+
         def step(indices, *refs):
-            *w_smems, x_smem, acc_ref = refs
+            *w_smems, x_smem, carry = refs
+            if scales_ahead:  # this step's words came with the carry; the next step's load is issued now
+                acc_ref, s_step = carry
+                s_next = scales(jnp.minimum(indices[0] + 1, per_split - 1))
+            else:
+                acc_ref, s_step = carry, scales(indices[0])
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
-            s_step = plgpu.load(s_gmem.at[0, pl.ds(m * cta_rows + wg * ROWS_PER_WG, ROWS_PER_WG),
-                                          part * per_split + indices[0]], layout=ROW_LAYOUT, optimized=False)
             for c, w_smem in enumerate(w_smems):
                 words = plgpu.load(w_smem.at[rows], layout=plgpu.Layout.WGMMA)
                 s_lo, s_hi = ((lax.shift_right_logical(s_step, np.uint32(8 * (2 * c + b))) & np.uint32(0xFF))
@@ -155,12 +168,12 @@ def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
                      else interpret_operand(a_smem.at[wg, c], _decode_values(words, s_lo, s_hi)))
                 plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
             plgpu.wgmma_wait(0)
-            return acc_ref
+            return (acc_ref, s_next) if scales_ahead else acc_ref
 
         def epilogue(run_pipeline):
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WG, n), jnp.float32))
             def _(acc_ref):
-                run_pipeline(acc_ref)
+                run_pipeline((acc_ref, scales(0)) if scales_ahead else acc_ref)
                 wg = lax.axis_index("wg")
                 y_smem[wg] = acc_ref[...]
                 plgpu.commit_smem()
