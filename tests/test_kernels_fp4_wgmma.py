@@ -139,15 +139,14 @@ def assert_within_ulp(got: np.ndarray, want: np.ndarray, x: np.ndarray, w_abs: n
     assert np.mean(got == want) >= 0.9
 
 
-@pytest.mark.parametrize("sizes, chunks, warpgroups, stages, overlap, scales_ahead", [
-    ((8,), 2, 2, 2, False, False),            # decode's tiles
-    ((8, 16, 32), 1, 2, 3, False, False),     # fitted tiles of three sizes, one K chunk a step
-    ((8, 16), 2, 1, 4, False, False),         # one compute warpgroup a CTA
-    ((16,), 2, 2, 3, True, False),            # a step's last wgmma running into the next
-    ((8, 16), 1, 1, 4, False, True),          # each step's scale words loaded a step ahead
-    ((16,), 2, 2, 3, True, True),             # both
+@pytest.mark.parametrize("sizes, chunks, warpgroups, stages, overlap", [
+    ((8,), 2, 2, 2, False),            # decode's tiles
+    ((8, 16, 32), 1, 2, 3, False),     # fitted tiles of three sizes, one K chunk a step
+    ((8, 16), 2, 1, 4, False),         # one compute warpgroup a CTA
+    ((16,), 2, 2, 3, True),            # a step's last wgmma running into the next
+    ((8, 16), 1, 1, 4, False),         # one K chunk a step, one warpgroup: 8 steps of scale words loaded ahead
 ])
-def test_interpreted_kernel_matches_reference(sizes, chunks, warpgroups, stages, overlap, scales_ahead):
+def test_interpreted_kernel_matches_reference(sizes, chunks, warpgroups, stages, overlap):
     """The Mosaic GPU kernel itself (pipeline, TMA copies, the scale words read from GMEM, wgmma, the transposed
     store of the output tiles) run by the Mosaic GPU interpreter on the CPU, with ``_decode_values`` in place of
     the register decode (the interpreter runs no ``inline_mgpu``; test_fragment_order_reproduces_the_reference
@@ -161,8 +160,7 @@ def test_interpreted_kernel_matches_reference(sizes, chunks, warpgroups, stages,
     s = rng.integers(*fw.SCALE_RANGE, (n_experts, f, k // 32)).astype(np.uint8)
     x = quant.fq8(jnp.asarray(rng.standard_normal((tokens, k)), jnp.float32)).astype(jnp.bfloat16)
     args = pack_words(jnp.asarray(w)), jnp.asarray(s), x, tiles_I3, token_R
-    kw = dict(sizes=sizes, stages=stages, chunks=chunks, warpgroups=warpgroups, overlap=overlap,
-              scales_ahead=scales_ahead)
+    kw = dict(sizes=sizes, stages=stages, chunks=chunks, warpgroups=warpgroups, overlap=overlap)
     got = np.asarray(fw.grouped_gemm_t_mgpu(*args, interpret=True, **kw), np.float32)
     want = np.asarray(fw.grouped_gemm_t_reference(*args, **kw), np.float32)
     x_R = np.asarray(x, np.float32)[np.asarray(token_R)]

@@ -30,9 +30,9 @@ def fragment_codes() -> np.ndarray:
     return out
 
 
-def emulated_call(w_LOW, s_1OS, x_NI, layer_1, *, splits, stages, warpgroups, scales_ahead, interpret):
+def emulated_call(w_LOW, s_1OS, x_NI, layer_1, *, splits, stages, warpgroups, interpret):
     """What ``_call``'s kernel computes, in numpy (float64, exact here): float32 [splits, O, N]."""
-    del stages, warpgroups, scales_ahead, interpret
+    del stages, warpgroups, interpret
     words = np.asarray(w_LOW)[int(np.asarray(layer_1)[0])]
     o, i = words.shape[0], 4 * words.shape[1]
     codes = words.view(np.uint8).reshape(o, i // 64, 64)[:, :, fragment_codes()].reshape(o, i)
@@ -162,20 +162,20 @@ def test_seam_runs_each_linear_on_the_emulated_kernel(monkeypatch):
         np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2.0 ** -7, atol=1e-30)
 
 
-@pytest.mark.parametrize("o, i, t, warpgroups, target, stages, layers, ahead", [
-    (64, 256, 1, 1, 1, 2, 0, False),      # one split of two steps
-    (128, 512, 3, 2, 8, 3, 0, False),     # two warpgroups, K split in 4, T padded to 8
-    (64, 384, 13, 1, 3, 2, 3, False),     # a layer of a stack, 16 rows, 3 splits of one step
-    (64, 768, 3, 1, 2, 2, 0, True),       # the scale words a step ahead: 2 splits of 3 steps
-    (128, 512, 5, 2, 1, 3, 2, True),      # ... one split of 4 steps, two warpgroups, a layer of a stack
+@pytest.mark.parametrize("o, i, t, warpgroups, target, stages, layers", [
+    (64, 256, 1, 1, 1, 2, 0),      # one split of two steps
+    (128, 512, 3, 2, 8, 3, 0),     # two warpgroups, K split in 4, T padded to 8
+    (64, 384, 13, 1, 3, 2, 3),     # a layer of a stack, 16 rows, 3 splits of one step
+    (64, 768, 3, 1, 2, 2, 0),      # 2 splits of 3 steps (the scale words loaded a step ahead within each)
+    (128, 512, 5, 2, 1, 3, 2),     # one split of 4 steps, two warpgroups, a layer of a stack
 ])
-def test_interpreted_kernel_matches_reference(o, i, t, warpgroups, target, stages, layers, ahead):
+def test_interpreted_kernel_matches_reference(o, i, t, warpgroups, target, stages, layers):
     """The Mosaic GPU kernel itself (pipeline, TMA copies, the spread scale words read from GMEM, wgmma, split K,
     the fp32 partial sums' store) in jax's Mosaic GPU interpreter on the CPU, with ``_decode_values`` in place of
     the register decode, against the reference: the same exact products in another order (a bf16 ulp at ties)."""
     x, weight, scale = _operands(o, i, t, seed=o + i + t + 7, layers=layers)
     got = np.asarray(f8.linear_mgpu(x, weight, scale, warpgroups=warpgroups, target_ctas=target, stages=stages,
-                                    scales_ahead=ahead, interpret=True), np.float32)
+                                    interpret=True), np.float32)
     want = np.asarray(f8.linear_reference(x, weight, scale), np.float32)
     np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-30)
     assert np.mean(got == want) >= 0.9

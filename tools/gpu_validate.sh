@@ -65,14 +65,6 @@
 #            the default's, and with `overlap`: at decode one CTA a multiprocessor streams 327 KB of weights, and its
 #            SASS waits for every step's wgmma before the next step's scale load and decode, thirty-second session)
 #            and the routed layer at 8192 tokens;
-#   mgpu-ahead  (thirty-fourth session) fp4_wgmma's scales_ahead: its GPU tests, then the routed experts at decode
-#            sizes by GPU kernel time on Mosaic GPU without and with it (alone, at 8 stages, with overlap) beside the
-#            default path (Triton at these sizes);
-#   reorder-check  (thirty-fourth session, ~560 s) that session's three kernel changes in one call: the GPU tests of
-#            fp4_wgmma and fp8_wgmma (scales_ahead), sparse attention and the indexer (their block loops reordered) and GPU parity
-#            with sparse attention on Mosaic GPU at every step, side by side; then the routed experts at decode sizes
-#            and the fp8 linears at 64 rows with and without scales_ahead (GPU kernel time), and sparse attention's and the indexer's Mosaic GPU
-#            rows in ab-base's tree and this one's (export the tree before the reorders as for `ab`);
 #   mgpu-fp8  the fp8 linears on Mosaic GPU against the Triton kernel at decode sizes (GPU kernel time);
 #   mgpu-profile  Nsight Compute counters of fp4_wgmma at decode sizes (T = 1 and 64, the ragged path forced);
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
@@ -98,7 +90,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-ahead|reorder-check|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -339,38 +331,6 @@ case "$stage" in
       --variant "$v,mgpu_overlap=True" --variant "$v,mgpu_overlap=True,mgpu_stages=8"
     run 130 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "gemm_engine='triton'" \
       --iters 5 --repeats 2 ;;
-  mgpu-ahead)
-    # (~450 s) the scale words a step ahead against the thirty-first session's order, every other field the same
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    run 150 python3 -m pytest -q -ra tests/gpu/test_fp4_wgmma_gpu.py
-    v="mgpu_min_assignments=0" a="mgpu_min_assignments=0,mgpu_scales_ahead=True"
-    run 330 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
-      --variant "$v" --variant "$a" --variant "$a,mgpu_stages=8" --variant "$a,mgpu_overlap=True" \
-      --variant "$a,mgpu_warpgroups=1" ;;
-  reorder-check)
-    [ -d ab-base/dijax ] || { echo "reorder-check: export the base tree into ab-base/ first (see \`ab\`)" >&2; exit 2; }
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    rm -rf $sub; mkdir -p $sub/tree-every; cp -r dijax $sub/tree-every/
-    sed -i 's/    mgpu_min_tokens: int = 64/    mgpu_min_tokens: int = 1/' $sub/tree-every/dijax/kernels/sparse_attn.py
-    grep -H '^    mgpu_min_tokens:' $sub/tree-every/dijax/kernels/sparse_attn.py >> "$log"
-    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on" t="python3 -m pytest -q -ra -p no:cacheprovider"
-    check parity-tiny-nodrop $sub/tree-every 250 $p $fixtures/tiny-nodrop &
-    check parity-engine $sub/tree-every 250 $p $fixtures/tiny-nodrop --engine &
-    check tests-attn . 230 $t tests/gpu/test_attention_gpu.py &
-    check tests-indexer . 230 $t tests/gpu/test_indexer_gpu.py &
-    check tests-fp4 . 230 $t tests/gpu/test_fp4_wgmma_gpu.py &
-    check tests-fp8 . 230 $t tests/gpu/test_fp8_wgmma_gpu.py &
-    wait
-    checked
-    v="mgpu_min_assignments=0" a="mgpu_min_assignments=0,mgpu_scales_ahead=True"
-    run 150 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
-      --variant "$v" --variant "$a" --variant "$a,mgpu_stages=8"
-    run 60 python3 tools/bench_kernels.py --only fp8_linear --tokens 64 --timing device --iters 10 --repeats 3 \
-      --variant "mgpu_scales_ahead=True"
-    for tree in ab-base .; do
-      (cd $tree && run 60 python3 tools/bench_kernels.py --only sparse_attn,indexer --rows mgpu --timing device \
-        --iters 10 --repeats 3)
-    done ;;
   mgpu-fp8)
     # (~200 s) the fp8 linears on Mosaic GPU against the Triton kernel at decode sizes (GPU kernel time)
     run 160 python3 tools/bench_kernels.py --only fp8_linear --tokens 1,16,64 --timing device --iters 10 --repeats 3 \

@@ -37,17 +37,16 @@ from dijax.kernels import routed_experts as rx  # noqa: E402
 
 # (experts, F, K, tile sizes, chunks): the GPU test's shapes, the real gate-up and down with the routed path's
 # fitted sizes (rx.CONFIG.mgpu_sizes), decode's one size (8,), the smallest wgmma N, one compute warpgroup a CTA,
-# a step's last wgmma overlapping the next step, each step's scale words loaded a step ahead (decode; with overlap)
+# a step's last wgmma overlapping the next step
 KERNEL_SHAPES = [(3, 256, 512, (128,), 2), (3, 256, 512, (128,), 1), (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2),
                  (2, 5120, 2304, rx.CONFIG.mgpu_sizes, 2), (2, 5120, 2304, (64,), 2), (2, 2304, 5120, (8,), 2),
                  (2, 5120, 2304, (8,), 2), (1, 256, 256, (8,), 1), (2, 2304, 5120, (8,), 2, 1),
                  (1, 64, 256, (16,), 1, 1),
-                 (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2, 2, True), (2, 2304, 5120, (8,), 2, 2, False, True),
-                 (2, 2304, 5120, (8,), 2, 2, True, True)]
+                 (2, 4608, 5120, rx.CONFIG.mgpu_sizes, 2, 2, True)]
 
 
 def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks: int, warpgroups: int = 2,
-                 overlap: bool = False, scales_ahead: bool = False) -> int:
+                 overlap: bool = False) -> int:
     """Lower one ``grouped_gemm_t_mgpu`` for CUDA from abstract operands; -> the StableHLO text's length."""
     n_tiles = 4
     shapes = (jax.ShapeDtypeStruct((n_experts, f, k // 8), jnp.uint32),
@@ -55,20 +54,19 @@ def lower_kernel(n_experts: int, f: int, k: int, sizes: tuple[int, ...], chunks:
               jax.ShapeDtypeStruct((n_tiles * max(sizes), k), jnp.bfloat16),
               jax.ShapeDtypeStruct((n_tiles, 3), jnp.int32))
     fn = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, sizes=sizes, chunks=chunks, warpgroups=warpgroups,
-                           overlap=overlap, scales_ahead=scales_ahead)
+                           overlap=overlap)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
 # (T, O, I, warpgroups): the fp8 linears at decode (wkv, wq_b, wo_b with two warpgroups, the Engram wkv), small dims
-LINEAR_SHAPES = [(1, 512, 5120, 1), (16, 32768, 1280, 1), (8, 5120, 8192, 2), (64, 25600, 6144, 1), (3, 64, 256, 1),
-                 (64, 5120, 8192, 2, True)]  # the scale words a step ahead
+LINEAR_SHAPES = [(1, 512, 5120, 1), (16, 32768, 1280, 1), (8, 5120, 8192, 2), (64, 25600, 6144, 1), (3, 64, 256, 1)]
 
 
-def lower_linear(t: int, o: int, i: int, warpgroups: int, scales_ahead: bool = False) -> int:
+def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
     """Lower one ``fp8_wgmma.linear_mgpu`` for CUDA from abstract operands; -> the StableHLO text's length."""
     shapes = (jax.ShapeDtypeStruct((t, i), jnp.bfloat16), jax.ShapeDtypeStruct((o, i), jnp.float8_e4m3fn),
               jax.ShapeDtypeStruct((o // 32, i // 32), jnp.uint8))
-    fn = functools.partial(fp8_wgmma.linear_mgpu, warpgroups=warpgroups, scales_ahead=scales_ahead)
+    fn = functools.partial(fp8_wgmma.linear_mgpu, warpgroups=warpgroups)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
@@ -149,8 +147,8 @@ def lower_routed(n_experts: int = 8, d: int = 512, f: int = 256, tokens: int = 6
 def kernels() -> list[tuple[str, str, object, list]]:
     """(name, the shape's fields, its lowering function, the shapes) of every Mosaic GPU kernel lowered here
     (tools/mgpu_build.py builds the same list)."""
-    return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap/scales_ahead]", lower_kernel, KERNEL_SHAPES),
-            ("fp8_wgmma", "T/O/I/warpgroups[/scales_ahead]", lower_linear, LINEAR_SHAPES),
+    return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
+            ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
             ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/split_scores]", lower_attention, ATTN_SHAPES),
             ("indexer_mgpu", "T/I/J/S/P/blocks", lower_indexer, INDEXER_SHAPES),
             ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]

@@ -72,14 +72,14 @@ def permute_k(x_RK: jax.Array) -> jax.Array:
 def grouped_gemm_t_reference(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
                              rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
                              chunks: int = 2, warpgroups: int = 2, overlap: bool = False,
-                             scales_ahead: bool = False, interpret: bool = False) -> jax.Array:
+                             interpret: bool = False) -> jax.Array:
     """bf16 y_RF [R, F]: each tile (expert e, first row r, rows n) of ``tiles_I3`` int32 [I, 3] multiplies rows
     [r, r + n) of x_RK = x_TK[rows_R] (x_TK itself when ``rows_R`` is None; natural K order) by expert e's MXFP4
     weight (uint32 words w_EFW [E, F, K/8], nibble j of word w the code of k = 8w + j, as
     ``routed_experts.pack_words`` gives them; ue8m0 s_EFB [E, F, K/32]): x_rows @ W.T. Tiles with e < 0 are unused;
-    n is one of ``sizes``; rows no tile covers are zeros. ``stages``, ``chunks``, ``warpgroups``, ``overlap``,
-    ``scales_ahead`` and ``interpret`` are the kernel's and change nothing here."""
-    del stages, chunks, warpgroups, overlap, scales_ahead, interpret
+    n is one of ``sizes``; rows no tile covers are zeros. ``stages``, ``chunks``, ``warpgroups``, ``overlap`` and
+    ``interpret`` are the kernel's and change nothing here."""
+    del stages, chunks, warpgroups, overlap, interpret
     x_RK = x_TK if rows_R is None else x_TK[rows_R]
     n_rows, n_max = x_RK.shape[0], max(sizes)
     e_I, row_I, size_I = tiles_I3[:, 0], tiles_I3[:, 1], tiles_I3[:, 2]
@@ -121,7 +121,7 @@ def available() -> bool:
 def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, tiles_I3: jax.Array,
                         rows_R: jax.Array | None = None, *, sizes: tuple[int, ...] = (128,), stages: int = 4,
                         chunks: int = 2, warpgroups: int = 2, overlap: bool = False,
-                        scales_ahead: bool = False, interpret: bool = False) -> jax.Array:
+                        interpret: bool = False) -> jax.Array:
     """``grouped_gemm_t_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0). Rows no tile covers
     are left unwritten. ``shape_error`` lists the sizes it takes; exact for ue8m0 bytes in ``SCALE_RANGE``.
     ``sizes``: the tile row counts (wgmma's N), one compiled pipeline each; ``stages``: pipeline depth (fewer where
@@ -129,14 +129,13 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
     with 2, the decode of the second overlaps the first's wgmma); ``warpgroups``: compute warpgroups a CTA, each
     its own 64 weight rows (1 gives twice the CTAs, for grids too small to fill the GPU: decode); ``overlap``: a
     step leaves its last wgmma running into the next step's decode (its inputs released a step later; needs two
-    stages; ptxas reports no serialisation of the register operand, tools/mgpu_build.py); ``scales_ahead``: each
-    step issues the load of the next step's scale words and carries them, so that no step waits for its own
-    (a load from GMEM on the critical path of every step otherwise); ``interpret``: run in the Mosaic GPU
-    interpreter (``interpret_operand``).
+    stages; ptxas reports no serialisation of the register operand, tools/mgpu_build.py); ``interpret``: run in
+    the Mosaic GPU interpreter (``interpret_operand``).
 
     The wrapper permutes x's K (``permute_k``) before gathering its rows (a pass over T rows, not R). The scales
     are read in their stored layout, one word a row a step (``scale_words``, a bitcast) straight from GMEM by the
-    compute warpgroups: a TMA copy cannot take them (at K = 2304 a row's 72 bytes break TMA's 16-byte stride
+    compute warpgroups, each step's a step ahead (carried through the pipeline; thirty-fourth session, on an H100:
+    the layer at T = 1 / 16 / 64 7 / 4.5 / 1 % faster, prefill 8192 the same to 0.02 %): a TMA copy cannot take them (at K = 2304 a row's 72 bytes break TMA's 16-byte stride
     rule), and transposing them was a pass over every expert's scales a call, most of a decode step's bytes.
     """
     f, k = w_EFW.shape[1], 8 * w_EFW.shape[2]
@@ -149,8 +148,7 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
                          f"tiles {tiles_I3.shape}")
     x_RK = permute_k(x_TK) if rows_R is None else permute_k(x_TK)[rows_R]
     return _call(w_EFW, scale_words(s_EFB, chunks), x_RK, tiles_I3.astype(jnp.int32), sizes=sizes, stages=stages,
-                 chunks=chunks, warpgroups=warpgroups, overlap=overlap, scales_ahead=scales_ahead,
-                 interpret=interpret)
+                 chunks=chunks, warpgroups=warpgroups, overlap=overlap, interpret=interpret)
 
 
 def scale_words(s_EFB: jax.Array, chunks: int) -> jax.Array:
@@ -178,10 +176,9 @@ def _stages(n: int, n_max: int, chunks: int, stages: int, warpgroups: int) -> in
     return pipeline_depth(stages, per_stage, warpgroups * n_max * ROWS_PER_WG * 2)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks", "warpgroups", "overlap", "scales_ahead",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("sizes", "stages", "chunks", "warpgroups", "overlap", "interpret"))
 def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, chunks: int, warpgroups: int,
-          overlap: bool, scales_ahead: bool, interpret: bool):
+          overlap: bool, interpret: bool):
     f, k = w_EFW.shape[1], w_EFW.shape[2] * 8
     cta_rows = warpgroups * ROWS_PER_WG
     n_max = max(sizes)
@@ -201,12 +198,10 @@ def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
                               layout=ROW_LAYOUT, optimized=False).astype(jnp.uint32)
 
         def step(indices, *refs):
-            *w_smems, x_smem, carry = refs
-            if scales_ahead:  # this step's words came with the carry; the next step's load is issued now
-                acc_ref, s_step = carry
-                s_next = scales(jnp.minimum(indices[0] + 1, steps - 1))
-            else:
-                acc_ref, s_step = carry, scales(indices[0])
+            # this step's scale words came with the carry; the next step's load is issued now, so that no step's
+            # decode waits for a load from GMEM (its latency lay on every step's path before)
+            *w_smems, x_smem, (acc_ref, s_step) = refs
+            s_next = scales(jnp.minimum(indices[0] + 1, steps - 1))
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
             for c, w_smem in enumerate(w_smems):  # issue each chunk's wgmma, then decode the next one
@@ -218,13 +213,13 @@ def _call(w_EFW, s_EFS, x_RK, tiles_I3, *, sizes: tuple[int, ...], stages: int, 
                      else interpret_operand(a_smem.at[wg, c], _decode_values(words, s_lo, s_hi)))
                 plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
             plgpu.wgmma_wait(1 if overlap else 0)  # overlap: the last chunk's wgmma runs into the next step
-            return (acc_ref, s_next) if scales_ahead else acc_ref
+            return acc_ref, s_next
 
         def run_tile(tile_n: int):
             def epilogue(run_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WG, tile_n), jnp.float32))
                 def _(acc_ref):
-                    run_pipeline((acc_ref, scales(0)) if scales_ahead else acc_ref)
+                    run_pipeline((acc_ref, scales(0)))
                     plgpu.wgmma_wait(0)
                     wg = lax.axis_index("wg")
                     y_tile = y_smem.at[wg, pl.ds(0, tile_n)]

@@ -92,8 +92,7 @@ class KernelConfig:
     (thirty-first session, GPU kernel time) 'mgpu' lost at T = 1 (the 8 flash-slice linears 1.3-2.3x slower) and
     was mixed at 16, but at T = 64 it ran the 7 layer linears in 156 us (2 warpgroups) against 262 us on the
     reference (where ``max_tokens`` = 32 sends them) and 330 us on the Triton kernel, the Engram ``wkv`` in 94
-    against 274 and 689 us: docs/benchmarks.md. ``mgpu_scales_ahead``: fp8_wgmma's ``scales_ahead`` (each
-    pipeline step loads the next step's scale words; off until timed).
+    against 274 and 689 us: docs/benchmarks.md.
 
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
@@ -109,7 +108,6 @@ class KernelConfig:
     engine: str = "mgpu"
     mgpu_warpgroups: int = 2
     mgpu_stages: int = 4
-    mgpu_scales_ahead: bool = False
     mgpu_min_tokens: int = 33
     mgpu_max_tokens: int = 64
     poison: bool = False
@@ -303,8 +301,7 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]],
     weights = [weight_OI for weight_OI, _ in pairs]
     if _mgpu_takes(x_TI, weights, interpret_mode(interpret)):
         return [fp8_wgmma.linear_mgpu(x_TI, weight_OI, scale_BB, stages=CONFIG.mgpu_stages,
-                                      warpgroups=CONFIG.mgpu_warpgroups, target_ctas=CONFIG.target_programs,
-                                      scales_ahead=CONFIG.mgpu_scales_ahead)
+                                      warpgroups=CONFIG.mgpu_warpgroups, target_ctas=CONFIG.target_programs)
                 for weight_OI, scale_BB in pairs]
     supported = pallas_supports(x_TI, *weights)
     if len(pairs) > 1 and not (CONFIG.fuse and supported):

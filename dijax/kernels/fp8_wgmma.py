@@ -22,7 +22,9 @@ take the matching order (``permute_k``). The fragment's first four column groups
 and the last four in the next, so a register's scale follows from its column group alone.
 
 Scales: the weight's 32 x 32 blocks, spread to one byte a row ([O, I/32], a small XLA pass over one layer's scales),
-then read one word a row a step straight from GMEM (``fp4_wgmma.scale_words``).
+then read one word a row a step straight from GMEM (``fp4_wgmma.scale_words``), each step's a step ahead (carried
+through the pipeline, as ``fp4_wgmma`` does; thirty-fourth session, on an H100: the flash-slice linears at 64 rows
+3-6 % faster).
 
 Split K: a CTA owns 64 (``warpgroups`` 1) or 128 rows and one of ``splits`` parts of K; the parts' fp32 partial
 sums [splits, O, N] are added, transposed and rounded to bf16 in XLA (``splits`` chosen so that the grid has about
@@ -103,13 +105,11 @@ def splits_for(ctas: int, steps: int, target: int) -> int:
 
 
 def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: jax.Array | LayerSlice, *,
-                stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, scales_ahead: bool = False,
-                interpret: bool = False) -> jax.Array:
+                stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, interpret: bool = False) -> jax.Array:
     """``linear_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0; module docstring), plus the
     XLA passes around it: fq8 and ``permute_k`` of x, the scales spread to rows, the splits' sum. ``shape_error``
     lists the shapes it takes; exact for scale bytes in ``SCALE_RANGE``. A ``LayerSlice`` weight is read in place
-    (its layer index is an operand). ``scales_ahead``: each pipeline step issues the next step's scale-word load
-    and carries it (``fp4_wgmma``'s). ``interpret``: run in the Mosaic GPU interpreter (``fp4_wgmma``'s interpret
+    (its layer index is an operand). ``interpret``: run in the Mosaic GPU interpreter (``fp4_wgmma``'s interpret
     mode: the register decode replaced by its logical values)."""
     t, i = x_TI.shape
     o = weight_OI.shape[0]
@@ -126,14 +126,12 @@ def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: ja
     steps = i // STEP_K
     splits = splits_for(o // (warpgroups * ROWS_PER_WG), steps, target_ctas)
     y_PON = _call(words_LOW, scale_words(s_OB[None], CHUNKS), x_NI, layer.reshape(1).astype(jnp.int32),
-                  splits=splits, stages=stages, warpgroups=warpgroups, scales_ahead=scales_ahead,
-                  interpret=interpret)
+                  splits=splits, stages=stages, warpgroups=warpgroups, interpret=interpret)
     return jnp.sum(y_PON, axis=0).T[:t].astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "warpgroups", "scales_ahead", "interpret"))
-def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: int, scales_ahead: bool,
-          interpret: bool):
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "warpgroups", "interpret"))
+def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: int, interpret: bool):
     """The kernel: float32 partial sums [splits, O, N] of the weight's rows (layer ``layer_1[0]`` of the stack)
     times x's N rows, each split over its part of K. ``stages`` is capped where shared memory needs it."""
     o, i = w_LOW.shape[1], w_LOW.shape[2] * CODES_PER_WORD
@@ -152,12 +150,8 @@ def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
                                         part * per_split + step_index], layout=ROW_LAYOUT, optimized=False)
 
         def step(indices, *refs):
-            *w_smems, x_smem, carry = refs
-            if scales_ahead:  # this step's words came with the carry; the next step's load is issued now
-                acc_ref, s_step = carry
-                s_next = scales(jnp.minimum(indices[0] + 1, per_split - 1))
-            else:
-                acc_ref, s_step = carry, scales(indices[0])
+            *w_smems, x_smem, (acc_ref, s_step) = refs  # this step's scale words came with the carry
+            s_next = scales(jnp.minimum(indices[0] + 1, per_split - 1))  # the next step's, loaded a step ahead
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
             for c, w_smem in enumerate(w_smems):
@@ -168,12 +162,12 @@ def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
                      else interpret_operand(a_smem.at[wg, c], _decode_values(words, s_lo, s_hi)))
                 plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(c * K_CHUNK, K_CHUNK)].T)
             plgpu.wgmma_wait(0)
-            return (acc_ref, s_next) if scales_ahead else acc_ref
+            return acc_ref, s_next
 
         def epilogue(run_pipeline):
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WG, n), jnp.float32))
             def _(acc_ref):
-                run_pipeline((acc_ref, scales(0)) if scales_ahead else acc_ref)
+                run_pipeline((acc_ref, scales(0)))
                 wg = lax.axis_index("wg")
                 y_smem[wg] = acc_ref[...]
                 plgpu.commit_smem()

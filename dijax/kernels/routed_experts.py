@@ -178,7 +178,6 @@ class KernelConfig:
       expert's rows in tiles of the largest, then one of the smallest size that covers the rest; only the sizes A
       can use are compiled, ``fit_sizes``), stages, chunks and compute warpgroups a CTA;
     mgpu_overlap: fp4_wgmma's ``overlap`` (a step's last wgmma runs on into the next step's decode);
-    mgpu_scales_ahead: fp4_wgmma's ``scales_ahead`` (each step loads the next step's scale words);
     mgpu_lone_max: up to this many assignments (decode up to 4 tokens of 6 experts) each takes a tile of its own
       (``lone_tiles``) instead of ``fit_tiles``' expert-sorted layout: two small XLA ops instead of a sort and
       ~10 more, at the price of reading an expert twice when two assignments share it (as the mat-vecs do);
@@ -204,7 +203,6 @@ class KernelConfig:
     mgpu_chunks: int = 2
     mgpu_warpgroups: int = 2
     mgpu_overlap: bool = False
-    mgpu_scales_ahead: bool = False
     mgpu_lone_max: int = 24
     gathered_max: int = 96
     poison: bool = False
@@ -769,8 +767,7 @@ def _ragged_mgpu(stacks, offset, x_act_TD, weights_A, expert_A, n_experts: int, 
     weight_R = _row_weights(slot_R, weights_A)
     gemm = functools.partial(fp4_wgmma.grouped_gemm_t_mgpu, tiles_I3=tiles_I3, sizes=sizes,
                              stages=config.mgpu_stages, chunks=config.mgpu_chunks,
-                             warpgroups=config.mgpu_warpgroups, overlap=config.mgpu_overlap,
-                             scales_ahead=config.mgpu_scales_ahead)
+                             warpgroups=config.mgpu_warpgroups, overlap=config.mgpu_overlap)
     # padding rows read token 0 (finite) at weight 0
     g_RF, u_RF = gemm(w1, s1, x_act_TD, rows_R=token_R), gemm(w3, s3, x_act_TD, rows_R=token_R)
     h_RF = swiglu(g_RF.astype(jnp.float32), u_RF.astype(jnp.float32), limit) * weight_R[:, None]

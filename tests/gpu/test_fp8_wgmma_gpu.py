@@ -28,14 +28,13 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu" or "H" not in jax
     (32, 2304, 5120, 1, 8),     # shared w1, deeper pipeline
     (64, 25600, 6144, 1, 4),    # the Engram wkv
     (5, 64, 256, 1, 2),         # small dims
-    (64, 5120, 8192, 2, "ahead"),  # wo_b at 64 rows, the scale words a step ahead
-    (48, 512, 5120, 1, "ahead"),   # wkv, K split in many parts of few steps
+    (64, 5120, 8192, 2, 4),     # wo_b at 64 rows
+    (48, 512, 5120, 1, 4),      # wkv, K split in many parts of few steps
 ])
 def test_kernel_matches_reference(t, out_dim, in_dim, warpgroups, stages):
     weight, scale, _ = _weights(out_dim, in_dim, seed=t, exponents=f8.SCALE_RANGE)
     x = (jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
-    kw = dict(stages=4, scales_ahead=True) if stages == "ahead" else dict(stages=stages)
-    got = jax.jit(lambda *a: f8.linear_mgpu(*a, warpgroups=warpgroups, **kw))(x, weight, scale)
+    got = jax.jit(lambda *a: f8.linear_mgpu(*a, warpgroups=warpgroups, stages=stages))(x, weight, scale)
     assert_close_bf16(got, jax.jit(f8.linear_reference)(x, weight, scale), x, weight, scale)
 
 
