@@ -146,10 +146,23 @@ class _KeyDraws:
         return random_bytes(self._take(), size)
 
 
+_BYTES_AT_ONCE = 1 << 28  # random_bytes draws a larger tensor in slices along its first axis
+
+
+@partial(jax.jit, static_argnums=1)
 def random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniformly random uint8 ``shape``, drawn as 32-bit words and viewed as bytes when the last dimension allows:
-    ``jax.random.bits`` of uint8 goes through a uint32 temporary 4x the result (8.4 GiB for one real-size expert
-    stack, which ran an H100 out of memory beside the rest, thirty-second session)."""
+    """Uniformly random uint8 ``shape``, drawn as 32-bit words and viewed as bytes when the last dimension allows
+    (``jax.random.bits`` of uint8 goes through a uint32 temporary 4x the result: 8.4 GiB for one real-size expert
+    stack, which ran an H100 out of memory beside the rest, thirty-second session). A tensor over 256 MB is drawn
+    slice by slice along its first axis (one key each, ``lax.map``), so that the generator's temporaries are one
+    slice's: drawn whole, a layer's expert stack (2.6 GB) took ~3.5x its size at once and flash-slice's weights
+    peaked 9.3 GB above their 56.2 GB, past an 80 GB card's default memory fraction (thirty-fourth session)."""
+    if len(shape) > 1 and np.prod(shape) > _BYTES_AT_ONCE:
+        return jax.lax.map(lambda k: _bytes(k, shape[1:]), jax.random.split(key, shape[0]))
+    return _bytes(key, shape)
+
+
+def _bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     if shape and shape[-1] % 4 == 0:
         words = jax.random.bits(key, (*shape[:-1], shape[-1] // 4), jnp.uint32)
         return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
