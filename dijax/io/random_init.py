@@ -125,7 +125,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> 
 
 class _KeyDraws:
     """The slice of numpy's Generator API that ``_dense`` uses, drawn on the default device by ``jax.random`` from
-    one tensor's key: each tensor takes exactly one draw (a second would repeat the first's bits, so it raises)."""
+    one tensor's key: a tensor takes exactly one draw (a second from the same key would repeat the first's bits, so
+    it raises)."""
 
     def __init__(self, key: jax.Array):
         self._key = key
@@ -142,9 +143,6 @@ class _KeyDraws:
     def uniform(self, low: float, high: float, size: tuple[int, ...]) -> jax.Array:
         return jax.random.uniform(self._take(), size, jnp.float32, low, high)
 
-    def bytes(self, size: tuple[int, ...]) -> jax.Array:
-        return random_bytes(self._take(), size)
-
 
 _BYTES_AT_ONCE = 1 << 28  # random_bytes draws a larger tensor in slices along its first axis
 
@@ -155,7 +153,7 @@ def random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     (``jax.random.bits`` of uint8 goes through a uint32 temporary 4x the result: 8.4 GiB for one real-size expert
     stack, which ran an H100 out of memory beside the rest, thirty-second session). A tensor over 256 MB is drawn
     slice by slice along its first axis (one key each, ``lax.map``), so that the generator's temporaries are one
-    slice's: drawn whole, a layer's expert stack (2.6 GB) took ~3.5x its size at once and flash-slice's weights
+    slice's: drawn whole, a real-size expert stack took ~3x its size in temporaries and flash-slice's weights
     peaked 9.3 GB above their 56.2 GB, past an 80 GB card's default memory fraction (thirty-fourth session)."""
     if len(shape) > 1 and np.prod(shape) > _BYTES_AT_ONCE:
         return jax.lax.map(lambda k: _bytes(k, shape[1:]), jax.random.split(key, shape[0]))
@@ -202,38 +200,38 @@ def random_codes(cfg: ModelConfig, seed: int = 0):
             name = ".".join(parts[:4] + parts[5:])
             shape, scale_shape = (cfg.n_routed_experts, *shape), (cfg.n_routed_experts, *scale_shape)
         drawn += 1
-        draws = _KeyDraws(jax.random.fold_in(root, drawn))
+        key = jax.random.fold_in(root, drawn)
         scale_name = name[:-len("weight")] + "scale"
         packed = s.dtypes[0] in ("I8", "F4", "U8")
         if packed or s.dtypes[0] == "F8_E4M3" and not name.endswith("attn.wo_a.weight"):
             fan_in = shape[-1] * (2 if packed else 1)
             if packed:
                 exponent, dtype = _unit_exponent(fan_in) - 1, jnp.uint8  # e2m1 codes reach 6
-                make = partial(draws.bytes, shape)
+                make = partial(random_bytes, key, shape)
             else:
                 exponent = 127 if name.endswith("engram.embed.weight") else _unit_exponent(fan_in)
-                dtype, make = jnp.float8_e4m3fn, partial(_fp8_codes, draws, shape)
+                dtype, make = jnp.float8_e4m3fn, partial(_fp8_codes, key, shape)
             yield name, Deferred(shape, np.dtype(dtype), make)
             yield scale_name, Deferred(scale_shape, np.dtype(jnp.uint8),
                                        partial(jnp.full, scale_shape, exponent, jnp.uint8))
         elif name.endswith("attn.wo_a.weight"):  # held dequantised, as the converter writes it
-            yield name, Deferred(shape, np.dtype(jnp.bfloat16), partial(_wo_a, draws, shape))
+            yield name, Deferred(shape, np.dtype(jnp.bfloat16), partial(_wo_a, key, shape))
         else:
             dtype = jnp.float32 if s.dtypes[0] == "F32" else jnp.bfloat16
-            yield name, Deferred(shape, np.dtype(dtype), partial(_dense_codes, name, shape, draws, cfg, dtype))
+            yield name, Deferred(shape, np.dtype(dtype), partial(_dense_codes, name, shape, key, cfg, dtype))
 
 
-def _wo_a(draws: _KeyDraws, shape: tuple[int, ...]) -> jax.Array:
-    return draws.normal(0.0, 1 / np.sqrt(shape[1]), shape).astype(jnp.bfloat16)
+def _wo_a(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return _KeyDraws(key).normal(0.0, 1 / np.sqrt(shape[1]), shape).astype(jnp.bfloat16)
 
 
-def _dense_codes(name: str, shape: tuple[int, ...], draws: _KeyDraws, cfg: ModelConfig, dtype) -> jax.Array:
-    return _dense(name, shape, draws, cfg, _gain(name)).astype(dtype)
+def _dense_codes(name: str, shape: tuple[int, ...], key: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
+    return _dense(name, shape, _KeyDraws(key), cfg, _gain(name)).astype(dtype)
 
 
-def _fp8_codes(draws: _KeyDraws, shape: tuple[int, ...]) -> jax.Array:
+def _fp8_codes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Uniformly random e4m3 codes with exponent fields 0..7 (magnitudes below 2, no NaN)."""
-    return jax.lax.bitcast_convert_type(draws.bytes(shape) & 0xBF, jnp.float8_e4m3fn)
+    return jax.lax.bitcast_convert_type(random_bytes(key, shape) & 0xBF, jnp.float8_e4m3fn)
 
 
 def random_codes_params(cfg: ModelConfig, seed: int = 0) -> nnx.State:
