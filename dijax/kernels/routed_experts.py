@@ -520,33 +520,61 @@ def gemm_rows(n_assignments: int, n_experts: int, config: KernelConfig = CONFIG)
 SEARCH = "compare_all"
 
 
+# Up to this many assignments (decode up to ~170 tokens of 6 experts) ``tile_layout`` compares every pair instead
+# of sorting and scattering: an assignment's place among its expert's, the experts' sizes and each row's assignment
+# are fused comparisons and sums ([A, A], [E, A], [R, A]: a few million compares at most), where the sort, the
+# bincount and the two scatters were kernels of their own (tools/deviceless.py counts the launches). The results
+# are the same integers.
+COMPARE_MAX = 1024
+
+
 def tile_layout(expert_A: jax.Array, n_experts: int, n_per_token: int, rows: int):
     """Assignments sorted by expert into tiles of ``rows`` rows, each tile one expert's (zero-padded) rows.
 
     Returns (tile_expert_I int32 [I] (-1 for tiles past the last expert), token_R int32 [R] (0 on padding rows),
     slot_R int32 [R] (assignment index, -1 on padding rows), pos_A int32 [A] (each assignment's row)).
-    I = ceil(A / rows) + min(E, A) bounds the tiles of any routing statically; R = I * rows.
+    I = ceil(A / rows) + min(E, A) bounds the tiles of any routing statically; R = I * rows. Within an expert the
+    assignments keep their order (a stable sort by expert). Up to ``COMPARE_MAX`` assignments by comparisons,
+    past it by a sort.
     """
     n_assign = expert_A.shape[0]
     valid_A = expert_A >= 0
     key_A = jnp.where(valid_A, expert_A, n_experts)  # padding sorts last, into a group no tile runs
-    order_A = jnp.argsort(key_A, stable=True).astype(jnp.int32)
-    sizes_E = jnp.bincount(key_A, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    compare = n_assign <= COMPARE_MAX
+    if compare:
+        sizes_E = jnp.sum(key_A[None, :] == jnp.arange(n_experts, dtype=key_A.dtype)[:, None], axis=1,
+                          dtype=jnp.int32)
+    else:
+        sizes_E = jnp.bincount(key_A, length=n_experts + 1)[:n_experts].astype(jnp.int32)
     tiles_E = (sizes_E + rows - 1) // rows
     tile_end_E = jnp.cumsum(tiles_E)
     tile_start_E = tile_end_E - tiles_E
     row_start_E = jnp.cumsum(sizes_E) - sizes_E
     n_tiles = -(-n_assign // rows) + min(n_experts, n_assign)
+    n_rows = n_tiles * rows
     tile_expert_I = jnp.searchsorted(tile_end_E, jnp.arange(n_tiles), side="right",
                                      method=SEARCH).astype(jnp.int32)
     tile_expert_I = jnp.where(tile_expert_I < n_experts, tile_expert_I, -1)
-    sorted_key = key_A[order_A]
-    e = jnp.minimum(sorted_key, n_experts - 1)
-    row_sorted = tile_start_E[e] * rows + jnp.arange(n_assign, dtype=jnp.int32) - row_start_E[e]
-    row_sorted = jnp.where(sorted_key < n_experts, row_sorted, n_tiles * rows)  # padding: dropped below
-    slot_R = jnp.full((n_tiles * rows,), -1, jnp.int32).at[row_sorted].set(order_A, mode="drop")
+    if compare:
+        a_A = jnp.arange(n_assign, dtype=jnp.int32)
+        # each assignment's place in the stable sort by expert: the assignments before it in that order
+        place_A = jnp.sum((key_A[None, :] < key_A[:, None])
+                          | ((key_A[None, :] == key_A[:, None]) & (a_A[None, :] < a_A[:, None])), axis=1,
+                          dtype=jnp.int32)
+        e_A = jnp.minimum(key_A, n_experts - 1)
+        row_A = jnp.where(valid_A, tile_start_E[e_A] * rows + place_A - row_start_E[e_A], n_rows)
+        hit_RA = row_A[None, :] == jnp.arange(n_rows, dtype=jnp.int32)[:, None]
+        slot_R = jnp.max(jnp.where(hit_RA, a_A[None, :], -1), axis=1)
+        pos_A = jnp.minimum(row_A, n_rows - 1)
+    else:
+        order_A = jnp.argsort(key_A, stable=True).astype(jnp.int32)
+        sorted_key = key_A[order_A]
+        e = jnp.minimum(sorted_key, n_experts - 1)
+        row_sorted = tile_start_E[e] * rows + jnp.arange(n_assign, dtype=jnp.int32) - row_start_E[e]
+        row_sorted = jnp.where(sorted_key < n_experts, row_sorted, n_rows)  # padding: dropped below
+        slot_R = jnp.full((n_rows,), -1, jnp.int32).at[row_sorted].set(order_A, mode="drop")
+        pos_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(jnp.minimum(row_sorted, n_rows - 1))
     token_R = jnp.maximum(slot_R, 0) // n_per_token
-    pos_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(jnp.minimum(row_sorted, n_tiles * rows - 1))
     return tile_expert_I, token_R, slot_R, pos_A
 
 
