@@ -224,16 +224,19 @@ def test_tile_layout_invariants(seed, rows):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_tile_layout_by_comparisons_equals_the_sorted_one(monkeypatch, seed):
-    """Up to ``COMPARE_MAX`` assignments the layout comes from comparisons (no sort, no scatter): the same integers
+    """Up to ``COMPARE_MAX`` assignments both layouts come from comparisons (no sort, no scatter): the same integers
     as the sort's, padding assignments and empty experts included."""
     rng = np.random.default_rng(seed)
     n_experts, n_assign, rows = int(rng.integers(1, 40)), int(rng.integers(1, 400)), int(rng.choice([1, 4, 16]))
     expert_A = jnp.asarray(rng.integers(-1, n_experts, n_assign), jnp.int32)
     assert n_assign <= rx.COMPARE_MAX
-    got = rx.tile_layout(expert_A, n_experts, 3, rows)
+    layouts = [lambda: rx.tile_layout(expert_A, n_experts, 3, rows),
+               lambda: rx.fit_tiles(expert_A, n_experts, 3, (8, 16, 64))]
+    got = [layout() for layout in layouts]
     monkeypatch.setattr(rx, "COMPARE_MAX", 0)
-    for g, w in zip(got, rx.tile_layout(expert_A, n_experts, 3, rows)):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for outputs, layout in zip(got, layouts):
+        for g, w in zip(outputs, layout()):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_fp8_experts_take_the_reference_path():

@@ -135,8 +135,9 @@ def grouped_gemm_t_mgpu(w_EFW: jax.Array, s_EFB: jax.Array, x_TK: jax.Array, til
     The wrapper permutes x's K (``permute_k``) before gathering its rows (a pass over T rows, not R). The scales
     are read in their stored layout, one word a row a step (``scale_words``, a bitcast) straight from GMEM by the
     compute warpgroups, each step's a step ahead (carried through the pipeline; thirty-fourth session, on an H100:
-    the layer at T = 1 / 16 / 64 7 / 4.5 / 1 % faster, prefill 8192 the same to 0.02 %): a TMA copy cannot take them (at K = 2304 a row's 72 bytes break TMA's 16-byte stride
-    rule), and transposing them was a pass over every expert's scales a call, most of a decode step's bytes.
+    the layer at T = 1 / 16 / 64 7 / 4.5 / 1 % faster, prefill 8192 the same to 0.02 %). A TMA copy cannot take
+    them (at K = 2304 a row's 72 bytes break TMA's 16-byte stride rule), and transposing them was a pass over every
+    expert's scales a call, most of a decode step's bytes.
     """
     f, k = w_EFW.shape[1], 8 * w_EFW.shape[2]
     sizes = tuple(sorted(set(sizes)))

@@ -520,12 +520,52 @@ def gemm_rows(n_assignments: int, n_experts: int, config: KernelConfig = CONFIG)
 SEARCH = "compare_all"
 
 
-# Up to this many assignments (decode up to ~170 tokens of 6 experts) ``tile_layout`` compares every pair instead
+# Up to this many assignments (decode up to ~170 tokens of 6 experts) the tile layouts compare every pair instead
 # of sorting and scattering: an assignment's place among its expert's, the experts' sizes and each row's assignment
 # are fused comparisons and sums ([A, A], [E, A], [R, A]: a few million compares at most), where the sort, the
-# bincount and the two scatters were kernels of their own (tools/deviceless.py counts the launches). The results
-# are the same integers.
+# bincount and the scatters were kernels of their own (tools/deviceless.py counts the launches). The results are
+# the same integers.
 COMPARE_MAX = 1024
+
+
+def _expert_places(key_A: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(sizes_E int32 [E], place_A int32 [A]): each expert's assignments, and each assignment's place in the
+    stable sort by ``key_A`` (expert, or ``n_experts`` for padding, which sorts last and counts in no expert). Up to
+    ``COMPARE_MAX`` assignments by comparisons, past it by a sort and its inverse."""
+    n_assign = key_A.shape[0]
+    a_A = jnp.arange(n_assign, dtype=jnp.int32)
+    if n_assign <= COMPARE_MAX:
+        sizes_E = jnp.sum(key_A[None, :] == jnp.arange(n_experts, dtype=key_A.dtype)[:, None], axis=1,
+                          dtype=jnp.int32)
+        place_A = jnp.sum((key_A[None, :] < key_A[:, None])
+                          | ((key_A[None, :] == key_A[:, None]) & (a_A[None, :] < a_A[:, None])), axis=1,
+                          dtype=jnp.int32)
+        return sizes_E, place_A
+    sizes_E = jnp.bincount(key_A, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    order_A = jnp.argsort(key_A, stable=True).astype(jnp.int32)
+    return sizes_E, jnp.zeros((n_assign,), jnp.int32).at[order_A].set(a_A)
+
+
+def _row_slots(row_A: jax.Array, n_rows: int) -> jax.Array:
+    """slot_R int32 [n_rows]: the assignment whose row (``row_A``, distinct; ``n_rows`` for none) each row is, -1
+    where none is. Up to ``COMPARE_MAX`` assignments by comparisons, past it by a scatter."""
+    a_A = jnp.arange(row_A.shape[0], dtype=jnp.int32)
+    if row_A.shape[0] <= COMPARE_MAX:
+        hit_RA = row_A[None, :] == jnp.arange(n_rows, dtype=jnp.int32)[:, None]
+        return jnp.max(jnp.where(hit_RA, a_A[None, :], -1), axis=1)
+    return jnp.full((n_rows,), -1, jnp.int32).at[row_A].set(a_A, mode="drop")
+
+
+def _assignment_rows(key_A: jax.Array, n_experts: int, place_A: jax.Array, sizes_E: jax.Array,
+                     first_row_E: jax.Array, n_rows: int, n_per_token: int):
+    """(token_R, slot_R, pos_A) of a layout giving expert e's assignments rows ``first_row_E[e]`` onwards, in their
+    order: each valid assignment's row is its expert's first plus its place among the expert's assignments;
+    padding assignments get none (their pos_A is the last row, which they do not hold)."""
+    e_A = jnp.minimum(key_A, n_experts - 1)
+    assign_start_E = jnp.cumsum(sizes_E) - sizes_E
+    row_A = jnp.where(key_A < n_experts, first_row_E[e_A] + place_A - assign_start_E[e_A], n_rows)
+    slot_R = _row_slots(row_A, n_rows)
+    return jnp.maximum(slot_R, 0) // n_per_token, slot_R, jnp.minimum(row_A, n_rows - 1)
 
 
 def tile_layout(expert_A: jax.Array, n_experts: int, n_per_token: int, rows: int):
@@ -534,47 +574,19 @@ def tile_layout(expert_A: jax.Array, n_experts: int, n_per_token: int, rows: int
     Returns (tile_expert_I int32 [I] (-1 for tiles past the last expert), token_R int32 [R] (0 on padding rows),
     slot_R int32 [R] (assignment index, -1 on padding rows), pos_A int32 [A] (each assignment's row)).
     I = ceil(A / rows) + min(E, A) bounds the tiles of any routing statically; R = I * rows. Within an expert the
-    assignments keep their order (a stable sort by expert). Up to ``COMPARE_MAX`` assignments by comparisons,
-    past it by a sort.
+    assignments keep their order (a stable sort by expert: ``_expert_places``).
     """
     n_assign = expert_A.shape[0]
-    valid_A = expert_A >= 0
-    key_A = jnp.where(valid_A, expert_A, n_experts)  # padding sorts last, into a group no tile runs
-    compare = n_assign <= COMPARE_MAX
-    if compare:
-        sizes_E = jnp.sum(key_A[None, :] == jnp.arange(n_experts, dtype=key_A.dtype)[:, None], axis=1,
-                          dtype=jnp.int32)
-    else:
-        sizes_E = jnp.bincount(key_A, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    key_A = jnp.where(expert_A >= 0, expert_A, n_experts)  # padding sorts last, into a group no tile runs
+    sizes_E, place_A = _expert_places(key_A, n_experts)
     tiles_E = (sizes_E + rows - 1) // rows
     tile_end_E = jnp.cumsum(tiles_E)
-    tile_start_E = tile_end_E - tiles_E
-    row_start_E = jnp.cumsum(sizes_E) - sizes_E
     n_tiles = -(-n_assign // rows) + min(n_experts, n_assign)
-    n_rows = n_tiles * rows
     tile_expert_I = jnp.searchsorted(tile_end_E, jnp.arange(n_tiles), side="right",
                                      method=SEARCH).astype(jnp.int32)
     tile_expert_I = jnp.where(tile_expert_I < n_experts, tile_expert_I, -1)
-    if compare:
-        a_A = jnp.arange(n_assign, dtype=jnp.int32)
-        # each assignment's place in the stable sort by expert: the assignments before it in that order
-        place_A = jnp.sum((key_A[None, :] < key_A[:, None])
-                          | ((key_A[None, :] == key_A[:, None]) & (a_A[None, :] < a_A[:, None])), axis=1,
-                          dtype=jnp.int32)
-        e_A = jnp.minimum(key_A, n_experts - 1)
-        row_A = jnp.where(valid_A, tile_start_E[e_A] * rows + place_A - row_start_E[e_A], n_rows)
-        hit_RA = row_A[None, :] == jnp.arange(n_rows, dtype=jnp.int32)[:, None]
-        slot_R = jnp.max(jnp.where(hit_RA, a_A[None, :], -1), axis=1)
-        pos_A = jnp.minimum(row_A, n_rows - 1)
-    else:
-        order_A = jnp.argsort(key_A, stable=True).astype(jnp.int32)
-        sorted_key = key_A[order_A]
-        e = jnp.minimum(sorted_key, n_experts - 1)
-        row_sorted = tile_start_E[e] * rows + jnp.arange(n_assign, dtype=jnp.int32) - row_start_E[e]
-        row_sorted = jnp.where(sorted_key < n_experts, row_sorted, n_rows)  # padding: dropped below
-        slot_R = jnp.full((n_rows,), -1, jnp.int32).at[row_sorted].set(order_A, mode="drop")
-        pos_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(jnp.minimum(row_sorted, n_rows - 1))
-    token_R = jnp.maximum(slot_R, 0) // n_per_token
+    token_R, slot_R, pos_A = _assignment_rows(key_A, n_experts, place_A, sizes_E, (tile_end_E - tiles_E) * rows,
+                                              n_tiles * rows, n_per_token)
     return tile_expert_I, token_R, slot_R, pos_A
 
 
@@ -615,10 +627,8 @@ def fit_tiles(expert_A: jax.Array, n_experts: int, n_per_token: int, sizes: tupl
     sizes = sorted(set(sizes))
     big = sizes[-1]
     n_assign = expert_A.shape[0]
-    valid_A = expert_A >= 0
-    key_A = jnp.where(valid_A, expert_A, n_experts)
-    order_A = jnp.argsort(key_A, stable=True).astype(jnp.int32)
-    count_E = jnp.bincount(key_A, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    key_A = jnp.where(expert_A >= 0, expert_A, n_experts)
+    count_E, place_A = _expert_places(key_A, n_experts)
     full_E = count_E // big
     rest_E = count_E - full_E * big
     sizes_S = jnp.asarray(sizes, jnp.int32)
@@ -637,14 +647,7 @@ def fit_tiles(expert_A: jax.Array, n_experts: int, n_per_token: int, sizes: tupl
     j_I = t_I - tile_start_E[e_c]
     tiles_I3 = jnp.stack([jnp.where(used_I, e_I, -1), jnp.where(used_I, row_start_E[e_c] + j_I * big, 0),
                           jnp.where(used_I, jnp.where(j_I < full_E[e_c], big, last_E[e_c]), 0)], axis=1)
-    sorted_key = key_A[order_A]
-    e_s = jnp.minimum(sorted_key, n_experts - 1)
-    assign_start_E = jnp.cumsum(count_E) - count_E
-    row_sorted = row_start_E[e_s] + jnp.arange(n_assign, dtype=jnp.int32) - assign_start_E[e_s]
-    row_sorted = jnp.where(sorted_key < n_experts, row_sorted, n_rows)  # padding assignments: dropped below
-    slot_R = jnp.full((n_rows,), -1, jnp.int32).at[row_sorted].set(order_A, mode="drop")
-    token_R = jnp.maximum(slot_R, 0) // n_per_token
-    pos_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(jnp.minimum(row_sorted, n_rows - 1))
+    token_R, slot_R, pos_A = _assignment_rows(key_A, n_experts, place_A, count_E, row_start_E, n_rows, n_per_token)
     return tiles_I3.astype(jnp.int32), token_R, slot_R, pos_A
 
 
