@@ -136,6 +136,15 @@ class Cost:
         return (memory, "memory") if memory >= compute else (compute, "compute")
 
 
+def _load_peak() -> str:
+    """", peak X GB of a Y GB limit" from the first device's allocator (the load's peak: the weight draw's
+    temporaries included), or "" where the backend keeps no statistics (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" not in stats:
+        return ""
+    return f", peak {stats['peak_bytes_in_use'] / 1e9:.2f} GB of a {stats.get('bytes_limit', 0) / 1e9:.2f} GB limit"
+
+
 def _nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -527,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, params, consts = load_model(args.model, args.experts, args.ep)
     jax.block_until_ready(params)
     print(f"model ready in {time.perf_counter() - start:.1f} s: {_nbytes(params) / 1e9:.2f} GB of parameters, "
-          f"{cfg.n_layers} layers, {cfg.n_routed_experts} experts", flush=True)
+          f"{cfg.n_layers} layers, {cfg.n_routed_experts} experts{_load_peak()}", flush=True)
     rows = []
     cases = [(f"decode B={b} ctx={c}", [(c, 1)] * b) for b in args.decode_batch for c in args.context]
     cases += [(f"prefill P={p}", [(0, p)]) for p in args.prefill]
