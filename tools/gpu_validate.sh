@@ -70,10 +70,6 @@
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
 #   mgpu-flash  flash-slice decode at batch 1 / 64 and prefill 8192 with the defaults, then with every engine
 #            'triton' (TRITON_SETTINGS);
-#   mgpu-wg  (thirty-fifth session) fp4_wgmma with four compute warpgroups a CTA (16 decode warps a multiprocessor
-#            instead of 8; 96 launch registers, no spills): its GPU tests, then the routed layer at T = 1, 16, 64 by
-#            GPU kernel time (Mosaic GPU forced at decode sizes) with 2 and 4 warpgroups, with and without overlap,
-#            beside the default Triton / mat-vec path, then T = 8192 with 4 against the default 2;
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64 on an H200 only (thirty-third session: its weight draw does not fit 80 GB);
@@ -94,7 +90,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="mgpu-wg|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -125,15 +121,6 @@ parity_summary() {  # the parity outputs named, each one's header and its tier /
   done >> "$log"
 }
 case "$stage" in
-  mgpu-wg)
-    # (~450 s)
-    run 200 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_fp4_wgmma_gpu.py
-    v="mgpu_min_assignments=0"
-    run 220 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16,64 --timing device --iters 10 --repeats 3 \
-      --variant "$v" --variant "$v,mgpu_warpgroups=4" --variant "$v,mgpu_warpgroups=4,mgpu_overlap=True" \
-      --variant "$v,mgpu_warpgroups=1"
-    run 130 python3 tools/bench_kernels.py --only routed_experts --tokens 8192 --variant "mgpu_warpgroups=4" \
-      --iters 5 --repeats 2 ;;
   tests)
     # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
     run 430 python3 -m pytest -q -ra tests/gpu

@@ -56,7 +56,7 @@ SCALE_RANGE = (SCALE_SHIFT + 2, 128 + SCALE_SHIFT)
 ROWS_PER_WG = 64  # wgmma's M
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value a row of a WGMMA-layout tile
 COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value a column of a WGMMA-layout tile
-WARPGROUPS = (1, 2, 4)  # compute warpgroups a CTA may have (each its own 64 weight rows), plus one issuing the TMA copies
+WARPGROUPS = (1, 2)  # compute warpgroups a CTA may have (each its own 64 weight rows), plus one issuing the TMA copies
 
 
 def permute_k(x_RK: jax.Array) -> jax.Array:
