@@ -108,3 +108,68 @@ def test_lowers_to_triton_without_a_gpu(lower_for_cuda, config):
                           jax.ShapeDtypeStruct((3, 24), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32),
                           jax.ShapeDtypeStruct((24,), jnp.float32))
     assert "triton" in text
+
+
+MIXES_RTOL = 1e-4
+
+
+def stream_inputs(t: int, c: int, k: int, seed: int) -> tuple[jax.Array, ...]:
+    """A hyper-connection's flattened bf16 streams x [T, K] and its float32 fn [M, K], scale [3] and base [M]."""
+    m = (2 + c) * c
+    x = (jax.random.normal(jax.random.key(seed), (t, k), jnp.float32) * 2).astype(jnp.bfloat16)
+    fn = jax.random.normal(jax.random.key(seed + 1), (m, k), jnp.float32) * (4 / np.sqrt(k))
+    base = jax.random.normal(jax.random.key(seed + 2), (m,), jnp.float32) * 0.1
+    return x, fn, jnp.array([0.5, 1.5, 2.0], jnp.float32), base
+
+
+@pytest.mark.parametrize("config", [EXACT, FAST], ids=["exact", "fast_divide"])
+@pytest.mark.parametrize("t, c, k", [(1, 4, 1024), (9, 4, 1024), (BLOCK_T, 4, 640), (17, 2, 256)])
+def test_fused_mixes_match_reference(t, c, k, config):
+    """mixes_pallas (the projection's parts over K, the sums of x^2 in the same programs, then the split with the
+    RMS statistic and affine as its prologue) against mixes_reference: token counts that are not a power of two
+    (rows past T never loaded), K in 16 parts of one chunk, in 2 parts of 5, and C = 2. The projection sums in another
+    order than XLA's einsum, so a raw mix (a sum of K products of magnitude ~1) moves by a few float32 ulps of
+    its terms, which a sigmoid's or softmax's slope carries into the parts: MIXES_RTOL (measured here: 1.5e-5)."""
+    args = (*stream_inputs(t, c, k, seed=t + k), c, 20, 1e-6, 1e-6)
+    got = sk.mixes_pallas(*args, interpret=True, config=config)
+    assert_split_close(got, sk.mixes_reference(*args), rtol=MIXES_RTOL)
+    np.testing.assert_allclose(np.asarray(got[2]).sum(axis=-2), 1.0, rtol=1e-4)
+
+
+def test_fused_mixes_take_what_they_can():
+    x, fn, scale, base = stream_inputs(3, 4, 1024, seed=0)
+    with pytest.raises(ValueError, match=r"T 129 must be at most 128, K 1024 a multiple of 64"):
+        sk.mixes_pallas(jnp.zeros((BLOCK_T + 1, 1024), jnp.bfloat16), fn, scale, base, 4, 20, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match=r"K 1000 a multiple of 64"):
+        sk.mixes_pallas(x[:, :1000], fn[:, :1000], scale, base, 4, 20, 1e-6, 1e-6)
+    empty = sk.mixes_pallas(x[:0], fn, scale, base, 4, 20, 1e-6, 1e-6, interpret=True)
+    assert [e.shape for e in empty] == [(0, 4), (0, 4), (0, 4, 4)]
+    assert not sk.fused_mixes(1)  # off by default until it has run on a GPU
+    on = sk.SinkhornConfig(fused_mixes_max_tokens=64)
+    assert sk.fused_mixes(64, on) and not sk.fused_mixes(65, on) and not sk.fused_mixes(0, on)
+
+
+def test_model_mixes_take_the_fused_kernel_when_on(monkeypatch):
+    """hc.mixes with the Sinkhorn kernel goes through mixes_pallas for the steps the config names (a spy sees the
+    call) and gives the reference's values either way."""
+    x = jax.random.normal(jax.random.key(1), (9, 4, 256), jnp.float32).astype(jnp.bfloat16)
+    _, fn, scale, base = stream_inputs(9, 4, 1024, seed=5)
+    calls = []
+    fused = sk.mixes_pallas
+    monkeypatch.setattr(sk, "mixes_pallas", lambda *a, **k: calls.append(a[0].shape) or fused(*a, **k))
+    want = hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
+    assert_split_close(hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6, sinkhorn_impl="pallas"), want)
+    assert calls == []
+    monkeypatch.setattr(sk, "CONFIG", sk.SinkhornConfig(fused_mixes_max_tokens=16))
+    assert_split_close(hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6, sinkhorn_impl="pallas"), want,
+                       rtol=MIXES_RTOL)
+    assert calls == [(9, 1024)]
+
+
+def test_fused_mixes_lower_to_triton_without_a_gpu(lower_for_cuda):
+    """Both kernels of mixes_pallas lower to Triton IR at flash-slice's width (C * D = 20480: 32 parts of 10
+    chunks) and a decode batch of 64."""
+    text = lower_for_cuda(lambda x, f, s, b: sk.mixes_pallas(x, f, s, b, 4, 20, 1e-6, 1e-6, interpret=False),
+                          jax.ShapeDtypeStruct((64, 20480), jnp.bfloat16), jax.ShapeDtypeStruct((24, 20480), jnp.float32),
+                          jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((24,), jnp.float32))
+    assert text.count("triton") >= 2

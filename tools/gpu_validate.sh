@@ -70,6 +70,11 @@
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
 #   mgpu-flash  flash-slice decode at batch 1 / 64 and prefill 8192 with the defaults, then with every engine
 #            'triton' (TRITON_SETTINGS);
+#   hc-fused  (thirty-fifth session, not yet run) the hyper-connection mixes in two launches
+#            (sinkhorn.mixes_pallas, off by default: SinkhornConfig.fused_mixes_max_tokens): its GPU tests, GPU parity
+#            with it on at every step of up to 128 tokens (tiny-nodrop model and engine, tiny) side by side, then the
+#            tiny and flash-slice decode rows at batch 1 and 64 with it off and on (deviceless: flash-slice B=1
+#            478 -> 419 launches, B=64 676 -> 645; tiny B=1 473 -> 442, B=64 680 -> 685);
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64 on an H200 only (thirty-third session: its weight draw does not fit 80 GB);
@@ -90,7 +95,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="hc-fused|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -121,6 +126,27 @@ parity_summary() {  # the parity outputs named, each one's header and its tier /
   done >> "$log"
 }
 case "$stage" in
+  hc-fused)
+    # (~500 s)
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    rm -rf $sub; mkdir -p $sub/tree-fused; cp -r dijax $sub/tree-fused/
+    sed -i 's/    fused_mixes_max_tokens: int = 0/    fused_mixes_max_tokens: int = 128/' $sub/tree-fused/dijax/kernels/sinkhorn.py
+    grep -H '^    fused_mixes_max_tokens:' $sub/tree-fused/dijax/kernels/sinkhorn.py >> "$log"
+    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
+    check parity-tiny-nodrop $sub/tree-fused 280 $p $fixtures/tiny-nodrop &
+    check parity-engine $sub/tree-fused 280 $p $fixtures/tiny-nodrop --engine &
+    check parity-tiny $sub/tree-fused 280 $p $fixtures/tiny &
+    check tests-sinkhorn . 280 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_sinkhorn_gpu.py &
+    wait
+    checked
+    unset XLA_PYTHON_CLIENT_PREALLOCATE
+    on="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
+    for setting in "" "$on"; do
+      run 60 python3 tools/bench.py --kernels on --decode-batch 1,64 --context 256 --prefill= --block-size 16 \
+        --engine off --warmup 5 --iters 20 $setting
+      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
+        --engine off --warmup 3 --iters 10 $setting
+    done ;;
   tests)
     # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
     run 430 python3 -m pytest -q -ra tests/gpu

@@ -43,11 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode
 from dijax.kernels.division import asm_f32, div_rn
-from dijax.kernels.numerics import divide, sum_in_order
+from dijax.kernels.numerics import divide, mean, sum_in_order
 
 BLOCK_T = 128
 IMPLS = ("reference", "pallas")
@@ -60,6 +61,10 @@ class SinkhornConfig:
     test_sinkhorn_gpu.py); on the H200 the fast form of the rounds-only kernel took 41-51 us a launch against 52-58
     (``tools/bench_kernels.py --only sinkhorn``, docs/benchmarks.md), so it is the default."""
     fast_divide: bool = True
+    # mixes_pallas (the projection, its RMS statistic and the split in two launches) for steps of up to this many
+    # tokens (at most MIXES_MAX_TOKENS); 0: off. Off until it has run on a GPU (thirty-fifth session: prepared on
+    # the CPU, interpreted and built for sm_90 there).
+    fused_mixes_max_tokens: int = 0
 
 
 CONFIG = SinkhornConfig()
@@ -179,8 +184,13 @@ def _split(z: list, *, c: int, rounds: int, eps: np.float32, reciprocal, divide,
     return pre, post, m, (seen[0] >= lo) & (seen[1] < hi)  # a NaN compares false: the exact path
 
 
-def _split_kernel(z_ref, out_ref, *, c: int, rounds: int, eps: float, interpret: bool, fast_divide: bool):
-    z = [z_ref[e, :] for e in range((2 + c) * c)]  # z[e]: [BLOCK_T] float32
+def _split_kernel(z_ref, out_ref, **split):
+    _split_block([z_ref[e, :] for e in range((2 + split["c"]) * split["c"])], out_ref, **split)
+
+
+def _split_block(z: list, out_ref, *, c: int, rounds: int, eps: float, interpret: bool, fast_divide: bool):
+    """The split of a block of tokens: z[e] the affine mix entry e of every token (a float32 vector); out_ref [P,
+    tokens] gets pre, post and comb as rows 0 .. M - 1."""
     split_of = functools.partial(_split, z, c=c, rounds=rounds, eps=np.float32(eps))
     if interpret:  # '/' is IEEE-rounded off the GPU: every path divides with it
         fast, exact, reciprocal = (lambda x, y, r: x / y), (lambda x, y: x / y), (lambda y: y)
@@ -224,6 +234,112 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
                             out_shape=jax.ShapeDtypeStruct((rows, padded), jnp.float32), interpret=interpret,
                             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(z_PT)
     out_TM = out_PT[:m, :t].T
+    return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(t, c, c)
+
+
+def mixes_rsqrt(x_TK: jax.Array, norm_eps: float) -> jax.Array:
+    """The mixes' RMS statistic: rsqrt(mean(x^2) + norm_eps) over a token's C * D values, float32 [T, 1]."""
+    return lax.rsqrt(mean(jnp.square(x_TK.astype(jnp.float32))) + np.float32(norm_eps))
+
+
+def mixes_reference(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int,
+                    iters: int, hc_eps: float, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A hyper-connection's mixes from its flattened streams (v41_spec §8, ``dijax.model.hc.mixes``): raw =
+    (x @ fn.T) * ``mixes_rsqrt`` in float32 (exact bf16 -> float32 x, float32 products and sums), then
+    ``split_reference``. x_TK bf16 [T, C * D], fn_MK float32 [M, C * D] -> (pre [T, C], post [T, C], comb
+    [T, C, C]) float32."""
+    projected = jnp.einsum("tk,mk->tm", x_TK.astype(jnp.float32), fn_MK, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+    return split_reference(projected * mixes_rsqrt(x_TK, norm_eps), scale_3, base_M, hc_mult, iters, hc_eps)
+
+
+MIXES_CHUNK = 64  # K columns a step of mixes_pallas' projection kernel at up to 16 tokens (its operands' multiple)
+MIXES_MAX_SPLITS = 32  # its programs (each a part of K), a power of two
+MIXES_MAX_TOKENS = BLOCK_T  # its split runs as one program
+
+
+def fused_mixes(tokens: int, config: SinkhornConfig | None = None) -> bool:
+    """Whether ``mixes_pallas`` takes a step of ``tokens`` tokens (``SinkhornConfig.fused_mixes_max_tokens``)."""
+    return 0 < tokens <= min((config or CONFIG).fused_mixes_max_tokens, MIXES_MAX_TOKENS)
+
+
+def project_tiling(n: int) -> tuple[int, int]:
+    """(K columns a step, warps) of the projection kernel for ``n`` token columns: its x tile [n, columns] and the
+    fp32 dot's operands fit in registers (sm_90 builds, tools/kernel_report.py: 128 columns spilled at 16 tokens,
+    64 at 64 tokens)."""
+    return (MIXES_CHUNK, 4) if n <= 16 else (MIXES_CHUNK // 2, 4 if n <= 32 else 8)
+
+
+def _project_kernel(x_ref, fn_ref, out_ref, *, t: int, m: int, chunks: int, chunk: int):
+    """Program s: x @ fn.T over its ``chunks`` K chunks, float32 [P, N] (mix rows, token columns), with each
+    token's sum of x^2 over them in row ``m``. x_ref bf16 [T, K] and fn_ref float32 [M, K] whole (rows past T / M
+    are not loaded: zeros)."""
+    p, n = out_ref.shape
+    row_N = jnp.arange(n)
+    live_NC, safe_N1 = jnp.broadcast_to((row_N < t)[:, None], (n, chunk)), jnp.minimum(row_N, t - 1)[:, None]
+    mix_P = jnp.arange(p)
+    live_PC, safe_P1 = jnp.broadcast_to((mix_P < m)[:, None], (p, chunk)), jnp.minimum(mix_P, m - 1)[:, None]
+    first = pl.program_id(0) * chunks
+
+    def step(j, carry):
+        acc_PN, squares_N = carry
+        col_1C = ((first + j) * chunk + jnp.arange(chunk))[None, :]
+        x_NC = pltriton.load(x_ref.at[safe_N1, col_1C], mask=live_NC, other=0).astype(jnp.float32)
+        fn_PC = pltriton.load(fn_ref.at[safe_P1, col_1C], mask=live_PC, other=0)
+        acc_PN = acc_PN + lax.dot_general(fn_PC, x_NC, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                          preferred_element_type=jnp.float32)
+        return acc_PN, squares_N + jnp.sum(x_NC * x_NC, axis=1)
+
+    acc_PN, squares_N = lax.fori_loop(0, chunks, step, (jnp.zeros((p, n), jnp.float32), jnp.zeros((n,), jnp.float32)))
+    out_ref[...] = jnp.where(mix_P[:, None] == m, squares_N[None, :], acc_PN)
+
+
+def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: int, norm_eps: float, **split):
+    """The projection kernel's parts summed in order, the RMS statistic, the affine, then ``_split_block``."""
+    c, n = split["c"], out_ref.shape[1]
+    total = lax.fori_loop(0, part_ref.shape[0], lambda s, acc: [a + part_ref[s, e, :] for e, a in enumerate(acc)],
+                          [jnp.zeros((n,), jnp.float32)] * (m + 1))
+    mean_N = div_rn(total[m], jnp.full((n,), k, jnp.float32), split["interpret"])
+    rsqrt_N = lax.rsqrt(mean_N + np.float32(norm_eps))
+    scales = [scale_ref[0], scale_ref[1], scale_ref[2]]
+    z = [(total[e] * rsqrt_N) * scales[min(e // c, 2)] + base_ref[e] for e in range(m)]
+    _split_block(z, out_ref, **split)
+
+
+@functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "hc_eps", "norm_eps", "interpret", "config"))
+def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int,
+                 iters: int, hc_eps: float, norm_eps: float, interpret: bool | None = None,
+                 config: SinkhornConfig | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``mixes_reference`` in two Triton-lowered launches, for decode-sized steps (T <= ``MIXES_MAX_TOKENS``):
+    a projection kernel whose S programs each take a part of K (x @ fn.T and the sums of x^2, float32 [S, P, N]),
+    then ``split_pallas``' kernel with a prologue that sums the parts, applies the RMS statistic and the affine.
+    XLA's path takes 7-8 launches a hyper-connection for the same (an fp32 copy of x, the split-K GEMM and its
+    reduction, the two-stage sum of squares, the affine-and-transpose pad, the split). The sums run in another
+    order than XLA's: float32 rounding apart, the same values."""
+    interpret = interpret_mode(interpret)
+    c = hc_mult
+    (t, k), m = x_TK.shape, fn_MK.shape[0]
+    if t == 0:
+        return jnp.zeros((0, c), jnp.float32), jnp.zeros((0, c), jnp.float32), jnp.zeros((0, c, c), jnp.float32)
+    if t > MIXES_MAX_TOKENS or k % MIXES_CHUNK or m != (2 + c) * c:
+        raise ValueError(f"mixes_pallas: T {t} must be at most {MIXES_MAX_TOKENS}, K {k} a multiple of "
+                         f"{MIXES_CHUNK} and M {m} equal to (2 + C) * C = {(2 + c) * c}")
+    n, p = max(16, pl.next_power_of_2(t)), pl.next_power_of_2(m + 1)  # + 1: the row of the sums of x^2
+    chunk, warps = project_tiling(n)
+    chunks = k // chunk
+    splits = max(s for s in (1, 2, 4, 8, 16, MIXES_MAX_SPLITS) if chunks % s == 0)
+    part_SPN = pl.pallas_call(
+        functools.partial(_project_kernel, t=t, m=m, chunks=chunks // splits, chunk=chunk), grid=(splits,),
+        out_specs=pl.BlockSpec((None, p, n), lambda s: (s, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((splits, p, n), jnp.float32), interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2))(x_TK, fn_MK)
+    kernel = functools.partial(_mixes_split_kernel, m=m, k=k, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0),
+                               eps=hc_eps, interpret=interpret, fast_divide=(config or CONFIG).fast_divide)
+    out_PN = pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((p, n), jnp.float32),
+                            interpret=interpret,
+                            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
+        part_SPN, scale_3.astype(jnp.float32), base_M.astype(jnp.float32))
+    out_TM = out_PN[:m, :t].T
     return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(t, c, c)
 
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dijax.model.layers import large_step, matmul_f32, matmul_f32_weight, param
 from dijax.kernels import sinkhorn
-from dijax.kernels.numerics import mean, sum_in_order
+from dijax.kernels.numerics import sum_in_order
 
 
 def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
@@ -20,14 +19,16 @@ def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Ar
     """``hc_mixes``: one RMS statistic over all C*D values of a token, one fp32 projection (in a ``large_step``
     ``matmul_f32_weight`` of the bf16 streams, equal up to fp32 rounding; else the fp32 GEMM, whose copy is small
     and which needs no kernels to split the weight), then the split into
-    (pre [T, C], post [T, C], comb [T, C, C]) float32 (``dijax.kernels.sinkhorn.split``, by ``sinkhorn_impl``)."""
+    (pre [T, C], post [T, C], comb [T, C, C]) float32 (``dijax.kernels.sinkhorn.split``, by ``sinkhorn_impl``).
+    With the Sinkhorn kernel, a step ``sinkhorn.fused_mixes`` takes runs all of it as ``sinkhorn.mixes_pallas``."""
     flat = x_TCD.reshape(x_TCD.shape[0], -1)
-    rsqrt = jax.lax.rsqrt(mean(jnp.square(flat.astype(jnp.float32))) + np.float32(norm_eps))
+    if sinkhorn_impl == "pallas" and sinkhorn.fused_mixes(flat.shape[0]):
+        return sinkhorn.mixes_pallas(flat, fn_MX, scale_3, base_M, hc_mult, iters, hc_eps, norm_eps)
     if flat.dtype == jnp.bfloat16 and large_step(flat.shape[0]):
         projected = matmul_f32_weight(flat, fn_MX)
     else:
         projected = matmul_f32(flat.astype(jnp.float32), fn_MX)
-    raw = projected * rsqrt
+    raw = projected * sinkhorn.mixes_rsqrt(flat, norm_eps)
     return sinkhorn.split(raw, scale_3, base_M, hc_mult, iters, hc_eps, impl=sinkhorn_impl)
 
 

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+from dijax.kernels import sinkhorn as sk
 from dijax.kernels.sinkhorn import BLOCK_T, split_pallas, split_reference
 from tests.test_hc import np_split_sinkhorn
-from tests.test_kernels_sinkhorn import EXACT, FAST, RTOL, mix_inputs
+from tests.test_kernels_sinkhorn import EXACT, FAST, MIXES_RTOL, RTOL, mix_inputs, stream_inputs
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="compiles the Pallas kernel for a GPU (the CPU tests run it interpreted)")
@@ -56,3 +57,16 @@ def test_blocks_outside_the_fast_range_take_the_exact_bits(entry, value):
     fast, exact = _run(mixes, scale, base, 4, FAST), _run(mixes, scale, base, 4, EXACT)
     for f, e in zip(fast, exact, strict=True):
         assert np.isfinite(f).all() and _ulps(f, e) == 0
+
+
+@pytest.mark.parametrize("t, k", [(1, 20480), (64, 20480), (9, 1024), (128, 640)])
+def test_fused_mixes_match_the_reference(t, k):
+    """mixes_pallas compiled for the GPU (flash-slice's width in 32 parts of 10 chunks, the tiny model's in 16
+    parts of one, 640 in 2 parts of 5) against mixes_reference compiled by XLA: both division forms, within the
+    CPU test's MIXES_RTOL."""
+    args = stream_inputs(t, 4, k, seed=t)
+    want = jax.jit(lambda *a: sk.mixes_reference(*a, 4, ITERS, EPS, 1e-6))(*args)
+    for config in (FAST, EXACT):
+        got = jax.jit(lambda *a, config=config: sk.mixes_pallas(*a, 4, ITERS, EPS, 1e-6, config=config))(*args)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=MIXES_RTOL, atol=0)
