@@ -31,7 +31,15 @@ The sigmoids are ``1 / (1 + exp(-z))`` (``exp(z) / (1 + exp(z))`` below 0) throu
 code, so pre, post and comb agree with the reference to float32 ulps, not bit for bit (on the H200 up to 3 ulps in
 pre and post and 4-44 in the comb; tests/gpu/test_sinkhorn_gpu.py prints them).
 
-Letters: T tokens, C hc copies, M = (2 + C) * C mix entries, P = M rounded up to a power of two (Triton's block).
+The mixes themselves (``mixes_reference``: the projection of a token's C * D stream values by fn, times their RMS
+statistic, then the split) run in XLA around the split kernel: 7-8 launches a hyper-connection at decode sizes.
+``mixes_pallas`` takes a decode step's (up to ``MIXES_MAX_TOKENS`` tokens) in two: a projection kernel whose
+programs each take a part of K (fp32 products and sums, the sums of squares in the same pass), then the split
+kernel with a prologue that adds the parts in order and applies the statistic and the affine. It is off by default
+(``SinkhornConfig.fused_mixes_max_tokens``) until it has run on a GPU.
+
+Letters: T tokens, C hc copies, M = (2 + C) * C mix entries, P = M rounded up to a power of two (Triton's block),
+K = C * D stream values of a token, S parts of K, N token columns (T rounded up to a power of two, at least 16).
 """
 
 from __future__ import annotations
