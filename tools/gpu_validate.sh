@@ -70,6 +70,10 @@
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
 #   mgpu-flash  flash-slice decode at batch 1 / 64 and prefill 8192 with the defaults, then with every engine
 #            'triton' (TRITON_SETTINGS);
+#   stream-probe  (thirty-fifth session, not yet run; ~60 s) tools/stream_probe.py: a Mosaic GPU pipeline that only
+#            streams the routed experts' words, in their stored layout (64-byte pieces of rows 2560 bytes apart) and
+#            in a tiled one (each step's 8 KB contiguous), beside XLA's reduction of the same words: whether the
+#            layout bounds fp4_wgmma's ~1.0-1.1 TB/s at decode;
 #   hc-fused  (thirty-fifth session, not yet run) the hyper-connection mixes in two launches
 #            (sinkhorn.mixes_pallas, off by default: SinkhornConfig.fused_mixes_max_tokens): its GPU tests, GPU parity
 #            with it on at every step of up to 128 tokens (tiny-nodrop model and engine, tiny) side by side, then the
@@ -95,7 +99,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="hc-fused|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="stream-probe|hc-fused|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -126,6 +130,8 @@ parity_summary() {  # the parity outputs named, each one's header and its tier /
   done >> "$log"
 }
 case "$stage" in
+  stream-probe)
+    run 150 python3 tools/stream_probe.py ;;
   hc-fused)
     # (~500 s)
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
