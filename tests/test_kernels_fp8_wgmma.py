@@ -30,14 +30,18 @@ def fragment_codes() -> np.ndarray:
     return out
 
 
-def emulated_call(w_LOW, s_1OS, x_NI, layer_1, *, splits, stages, warpgroups, interpret):
+def emulated_call(w_LOW, s_LRS, x_NI, layer_1, *, splits, stages, warpgroups, block_scales, interpret):
     """What ``_call``'s kernel computes, in numpy (float64, exact here): float32 [splits, O, N]."""
     del stages, warpgroups, interpret
-    words = np.asarray(w_LOW)[int(np.asarray(layer_1)[0])]
+    layer = int(np.asarray(layer_1)[0])
+    words = np.asarray(w_LOW)[layer]
     o, i = words.shape[0], 4 * words.shape[1]
     codes = words.view(np.uint8).reshape(o, i // 64, 64)[:, :, fragment_codes()].reshape(o, i)
     values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    blocks = np.asarray(s_1OS)[0].view(np.uint8).reshape(o, i // 32)  # byte j of step s's word: block 4 s + j
+    scales = np.asarray(s_LRS)[layer] if block_scales else np.asarray(s_LRS)[0]
+    blocks = scales.view(np.uint8).reshape(scales.shape[0], i // 32)  # byte j of step s's word: block 4 s + j
+    if block_scales:
+        blocks = np.repeat(blocks, 32, axis=0)
     w = values * np.exp2(np.repeat(blocks.astype(np.float64), 32, axis=1) - 127)  # fragment position p: block p // 32
     x = np.asarray(x_NI.astype(jnp.float32), np.float64)
     part = i // splits
@@ -69,17 +73,21 @@ def _operands(o: int, i: int, t: int, seed: int, layers: int = 0):
     return x, weight[0], scale[0]
 
 
+@pytest.mark.parametrize("block_scales", [False, True], ids=["row_scales", "block_scales"])
 @pytest.mark.parametrize("o, i, t, warpgroups, target, layers", [
     (128, 256, 1, 1, 1, 0),     # one split
     (128, 512, 3, 2, 16, 0),    # T padded to 8, K split in 4
     (64, 384, 13, 1, 64, 3),    # a layer of a stack, read in place; 16 rows, 3 splits
 ])
-def test_wrapper_with_the_emulated_kernel_matches_the_reference(o, i, t, warpgroups, target, layers, monkeypatch):
-    """``linear_mgpu``'s XLA passes (fq8, padding, ``permute_k``, the scales spread to rows and read as words, the
-    layer index, the splits' sum and transpose) around ``emulated_call``, against the reference."""
+def test_wrapper_with_the_emulated_kernel_matches_the_reference(o, i, t, warpgroups, target, layers, block_scales,
+                                                                 monkeypatch):
+    """``linear_mgpu``'s XLA passes (fq8, padding, ``permute_k``, the scales spread to rows, or with
+    ``block_scales`` the stack's blocks read in place, as words, the layer index, the splits' sum and transpose)
+    around ``emulated_call``, against the reference."""
     monkeypatch.setattr(f8, "_call", emulated_call)
     x, weight, scale = _operands(o, i, t, seed=o + i + t, layers=layers)
-    got = np.asarray(f8.linear_mgpu(x, weight, scale, warpgroups=warpgroups, target_ctas=target), np.float32)
+    got = np.asarray(f8.linear_mgpu(x, weight, scale, warpgroups=warpgroups, target_ctas=target,
+                                    block_scales=block_scales), np.float32)
     want = np.asarray(f8.linear_reference(x, weight, scale), np.float32)
     assert got.shape == (t, o)
     np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-30)
@@ -162,6 +170,7 @@ def test_seam_runs_each_linear_on_the_emulated_kernel(monkeypatch):
         np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2.0 ** -7, atol=1e-30)
 
 
+@pytest.mark.parametrize("block_scales", [False, True], ids=["row_scales", "block_scales"])
 @pytest.mark.parametrize("o, i, t, warpgroups, target, stages, layers", [
     (64, 256, 1, 1, 1, 2, 0),      # one split of two steps
     (128, 512, 3, 2, 8, 3, 0),     # two warpgroups, K split in 4, T padded to 8
@@ -169,13 +178,15 @@ def test_seam_runs_each_linear_on_the_emulated_kernel(monkeypatch):
     (64, 768, 3, 1, 2, 2, 0),      # 2 splits of 3 steps (the scale words loaded a step ahead within each)
     (128, 512, 5, 2, 1, 3, 2),     # one split of 4 steps, two warpgroups, a layer of a stack
 ])
-def test_interpreted_kernel_matches_reference(o, i, t, warpgroups, target, stages, layers):
-    """The Mosaic GPU kernel itself (pipeline, TMA copies, the spread scale words read from GMEM, wgmma, split K,
-    the fp32 partial sums' store) in jax's Mosaic GPU interpreter on the CPU, with ``_decode_values`` in place of
-    the register decode, against the reference: the same exact products in another order (a bf16 ulp at ties)."""
+def test_interpreted_kernel_matches_reference(o, i, t, warpgroups, target, stages, layers, block_scales):
+    """The Mosaic GPU kernel itself (pipeline, TMA copies, the scale words read from GMEM, spread to rows or by
+    block (``block_scales``: each warpgroup's two blocks, selected by row; swapping them fails every case), wgmma,
+    split K, the fp32 partial sums' store) in jax's Mosaic GPU interpreter on the CPU, with ``_decode_values`` in
+    place of the register decode, against the reference: the same exact products in another order (a bf16 ulp at
+    ties)."""
     x, weight, scale = _operands(o, i, t, seed=o + i + t + 7, layers=layers)
     got = np.asarray(f8.linear_mgpu(x, weight, scale, warpgroups=warpgroups, target_ctas=target, stages=stages,
-                                    interpret=True), np.float32)
+                                    block_scales=block_scales, interpret=True), np.float32)
     want = np.asarray(f8.linear_reference(x, weight, scale), np.float32)
     np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-30)
     assert np.mean(got == want) >= 0.9

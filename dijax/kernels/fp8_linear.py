@@ -92,7 +92,8 @@ class KernelConfig:
     (thirty-first session, GPU kernel time) 'mgpu' lost at T = 1 (the 8 flash-slice linears 1.3-2.3x slower) and
     was mixed at 16, but at T = 64 it ran the 7 layer linears in 156 us (2 warpgroups) against 262 us on the
     reference (where ``max_tokens`` = 32 sends them) and 330 us on the Triton kernel, the Engram ``wkv`` in 94
-    against 274 and 689 us: docs/benchmarks.md.
+    against 274 and 689 us: docs/benchmarks.md. ``mgpu_block_scales``: its kernel reads the weight's scale blocks
+    in place (``fp8_wgmma.linear_mgpu``'s ``block_scales``; off until it has run on a GPU).
 
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
@@ -110,6 +111,7 @@ class KernelConfig:
     mgpu_stages: int = 4
     mgpu_min_tokens: int = 33
     mgpu_max_tokens: int = 64
+    mgpu_block_scales: bool = False
     poison: bool = False
 
     def __post_init__(self):
@@ -301,7 +303,8 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]],
     weights = [weight_OI for weight_OI, _ in pairs]
     if _mgpu_takes(x_TI, weights, interpret_mode(interpret)):
         return [fp8_wgmma.linear_mgpu(x_TI, weight_OI, scale_BB, stages=CONFIG.mgpu_stages,
-                                      warpgroups=CONFIG.mgpu_warpgroups, target_ctas=CONFIG.target_programs)
+                                      warpgroups=CONFIG.mgpu_warpgroups, target_ctas=CONFIG.target_programs,
+                                      block_scales=CONFIG.mgpu_block_scales)
                 for weight_OI, scale_BB in pairs]
     supported = pallas_supports(x_TI, *weights)
     if len(pairs) > 1 and not (CONFIG.fuse and supported):

@@ -105,49 +105,67 @@ def splits_for(ctas: int, steps: int, target: int) -> int:
 
 
 def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: jax.Array | LayerSlice, *,
-                stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, interpret: bool = False) -> jax.Array:
+                stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, block_scales: bool = False,
+                interpret: bool = False) -> jax.Array:
     """``linear_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0; module docstring), plus the
     XLA passes around it: fq8 and ``permute_k`` of x, the scales spread to rows, the splits' sum. ``shape_error``
     lists the shapes it takes; exact for scale bytes in ``SCALE_RANGE``. A ``LayerSlice`` weight is read in place
-    (its layer index is an operand). ``interpret``: run in the Mosaic GPU interpreter (``fp4_wgmma``'s interpret
-    mode: the register decode replaced by its logical values)."""
+    (its layer index is an operand). ``block_scales``: the kernel reads the scales' 32 x 32 blocks in their stored
+    layout, in place like the weight (two words a warpgroup a step, each thread taking its rows' block), instead
+    of XLA spreading one layer's scales to rows every call (a launch a linear: 54 in a flash-slice decode step at
+    64 rows); off until it has run on a GPU (thirty-fifth session). ``interpret``: run in the Mosaic GPU
+    interpreter (``fp4_wgmma``'s interpret mode: the register decode replaced by its logical values)."""
     t, i = x_TI.shape
     o = weight_OI.shape[0]
     error = shape_error(t, o, i, warpgroups)
     if error:
         raise ValueError(error)
-    [w_stack], layer = in_place([weight_OI])
+    if block_scales:
+        [w_stack, s_stack], layer = in_place([weight_OI, scale_BB])  # s_stack [L, O/32, I/32]
+    else:
+        [w_stack], layer = in_place([weight_OI])
+        s_stack = jnp.repeat(materialize(scale_BB), quant.FP8_BLOCK, axis=0)[None, :o]  # [1, O, I/32]
     words_LOW = lax.bitcast_convert_type(
         lax.bitcast_convert_type(w_stack, jnp.uint8).reshape(*w_stack.shape[:-1], i // CODES_PER_WORD,
                                                             CODES_PER_WORD), jnp.uint32)
-    s_OB = jnp.repeat(materialize(scale_BB), quant.FP8_BLOCK, axis=0)[:o]
     n = -(-t // 8) * 8
     x_NI = permute_k(jnp.pad(quant.fq8(x_TI), ((0, n - t), (0, 0))))
     steps = i // STEP_K
     splits = splits_for(o // (warpgroups * ROWS_PER_WG), steps, target_ctas)
-    y_PON = _call(words_LOW, scale_words(s_OB[None], CHUNKS), x_NI, layer.reshape(1).astype(jnp.int32),
-                  splits=splits, stages=stages, warpgroups=warpgroups, interpret=interpret)
+    y_PON = _call(words_LOW, scale_words(s_stack, CHUNKS), x_NI, layer.reshape(1).astype(jnp.int32),
+                  splits=splits, stages=stages, warpgroups=warpgroups, block_scales=block_scales,
+                  interpret=interpret)
     return jnp.sum(y_PON, axis=0).T[:t].astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "warpgroups", "interpret"))
-def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "warpgroups", "block_scales", "interpret"))
+def _call(w_LOW, s_LRS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: int, block_scales: bool,
+          interpret: bool):
     """The kernel: float32 partial sums [splits, O, N] of the weight's rows (layer ``layer_1[0]`` of the stack)
-    times x's N rows, each split over its part of K. ``stages`` is capped where shared memory needs it."""
+    times x's N rows, each split over its part of K. The scale words s_LRS: the layer's rows' [1, O, S], or with
+    ``block_scales`` the stack's 32-row blocks [L, O/32, S]. ``stages`` is capped where shared memory needs it."""
     o, i = w_LOW.shape[1], w_LOW.shape[2] * CODES_PER_WORD
     n = x_NI.shape[0]
     cta_rows = warpgroups * ROWS_PER_WG
     per_split = i // STEP_K // splits  # pipeline steps a CTA
 
-    def kernel(layer_ref, w_gmem, s_gmem, x_gmem, y_gmem, y_smem, a_smem=None):
+    def kernel(layer_ref, w_gmem, s_gmem, block_gmem, x_gmem, y_gmem, y_smem, a_smem=None):
         m, part = lax.axis_index("m"), lax.axis_index("p")
         layer = layer_ref[0]
 
         def scales(step_index):
-            """The compute warpgroup's rows' scale words of this split's pipeline step ``step_index`` (GMEM)."""
-            wg = lax.axis_index("wg")
-            return plgpu.load(s_gmem.at[0, pl.ds(m * cta_rows + wg * ROWS_PER_WG, ROWS_PER_WG),
-                                        part * per_split + step_index], layout=ROW_LAYOUT, optimized=False)
+            """The compute warpgroup's rows' scale words of this split's pipeline step ``step_index`` (GMEM): with
+            ``block_scales`` its two 32-row blocks' words, rows 0-31 (warps 0-1 in the WGMMA layout) the first's."""
+            wg, step = lax.axis_index("wg"), part * per_split + step_index
+            row0 = m * cta_rows + wg * ROWS_PER_WG
+            if not block_scales:
+                return plgpu.load(s_gmem.at[0, pl.ds(row0, ROWS_PER_WG), step], layout=ROW_LAYOUT, optimized=False)
+            block = row0 // quant.FP8_BLOCK
+            first, second = s_gmem[layer, block, step], s_gmem[layer, block + 1, step]
+            # each row's block (0 or 1) loaded, not an iota: jax 0.11.2 fails to infer the iota's layout at one
+            # compute warpgroup (sm_90 build, tools/mgpu_build.py)
+            block_R = plgpu.load(block_gmem, layout=ROW_LAYOUT, optimized=False)
+            return jnp.where(block_R == 0, first, second)
 
         def step(indices, *refs):
             *w_smems, x_smem, (acc_ref, s_step) = refs  # this step's scale words came with the carry
@@ -197,7 +215,8 @@ def _call(w_LOW, s_1OS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
                            **interpret_scratch(interpret, warpgroups, CHUNKS)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return run(layer_1, w_LOW, s_1OS, x_NI)
+    block_R = jnp.arange(ROWS_PER_WG, dtype=jnp.int32) // quant.FP8_BLOCK  # a warpgroup's row -> its scale block
+    return run(layer_1, w_LOW, s_LRS, block_R, x_NI)
 
 
 def _decode_values(words, s_lo, s_hi):
