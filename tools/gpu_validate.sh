@@ -74,11 +74,13 @@
 #            streams the routed experts' words, in their stored layout (64-byte pieces of rows 2560 bytes apart) and
 #            in a tiled one (each step's 8 KB contiguous), beside XLA's reduction of the same words: whether the
 #            layout bounds fp4_wgmma's ~1.0-1.1 TB/s at decode;
-#   hc-fused  (thirty-fifth session, not yet run) the hyper-connection mixes in two launches
-#            (sinkhorn.mixes_pallas, off by default: SinkhornConfig.fused_mixes_max_tokens): its GPU tests, GPU parity
-#            with it on at every step of up to 128 tokens (tiny-nodrop model and engine, tiny) side by side, then the
-#            tiny and flash-slice decode rows at batch 1 and 64 with it off and on (deviceless: flash-slice B=1
-#            478 -> 419 launches, B=64 676 -> 645; tiny B=1 473 -> 442, B=64 680 -> 685);
+#   prepared  (thirty-fifth session, not yet run; ~380 s) the two prepared changes, off by default: the hyper-
+#            connection mixes in two launches (sinkhorn.mixes_pallas, SinkhornConfig.fused_mixes_max_tokens) and the fp8
+#            linear's scale blocks read in place (fp8_linear mgpu_block_scales): their GPU tests, GPU parity with
+#            both on (tiny-nodrop model and engine, tiny) side by side, then the tiny decode rows at batch 1 and 64
+#            with the mixes on and off; prepared-flash (~400 s) flash-slice's decode rows at batch 1 and 64 with
+#            neither, the mixes, and the scale blocks (deviceless launches: flash-slice B=1 478 -> 419 and B=64
+#            676 -> 645 with the mixes, B=64 676 -> 623 with the scale blocks; tiny B=1 473 -> 442, B=64 680 -> 685);
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64 on an H200 only (thirty-third session: its weight draw does not fit 80 GB);
@@ -99,7 +101,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="stream-probe|hc-fused|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="stream-probe|prepared|prepared-flash|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -132,25 +134,31 @@ parity_summary() {  # the parity outputs named, each one's header and its tier /
 case "$stage" in
   stream-probe)
     run 150 python3 tools/stream_probe.py ;;
-  hc-fused)
-    # (~500 s)
+  prepared)
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    rm -rf $sub; mkdir -p $sub/tree-fused; cp -r dijax $sub/tree-fused/
-    sed -i 's/    fused_mixes_max_tokens: int = 0/    fused_mixes_max_tokens: int = 128/' $sub/tree-fused/dijax/kernels/sinkhorn.py
-    grep -H '^    fused_mixes_max_tokens:' $sub/tree-fused/dijax/kernels/sinkhorn.py >> "$log"
-    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
-    check parity-tiny-nodrop $sub/tree-fused 280 $p $fixtures/tiny-nodrop &
-    check parity-engine $sub/tree-fused 280 $p $fixtures/tiny-nodrop --engine &
-    check parity-tiny $sub/tree-fused 280 $p $fixtures/tiny &
-    check tests-sinkhorn . 280 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_sinkhorn_gpu.py &
+    rm -rf $sub; mkdir -p $sub/tree-on; cp -r dijax $sub/tree-on/
+    sed -i 's/    fused_mixes_max_tokens: int = 0/    fused_mixes_max_tokens: int = 128/' $sub/tree-on/dijax/kernels/sinkhorn.py
+    sed -i 's/    mgpu_block_scales: bool = False/    mgpu_block_scales: bool = True/' $sub/tree-on/dijax/kernels/fp8_linear.py
+    grep -H -E '^    (fused_mixes_max_tokens|mgpu_block_scales):' $sub/tree-on/dijax/kernels/{sinkhorn,fp8_linear}.py >> "$log"
+    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on" t="python3 -m pytest -q -ra -p no:cacheprovider"
+    check parity-tiny-nodrop $sub/tree-on 280 $p $fixtures/tiny-nodrop &
+    check parity-engine $sub/tree-on 280 $p $fixtures/tiny-nodrop --engine &
+    check parity-tiny $sub/tree-on 280 $p $fixtures/tiny &
+    check tests-sinkhorn . 280 $t tests/gpu/test_sinkhorn_gpu.py &
+    check tests-fp8 . 280 $t tests/gpu/test_fp8_wgmma_gpu.py &
     wait
     checked
     unset XLA_PYTHON_CLIENT_PREALLOCATE
-    on="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
-    for setting in "" "$on"; do
+    mixes="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
+    for setting in "" "$mixes"; do
       run 60 python3 tools/bench.py --kernels on --decode-batch 1,64 --context 256 --prefill= --block-size 16 \
         --engine off --warmup 5 --iters 20 $setting
-      run 150 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
+    done ;;
+  prepared-flash)
+    mixes="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
+    blocks="--kernel-setting fp8_linear.CONFIG.mgpu_block_scales=True"
+    for setting in "" "$mixes" "$blocks"; do
+      run 130 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
         --engine off --warmup 3 --iters 10 $setting
     done ;;
   tests)

@@ -31,19 +31,23 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu" or "H" not in jax
     (64, 5120, 8192, 2, 4),     # wo_b at 64 rows
     (48, 512, 5120, 1, 4),      # wkv, K split in many parts of few steps
 ])
-def test_kernel_matches_reference(t, out_dim, in_dim, warpgroups, stages):
+@pytest.mark.parametrize("block_scales", [False, True], ids=["row_scales", "block_scales"])
+def test_kernel_matches_reference(t, out_dim, in_dim, warpgroups, stages, block_scales):
     weight, scale, _ = _weights(out_dim, in_dim, seed=t, exponents=f8.SCALE_RANGE)
     x = (jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
-    got = jax.jit(lambda *a: f8.linear_mgpu(*a, warpgroups=warpgroups, stages=stages))(x, weight, scale)
+    got = jax.jit(lambda *a: f8.linear_mgpu(*a, warpgroups=warpgroups, stages=stages, block_scales=block_scales))(
+        x, weight, scale)
     assert_close_bf16(got, jax.jit(f8.linear_reference)(x, weight, scale), x, weight, scale)
 
 
-def test_a_layer_of_a_stack_in_place():
+@pytest.mark.parametrize("block_scales", [False, True], ids=["row_scales", "block_scales"])
+def test_a_layer_of_a_stack_in_place(block_scales):
     weights = [_weights(1280, 5120, seed=s) for s in range(3)]
     w_stack = jnp.stack([w for w, _, _ in weights])
     s_stack = jnp.stack([s for _, s, _ in weights])
     x = jax.random.normal(jax.random.key(7), (2, 5120), jnp.bfloat16)
-    got = jax.jit(f8.linear_mgpu)(x, of_layer(w_stack, 2, 2), of_layer(s_stack, 2, 2))
+    got = jax.jit(lambda *a: f8.linear_mgpu(*a, block_scales=block_scales))(x, of_layer(w_stack, 2, 2),
+                                                                             of_layer(s_stack, 2, 2))
     assert_close_bf16(got, f8.linear_reference(x, weights[2][0], weights[2][1]), x, weights[2][0], weights[2][1])
 
 
