@@ -24,7 +24,8 @@ and the last four in the next, so a register's scale follows from its column gro
 Scales: the weight's 32 x 32 blocks, spread to one byte a row ([O, I/32], a small XLA pass over one layer's scales),
 then read one word a row a step straight from GMEM (``fp4_wgmma.scale_words``), each step's a step ahead (carried
 through the pipeline, as ``fp4_wgmma`` does; thirty-fourth session, on an H100: the flash-slice linears at 64 rows
-3-6 % faster).
+3-6 % faster). With ``block_scales`` (off until it has run on a GPU) the blocks are read in place instead, two words
+a warpgroup a step, and no XLA pass spreads them.
 
 Split K: a CTA owns 64 (``warpgroups`` 1) or 128 rows and one of ``splits`` parts of K; the parts' fp32 partial
 sums [splits, O, N] are added, transposed and rounded to bf16 in XLA (``splits`` chosen so that the grid has about
