@@ -77,7 +77,7 @@
 #   prepared  (thirty-fifth session, not yet run; ~380 s) the two prepared changes, off by default: the hyper-
 #            connection mixes in two launches (sinkhorn.mixes_pallas, SinkhornConfig.fused_mixes_max_tokens) and the fp8
 #            linear's scale blocks read in place (fp8_linear mgpu_block_scales): their GPU tests, GPU parity with
-#            both on (tiny-nodrop model and engine, tiny) side by side, then the tiny decode rows at batch 1 and 64
+#            both on (tiny-nodrop model, --chunk 7 and engine, tiny) side by side, then the tiny decode rows at batch 1 and 64
 #            with the mixes on and off; prepared-flash (~400 s) flash-slice's decode rows at batch 1 and 64 with
 #            neither, the mixes, and the scale blocks (deviceless launches: flash-slice B=1 478 -> 419 and B=64
 #            676 -> 645 with the mixes, B=64 676 -> 623 with the scale blocks; tiny B=1 473 -> 442, B=64 680 -> 685);
@@ -119,6 +119,24 @@ check() {  # name, tree (. or a copy), time limit, command...: run in the backgr
   local name=$1 tree=$2 limit=$3; shift 3
   (cd "$tree" && timeout "$limit" "$@" > "$sub/$name.txt" 2>&1; echo "$name: exit $?" >> "$sub/exits.txt")
 }  # (python -m puts the working folder first on the path: a copy is run from inside it)
+tree_with() {  # name, then (module, old line, new line) triples: a fresh $sub with a copy of dijax/ at $sub/tree-NAME
+  # whose dijax/kernels/MODULE.py has each old line replaced (sed patterns), the new lines logged
+  local tree=$sub/tree-$1; shift
+  rm -rf $sub; mkdir -p $tree; cp -r dijax $tree/
+  while [ $# -ge 3 ]; do
+    sed -i "s/^$2\$/$3/" $tree/dijax/kernels/$1.py
+    grep -H "^$3\$" $tree/dijax/kernels/$1.py >> "$log" || echo "   (tree_with: no line '$2' in $1.py)" >> "$log"
+    shift 3
+  done
+}
+parity_checks() {  # tree, time limit: GPU parity of tiny-nodrop (one step, --chunk 7, the engine) and tiny, each a
+  # check in the background of a stage
+  local tree=$1 limit=$2 f=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
+  check parity-tiny-nodrop "$tree" "$limit" $p $f/tiny-nodrop &
+  check parity-chunk7 "$tree" "$limit" $p $f/tiny-nodrop --chunk 7 &
+  check parity-engine "$tree" "$limit" $p $f/tiny-nodrop --engine &
+  check parity-tiny "$tree" "$limit" $p $f/tiny &
+}
 checked() {  # after `wait`: the exits, the tests' summaries and the parity runs' into the log; every output in one
   # archive under $out (a device call brings back at most 8 files)
   tar czf "$out/checks.tgz" -C $sub --exclude='tree-*' .
@@ -136,14 +154,10 @@ case "$stage" in
     run 150 python3 tools/stream_probe.py ;;
   prepared)
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    rm -rf $sub; mkdir -p $sub/tree-on; cp -r dijax $sub/tree-on/
-    sed -i 's/    fused_mixes_max_tokens: int = 0/    fused_mixes_max_tokens: int = 128/' $sub/tree-on/dijax/kernels/sinkhorn.py
-    sed -i 's/    mgpu_block_scales: bool = False/    mgpu_block_scales: bool = True/' $sub/tree-on/dijax/kernels/fp8_linear.py
-    grep -H -E '^    (fused_mixes_max_tokens|mgpu_block_scales):' $sub/tree-on/dijax/kernels/{sinkhorn,fp8_linear}.py >> "$log"
-    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on" t="python3 -m pytest -q -ra -p no:cacheprovider"
-    check parity-tiny-nodrop $sub/tree-on 280 $p $fixtures/tiny-nodrop &
-    check parity-engine $sub/tree-on 280 $p $fixtures/tiny-nodrop --engine &
-    check parity-tiny $sub/tree-on 280 $p $fixtures/tiny &
+    tree_with on sinkhorn "    fused_mixes_max_tokens: int = 0" "    fused_mixes_max_tokens: int = 128" \
+      fp8_linear "    mgpu_block_scales: bool = False" "    mgpu_block_scales: bool = True"
+    t="python3 -m pytest -q -ra -p no:cacheprovider"
+    parity_checks $sub/tree-on 280
     check tests-sinkhorn . 280 $t tests/gpu/test_sinkhorn_gpu.py &
     check tests-fp8 . 280 $t tests/gpu/test_fp8_wgmma_gpu.py &
     wait
@@ -313,18 +327,11 @@ case "$stage" in
     # (~450 s; the thirty-first session's first form, with copies of the tree per engine, found the row gather's
     # third source misaddressed)
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    rm -rf $sub; mkdir -p $sub/tree-triton; cp -r dijax $sub/tree-triton/
-    sed -i 's/    gemm_engine: str = "mgpu"/    gemm_engine: str = "triton"/' $sub/tree-triton/dijax/kernels/routed_experts.py
-    sed -i 's/    engine: str = "mgpu"/    engine: str = "triton"/' \
-      $sub/tree-triton/dijax/kernels/{sparse_attn,fp8_linear,indexer}.py
-    grep -HE '^    (gemm_engine|engine):' $sub/tree-triton/dijax/kernels/{routed_experts,sparse_attn,fp8_linear,indexer}.py \
-      >> "$log"
-    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
-    check parity-triton $sub/tree-triton 280 $p $fixtures/tiny-nodrop &
-    check parity-tiny-nodrop . 280 $p $fixtures/tiny-nodrop &
-    check parity-chunk7 . 280 $p $fixtures/tiny-nodrop --chunk 7 &
-    check parity-engine . 280 $p $fixtures/tiny-nodrop --engine &
-    check parity-tiny . 280 $p $fixtures/tiny &
+    engine='    engine: str = "mgpu"' triton='    engine: str = "triton"'
+    tree_with triton routed_experts '    gemm_engine: str = "mgpu"' '    gemm_engine: str = "triton"' \
+      sparse_attn "$engine" "$triton" fp8_linear "$engine" "$triton" indexer "$engine" "$triton"
+    check parity-triton $sub/tree-triton 280 python3 -m dijax.cli.main parity --kernels on $PWD/$fixtures/tiny-nodrop &
+    parity_checks . 280
     t="python3 -m pytest -q -ra -p no:cacheprovider"
     check tests-fp4 . 280 $t tests/gpu/test_fp4_wgmma_gpu.py tests/gpu/test_routed_experts_gpu.py &
     check tests-fp8 . 280 $t tests/gpu/test_fp8_wgmma_gpu.py tests/gpu/test_fp8_linear_gpu.py &
@@ -345,14 +352,9 @@ case "$stage" in
     # GPU tests and GPU parity with sparse attention on Mosaic GPU at every step (mgpu_min_tokens=1), side by side;
     # then their Mosaic GPU rows by GPU kernel time, ab-base's tree, then this one's
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    rm -rf $sub; mkdir -p $sub/tree-every; cp -r dijax $sub/tree-every/
-    sed -i 's/    mgpu_min_tokens: int = 64/    mgpu_min_tokens: int = 1/' $sub/tree-every/dijax/kernels/sparse_attn.py
-    grep -H '^    mgpu_min_tokens:' $sub/tree-every/dijax/kernels/sparse_attn.py >> "$log"
-    fixtures=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on" t="python3 -m pytest -q -ra -p no:cacheprovider"
-    check parity-tiny-nodrop $sub/tree-every 270 $p $fixtures/tiny-nodrop &
-    check parity-chunk7 $sub/tree-every 270 $p $fixtures/tiny-nodrop --chunk 7 &
-    check parity-engine $sub/tree-every 270 $p $fixtures/tiny-nodrop --engine &
-    check parity-tiny $sub/tree-every 270 $p $fixtures/tiny &
+    tree_with every sparse_attn "    mgpu_min_tokens: int = 64" "    mgpu_min_tokens: int = 1"
+    t="python3 -m pytest -q -ra -p no:cacheprovider"
+    parity_checks $sub/tree-every 270
     check tests-attn . 250 $t tests/gpu/test_attention_gpu.py &
     check tests-indexer . 250 $t tests/gpu/test_indexer_gpu.py &
     wait
