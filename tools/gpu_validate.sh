@@ -137,6 +137,16 @@ parity_checks() {  # tree, time limit: GPU parity of tiny-nodrop (one step, --ch
   check parity-engine "$tree" "$limit" $p $f/tiny-nodrop --engine &
   check parity-tiny "$tree" "$limit" $p $f/tiny &
 }
+checks_with() {  # tree, time limit, GPU test files: parity_checks of the tree and each test file (of this tree), side
+  # by side, then checked
+  local tree=$1 limit=$2 file; shift 2
+  parity_checks "$tree" "$limit"
+  for file in "$@"; do
+    check "tests-$(basename "$file" .py)" . "$limit" python3 -m pytest -q -ra -p no:cacheprovider "$file" &
+  done
+  wait
+  checked
+}
 checked() {  # after `wait`: the exits, the tests' summaries and the parity runs' into the log; every output in one
   # archive under $out (a device call brings back at most 8 files)
   tar czf "$out/checks.tgz" -C $sub --exclude='tree-*' .
@@ -156,12 +166,7 @@ case "$stage" in
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     tree_with on sinkhorn "    fused_mixes_max_tokens: int = 0" "    fused_mixes_max_tokens: int = 128" \
       fp8_linear "    mgpu_block_scales: bool = False" "    mgpu_block_scales: bool = True"
-    t="python3 -m pytest -q -ra -p no:cacheprovider"
-    parity_checks $sub/tree-on 280
-    check tests-sinkhorn . 280 $t tests/gpu/test_sinkhorn_gpu.py &
-    check tests-fp8 . 280 $t tests/gpu/test_fp8_wgmma_gpu.py &
-    wait
-    checked
+    checks_with $sub/tree-on 280 tests/gpu/test_sinkhorn_gpu.py tests/gpu/test_fp8_wgmma_gpu.py
     unset XLA_PYTHON_CLIENT_PREALLOCATE
     mixes="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
     for setting in "" "$mixes"; do
@@ -353,12 +358,7 @@ case "$stage" in
     # then their Mosaic GPU rows by GPU kernel time, ab-base's tree, then this one's
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     tree_with every sparse_attn "    mgpu_min_tokens: int = 64" "    mgpu_min_tokens: int = 1"
-    t="python3 -m pytest -q -ra -p no:cacheprovider"
-    parity_checks $sub/tree-every 270
-    check tests-attn . 250 $t tests/gpu/test_attention_gpu.py &
-    check tests-indexer . 250 $t tests/gpu/test_indexer_gpu.py &
-    wait
-    checked
+    checks_with $sub/tree-every 270 tests/gpu/test_attention_gpu.py tests/gpu/test_indexer_gpu.py
     for tree in ab-base .; do
       (cd $tree && run 140 python3 tools/bench_kernels.py --only sparse_attn,indexer --rows mgpu --sweep --timing device \
         --iters 10 --repeats 3)
