@@ -83,7 +83,7 @@
 #            676 -> 645 with the mixes, B=64 676 -> 623 with the scale blocks; tiny B=1 473 -> 442, B=64 680 -> 685);
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
-#            decode B=1 / 16 / 64 on an H200 only (thirty-third session: its weight draw does not fit 80 GB);
+#            decode B=1 / 16 / 64;
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -410,11 +410,9 @@ case "$stage" in
     target=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100)
     run 150 python3 tools/bench.py --kernels on ${tiny/--decode/--decode-batch} --engine off --warmup 1 --iters 3
     run 60 python3 tools/deviceless.py --kernels on --target $target $tiny
-    if [ "$target" = h200 ]; then  # flash-slice's weight draw runs an 80 GB card out of memory (33rd session)
-      run 150 python3 tools/bench.py $flash --decode-batch 1,16,64 --prefill= --kernels on --engine off --warmup 1 \
-        --iters 3
-      run 90 python3 tools/deviceless.py --kernels on --target $target $flash --decode 1,16,64
-    fi ;;
+    run 150 python3 tools/bench.py $flash --decode-batch 1,16,64 --prefill= --kernels on --engine off --warmup 1 \
+      --iters 3  # (on an 80 GB card too since the thirty-fourth session's sliced weight draw)
+    run 90 python3 tools/deviceless.py --kernels on --target $target $flash --decode 1,16,64 ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
