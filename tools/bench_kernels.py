@@ -678,7 +678,8 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     ``fp8_linear_rows`` (``reps`` distinct weights per call); floor: weight + activation bytes / 4.3 TB/s or
     FLOPs / 790 TFLOP/s. Beside each row, its first call (the compile)."""
     from dijax.kernels import fp8_linear as fl
-    from dijax.model.layers import matmul_f32, matmul_promoted
+    from dijax.kernels.numerics import matmul_f32
+    from dijax.model.layers import matmul_promoted
     from tools.bench import flash_slice_config
 
     cfg = flash_slice_config(384)

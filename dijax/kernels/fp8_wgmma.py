@@ -150,7 +150,8 @@ def _call(w_LOW, s_LRS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
     cta_rows = warpgroups * ROWS_PER_WG
     per_split = i // STEP_K // splits  # pipeline steps a CTA
 
-    def kernel(layer_ref, w_gmem, s_gmem, block_gmem, x_gmem, y_gmem, y_smem, a_smem=None):
+    def kernel(layer_ref, w_gmem, s_gmem, *refs, y_smem, a_smem=None):
+        *block_gmem, x_gmem, y_gmem = refs  # block_gmem: with block_scales only
         m, part = lax.axis_index("m"), lax.axis_index("p")
         layer = layer_ref[0]
 
@@ -165,7 +166,7 @@ def _call(w_LOW, s_LRS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
             first, second = s_gmem[layer, block, step], s_gmem[layer, block + 1, step]
             # each row's block (0 or 1) loaded, not an iota: jax 0.11.2 fails to infer the iota's layout at one
             # compute warpgroup (sm_90 build, tools/mgpu_build.py)
-            block_R = plgpu.load(block_gmem, layout=ROW_LAYOUT, optimized=False)
+            block_R = plgpu.load(block_gmem[0], layout=ROW_LAYOUT, optimized=False)
             return jnp.where(block_R == 0, first, second)
 
         def step(indices, *refs):
@@ -216,8 +217,9 @@ def _call(w_LOW, s_LRS, x_NI, layer_1, *, splits: int, stages: int, warpgroups: 
                            **interpret_scratch(interpret, warpgroups, CHUNKS)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    block_R = jnp.arange(ROWS_PER_WG, dtype=jnp.int32) // quant.FP8_BLOCK  # a warpgroup's row -> its scale block
-    return run(layer_1, w_LOW, s_LRS, block_R, x_NI)
+    # with block_scales: a warpgroup's row -> its scale block (0 or 1)
+    blocks = [jnp.arange(ROWS_PER_WG, dtype=jnp.int32) // quant.FP8_BLOCK] if block_scales else []
+    return run(layer_1, w_LOW, s_LRS, *blocks, x_NI)
 
 
 def _decode_values(words, s_lo, s_hi):

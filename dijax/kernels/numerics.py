@@ -39,6 +39,12 @@ def sum_in_order(x: jax.Array, axis: int) -> jax.Array:
     return jnp.expand_dims(total, axis)
 
 
+def matmul_f32(x: jax.Array, w_OI: jax.Array) -> jax.Array:
+    """``x @ w_OI.T`` with exact products and float32 accumulation. x: [..., I], w: [O, I] -> float32 [..., O]."""
+    return jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST)
+
+
 def einsum_bf16(spec: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
     """``einsum(spec, lhs, rhs)`` of bf16 operands with exact products, fp32 accumulation and one rounding to bf16:
     the value of the fp32 einsum cast to bf16, but the GEMM writes bf16 itself. (The fp32 output and its convert

@@ -56,7 +56,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode
 from dijax.kernels.division import asm_f32, div_rn
-from dijax.kernels.numerics import divide, mean, sum_in_order
+from dijax.kernels.numerics import divide, matmul_f32, mean, sum_in_order
 
 BLOCK_T = 128
 IMPLS = ("reference", "pallas")
@@ -218,6 +218,13 @@ def _split_block(z: list, out_ref, *, c: int, rounds: int, eps: float, interpret
         out_ref[e, :] = v
 
 
+def _parts(out_PT: jax.Array, t: int, c: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A split kernel's output rows (float32 [P, >= T]: pre, post, then comb, a token a column) as (pre [T, C],
+    post [T, C], comb [T, C, C])."""
+    out_TM = out_PT[:(2 + c) * c, :t].T
+    return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(t, c, c)
+
+
 @functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "eps", "interpret", "config"))
 def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
                  eps: float, interpret: bool | None = None,
@@ -230,7 +237,7 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
     c = hc_mult
     t, m = mixes_TM.shape
     if t == 0:  # no program to launch
-        return jnp.zeros((0, c), jnp.float32), jnp.zeros((0, c), jnp.float32), jnp.zeros((0, c, c), jnp.float32)
+        return _parts(jnp.zeros((m, 0), jnp.float32), 0, c)
     rows = pl.next_power_of_2(m)
     padded = -(-t // BLOCK_T) * BLOCK_T
     # padding tokens and rows are zeros: sigmoid(0) and uniform softmax rows, inside the fast range
@@ -241,8 +248,7 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
     out_PT = pl.pallas_call(kernel, grid=(padded // BLOCK_T,), in_specs=[spec], out_specs=spec,
                             out_shape=jax.ShapeDtypeStruct((rows, padded), jnp.float32), interpret=interpret,
                             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(z_PT)
-    out_TM = out_PT[:m, :t].T
-    return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(t, c, c)
+    return _parts(out_PT, t, c)
 
 
 def mixes_rsqrt(x_TK: jax.Array, norm_eps: float) -> jax.Array:
@@ -250,15 +256,18 @@ def mixes_rsqrt(x_TK: jax.Array, norm_eps: float) -> jax.Array:
     return lax.rsqrt(mean(jnp.square(x_TK.astype(jnp.float32))) + np.float32(norm_eps))
 
 
+def mixes_raw(x_TK: jax.Array, fn_MK: jax.Array, norm_eps: float) -> jax.Array:
+    """A hyper-connection's raw mixes from its flattened streams: (x @ fn.T) * ``mixes_rsqrt`` in float32 (exact
+    bf16 -> float32 x, float32 products and sums). x_TK [T, C * D], fn_MK float32 [M, C * D] -> float32 [T, M]."""
+    return matmul_f32(x_TK.astype(jnp.float32), fn_MK) * mixes_rsqrt(x_TK, norm_eps)
+
+
 def mixes_reference(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int,
                     iters: int, hc_eps: float, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A hyper-connection's mixes from its flattened streams (v41_spec §8, ``dijax.model.hc.mixes``): raw =
-    (x @ fn.T) * ``mixes_rsqrt`` in float32 (exact bf16 -> float32 x, float32 products and sums), then
+    """A hyper-connection's mixes (v41_spec §8, ``dijax.model.hc.mixes``): ``mixes_raw``, then
     ``split_reference``. x_TK bf16 [T, C * D], fn_MK float32 [M, C * D] -> (pre [T, C], post [T, C], comb
     [T, C, C]) float32."""
-    projected = jnp.einsum("tk,mk->tm", x_TK.astype(jnp.float32), fn_MK, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
-    return split_reference(projected * mixes_rsqrt(x_TK, norm_eps), scale_3, base_M, hc_mult, iters, hc_eps)
+    return split_reference(mixes_raw(x_TK, fn_MK, norm_eps), scale_3, base_M, hc_mult, iters, hc_eps)
 
 
 MIXES_CHUNK = 64  # K columns a step of mixes_pallas' projection kernel at up to 16 tokens (its operands' multiple)
@@ -328,7 +337,7 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
     c = hc_mult
     (t, k), m = x_TK.shape, fn_MK.shape[0]
     if t == 0:
-        return jnp.zeros((0, c), jnp.float32), jnp.zeros((0, c), jnp.float32), jnp.zeros((0, c, c), jnp.float32)
+        return _parts(jnp.zeros((m, 0), jnp.float32), 0, c)
     if t > MIXES_MAX_TOKENS or k % MIXES_CHUNK or m != (2 + c) * c:
         raise ValueError(f"mixes_pallas: T {t} must be at most {MIXES_MAX_TOKENS}, K {k} a multiple of "
                          f"{MIXES_CHUNK} and M {m} equal to (2 + C) * C = {(2 + c) * c}")
@@ -347,8 +356,7 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
                             interpret=interpret,
                             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
         part_SPN, scale_3.astype(jnp.float32), base_M.astype(jnp.float32))
-    out_TM = out_PN[:m, :t].T
-    return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(t, c, c)
+    return _parts(out_PN, t, c)
 
 
 _IMPLEMENTATIONS = {"reference": split_reference, "pallas": split_pallas}

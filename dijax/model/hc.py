@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dijax.model.layers import large_step, matmul_f32, matmul_f32_weight, param
+from dijax.model.layers import large_step, matmul_f32_weight, param
 from dijax.kernels import sinkhorn
 from dijax.kernels.numerics import sum_in_order
 
@@ -25,10 +25,9 @@ def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Ar
     if sinkhorn_impl == "pallas" and sinkhorn.fused_mixes(flat.shape[0]):
         return sinkhorn.mixes_pallas(flat, fn_MX, scale_3, base_M, hc_mult, iters, hc_eps, norm_eps)
     if flat.dtype == jnp.bfloat16 and large_step(flat.shape[0]):
-        projected = matmul_f32_weight(flat, fn_MX)
+        raw = matmul_f32_weight(flat, fn_MX) * sinkhorn.mixes_rsqrt(flat, norm_eps)
     else:
-        projected = matmul_f32(flat.astype(jnp.float32), fn_MX)
-    raw = projected * sinkhorn.mixes_rsqrt(flat, norm_eps)
+        raw = sinkhorn.mixes_raw(flat, fn_MX, norm_eps)
     return sinkhorn.split(raw, scale_3, base_M, hc_mult, iters, hc_eps, impl=sinkhorn_impl)
 
 

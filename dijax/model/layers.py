@@ -21,9 +21,8 @@ from flax import nnx
 
 from dijax.kernels import numerics, quant
 from dijax.kernels.fp8_linear import fp8_linear, fp8_linears
+from dijax.kernels.numerics import matmul_f32
 from dijax.kernels.quant import FP4_BLOCK, FP8_BLOCK
-
-HIGHEST = jax.lax.Precision.HIGHEST
 
 LOGICAL_AXES = {
     "period": "repeat of a stage's period of layers (stacked, scanned)",
@@ -80,11 +79,6 @@ def IN_PLACE(path, variable) -> bool:
 def values(module: nnx.Module) -> dict:
     """A module's parameters as the plain nested dict of arrays the functional code takes (checkpoint names)."""
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
-
-
-def matmul_f32(x: jax.Array, w_OI: jax.Array) -> jax.Array:
-    """``x @ w_OI.T`` with exact products and float32 accumulation. x: [..., I], w: [O, I] -> float32 [..., O]."""
-    return jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
 def matmul_f32_weight(x: jax.Array, w_OI: jax.Array) -> jax.Array:
