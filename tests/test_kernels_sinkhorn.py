@@ -144,9 +144,12 @@ def test_fused_mixes_take_what_they_can():
         sk.mixes_pallas(x[:, :1000], fn[:, :1000], scale, base, 4, 20, 1e-6, 1e-6)
     empty = sk.mixes_pallas(x[:0], fn, scale, base, 4, 20, 1e-6, 1e-6, interpret=True)
     assert [e.shape for e in empty] == [(0, 4), (0, 4), (0, 4, 4)]
-    assert not sk.fused_mixes(1)  # off by default until it has run on a GPU
-    on = sk.SinkhornConfig(fused_mixes_max_tokens=64)
-    assert sk.fused_mixes(64, on) and not sk.fused_mixes(65, on) and not sk.fused_mixes(0, on)
+    # by default: decode steps of up to 16 tokens of streams up to 4096 wide (the tiny model's, not flash-slice's)
+    assert sk.fused_mixes(1, 1024) and sk.fused_mixes(16, 4096)
+    assert not sk.fused_mixes(17, 1024) and not sk.fused_mixes(1, 20480) and not sk.fused_mixes(0, 1024)
+    on = sk.SinkhornConfig(fused_mixes_max_tokens=64, fused_mixes_max_width=20480)
+    assert sk.fused_mixes(64, 20480, on) and not sk.fused_mixes(65, 1024, on) and not sk.fused_mixes(1, 20481, on)
+    assert not sk.fused_mixes(1, 1024, sk.SinkhornConfig(fused_mixes_max_tokens=0))
 
 
 def test_model_mixes_take_the_fused_kernel_when_on(monkeypatch):
@@ -157,9 +160,13 @@ def test_model_mixes_take_the_fused_kernel_when_on(monkeypatch):
     calls = []
     fused = sk.mixes_pallas
     monkeypatch.setattr(sk, "mixes_pallas", lambda *a, **k: calls.append(a[0].shape) or fused(*a, **k))
+    monkeypatch.setattr(sk, "CONFIG", sk.SinkhornConfig(fused_mixes_max_tokens=0))
     want = hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
     assert_split_close(hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6, sinkhorn_impl="pallas"), want)
     assert calls == []
+    monkeypatch.setattr(sk, "CONFIG", sk.SinkhornConfig(fused_mixes_max_tokens=16, fused_mixes_max_width=1023))
+    assert_split_close(hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6, sinkhorn_impl="pallas"), want)
+    assert calls == []  # too wide
     monkeypatch.setattr(sk, "CONFIG", sk.SinkhornConfig(fused_mixes_max_tokens=16))
     assert_split_close(hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6, sinkhorn_impl="pallas"), want,
                        rtol=MIXES_RTOL)

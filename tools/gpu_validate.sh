@@ -70,17 +70,13 @@
 #   mgpu-attn-time  sparse attention's rows and variants by GPU kernel time, then by wall time;
 #   mgpu-flash  flash-slice decode at batch 1 / 64 and prefill 8192 with the defaults, then with every engine
 #            'triton' (TRITON_SETTINGS);
-#   stream-probe  (thirty-fifth session, not yet run; ~60 s) tools/stream_probe.py: a Mosaic GPU pipeline that only
-#            streams the routed experts' words, in their stored layout (64-byte pieces of rows 2560 bytes apart) and
-#            in a tiled one (each step's 8 KB contiguous), beside XLA's reduction of the same words: whether the
-#            layout bounds fp4_wgmma's ~1.0-1.1 TB/s at decode;
-#   prepared  (thirty-fifth session, not yet run; ~380 s) the two prepared changes, off by default: the hyper-
-#            connection mixes in two launches (sinkhorn.mixes_pallas, SinkhornConfig.fused_mixes_max_tokens) and the fp8
-#            linear's scale blocks read in place (fp8_linear mgpu_block_scales): their GPU tests, GPU parity with
-#            both on (tiny-nodrop model, --chunk 7 and engine, tiny) side by side, then the tiny decode rows at batch 1 and 64
-#            with the mixes on and off; prepared-flash (~400 s) flash-slice's decode rows at batch 1 and 64 with
-#            neither, the mixes, and the scale blocks (deviceless launches: flash-slice B=1 478 -> 419 and B=64
-#            676 -> 645 with the mixes, B=64 676 -> 623 with the scale blocks; tiny B=1 473 -> 442, B=64 680 -> 685);
+#   stream-probe  (~60 s) tools/stream_probe.py: a Mosaic GPU pipeline that only streams the routed experts' words,
+#            in their stored layout (64-byte pieces of rows 2560 bytes apart) and in a tiled one (each step's 8 KB
+#            contiguous), beside XLA's reduction of the same words (thirty-sixth session, H100: tiles 1.24 TB/s at 8
+#            stages against the stored rows' 1.06 at 4, XLA 1.42; fp4_wgmma itself streamed 1.5-2.0 under ncu);
+#   mixes-ab  (~200 s) the tiny decode rows at batch 1, 16 and 64 with the hyper-connection mixes in two launches
+#            (sinkhorn.mixes_pallas: on by default since the thirty-sixth session up to 16 tokens and width 4096), off,
+#            and on up to 128 tokens, alternating over two rounds;
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64;
@@ -101,7 +97,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="stream-probe|prepared|prepared-flash|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="stream-probe|mixes-ab|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -162,23 +158,17 @@ parity_summary() {  # the parity outputs named, each one's header and its tier /
 case "$stage" in
   stream-probe)
     run 150 python3 tools/stream_probe.py ;;
-  prepared)
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    tree_with on sinkhorn "    fused_mixes_max_tokens: int = 0" "    fused_mixes_max_tokens: int = 128" \
-      fp8_linear "    mgpu_block_scales: bool = False" "    mgpu_block_scales: bool = True"
-    checks_with $sub/tree-on 280 tests/gpu/test_sinkhorn_gpu.py tests/gpu/test_fp8_wgmma_gpu.py
-    unset XLA_PYTHON_CLIENT_PREALLOCATE
-    mixes="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
-    for setting in "" "$mixes"; do
-      run 60 python3 tools/bench.py --kernels on --decode-batch 1,64 --context 256 --prefill= --block-size 16 \
-        --engine off --warmup 5 --iters 20 $setting
-    done ;;
-  prepared-flash)
-    mixes="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
-    blocks="--kernel-setting fp8_linear.CONFIG.mgpu_block_scales=True"
-    for setting in "" "$mixes" "$blocks"; do
-      run 130 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
-        --engine off --warmup 3 --iters 10 $setting
+  mixes-ab)
+    # (~200 s) the tiny decode rows at batch 1, 16 and 64 with the hyper-connection mixes in two launches (on by
+    # default since the thirty-sixth session for steps of up to 16 tokens of streams up to 4096 wide) and off,
+    # alternating, two rounds (the second loads its executables from a persistent compilation cache): the default
+    # rests on one pair of runs at batch 1 (docs/benchmarks.md)
+    export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-mixes-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+    off="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=0"
+    wide="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
+    for setting in "$off" "" "$wide" "$off" "" "$wide"; do
+      run 60 python3 tools/bench.py --kernels on --decode-batch 1,16,64 --context 256 --prefill= --block-size 16 \
+        --engine off --warmup 5 --iters 30 $setting
     done ;;
   tests)
     # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
@@ -382,8 +372,11 @@ case "$stage" in
     # it streams its weights at 28-35 % of the bytes floor (T = 1: 89.7 us, T = 64: 2.85 ms a layer, thirty-first
     # session): stall reasons, bytes in flight, issue rate. The details page comes back whole ($out/ncu-mgpu.txt).
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    # (thirty-sixth session: without a kernel filter the 60 launches profiled were all the inputs' fusions; Mosaic
+    # GPU names a kernel after its Python function, here "kernel_mosaic_gpu_kernel")
     run 280 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-      --section WarpStateStats --section SchedulerStats --section LaunchStats -c 60 -o "$out/ncu-mgpu" \
+      --section WarpStateStats --section SchedulerStats --section LaunchStats -k regex:^kernel_mosaic_gpu -c 12 \
+      -o "$out/ncu-mgpu" \
       python3 tools/profile_routed.py 1:ragged 64:ragged --config "{'mgpu_min_assignments': 0}"
     ncu --import "$out/ncu-mgpu.ncu-rep" --page details > "$out/ncu-mgpu.txt" 2>&1
     grep -E "^  [A-Za-z_]|Duration|Memory Throughput|Registers Per|Achieved Occupancy|Cycles Per Issued|Stall" \

@@ -35,8 +35,8 @@ The mixes themselves (``mixes_reference``: the projection of a token's C * D str
 statistic, then the split) run in XLA around the split kernel: 7-8 launches a hyper-connection at decode sizes.
 ``mixes_pallas`` takes a decode step's (up to ``MIXES_MAX_TOKENS`` tokens) in two: a projection kernel whose
 programs each take a part of K (fp32 products and sums, the sums of squares in the same pass), then the split
-kernel with a prologue that adds the parts in order and applies the statistic and the affine. It is off by default
-(``SinkhornConfig.fused_mixes_max_tokens``) until it has run on a GPU.
+kernel with a prologue that adds the parts in order and applies the statistic and the affine. It runs where it paid
+on an H100: decode steps of up to 16 tokens of streams up to 4096 values wide (``SinkhornConfig``).
 
 Letters: T tokens, C hc copies, M = (2 + C) * C mix entries, P = M rounded up to a power of two (Triton's block),
 K = C * D stream values of a token, S parts of K, N token columns (T rounded up to a power of two, at least 16).
@@ -69,10 +69,14 @@ class SinkhornConfig:
     test_sinkhorn_gpu.py); on the H200 the fast form of the rounds-only kernel took 41-51 us a launch against 52-58
     (``tools/bench_kernels.py --only sinkhorn``, docs/benchmarks.md), so it is the default."""
     fast_divide: bool = True
-    # mixes_pallas (the projection, its RMS statistic and the split in two launches) for steps of up to this many
-    # tokens (at most MIXES_MAX_TOKENS); 0: off. Off until it has run on a GPU (thirty-fifth session: prepared on
-    # the CPU, interpreted and built for sm_90 there).
-    fused_mixes_max_tokens: int = 0
+    # mixes_pallas (the projection, its RMS statistic and the split in two launches) for steps of up to
+    # fused_mixes_max_tokens tokens (at most MIXES_MAX_TOKENS; 0: off) whose streams are at most
+    # fused_mixes_max_width values (C * D) wide. Thirty-sixth session, on an H100 (docs/benchmarks.md): tiny (C * D
+    # = 1024) decode B=1 1.97 -> 1.58 ms back to back with it on, while at flash-slice's width (20480) its 32
+    # projection programs lost to XLA's split-K GEMM (B=1 3.27 -> 3.60 ms, B=64 19.61 -> 20.20 ms); at tiny's B=64
+    # XLA's own path is already short (deviceless: 680 -> 685 launches with it on).
+    fused_mixes_max_tokens: int = 16
+    fused_mixes_max_width: int = 4096
 
 
 CONFIG = SinkhornConfig()
@@ -275,9 +279,12 @@ MIXES_MAX_SPLITS = 32  # its programs (each a part of K), a power of two
 MIXES_MAX_TOKENS = BLOCK_T  # its split runs as one program
 
 
-def fused_mixes(tokens: int, config: SinkhornConfig | None = None) -> bool:
-    """Whether ``mixes_pallas`` takes a step of ``tokens`` tokens (``SinkhornConfig.fused_mixes_max_tokens``)."""
-    return 0 < tokens <= min((config or CONFIG).fused_mixes_max_tokens, MIXES_MAX_TOKENS)
+def fused_mixes(tokens: int, width: int, config: SinkhornConfig | None = None) -> bool:
+    """Whether ``mixes_pallas`` takes a step of ``tokens`` tokens whose streams are ``width`` (C * D) values wide
+    (``SinkhornConfig.fused_mixes_max_tokens`` and ``fused_mixes_max_width``)."""
+    config = config or CONFIG
+    return (0 < tokens <= min(config.fused_mixes_max_tokens, MIXES_MAX_TOKENS)
+            and width <= config.fused_mixes_max_width)
 
 
 def project_tiling(n: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Ar
     (pre [T, C], post [T, C], comb [T, C, C]) float32 (``dijax.kernels.sinkhorn.split``, by ``sinkhorn_impl``).
     With the Sinkhorn kernel, a step ``sinkhorn.fused_mixes`` takes runs all of it as ``sinkhorn.mixes_pallas``."""
     flat = x_TCD.reshape(x_TCD.shape[0], -1)
-    if sinkhorn_impl == "pallas" and sinkhorn.fused_mixes(flat.shape[0]):
+    if sinkhorn_impl == "pallas" and sinkhorn.fused_mixes(*flat.shape):
         return sinkhorn.mixes_pallas(flat, fn_MX, scale_3, base_M, hc_mult, iters, hc_eps, norm_eps)
     if flat.dtype == jnp.bfloat16 and large_step(flat.shape[0]):
         raw = matmul_f32_weight(flat, fn_MX) * sinkhorn.mixes_rsqrt(flat, norm_eps)
