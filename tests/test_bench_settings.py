@@ -1,5 +1,5 @@
 """tools/bench.py ``--kernel-setting``: A/B runs of a kernel module's constant or CONFIG field set before the step
-is traced, with a clear error naming the allowed settings for anything else."""
+is traced, with a clear error naming the allowed settings for anything else; the floors' ceilings by device kind."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from dijax.kernels import routed_experts, topk
 from tools.bench import apply_kernel_settings
+from tools.ceilings import ceilings
 
 pytestmark = pytest.mark.cost(2)  # CI seconds, a scheduling hint (tests/conftest.py)
 
@@ -36,3 +37,13 @@ def test_refuses_what_it_cannot_set(monkeypatch, setting, message):
     with pytest.raises(SystemExit, match=message):
         apply_kernel_settings([setting])
     assert topk.SELECT_MIN_VALUES == 1 << 16
+
+
+def test_ceilings_follow_the_device_kind():
+    """bench.py's and bench_kernels.py's floors use the ceilings measured on the device's kind (tools/ceilings.py),
+    and a device of no measured kind gets the H200's with a source that says so."""
+    h100, h200 = ceilings("NVIDIA H100 80GB HBM3"), ceilings("NVIDIA H200")
+    assert (h100.bandwidth, h100.flops) == (3.0e12, 7.98e14) and "H100" in h100.source
+    assert (h200.bandwidth, h200.flops) == (4.3e12, 7.9e14) and "H200" in h200.source
+    other = ceilings("cpu")
+    assert other[:2] == h200[:2] and "none measured for 'cpu'" in other.source

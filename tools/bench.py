@@ -20,8 +20,9 @@ Models: ``tiny`` (the embedded default, random weights) and ``flash-slice``: Dee
 map and Engram tables cut to ~2.4M rows (the lookup reads 24 rows per token whatever the table size).
 ``flash-stack``: the same with 8 layers, three of them one stacked, scanned run, as the real model's layers run.
 
-Ceilings default to those measured on an H200 of this workplace (device README KINDS.md: 4.3 TB/s copy, 790
-TFLOP/s bf16 matrix product); pass ``--bandwidth`` / ``--flops`` for other hardware.
+Ceilings default to those measured on a machine of the device's kind (``tools/ceilings.py``: an H200 4.3 TB/s
+copy and 790 TFLOP/s bf16 matrix product, an H100 3.0 TB/s and 798; other devices get the H200's, and the header
+says so); ``--bandwidth`` / ``--flops`` override them.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from dijax.runtime.llm_engine import LLMEngine  # noqa: E402
 from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS, ModelRunner  # noqa: E402
 from dijax.runtime.sampling_params import SamplingParams  # noqa: E402
 from dijax.runtime.step_timeline import PHASES, summarize  # noqa: E402
+from tools.ceilings import ceilings  # noqa: E402
 from tools.hlo_kernels import LAUNCHING, computations, opcode  # noqa: E402
 
 FLASH_SLICE = {  # v41_spec §1 values; layer roles 0-6 mirror layers 0, 1, 2, 3, 20, 24, 25 of the release
@@ -496,8 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-tokens", type=int, default=64, help="engine rows: output tokens per request")
     parser.add_argument("--engine", choices=("on", "off"), default="on",
                         help="also time LLM.generate on --model with ZOS on and off (--engine-batch prompts)")
-    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s ceiling (H200 copy: 4.3e12)")
-    parser.add_argument("--flops", type=float, default=7.9e14, help="FLOP/s ceiling (H200 bf16 GEMM: 7.9e14)")
+    parser.add_argument("--bandwidth", type=float, help="bytes/s ceiling (default: the device's measured copy, "
+                                                          "tools/ceilings.py; H200 4.3e12, H100 3.0e12)")
+    parser.add_argument("--flops", type=float, help="FLOP/s ceiling (default: the device's measured bf16 GEMM; "
+                                                      "H200 7.9e14, H100 7.98e14)")
     parser.add_argument("--moe-path", choices=("auto", "ragged", "gathered"), default="auto",
                         help="routed-experts path: auto (gathered when T*X < E) or forced, for A/B comparisons")
     add_model_options(parser)  # --kernels (run once with each to compare) and --ep
@@ -521,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
 
         routed_experts.routed_path = lambda n_assignments, n_experts: args.moe_path
     device = jax.devices()[0]
+    measured = ceilings(device.device_kind)
+    args.bandwidth = args.bandwidth or measured.bandwidth
+    args.flops = args.flops or measured.flops
+    source = measured.source if (args.bandwidth, args.flops) == measured[:2] else "given"
     longest = max([c + 1 for c in args.context] + args.prefill)
     if args.max_model_len and min(args.max_model_len) < longest:
         raise SystemExit(f"--max-model-len {min(args.max_model_len)} is below the longest sequence of the cases "
@@ -530,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
               f" | ep {args.ep} | step XLA options {STEP_COMPILER_OPTIONS} | kernel settings {settings or 'default'}"
               f" | sampling {args.sampling}"
               f" | warm-up {args.warmup}, median of {args.iters}"
-              f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s")
+              f" | ceilings {args.bandwidth / 1e12:.2g} TB/s, {args.flops / 1e12:.0f} TFLOP/s ({source})")
     print(header, flush=True)
     start = time.perf_counter()
     cfg, params, consts = load_model(args.model, args.experts, args.ep)

@@ -28,9 +28,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tools import trace_summary  # noqa: E402
+from tools.ceilings import FALLBACK, MEASURED, ceilings  # noqa: E402
 
-BANDWIDTH = 4.3e12
-MATRIX_RATE = 790e12  # the bf16 matrix product measured on the H200 (docs/benchmarks.md's ceilings)
+# the floors' ceilings: the H200's until main() sets the device's (tools/ceilings.py)
+BANDWIDTH, MATRIX_RATE = MEASURED[FALLBACK][:2]
 
 
 def time_call(fn, *args, iters: int = 20, repeats: int = 5, device: bool = False) -> float:
@@ -841,7 +842,11 @@ def main() -> None:
     if args.timing == "device" and jax.default_backend() != "gpu":
         raise SystemExit(f"--timing device reads GPU kernels from a profiler trace; the backend is "
                          f"{jax.default_backend()} (use --timing wall)")
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, timing: {args.timing}")
+    global BANDWIDTH, MATRIX_RATE
+    measured = ceilings(jax.devices()[0].device_kind)
+    BANDWIDTH, MATRIX_RATE = measured.bandwidth, measured.flops
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, timing: {args.timing}, ceilings "
+          f"{BANDWIDTH / 1e12:.2g} TB/s, {MATRIX_RATE / 1e12:.0f} TFLOP/s ({measured.source})")
     # a second of matrix work first, so that the first rows are not timed at idle clocks
     warm = jnp.ones((4096, 4096), jnp.bfloat16)
     time_call(jax.jit(lambda a: a @ a), warm, iters=200, repeats=1)
