@@ -108,3 +108,20 @@ def test_random_codes_are_drawn_one_at_a_time_as_they_are_placed(monkeypatch):
     want = random_codes_params(cfg, seed=3)  # the same values whichever path placed them
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_random_codes_compile_one_program_a_kind_and_shape(monkeypatch):
+    """Each dense tensor is drawn by one jitted program keyed on its layer-free name and shape, so the layers share
+    their compilations (eager draws compiled every operation for every shape: flash-slice's load on a fresh H100
+    took 151 s, thirty-sixth session); the tensors drawn that way still differ from layer to layer."""
+    cfg = ModelConfig.from_file(os.path.join(ASSETS, "config.json"))
+    kinds = []
+    traced = random_init._dense_codes
+    monkeypatch.setattr(random_init, "_dense_codes", lambda kind, *a: kinds.append(kind) or traced(kind, *a))
+    traced.clear_cache()
+    drawn = {name: np.asarray(d.make()) for name, d in random_codes(cfg, seed=5) if d.dtype != np.uint8}
+    dense = [n for n in drawn if n.startswith("layers.") and n.endswith("attn_norm.weight")]
+    assert len(dense) == cfg.n_layers and "layers.L.attn_norm.weight" in kinds
+    assert all(not k.startswith("layers.") or k.startswith("layers.L.") for k in kinds)
+    assert traced._cache_size() < len(kinds)  # layers of one shape and kind share a compilation
+    assert not np.array_equal(drawn[dense[0]], drawn[dense[1]])  # each layer its own key

@@ -7,6 +7,7 @@ stable: Linear weights N(0, 1/in) with a few gains, an embedding of std 3, a hea
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import jax
@@ -218,17 +219,25 @@ def random_codes(cfg: ModelConfig, seed: int = 0):
             yield name, Deferred(shape, np.dtype(jnp.bfloat16), partial(_wo_a, key, shape))
         else:
             dtype = jnp.float32 if s.dtypes[0] == "F32" else jnp.bfloat16
-            yield name, Deferred(shape, np.dtype(dtype), partial(_dense_codes, name, shape, key, cfg, dtype))
+            kind = re.sub(r"^layers\.\d+\.", "layers.L.", name)  # what _dense reads of the name: one program a shape
+            yield name, Deferred(shape, np.dtype(dtype), partial(_dense_codes, kind, shape, key, cfg, dtype))
 
 
+# Each maker below is one jitted program, compiled once for each shape (and kind) it draws: eagerly, every operation
+# of a draw compiled on its own for every shape, and on a fresh H100 flash-slice's draw took 151 s (92-97 s with
+# those compilations in a persistent cache; thirty-sixth session).
+@partial(jax.jit, static_argnums=1)
 def _wo_a(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return _KeyDraws(key).normal(0.0, 1 / np.sqrt(shape[1]), shape).astype(jnp.bfloat16)
 
 
-def _dense_codes(name: str, shape: tuple[int, ...], key: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
-    return _dense(name, shape, _KeyDraws(key), cfg, _gain(name)).astype(dtype)
+@partial(jax.jit, static_argnums=(0, 1, 3, 4))
+def _dense_codes(kind: str, shape: tuple[int, ...], key: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
+    """``_dense``'s tensor of the name ``kind`` (a layer's name with its index as ``L``), in ``dtype``."""
+    return _dense(kind, shape, _KeyDraws(key), cfg, _gain(kind)).astype(dtype)
 
 
+@partial(jax.jit, static_argnums=1)
 def _fp8_codes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Uniformly random e4m3 codes with exponent fields 0..7 (magnitudes below 2, no NaN)."""
     return jax.lax.bitcast_convert_type(random_bytes(key, shape) & 0xBF, jnp.float8_e4m3fn)
