@@ -62,6 +62,14 @@ def test_sinkhorn_rows_keep_their_rounds():
     assert rows and all("20 iterations" in row["shape"] for row in rows)
 
 
+def test_mixes_rows_agree_and_time_both_paths():
+    """The hyper-connection mixes rows run XLA's path and mixes_pallas (interpreted here) on the same streams, and
+    the two agree (a MISMATCH label would say they do not)."""
+    rows = bench_kernels.mixes_rows(tokens=(3,), widths=(1024,), calls=2, iters=1, repeats=1)
+    assert [row["impl"] for row in rows] == ["XLA projection + split kernel", "mixes_pallas"]
+    assert all(row["us"] > 0 and "C * D=1024" in row["shape"] for row in rows)
+
+
 def test_rows_filter_keeps_the_named_rows():
     configs = [("pallas", 1), ("pallas 2 splits", 2), ("mgpu", 3), ("mgpu split scores", 4)]
     assert bench_kernels.kept(configs, ("mgpu",)) == [("mgpu", 3), ("mgpu split scores", 4)]

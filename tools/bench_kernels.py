@@ -756,6 +756,36 @@ def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, rounds: int = 20, sweep: boo
     return out
 
 
+def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int = 20, sweep: bool = False,
+               calls: int = 14, rtol: float = 1e-4, **timing) -> list[dict]:
+    """A hyper-connection's mixes at the tiny model's stream width (C * D = 1024) and flash-slice's (20480): XLA's
+    projection and RMS statistic with the split kernel (``sinkhorn.mixes_raw`` then ``split``, the path
+    ``SinkhornConfig`` leaves outside its range) against ``mixes_pallas``' two launches. One jitted call runs
+    ``calls`` of them on one token block, each with its own weight (a step's 14 hyper-connections at flash-slice's
+    7 layers). A row further than ``rtol`` (tests' MIXES_RTOL) from the XLA path is marked MISMATCH. Floor: the
+    streams and the weight read once."""
+    from dijax.kernels import sinkhorn as sk
+
+    out = []
+    m = (2 + c) * c
+    scale, base = jnp.array([0.5, 1.5, 2.0], jnp.float32), jnp.zeros((m,), jnp.float32)
+    xla = repeated(lambda x, fn: sk.split(sk.mixes_raw(x, fn, 1e-6), scale, base, c, rounds, 1e-6, impl="pallas"))
+    fused = repeated(lambda x, fn: sk.mixes_pallas(x, fn, scale, base, c, rounds, 1e-6, 1e-6))
+    for k in widths:
+        fns = [jax.random.normal(jax.random.key(k + i), (m, k), jnp.float32) / np.sqrt(k) for i in range(calls)]
+        for t in tokens:
+            x = jax.random.normal(jax.random.key(t), (t, k), jnp.float32).astype(jnp.bfloat16)
+            shape, floor_bytes = f"T={t}, C * D={k}, C={c}", t * k * 2 + fns[0].size * 4
+            close = all(np.allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=1e-6)
+                        for gs, ws in zip(fused(x, fns), xla(x, fns)) for g, w in zip(gs, ws))
+            base_s = time_call(xla, x, fns, **timing) / calls
+            out.append(_row("hc mixes", shape, "XLA projection + split kernel", base_s, floor_bytes, None))
+            seconds = time_call(fused, x, fns, **timing) / calls
+            out.append(_row("hc mixes", shape, "mixes_pallas" + ("" if close else " MISMATCH"), seconds, floor_bytes,
+                            base_s))
+    return out
+
+
 def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: int = 6, sweep: bool = False,
                 calls: int = 16, **timing) -> list[dict]:
     """The MoE router's selection (top-6 of 384, ids ascending, renormalised weights): ``route_reference`` (XLA's
@@ -812,7 +842,7 @@ def parse_change(text: str) -> dict:
 
 BENCHES = {"topk": topk_rows, "index_topk": index_topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
            "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "fp8_linears": fp8_linears_rows,
-           "xla_gemm": xla_gemm_rows, "sinkhorn": sinkhorn_rows, "router": router_rows,
+           "xla_gemm": xla_gemm_rows, "sinkhorn": sinkhorn_rows, "mixes": mixes_rows, "router": router_rows,
            "fp4_wgmma": fp4_wgmma_rows}
 
 

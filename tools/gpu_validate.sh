@@ -74,9 +74,10 @@
 #            in their stored layout (64-byte pieces of rows 2560 bytes apart) and in a tiled one (each step's 8 KB
 #            contiguous), beside XLA's reduction of the same words (thirty-sixth session, H100: tiles 1.24 TB/s at 8
 #            stages against the stored rows' 1.06 at 4, XLA 1.42; fp4_wgmma itself streamed 1.5-2.0 under ncu);
-#   mixes-ab  (~200 s) the tiny decode rows at batch 1, 16 and 64 with the hyper-connection mixes in two launches
-#            (sinkhorn.mixes_pallas: on by default since the thirty-sixth session up to 16 tokens and width 4096), off,
-#            and on up to 128 tokens, alternating over two rounds;
+#   mixes-ab  (~300 s) the hyper-connection mixes alone (bench_kernels --only mixes: both widths, GPU kernel time),
+#            then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches (sinkhorn.mixes_pallas: on
+#            by default since the thirty-sixth session up to 16 tokens and width 4096), off, and on up to 128 tokens,
+#            alternating over two rounds;
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64;
@@ -159,10 +160,14 @@ case "$stage" in
   stream-probe)
     run 150 python3 tools/stream_probe.py ;;
   mixes-ab)
-    # (~200 s) the tiny decode rows at batch 1, 16 and 64 with the hyper-connection mixes in two launches (on by
+    # (~300 s) the tiny decode rows at batch 1, 16 and 64 with the hyper-connection mixes in two launches (on by
     # default since the thirty-sixth session for steps of up to 16 tokens of streams up to 4096 wide) and off,
     # alternating, two rounds (the second loads its executables from a persistent compilation cache): the default
     # rests on one pair of runs at batch 1 (docs/benchmarks.md)
+    # first the mixes alone at both widths by GPU kernel time (bench_kernels: 14 a jitted call, as in a
+    # flash-slice step): whether the split kernel's prologue loading 8 parts at once (thirty-sixth session, not yet
+    # run) brings mixes_pallas under XLA's path at flash-slice's width
+    run 150 python3 tools/bench_kernels.py --only mixes --timing device --iters 10 --repeats 3
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-mixes-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     off="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=0"
     wide="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"

@@ -35,8 +35,8 @@ The mixes themselves (``mixes_reference``: the projection of a token's C * D str
 statistic, then the split) run in XLA around the split kernel: 7-8 launches a hyper-connection at decode sizes.
 ``mixes_pallas`` takes a decode step's (up to ``MIXES_MAX_TOKENS`` tokens) in two: a projection kernel whose
 programs each take a part of K (fp32 products and sums, the sums of squares in the same pass), then the split
-kernel with a prologue that adds the parts in order and applies the statistic and the affine. It runs where it paid
-on an H100: decode steps of up to 16 tokens of streams up to 4096 values wide (``SinkhornConfig``).
+kernel with a prologue that adds the parts in a fixed order and applies the statistic and the affine. It runs where
+it paid on an H100: decode steps of up to 16 tokens of streams up to 4096 values wide (``SinkhornConfig``).
 
 Letters: T tokens, C hc copies, M = (2 + C) * C mix entries, P = M rounded up to a power of two (Triton's block),
 K = C * D stream values of a token, S parts of K, N token columns (T rounded up to a power of two, at least 16).
@@ -277,6 +277,10 @@ def mixes_reference(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_
 MIXES_CHUNK = 64  # K columns a step of mixes_pallas' projection kernel at up to 16 tokens (its operands' multiple)
 MIXES_MAX_SPLITS = 32  # its programs (each a part of K), a power of two
 MIXES_MAX_TOKENS = BLOCK_T  # its split runs as one program
+# parts the split kernel's prologue loads at once at up to 16 tokens (fewer at more): one dependent load a part
+# made the sum of flash-slice's 32 parts a chain of 32 loads (thirty-sixth session: the kernel pair lost ~24 us a
+# hyper-connection to XLA's path there; how much of it was this chain is not measured)
+PARTS_AT_ONCE = 8
 
 
 def fused_mixes(tokens: int, width: int, config: SinkhornConfig | None = None) -> bool:
@@ -319,10 +323,16 @@ def _project_kernel(x_ref, fn_ref, out_ref, *, t: int, m: int, chunks: int, chun
 
 
 def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: int, norm_eps: float, **split):
-    """The projection kernel's parts summed in order, the RMS statistic, the affine, then ``_split_block``."""
+    """The projection kernel's parts summed (``PARTS_AT_ONCE`` at a time, in a fixed order), the RMS statistic, the
+    affine, then ``_split_block``."""
     c, n = split["c"], out_ref.shape[1]
-    total = lax.fori_loop(0, part_ref.shape[0], lambda s, acc: [a + part_ref[s, e, :] for e, a in enumerate(acc)],
-                          [jnp.zeros((n,), jnp.float32)] * (m + 1))
+    block = min(part_ref.shape[0], max(1, PARTS_AT_ONCE * 16 // n))
+
+    def add(b, acc):
+        parts = pl.ds(b * block, block)
+        return [a + jnp.sum(part_ref[parts, e, :], axis=0) for e, a in enumerate(acc)]
+
+    total = lax.fori_loop(0, part_ref.shape[0] // block, add, [jnp.zeros((n,), jnp.float32)] * (m + 1))
     mean_N = div_rn(total[m], jnp.full((n,), k, jnp.float32), split["interpret"])
     rsqrt_N = lax.rsqrt(mean_N + np.float32(norm_eps))
     scales = [scale_ref[0], scale_ref[1], scale_ref[2]]
