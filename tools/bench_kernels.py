@@ -760,7 +760,8 @@ def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int
                calls: int = 14, rtol: float = 1e-4, **timing) -> list[dict]:
     """A hyper-connection's mixes at the tiny model's stream width (C * D = 1024) and flash-slice's (20480): XLA's
     projection and RMS statistic with the split kernel (``sinkhorn.mixes_raw`` then ``split``, the path
-    ``SinkhornConfig`` leaves outside its range) against ``mixes_pallas``' two launches. One jitted call runs
+    ``SinkhornConfig`` leaves outside its range) against ``mixes_pallas``' two launches, its split kernel's
+    prologue loading one part of the projection at a time (the default) or 8. One jitted call runs
     ``calls`` of them on one token block, each with its own weight (a step's 14 hyper-connections at flash-slice's
     7 layers). A row further than ``rtol`` (tests' MIXES_RTOL) from the XLA path is marked MISMATCH. Floor: the
     streams and the weight read once."""
@@ -770,19 +771,24 @@ def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int
     m = (2 + c) * c
     scale, base = jnp.array([0.5, 1.5, 2.0], jnp.float32), jnp.zeros((m,), jnp.float32)
     xla = repeated(lambda x, fn: sk.split(sk.mixes_raw(x, fn, 1e-6), scale, base, c, rounds, 1e-6, impl="pallas"))
-    fused = repeated(lambda x, fn: sk.mixes_pallas(x, fn, scale, base, c, rounds, 1e-6, 1e-6))
+    variants = [(f"mixes_pallas, {parts} part{'s' * (parts > 1)} a load in the split's prologue",
+                 repeated(lambda x, fn, parts=parts: sk.mixes_pallas(
+                     x, fn, scale, base, c, rounds, 1e-6, 1e-6, config=sk.SinkhornConfig(mixes_parts_at_once=parts))))
+                for parts in (1, 8)]
     for k in widths:
         fns = [jax.random.normal(jax.random.key(k + i), (m, k), jnp.float32) / np.sqrt(k) for i in range(calls)]
         for t in tokens:
             x = jax.random.normal(jax.random.key(t), (t, k), jnp.float32).astype(jnp.bfloat16)
             shape, floor_bytes = f"T={t}, C * D={k}, C={c}", t * k * 2 + fns[0].size * 4
-            close = all(np.allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=1e-6)
-                        for gs, ws in zip(fused(x, fns), xla(x, fns)) for g, w in zip(gs, ws))
+            want = xla(x, fns)
             base_s = time_call(xla, x, fns, **timing) / calls
             out.append(_row("hc mixes", shape, "XLA projection + split kernel", base_s, floor_bytes, None))
-            seconds = time_call(fused, x, fns, **timing) / calls
-            out.append(_row("hc mixes", shape, "mixes_pallas" + ("" if close else " MISMATCH"), seconds, floor_bytes,
-                            base_s))
+            for label, fused in variants:
+                close = all(np.allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=1e-6)
+                            for gs, ws in zip(fused(x, fns), want) for g, w in zip(gs, ws))
+                seconds = time_call(fused, x, fns, **timing) / calls
+                out.append(_row("hc mixes", shape, label + ("" if close else " MISMATCH"), seconds, floor_bytes,
+                                base_s))
     return out
 
 

@@ -77,6 +77,19 @@ class SinkhornConfig:
     # XLA's own path is already short (deviceless: 680 -> 685 launches with it on).
     fused_mixes_max_tokens: int = 16
     fused_mixes_max_width: int = 4096
+    # parts of the projection the split kernel's prologue loads at once at up to 16 tokens (fewer at more). With
+    # one, flash-slice's 32 parts are a chain of 32 dependent loads: the kernel pair lost ~24 us a hyper-connection
+    # to XLA's path there (thirty-sixth session). 8 is built for sm_90 (no spills) and interpreted, not yet run on a
+    # GPU (`gpu_validate.sh mixes-ab`).
+    mixes_parts_at_once: int = 1
+
+    def __post_init__(self):
+        for name in ("fused_mixes_max_tokens", "fused_mixes_max_width"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SinkhornConfig.{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        parts = self.mixes_parts_at_once
+        if parts < 1 or parts & (parts - 1):
+            raise ValueError(f"SinkhornConfig.mixes_parts_at_once must be a power of two >= 1, got {parts}")
 
 
 CONFIG = SinkhornConfig()
@@ -277,10 +290,6 @@ def mixes_reference(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_
 MIXES_CHUNK = 64  # K columns a step of mixes_pallas' projection kernel at up to 16 tokens (its operands' multiple)
 MIXES_MAX_SPLITS = 32  # its programs (each a part of K), a power of two
 MIXES_MAX_TOKENS = BLOCK_T  # its split runs as one program
-# parts the split kernel's prologue loads at once at up to 16 tokens (fewer at more): one dependent load a part
-# made the sum of flash-slice's 32 parts a chain of 32 loads (thirty-sixth session: the kernel pair lost ~24 us a
-# hyper-connection to XLA's path there; how much of it was this chain is not measured)
-PARTS_AT_ONCE = 8
 
 
 def fused_mixes(tokens: int, width: int, config: SinkhornConfig | None = None) -> bool:
@@ -322,11 +331,12 @@ def _project_kernel(x_ref, fn_ref, out_ref, *, t: int, m: int, chunks: int, chun
     out_ref[...] = jnp.where(mix_P[:, None] == m, squares_N[None, :], acc_PN)
 
 
-def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: int, norm_eps: float, **split):
-    """The projection kernel's parts summed (``PARTS_AT_ONCE`` at a time, in a fixed order), the RMS statistic, the
-    affine, then ``_split_block``."""
+def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: int, norm_eps: float,
+                        parts_at_once: int, **split):
+    """The projection kernel's parts summed (``parts_at_once`` at up to 16 tokens, in a fixed order), the RMS
+    statistic, the affine, then ``_split_block``."""
     c, n = split["c"], out_ref.shape[1]
-    block = min(part_ref.shape[0], max(1, PARTS_AT_ONCE * 16 // n))
+    block = min(part_ref.shape[0], max(1, parts_at_once * 16 // n))
 
     def add(b, acc):
         parts = pl.ds(b * block, block)
@@ -368,7 +378,8 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
         out_shape=jax.ShapeDtypeStruct((splits, p, n), jnp.float32), interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2))(x_TK, fn_MK)
     kernel = functools.partial(_mixes_split_kernel, m=m, k=k, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0),
-                               eps=hc_eps, interpret=interpret, fast_divide=(config or CONFIG).fast_divide)
+                               eps=hc_eps, interpret=interpret, fast_divide=(config or CONFIG).fast_divide,
+                               parts_at_once=(config or CONFIG).mixes_parts_at_once)
     out_PN = pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((p, n), jnp.float32),
                             interpret=interpret,
                             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
