@@ -72,6 +72,14 @@ def test_mixes_rows_agree_and_time_both_paths():
     assert all(row["us"] > 0 and "C * D=1024" in row["shape"] for row in rows)
 
 
+def test_sampler_rows_time_the_step_sampler_each_mode_and_the_sort():
+    rows = bench_kernels.sampler_rows(rows=(2,), vocab=512, iters=1, repeats=1)
+    assert [row["impl"] for row in rows] == ["sample_packed (the step's: every mode, one selected)",
+                                             "greedy mode alone", "temperature mode alone", "sample mode alone",
+                                             "jnp.sort of the rows alone"]
+    assert all(row["us"] > 0 and row["shape"] == "R=2, V=512" for row in rows)
+
+
 def test_rows_filter_keeps_the_named_rows():
     configs = [("pallas", 1), ("pallas 2 splits", 2), ("mgpu", 3), ("mgpu split scores", 4)]
     assert bench_kernels.kept(configs, ("mgpu",)) == [("mgpu", 3), ("mgpu split scores", 4)]

@@ -792,6 +792,37 @@ def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int
     return out
 
 
+def sampler_rows(rows=(1, 16, 64), vocab: int = 129_280, sweep: bool = False, **timing) -> list[dict]:
+    """What the step's sampler costs at V4.1's vocabulary: ``sample_packed`` (the engine step's sampler, every mode
+    computed and one selected) against each mode alone and a bare descending sort of the rows (the ``sample``
+    mode's top-k / top-p; on the GPU a CUB radix sort the step's CUDA graph cannot hold). Rows sample at
+    temperature 0.8, top-p 0.95. Floor: the logits read once."""
+    from dijax.runtime import sampler
+    from dijax.runtime.sampling_params import SamplingParams
+
+    class Row:  # what sampling_inputs reads of a scheduled chunk
+        def __init__(self, i: int):
+            self.params, self.seed, self.output_position = SamplingParams(temperature=0.8, top_p=0.95), i, 7
+
+    out = []
+    for r in rows:
+        logits = jax.random.normal(jax.random.key(r), (r, vocab), jnp.float32) * 3
+        columns = tuple(jnp.asarray(c) for c in sampler.sampling_inputs([Row(i) for i in range(r)], r))
+        packed = jnp.asarray(sampler.StepSampling.of(tuple(np.asarray(c) for c in columns), "sample").packed_7R)
+        shape, floor_bytes = f"R={r}, V={vocab}", r * vocab * 4
+        base = time_call(jax.jit(sampler.sample_packed), logits, packed, **timing)
+        out.append(_row("sampler", shape, "sample_packed (the step's: every mode, one selected)", base, floor_bytes,
+                        None))
+        for mode in sampler.MODES:
+            fn = jax.jit(functools.partial(sampler.sample, mode=mode))
+            out.append(_row("sampler", shape, f"{mode} mode alone", time_call(fn, logits, *columns, **timing),
+                            floor_bytes, base))
+        sort = jax.jit(lambda x: jnp.sort(x, axis=-1))
+        out.append(_row("sampler", shape, "jnp.sort of the rows alone", time_call(sort, logits, **timing),
+                        floor_bytes, base))
+    return out
+
+
 def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: int = 6, sweep: bool = False,
                 calls: int = 16, **timing) -> list[dict]:
     """The MoE router's selection (top-6 of 384, ids ascending, renormalised weights): ``route_reference`` (XLA's
@@ -848,7 +879,8 @@ def parse_change(text: str) -> dict:
 
 BENCHES = {"topk": topk_rows, "index_topk": index_topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
            "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "fp8_linears": fp8_linears_rows,
-           "xla_gemm": xla_gemm_rows, "sinkhorn": sinkhorn_rows, "mixes": mixes_rows, "router": router_rows,
+           "xla_gemm": xla_gemm_rows, "sinkhorn": sinkhorn_rows, "mixes": mixes_rows, "sampler": sampler_rows,
+           "router": router_rows,
            "fp4_wgmma": fp4_wgmma_rows}
 
 

@@ -78,6 +78,9 @@
 #            then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches (sinkhorn.mixes_pallas: on
 #            by default since the thirty-sixth session up to 16 tokens and width 4096), off, and on up to 128 tokens,
 #            alternating over two rounds;
+#   sampler  (~60 s) the step's sampler at V4.1's vocabulary by GPU kernel time (bench_kernels --only sampler: the
+#            step's every-mode sampler, each mode alone, the bare sort), R = 1 / 16 / 64: the share of the vocabulary
+#            sort every decode step pays (a carried question: thirty-sixth session, not yet run);
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64;
@@ -98,7 +101,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="stream-probe|mixes-ab|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -175,6 +178,8 @@ case "$stage" in
       run 60 python3 tools/bench.py --kernels on --decode-batch 1,16,64 --context 256 --prefill= --block-size 16 \
         --engine off --warmup 5 --iters 30 $setting
     done ;;
+  sampler)
+    run 150 python3 tools/bench_kernels.py --only sampler --timing device --iters 10 --repeats 3 ;;
   tests)
     # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
     run 430 python3 -m pytest -q -ra tests/gpu
