@@ -6,8 +6,9 @@
 Each row times one jitted call: the best over ``--repeats`` of the mean of ``--iters`` back-to-back calls (so host
 dispatch overlaps the device), after a warm-up call; ``--timing device`` takes the calls' GPU kernel time from a
 profiler trace instead (``device_seconds``: no launches, no gaps; for rows of a few microseconds). Beside it, the
-row's floor (bytes the kernel must move over the copy bandwidth, 4.3 TB/s measured on this workplace's H200: device
-KINDS.md) and the share of it reached.
+row's floor (bytes the kernel must move over the copy bandwidth, FLOPs over the bf16 matrix rate: ``BANDWIDTH`` and
+``MATRIX_RATE``, the ceilings measured on a machine of the device's kind, ``tools/ceilings.py``) and the share of
+it reached.
 """
 
 from __future__ import annotations
@@ -457,7 +458,7 @@ def routed_experts_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, chan
     reference (its own path choice) against the Pallas kernels on each path ('*' marks the default pick).
 
     Floor: the larger of the packed bytes of the distinct experts the routing touches (codes and ue8m0 scales,
-    plus activations in and out) over 4.3 TB/s, and 2 x 3 x D x F FLOPs per assignment over 790 TFLOP/s (bf16).
+    plus activations in and out) over ``BANDWIDTH``, and 2 x 3 x D x F FLOPs per assignment over ``MATRIX_RATE``.
     ``sweep`` adds a 64-column tiling and two pipeline stages instead of three; ``changes``: more KernelConfig
     changes; one of ``matvec_*`` fields only is timed on the gathered path (at T x X <= 4 E), any other on the
     GEMM's. (Swept before: the tile rows in the first session, ``gemm_rows``' docstring; a prefetching mat-vec K
@@ -538,7 +539,7 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
     ``wkv`` (``linears``: a subset of these names, default all). One timed call applies
     the linear to ``reps`` distinct weights (so a call's ~50 us of host dispatch does not hide a few-us kernel, and
     no weight is served from L2); the row is per linear. Floor: the larger of (codes + scales + x + y bytes) /
-    4.3 TB/s and 2 T O I / 790 TFLOP/s. ``sweep`` adds tile variants (columns below and from ``wide_from``
+    ``BANDWIDTH`` and 2 T O I / ``MATRIX_RATE``. ``sweep`` adds tile variants (columns below and from ``wide_from``
     tokens, K slice, warps, K split target);
     ``changes``: more KernelConfig changes, each timed."""
     import dataclasses
@@ -596,7 +597,7 @@ def fp8_linears_rows(tokens=(1, 16), sweep: bool = False, reps: int = 8, **timin
     """Linears that share their input, at the flash-slice dimensions: attention's wq_a and wkv, the shared
     expert's w1 and w3, each pair as two launches of ``fp8_linear_pallas`` against one of ``fp8_linears_pallas``
     (the model's form). ``reps`` distinct weight pairs per timed call, as in ``fp8_linear_rows``; the row is per
-    pair. Floor: both weights' bytes (and x, y) / 4.3 TB/s. (No variants: ``sweep`` is ignored.)"""
+    pair. Floor: both weights' bytes (and x, y) / ``BANDWIDTH``. (No variants: ``sweep`` is ignored.)"""
     from dijax.kernels import fp8_linear as fl
     from tools.bench import flash_slice_config
 
@@ -676,8 +677,8 @@ def xla_gemm_rows(tokens=(8, 64, 1024), sweep: bool = False, reps: int = 4, **ti
     dequantises, then multiplies), the head, router and compressor weights the reference promotes to fp32 (as
     fp32 GEMMs, what the step ran before the seventh session, and as ``matmul_promoted``'s bf16 GEMMs with fp32
     accumulation, what it runs now). Same method as
-    ``fp8_linear_rows`` (``reps`` distinct weights per call); floor: weight + activation bytes / 4.3 TB/s or
-    FLOPs / 790 TFLOP/s. Beside each row, its first call (the compile)."""
+    ``fp8_linear_rows`` (``reps`` distinct weights per call); floor: weight + activation bytes / ``BANDWIDTH`` or
+    FLOPs / ``MATRIX_RATE``. Beside each row, its first call (the compile)."""
     from dijax.kernels import fp8_linear as fl
     from dijax.kernels.numerics import matmul_f32
     from dijax.model.layers import matmul_promoted
@@ -794,8 +795,8 @@ def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int
 
 def sampler_rows(rows=(1, 16, 64), vocab: int = 129_280, sweep: bool = False, **timing) -> list[dict]:
     """What the step's sampler costs at V4.1's vocabulary: ``sample_packed`` (the engine step's sampler, every mode
-    computed and one selected) against each mode alone and a bare descending sort of the rows (the ``sample``
-    mode's top-k / top-p; on the GPU a CUB radix sort the step's CUDA graph cannot hold). Rows sample at
+    computed and one selected) against each mode alone and a bare sort of the rows (what the ``sample`` mode's
+    top-k / top-p sort; on the GPU a CUB radix sort the step's CUDA graph cannot hold). Rows sample at
     temperature 0.8, top-p 0.95. Floor: the logits read once."""
     from dijax.runtime import sampler
     from dijax.runtime.sampling_params import SamplingParams
@@ -807,8 +808,8 @@ def sampler_rows(rows=(1, 16, 64), vocab: int = 129_280, sweep: bool = False, **
     out = []
     for r in rows:
         logits = jax.random.normal(jax.random.key(r), (r, vocab), jnp.float32) * 3
-        columns = tuple(jnp.asarray(c) for c in sampler.sampling_inputs([Row(i) for i in range(r)], r))
-        packed = jnp.asarray(sampler.StepSampling.of(tuple(np.asarray(c) for c in columns), "sample").packed_7R)
+        host = sampler.sampling_inputs([Row(i) for i in range(r)], r)
+        columns, packed = tuple(map(jnp.asarray, host)), jnp.asarray(sampler.StepSampling.of(host, "sample").packed_7R)
         shape, floor_bytes = f"R={r}, V={vocab}", r * vocab * 4
         base = time_call(jax.jit(sampler.sample_packed), logits, packed, **timing)
         out.append(_row("sampler", shape, "sample_packed (the step's: every mode, one selected)", base, floor_bytes,

@@ -24,8 +24,9 @@ and the last four in the next, so a register's scale follows from its column gro
 Scales: the weight's 32 x 32 blocks, spread to one byte a row ([O, I/32], a small XLA pass over one layer's scales),
 then read one word a row a step straight from GMEM (``fp4_wgmma.scale_words``), each step's a step ahead (carried
 through the pipeline, as ``fp4_wgmma`` does; thirty-fourth session, on an H100: the flash-slice linears at 64 rows
-3-6 % faster). With ``block_scales`` (off until it has run on a GPU) the blocks are read in place instead, two words
-a warpgroup a step, and no XLA pass spreads them.
+3-6 % faster). With ``block_scales`` the blocks are read in place instead, two words a warpgroup a step, and no XLA
+pass spreads them (off: on an H100 its GPU tests and parity passed, and flash-slice's decode step took the same time,
+thirty-sixth session).
 
 Split K: a CTA owns 64 (``warpgroups`` 1) or 128 rows and one of ``splits`` parts of K; the parts' fp32 partial
 sums [splits, O, N] are added, transposed and rounded to bf16 in XLA (``splits`` chosen so that the grid has about
@@ -114,7 +115,7 @@ def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: ja
     (its layer index is an operand). ``block_scales``: the kernel reads the scales' 32 x 32 blocks in their stored
     layout, in place like the weight (two words a warpgroup a step, each thread taking its rows' block), instead
     of XLA spreading one layer's scales to rows every call (a launch a linear: 54 in a flash-slice decode step at
-    64 rows); off until it has run on a GPU (thirty-fifth session). ``interpret``: run in the Mosaic GPU
+    64 rows); off by default (``fp8_linear.KernelConfig``). ``interpret``: run in the Mosaic GPU
     interpreter (``fp4_wgmma``'s interpret mode: the register decode replaced by its logical values)."""
     t, i = x_TI.shape
     o = weight_OI.shape[0]

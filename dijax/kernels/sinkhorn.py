@@ -360,7 +360,7 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
     XLA's path takes 7-8 launches a hyper-connection for the same (an fp32 copy of x, the split-K GEMM and its
     reduction, the two-stage sum of squares, the affine-and-transpose pad, the split). The sums run in another
     order than XLA's: float32 rounding apart, the same values."""
-    interpret = interpret_mode(interpret)
+    interpret, config = interpret_mode(interpret), config or CONFIG
     c = hc_mult
     (t, k), m = x_TK.shape, fn_MK.shape[0]
     if t == 0:
@@ -378,8 +378,8 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
         out_shape=jax.ShapeDtypeStruct((splits, p, n), jnp.float32), interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2))(x_TK, fn_MK)
     kernel = functools.partial(_mixes_split_kernel, m=m, k=k, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0),
-                               eps=hc_eps, interpret=interpret, fast_divide=(config or CONFIG).fast_divide,
-                               parts_at_once=(config or CONFIG).mixes_parts_at_once)
+                               eps=hc_eps, interpret=interpret, fast_divide=config.fast_divide,
+                               parts_at_once=config.mixes_parts_at_once)
     out_PN = pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((p, n), jnp.float32),
                             interpret=interpret,
                             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
