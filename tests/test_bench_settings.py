@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dijax.kernels import routed_experts, topk
+from dijax.runtime import sampler
 from tools.bench import apply_kernel_settings
 from tools.ceilings import ceilings
 
@@ -16,8 +17,12 @@ def test_sets_a_constant_and_a_config_field(monkeypatch):
     monkeypatch.setattr(topk, "SELECT_MIN_VALUES", topk.SELECT_MIN_VALUES)
     monkeypatch.setattr(routed_experts, "CONFIG", routed_experts.CONFIG)
     before = routed_experts.CONFIG
-    applied = apply_kernel_settings(["topk.SELECT_MIN_VALUES=512", "routed_experts.CONFIG.gathered_max=64"])
-    assert applied == ["topk.SELECT_MIN_VALUES=512", "routed_experts.CONFIG.gathered_max=64"]
+    monkeypatch.setattr(sampler, "SELECT_MIN_ROWS", sampler.SELECT_MIN_ROWS)
+    applied = apply_kernel_settings(["topk.SELECT_MIN_VALUES=512", "routed_experts.CONFIG.gathered_max=64",
+                                     "sampler.SELECT_MIN_ROWS=9"])
+    assert applied == ["topk.SELECT_MIN_VALUES=512", "routed_experts.CONFIG.gathered_max=64",
+                       "sampler.SELECT_MIN_ROWS=9"]
+    assert sampler.SELECT_MIN_ROWS == 9
     assert topk.SELECT_MIN_VALUES == 512
     assert routed_experts.CONFIG.gathered_max == 64
     assert routed_experts.CONFIG.matvec_rows == before.matvec_rows  # the other fields stay
@@ -26,7 +31,7 @@ def test_sets_a_constant_and_a_config_field(monkeypatch):
 @pytest.mark.parametrize("setting, message", [
     ("topk.SELECT_MIN_VALUES", "must be MODULE.NAME=VALUE"),
     ("topk.SELECT_MIN_VALUES.x=1", "must be MODULE.NAME=VALUE"),
-    ("nosuch.LIMIT=1", "no module dijax.kernels.nosuch"),
+    ("nosuch.LIMIT=1", "no module nosuch in dijax.kernels, dijax.runtime"),
     ("topk.NO_SUCH=1", "not a setting of dijax.kernels.topk"),
     ("routed_experts.CONFIG.no_field=1", "gathered_max"),
     ("topk.SELECT_MIN_VALUES=True", "must be of type int"),

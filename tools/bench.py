@@ -50,6 +50,8 @@ from tokenizers import Tokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dijax  # noqa: E402  (sets XLA flags before JAX starts)
+import dijax.kernels  # noqa: E402
+import dijax.runtime  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -434,9 +436,24 @@ def apply_step_options(options: list[str]) -> None:
         STEP_COMPILER_OPTIONS[name] = value
 
 
+# the packages whose modules ``--kernel-setting`` reaches: the kernels, and the runtime (the sampler's filter choice)
+SETTING_PACKAGES = (dijax.kernels, dijax.runtime)
+
+
+def _setting_module(name: str):
+    """The module ``name`` of the first of ``SETTING_PACKAGES`` that has one; SystemExit names the allowed ones."""
+    for package in SETTING_PACKAGES:
+        if name in {m.name for m in pkgutil.iter_modules(package.__path__)}:
+            return importlib.import_module(f"{package.__name__}.{name}")
+    allowed = sorted(m.name for p in SETTING_PACKAGES for m in pkgutil.iter_modules(p.__path__))
+    raise SystemExit(f"--kernel-setting: no module {name} in {', '.join(p.__name__ for p in SETTING_PACKAGES)} "
+                     f"(allowed: {allowed})")
+
+
 def apply_kernel_settings(settings: list[str]) -> list[str]:
     """Apply ``--kernel-setting`` values before any step is traced: ``MODULE.NAME=VALUE`` sets a module constant of
-    ``dijax.kernels.MODULE`` (a dispatcher threshold such as ``topk.SELECT_MIN_VALUES``), ``MODULE.CONFIG.FIELD=VALUE``
+    ``dijax.kernels.MODULE`` or ``dijax.runtime.MODULE`` (a dispatcher threshold such as ``topk.SELECT_MIN_VALUES``
+    or ``sampler.SELECT_MIN_ROWS``), ``MODULE.CONFIG.FIELD=VALUE``
     replaces one field of that module's ``CONFIG`` (a tiling such as ``routed_experts.CONFIG.gathered_max``). VALUE
     is a Python literal of the current value's type. Returns the settings as applied; SystemExit names a malformed
     or unknown one and the allowed names."""
@@ -446,16 +463,12 @@ def apply_kernel_settings(settings: list[str]) -> list[str]:
         parts = target.split(".")
         if not sep or len(parts) not in (2, 3) or (len(parts) == 3 and parts[1] != "CONFIG"):
             raise SystemExit(f"--kernel-setting must be MODULE.NAME=VALUE or MODULE.CONFIG.FIELD=VALUE, got {setting!r}")
-        try:
-            module = importlib.import_module(f"dijax.kernels.{parts[0]}")
-        except ModuleNotFoundError:
-            raise SystemExit(f"--kernel-setting: no module dijax.kernels.{parts[0]} (allowed: "
-                             f"{sorted(m.name for m in pkgutil.iter_modules(dijax.kernels.__path__))})") from None
+        module = _setting_module(parts[0])
         holder = module.CONFIG if len(parts) == 3 else module
         names = ([f.name for f in dataclasses.fields(holder)] if len(parts) == 3
                  else [n for n in vars(module) if n.isupper() and not n.startswith("_")])
         if parts[-1] not in names:
-            raise SystemExit(f"--kernel-setting: {target} is not a setting of dijax.kernels.{parts[0]} (allowed: "
+            raise SystemExit(f"--kernel-setting: {target} is not a setting of {module.__name__} (allowed: "
                              f"{sorted(names)})")
         current = getattr(holder, parts[-1])
         try:

@@ -188,14 +188,14 @@ def _topk_stage_rows(score, k: int, **timing) -> list[dict]:
     from dijax.kernels import topk as tk
 
     rows, width = score.shape
-    key = jax.jit(tk._order_key)(score)
+    key = jax.jit(tk.order_key)(score)
     maxima = jax.jit(lambda x: jnp.max(x.reshape(rows, -1, tk.CHUNK), axis=-1))(key)
     cand = key[:, :k * tk.CHUNK]
     cand_d = jnp.arange(1, 16, dtype=jnp.uint32)[None, :] << 20
     stages = {
-        "order key + chunk max": (lambda x: jnp.max(tk._order_key(x).reshape(rows, -1, tk.CHUNK), axis=-1), score),
+        "order key + chunk max": (lambda x: jnp.max(tk.order_key(x).reshape(rows, -1, tk.CHUNK), axis=-1), score),
         "select on chunk maxima": (lambda m: tk._select_ascending(m, k), maxima),
-        "kth on candidates": (lambda c: tk._kth_largest(c, k), cand),
+        "kth on candidates": (lambda c: tk.largest_reaching(c, k), cand),
         "select on candidates": (lambda c: tk._select_ascending(c, k), cand),
         "one count pass, digits outer [R,D,N]": (
             lambda c: jnp.sum((c[:, None, :] >= cand_d[:, :, None]).astype(jnp.int32), -1), cand),
@@ -761,8 +761,7 @@ def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int
                calls: int = 14, rtol: float = 1e-4, **timing) -> list[dict]:
     """A hyper-connection's mixes at the tiny model's stream width (C * D = 1024) and flash-slice's (20480): XLA's
     projection and RMS statistic with the split kernel (``sinkhorn.mixes_raw`` then ``split``, the path
-    ``SinkhornConfig`` leaves outside its range) against ``mixes_pallas``' two launches, its split kernel's
-    prologue loading one part of the projection at a time (the default) or 8. One jitted call runs
+    ``SinkhornConfig`` leaves outside its range) against ``mixes_pallas``' two launches. One jitted call runs
     ``calls`` of them on one token block, each with its own weight (a step's 14 hyper-connections at flash-slice's
     7 layers). A row further than ``rtol`` (tests' MIXES_RTOL) from the XLA path is marked MISMATCH. Floor: the
     streams and the weight read once."""
@@ -772,10 +771,7 @@ def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int
     m = (2 + c) * c
     scale, base = jnp.array([0.5, 1.5, 2.0], jnp.float32), jnp.zeros((m,), jnp.float32)
     xla = repeated(lambda x, fn: sk.split(sk.mixes_raw(x, fn, 1e-6), scale, base, c, rounds, 1e-6, impl="pallas"))
-    variants = [(f"mixes_pallas, {parts} part{'s' * (parts > 1)} a load in the split's prologue",
-                 repeated(lambda x, fn, parts=parts: sk.mixes_pallas(
-                     x, fn, scale, base, c, rounds, 1e-6, 1e-6, config=sk.SinkhornConfig(mixes_parts_at_once=parts))))
-                for parts in (1, 8)]
+    variants = [("mixes_pallas", repeated(lambda x, fn: sk.mixes_pallas(x, fn, scale, base, c, rounds, 1e-6, 1e-6)))]
     for k in widths:
         fns = [jax.random.normal(jax.random.key(k + i), (m, k), jnp.float32) / np.sqrt(k) for i in range(calls)]
         for t in tokens:
@@ -795,8 +791,9 @@ def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int
 
 def sampler_rows(rows=(1, 16, 64), vocab: int = 129_280, sweep: bool = False, **timing) -> list[dict]:
     """What the step's sampler costs at V4.1's vocabulary: ``sample_packed`` (the engine step's sampler, every mode
-    computed and one selected) against each mode alone and a bare sort of the rows (what the ``sample`` mode's
-    top-k / top-p sort; on the GPU a CUB radix sort the step's CUDA graph cannot hold). Rows sample at
+    computed and one selected, the filter ``SELECT_MIN_ROWS`` picks) against each mode alone, the ``sample`` mode
+    with each of ``FILTERS`` (a sort of each row, or radix descents with no sort), and a bare sort of the rows (on
+    the GPU a CUB radix sort the step's CUDA graph cannot hold). Rows sample at
     temperature 0.8, top-p 0.95. Floor: the logits read once."""
     from dijax.runtime import sampler
     from dijax.runtime.sampling_params import SamplingParams
@@ -814,10 +811,14 @@ def sampler_rows(rows=(1, 16, 64), vocab: int = 129_280, sweep: bool = False, **
         base = time_call(jax.jit(sampler.sample_packed), logits, packed, **timing)
         out.append(_row("sampler", shape, "sample_packed (the step's: every mode, one selected)", base, floor_bytes,
                         None))
-        for mode in sampler.MODES:
+        for mode in sampler.MODES[:-1]:
             fn = jax.jit(functools.partial(sampler.sample, mode=mode))
             out.append(_row("sampler", shape, f"{mode} mode alone", time_call(fn, logits, *columns, **timing),
                             floor_bytes, base))
+        for name in sampler.FILTERS:
+            fn = jax.jit(functools.partial(sampler.sample, mode="sample", top_filter=name))
+            out.append(_row("sampler", shape, f"sample mode alone, {name} filter",
+                            time_call(fn, logits, *columns, **timing), floor_bytes, base))
         sort = jax.jit(lambda x: jnp.sort(x, axis=-1))
         out.append(_row("sampler", shape, "jnp.sort of the rows alone", time_call(sort, logits, **timing),
                         floor_bytes, base))

@@ -78,9 +78,10 @@
 #            then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches (sinkhorn.mixes_pallas: on
 #            by default since the thirty-sixth session up to 16 tokens and width 4096), off, and on up to 128 tokens,
 #            alternating over two rounds;
-#   sampler  (~60 s) the step's sampler at V4.1's vocabulary by GPU kernel time (bench_kernels --only sampler: the
-#            step's every-mode sampler, each mode alone, the bare sort), R = 1 / 16 / 64: the share of the vocabulary
-#            sort every decode step pays (a carried question: thirty-sixth session, not yet run);
+#   sampler  (~450 s) the sampler's tests, its rows at V4.1's vocabulary by GPU kernel time (bench_kernels --only
+#            sampler: the step's every-mode sampler, each mode alone, the sample mode with each top-k / top-p filter,
+#            the bare sort; R = 1 / 16 / 64), then flash-slice decode B=16 / 64 with the sort-free filter (the
+#            default from SELECT_MIN_ROWS rows) and with the sort;
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64;
@@ -168,18 +169,29 @@ case "$stage" in
     # alternating, two rounds (the second loads its executables from a persistent compilation cache): the default
     # rests on one pair of runs at batch 1 (docs/benchmarks.md)
     # first the mixes alone at both widths by GPU kernel time (bench_kernels: 14 a jitted call, as in a
-    # flash-slice step): whether the split kernel's prologue loading 8 parts at once (thirty-sixth session, not yet
-    # run) brings mixes_pallas under XLA's path at flash-slice's width
+    # flash-slice step). Thirty-seventh session: ran (docs/benchmarks.md); the first run of a row compiles, 60 s
+    # was once too short for it
     run 150 python3 tools/bench_kernels.py --only mixes --timing device --iters 10 --repeats 3
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-mixes-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     off="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=0"
     wide="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
     for setting in "$off" "" "$wide" "$off" "" "$wide"; do
-      run 60 python3 tools/bench.py --kernels on --decode-batch 1,16,64 --context 256 --prefill= --block-size 16 \
+      run 90 python3 tools/bench.py --kernels on --decode-batch 1,16,64 --context 256 --prefill= --block-size 16 \
         --engine off --warmup 5 --iters 30 $setting
     done ;;
   sampler)
-    run 150 python3 tools/bench_kernels.py --only sampler --timing device --iters 10 --repeats 3 ;;
+    # (~450 s) the sampler's two top-k / top-p filters (thirty-seventh session): their tests on the GPU (the select
+    # must keep exactly what the sort keeps with the GPU's reduction order too), the sampler rows (bench_kernels: each
+    # filter alone at 1, 16 and 64 rows of V4.1's vocabulary), then flash-slice decode at batch 16 and 64 with the
+    # default (the select from SELECT_MIN_ROWS rows) and with the sort at every size (the thirty-sixth session's
+    # step), the second process loading its load-time programs from a persistent compilation cache
+    run 60 python3 -m pytest -q -ra tests/test_sampler.py
+    run 90 python3 tools/bench_kernels.py --only sampler --timing device --iters 10 --repeats 3
+    export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-sampler-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+    for setting in "" "--kernel-setting sampler.SELECT_MIN_ROWS=1024"; do
+      run 240 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
+        --engine off --warmup 3 --iters 10 $setting
+    done ;;
   tests)
     # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
     run 430 python3 -m pytest -q -ra tests/gpu

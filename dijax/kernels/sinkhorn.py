@@ -74,22 +74,18 @@ class SinkhornConfig:
     # fused_mixes_max_width values (C * D) wide. Thirty-sixth session, on an H100 (docs/benchmarks.md): tiny (C * D
     # = 1024) decode B=1 1.97 -> 1.58 ms back to back with it on, while at flash-slice's width (20480) its 32
     # projection programs lost to XLA's split-K GEMM (B=1 3.27 -> 3.60 ms, B=64 19.61 -> 20.20 ms); at tiny's B=64
-    # XLA's own path is already short (deviceless: 680 -> 685 launches with it on).
+    # XLA's own path is already short (deviceless: 680 -> 685 launches with it on). Thirty-seventh session, same
+    # card kind, alternating over two rounds: B=1 median 1.94 / 2.01 ms off against 1.81 / 1.78 on, B=16 1.99 /
+    # 1.97 against 1.87 / 1.93, and on up to 128 tokens B=64 went 2.25 -> 2.48 / 3.02. By GPU time alone the pair
+    # is slower than XLA's path even at C * D = 1024 (14.2 against 8.1 us a call at T=1): it pays in launches,
+    # which bound the tiny step; a prologue loading 8 parts at once was slower still at every shape (removed).
     fused_mixes_max_tokens: int = 16
     fused_mixes_max_width: int = 4096
-    # parts of the projection the split kernel's prologue loads at once at up to 16 tokens (fewer at more). With
-    # one, flash-slice's 32 parts are a chain of 32 dependent loads: the kernel pair lost ~24 us a hyper-connection
-    # to XLA's path there (thirty-sixth session). 8 is built for sm_90 (no spills) and interpreted, not yet run on a
-    # GPU (`gpu_validate.sh mixes-ab`).
-    mixes_parts_at_once: int = 1
 
     def __post_init__(self):
         for name in ("fused_mixes_max_tokens", "fused_mixes_max_width"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SinkhornConfig.{name} must be >= 0 (0: off), got {getattr(self, name)}")
-        parts = self.mixes_parts_at_once
-        if parts < 1 or parts & (parts - 1):
-            raise ValueError(f"SinkhornConfig.mixes_parts_at_once must be a power of two >= 1, got {parts}")
 
 
 CONFIG = SinkhornConfig()
@@ -331,18 +327,16 @@ def _project_kernel(x_ref, fn_ref, out_ref, *, t: int, m: int, chunks: int, chun
     out_ref[...] = jnp.where(mix_P[:, None] == m, squares_N[None, :], acc_PN)
 
 
-def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: int, norm_eps: float,
-                        parts_at_once: int, **split):
-    """The projection kernel's parts summed (``parts_at_once`` at up to 16 tokens, in a fixed order), the RMS
-    statistic, the affine, then ``_split_block``."""
+def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: int, norm_eps: float, **split):
+    """The projection kernel's parts summed (in a fixed order), the RMS statistic, the affine, then
+    ``_split_block``."""
     c, n = split["c"], out_ref.shape[1]
-    block = min(part_ref.shape[0], max(1, parts_at_once * 16 // n))
 
-    def add(b, acc):
-        parts = pl.ds(b * block, block)
-        return [a + jnp.sum(part_ref[parts, e, :], axis=0) for e, a in enumerate(acc)]
+    def add(s, acc):
+        # a one-part block summed: the form measured on the GPU
+        return [a + jnp.sum(part_ref[pl.ds(s, 1), e, :], axis=0) for e, a in enumerate(acc)]
 
-    total = lax.fori_loop(0, part_ref.shape[0] // block, add, [jnp.zeros((n,), jnp.float32)] * (m + 1))
+    total = lax.fori_loop(0, part_ref.shape[0], add, [jnp.zeros((n,), jnp.float32)] * (m + 1))
     mean_N = div_rn(total[m], jnp.full((n,), k, jnp.float32), split["interpret"])
     rsqrt_N = lax.rsqrt(mean_N + np.float32(norm_eps))
     scales = [scale_ref[0], scale_ref[1], scale_ref[2]]
@@ -378,8 +372,7 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
         out_shape=jax.ShapeDtypeStruct((splits, p, n), jnp.float32), interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2))(x_TK, fn_MK)
     kernel = functools.partial(_mixes_split_kernel, m=m, k=k, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0),
-                               eps=hc_eps, interpret=interpret, fast_divide=config.fast_divide,
-                               parts_at_once=config.mixes_parts_at_once)
+                               eps=hc_eps, interpret=interpret, fast_divide=config.fast_divide)
     out_PN = pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((p, n), jnp.float32),
                             interpret=interpret,
                             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(

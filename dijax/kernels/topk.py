@@ -10,7 +10,8 @@ lowest-index ties at it, and returns exactly what ``lax.top_k`` returns, ties an
   select works on integer keys and inherits the same rule.
 * **Threshold.** The k-th largest key is found by a radix descent from the top bit, ``RADIX_BITS`` bits per pass:
   each pass counts the keys at or above each candidate digit and keeps the largest digit whose count still reaches
-  k. Only counts are needed, no histogram scatter.
+  k. Only counts are needed, no histogram scatter. (``largest_reaching``; the sampler's top-k / top-p filter runs
+  it too, top-p with probability mass in place of counts.)
 * **Chunk prefilter** (long rows of a large array). The top k chunk maxima, ties to the lower chunk, hold the
   whole answer: every value above the threshold lies in a chunk whose maximum is above it, and the lowest-index
   ties at it lie in the lowest-index chunks whose maximum equals it, which precede any dropped chunk of that
@@ -72,24 +73,37 @@ def topk_reference(score: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jax.lax.top_k(score, k)
 
 
-def _order_key(score: jax.Array) -> jax.Array:
+def order_key(score: jax.Array) -> jax.Array:
     """uint32 keys whose unsigned order is the float total order of ``score`` (any float dtype)."""
     bits = jax.lax.bitcast_convert_type(score.astype(jnp.float32), jnp.uint32)
     negative = (bits >> 31) == 1
     return jnp.where(negative, ~bits, bits | np.uint32(1 << 31))
 
 
-def _kth_largest(key_RP: jax.Array, k: int) -> jax.Array:
-    """The k-th largest key of each row (with multiplicity): uint32 [R]."""
+def largest_reaching(key_RP: jax.Array, target_R: jax.Array | int, weight_RP: jax.Array | None = None
+                     ) -> jax.Array:
+    """Per row, the largest key t whose keys at or above it reach ``target``: ``count(key >= t) >= target``, or
+    with ``weight_RP`` (>= 0) ``sum(weight[key >= t]) >= target``. uint32 [R]; 0 when even every key together
+    falls short. A radix descent from the top bit, ``RADIX_BITS`` bits a pass: each pass measures the keys at or
+    above every candidate digit and keeps the largest digit that still reaches. With counts the answer is the
+    target-th largest key (with multiplicity); either way it is a key of the row unless the row falls short.
+
+    key_RP uint32 [R, P]; target_R a scalar or [R] (int for counts, float for weights)."""
     digits = 1 << RADIX_BITS
+    target_R = jnp.broadcast_to(jnp.asarray(target_R), key_RP.shape[:1])
     prefix_R = jnp.zeros(key_RP.shape[:1], jnp.uint32)
+    digit_D = jnp.arange(1, digits, dtype=jnp.uint32)
     for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
-        step = jnp.arange(1, digits, dtype=jnp.uint32) << shift
-        cand_RD = prefix_R[:, None] | step[None, :]
+        cand_RD = prefix_R[:, None] | (digit_D << shift)[None, :]
         # digits innermost: the lanes comparing one key against every digit share its load
-        count_RD = jnp.sum((key_RP[:, :, None] >= cand_RD[:, None, :]).astype(jnp.int32), axis=1)
-        # counts fall as the digit grows; digit 0 always qualifies (the prefix already reaches k keys)
-        digit_R = jnp.sum((count_RD >= k).astype(jnp.uint32), axis=-1)
+        above_RPD = key_RP[:, :, None] >= cand_RD[:, None, :]
+        if weight_RP is None:
+            reach_RD = jnp.sum(above_RPD.astype(jnp.int32), axis=1)
+        else:
+            reach_RD = jnp.sum(jnp.where(above_RPD, weight_RP[:, :, None], 0), axis=1)
+        # the largest digit that reaches; digit 0 is the prefix itself. (The reach falls as the digit grows;
+        # taking the largest qualifying digit, not counting them, does not lean on float sums being monotone.)
+        digit_R = jnp.max(jnp.where(reach_RD >= target_R[:, None], digit_D[None, :], 0), axis=-1)
         prefix_R = prefix_R | (digit_R << shift)
     return prefix_R
 
@@ -109,7 +123,7 @@ def _first_reaching(cum_RP: jax.Array, target_RN: jax.Array) -> jax.Array:
 
 def _select_ascending(key_RP: jax.Array, k: int) -> jax.Array:
     """Indices of the k largest keys per row, ties to the lower index, in ascending index order: int32 [R, k]."""
-    thr_R = _kth_largest(key_RP, k)[:, None]
+    thr_R = largest_reaching(key_RP, k)[:, None]
     above = key_RP > thr_R
     at = key_RP == thr_R
     need_R = k - jnp.sum(above.astype(jnp.int32), axis=1, keepdims=True)
@@ -144,7 +158,7 @@ def topk_select(score: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         return jnp.zeros((*lead, k), score.dtype), pos
     score_RP, pos_RN = score.reshape(-1, score.shape[-1]), pos.reshape(-1, k)
     # a stable sort of the position-ordered picks on the descending key restores lax.top_k's order
-    desc_RN = ~_order_key(jnp.take_along_axis(score_RP, pos_RN, axis=1))
+    desc_RN = ~order_key(jnp.take_along_axis(score_RP, pos_RN, axis=1))
     _, pos_RN = jax.lax.sort((desc_RN, pos_RN), dimension=1, is_stable=True, num_keys=1)
     values_RN = jnp.take_along_axis(score_RP, pos_RN, axis=1)
     return values_RN.reshape(*lead, k), pos_RN.reshape(*lead, k)
@@ -161,7 +175,7 @@ def topk_select_ascending(score: jax.Array, k: int) -> jax.Array:
     score_RP = score.reshape(-1, score.shape[-1])
     if k == 0 or score_RP.shape[0] == 0:
         return jnp.zeros((*lead, k), jnp.int32)
-    return _select_positions(_order_key(score_RP), k).reshape(*lead, k)
+    return _select_positions(order_key(score_RP), k).reshape(*lead, k)
 
 
 INT32_MIN = np.int32(-(1 << 31))
@@ -225,7 +239,7 @@ def topk_pallas_supports(shape: tuple[int, ...], k: int, config: TopkConfig | No
 
 
 def _signed_key(x: jax.Array) -> jax.Array:
-    """int32 keys whose signed order is the float total order of float32 ``x`` (``_order_key`` shifted by 2^31:
+    """int32 keys whose signed order is the float total order of float32 ``x`` (``order_key`` shifted by 2^31:
     the low 31 bits of negatives flipped). Its own inverse on the bits (``_float_of_key``)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     return jnp.where(bits < 0, bits ^ _LOW_BITS, bits)
