@@ -164,3 +164,31 @@ def test_topk_ascending_is_the_sorted_top_k_set(monkeypatch, kind, width, k):
     for impl in ("reference", "select", "pallas"):
         np.testing.assert_array_equal(np.asarray(topk_ascending(x, k, impl=impl)), want)
     np.testing.assert_array_equal(np.asarray(topk_module.topk_select_ascending(x, k)), want)
+
+
+@pytest.mark.parametrize("layout", topk_module.REACH_LAYOUTS)
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_largest_reaching_counts_and_weights(monkeypatch, layout, bits):
+    """The radix descent in every layout and digit width against numpy: the largest key whose keys at or above it
+    reach the target, by count (the k-th largest, ties included) and by weight; 0 when the row falls short."""
+    monkeypatch.setattr(topk_module, "REACH_LAYOUT", layout)
+    rng = np.random.default_rng(bits)
+    score = rng.normal(size=(6, 300)).astype(np.float32)
+    score[0, :50] = score[0, 50]  # ties
+    key = np.asarray(topk_module.order_key(jnp.asarray(score)))
+    weight = rng.uniform(0, 1, (6, 300)).astype(np.float32)
+    count_target = np.array([1, 7, 50, 300, 301, 120], np.int32)
+    mass_target = np.array([0.5, 10.0, 149.0, 1e-3, 1e9, 75.0], np.float32)
+    got_count = np.asarray(topk_module.largest_reaching(jnp.asarray(key), jnp.asarray(count_target), bits=bits))
+    got_mass = np.asarray(topk_module.largest_reaching(jnp.asarray(key), jnp.asarray(mass_target),
+                                                       jnp.asarray(weight), bits=bits))
+    for r in range(6):
+        keys = np.unique(key[r])
+        reach_count = [(key[r] >= t).sum() for t in keys]
+        reach_mass = [weight[r][key[r] >= t].astype(np.float64).sum() for t in keys]
+        want_count = max([t for t, c in zip(keys, reach_count) if c >= count_target[r]], default=0)
+        want_mass = max([t for t, m in zip(keys, reach_mass) if m >= mass_target[r]], default=0)
+        assert got_count[r] == want_count, (r, "count")
+        assert got_mass[r] == want_mass, (r, "mass")
+    with pytest.raises(ValueError, match="bits must be 1, 2, 4 or 8, got 3"):
+        topk_module.largest_reaching(jnp.asarray(key), 1, bits=3)

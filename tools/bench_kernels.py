@@ -822,7 +822,34 @@ def sampler_rows(rows=(1, 16, 64), vocab: int = 129_280, sweep: bool = False, **
         sort = jax.jit(lambda x: jnp.sort(x, axis=-1))
         out.append(_row("sampler", shape, "jnp.sort of the rows alone", time_call(sort, logits, **timing),
                         floor_bytes, base))
+        if sweep and r > 1:
+            out += _select_variant_rows(sampler, logits, columns, shape, floor_bytes, base, **timing)
     return out
+
+
+def _select_variant_rows(sampler, logits, columns, shape, floor_bytes, base, **timing) -> list[dict]:
+    """The sample mode with the select filter in each ``topk.REACH_LAYOUTS`` form at 4 and 2 radix bits a pass, and
+    at 1 bit (one compare a key: every layout is the same reduction) in the first (set
+    as module constants while a fresh jit of the unjitted ``sample`` traces them); the draws must equal the
+    default's (else MISMATCH)."""
+    from dijax.kernels import topk as tk
+
+    saved = tk.REACH_LAYOUT, sampler.SELECT_BITS
+    rows = []
+    try:
+        want = None
+        for bits in (4, 2, 1):
+            for layout in tk.REACH_LAYOUTS[:1] if bits == 1 else tk.REACH_LAYOUTS:
+                tk.REACH_LAYOUT, sampler.SELECT_BITS = layout, bits
+                fn = jax.jit(functools.partial(sampler.sample.__wrapped__, mode="sample", top_filter="select"))
+                got = np.asarray(fn(logits, *columns))
+                want = got if want is None else want
+                label = f"select filter, {layout}, {bits} bits" + ("" if np.array_equal(got, want) else " MISMATCH")
+                rows.append(_row("sampler", shape, label, time_call(fn, logits, *columns, **timing), floor_bytes,
+                                 base))
+    finally:
+        tk.REACH_LAYOUT, sampler.SELECT_BITS = saved
+    return rows
 
 
 def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: int = 6, sweep: bool = False,

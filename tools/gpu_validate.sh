@@ -82,6 +82,8 @@
 #            sampler: the step's every-mode sampler, each mode alone, the sample mode with each top-k / top-p filter,
 #            the bare sort; R = 1 / 16 / 64), then flash-slice decode B=16 / 64 with the sort-free filter (the
 #            default from SELECT_MIN_ROWS rows) and with the sort;
+#   sampler-sweep  (~200 s) the Sinkhorn GPU tests, then the sampler rows with the select filter's layouts and
+#            radix widths;
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64;
@@ -102,7 +104,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="stream-probe|mixes-ab|sampler|sampler-sweep|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -192,6 +194,11 @@ case "$stage" in
       run 240 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
         --engine off --warmup 3 --iters 10 $setting
     done ;;
+  sampler-sweep)
+    # (~200 s) the Sinkhorn kernel's GPU tests (its split prologue back to one part a load, thirty-seventh session),
+    # then the sampler rows with the select filter's variants (topk.REACH_LAYOUTS x 4 / 2 / 1 radix bits)
+    run 150 python3 -m pytest -q -ra tests/gpu/test_sinkhorn_gpu.py
+    run 200 python3 tools/bench_kernels.py --only sampler --sweep --timing device --iters 10 --repeats 3 ;;
   tests)
     # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
     run 430 python3 -m pytest -q -ra tests/gpu

@@ -80,27 +80,49 @@ def order_key(score: jax.Array) -> jax.Array:
     return jnp.where(negative, ~bits, bits | np.uint32(1 << 31))
 
 
-def largest_reaching(key_RP: jax.Array, target_R: jax.Array | int, weight_RP: jax.Array | None = None
-                     ) -> jax.Array:
+def _reach(key_RP: jax.Array, cand_RD: jax.Array, weight_RP: jax.Array | None) -> jax.Array:
+    """The count (``weight_RP`` None) or weight of the keys at or above each candidate: [R, D], in the
+    ``REACH_LAYOUT`` form (the same sums; how XLA lays out the reduction differs)."""
+    def total(above, axis):
+        if weight_RP is None:
+            return jnp.sum(above.astype(jnp.int32), axis=axis)
+        weight = jnp.expand_dims(weight_RP, 2 if axis == 1 else 1)
+        return jnp.sum(jnp.where(above, weight, 0), axis=axis)
+
+    if REACH_LAYOUT == "digits_minor":
+        # digits innermost: the lanes comparing one key against every digit share its load
+        return total(key_RP[:, :, None] >= cand_RD[:, None, :], axis=1)
+    if REACH_LAYOUT == "digits_major":
+        return total(key_RP[:, None, :] >= cand_RD[:, :, None], axis=2)
+    if REACH_LAYOUT == "per_digit":
+        # one row reduction a digit over the same keys, for XLA to fuse as siblings
+        return jnp.stack([total(key_RP[:, None, :] >= cand_RD[:, d, None, None], axis=2)[:, 0]
+                          for d in range(cand_RD.shape[1])], axis=1)
+    raise ValueError(f"topk.REACH_LAYOUT must be one of {REACH_LAYOUTS}, got {REACH_LAYOUT!r}")
+
+
+REACH_LAYOUTS = ("digits_minor", "digits_major", "per_digit")
+REACH_LAYOUT = "digits_minor"
+
+
+def largest_reaching(key_RP: jax.Array, target_R: jax.Array | int, weight_RP: jax.Array | None = None,
+                     bits: int | None = None) -> jax.Array:
     """Per row, the largest key t whose keys at or above it reach ``target``: ``count(key >= t) >= target``, or
     with ``weight_RP`` (>= 0) ``sum(weight[key >= t]) >= target``. uint32 [R]; 0 when even every key together
-    falls short. A radix descent from the top bit, ``RADIX_BITS`` bits a pass: each pass measures the keys at or
-    above every candidate digit and keeps the largest digit that still reaches. With counts the answer is the
-    target-th largest key (with multiplicity); either way it is a key of the row unless the row falls short.
+    falls short. A radix descent from the top bit, ``bits`` (default ``RADIX_BITS``; 1, 2, 4 or 8) a pass: each
+    pass measures the keys at or above every candidate digit and keeps the largest digit that still reaches. With
+    counts the answer is the target-th largest key (with multiplicity); either way it is a key of the row unless
+    the row falls short.
 
     key_RP uint32 [R, P]; target_R a scalar or [R] (int for counts, float for weights)."""
-    digits = 1 << RADIX_BITS
+    bits = RADIX_BITS if bits is None else bits
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"largest_reaching: bits must be 1, 2, 4 or 8, got {bits}")
     target_R = jnp.broadcast_to(jnp.asarray(target_R), key_RP.shape[:1])
     prefix_R = jnp.zeros(key_RP.shape[:1], jnp.uint32)
-    digit_D = jnp.arange(1, digits, dtype=jnp.uint32)
-    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
-        cand_RD = prefix_R[:, None] | (digit_D << shift)[None, :]
-        # digits innermost: the lanes comparing one key against every digit share its load
-        above_RPD = key_RP[:, :, None] >= cand_RD[:, None, :]
-        if weight_RP is None:
-            reach_RD = jnp.sum(above_RPD.astype(jnp.int32), axis=1)
-        else:
-            reach_RD = jnp.sum(jnp.where(above_RPD, weight_RP[:, :, None], 0), axis=1)
+    digit_D = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
+    for shift in range(32 - bits, -1, -bits):
+        reach_RD = _reach(key_RP, prefix_R[:, None] | (digit_D << shift)[None, :], weight_RP)
         # the largest digit that reaches; digit 0 is the prefix itself. (The reach falls as the digit grows;
         # taking the largest qualifying digit, not counting them, does not lean on float sums being monotone.)
         digit_R = jnp.max(jnp.where(reach_RD >= target_R[:, None], digit_D[None, :], 0), axis=-1)
