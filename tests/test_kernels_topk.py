@@ -166,12 +166,11 @@ def test_topk_ascending_is_the_sorted_top_k_set(monkeypatch, kind, width, k):
     np.testing.assert_array_equal(np.asarray(topk_module.topk_select_ascending(x, k)), want)
 
 
-@pytest.mark.parametrize("layout", topk_module.REACH_LAYOUTS)
+@pytest.mark.parametrize("digits_major", [False, True])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_largest_reaching_counts_and_weights(monkeypatch, layout, bits):
-    """The radix descent in every layout and digit width against numpy: the largest key whose keys at or above it
+def test_largest_reaching_counts_and_weights(digits_major, bits):
+    """The radix descent in both layouts and every digit width against numpy: the largest key whose keys at or above it
     reach the target, by count (the k-th largest, ties included) and by weight; 0 when the row falls short."""
-    monkeypatch.setattr(topk_module, "REACH_LAYOUT", layout)
     rng = np.random.default_rng(bits)
     score = rng.normal(size=(6, 300)).astype(np.float32)
     score[0, :50] = score[0, 50]  # ties
@@ -179,9 +178,10 @@ def test_largest_reaching_counts_and_weights(monkeypatch, layout, bits):
     weight = rng.uniform(0, 1, (6, 300)).astype(np.float32)
     count_target = np.array([1, 7, 50, 300, 301, 120], np.int32)
     mass_target = np.array([0.5, 10.0, 149.0, 1e-3, 1e9, 75.0], np.float32)
-    got_count = np.asarray(topk_module.largest_reaching(jnp.asarray(key), jnp.asarray(count_target), bits=bits))
+    descent = {"bits": bits, "digits_major": digits_major}
+    got_count = np.asarray(topk_module.largest_reaching(jnp.asarray(key), jnp.asarray(count_target), **descent))
     got_mass = np.asarray(topk_module.largest_reaching(jnp.asarray(key), jnp.asarray(mass_target),
-                                                       jnp.asarray(weight), bits=bits))
+                                                       jnp.asarray(weight), **descent))
     for r in range(6):
         keys = np.unique(key[r])
         reach_count = [(key[r] >= t).sum() for t in keys]

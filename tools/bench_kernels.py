@@ -828,27 +828,24 @@ def sampler_rows(rows=(1, 16, 64), vocab: int = 129_280, sweep: bool = False, **
 
 
 def _select_variant_rows(sampler, logits, columns, shape, floor_bytes, base, **timing) -> list[dict]:
-    """The sample mode with the select filter in each ``topk.REACH_LAYOUTS`` form at 4 and 2 radix bits a pass, and
-    at 1 bit (one compare a key: every layout is the same reduction) in the first (set
-    as module constants while a fresh jit of the unjitted ``sample`` traces them); the draws must equal the
-    default's (else MISMATCH)."""
-    from dijax.kernels import topk as tk
-
-    saved = tk.REACH_LAYOUT, sampler.SELECT_BITS
-    rows = []
+    """The sample mode with the select filter's descents at 4 and 2 radix bits a pass, the digits innermost or
+    before the keys (``sampler.SELECT_DESCENT``, set while a fresh jit of the unjitted ``sample`` traces it); the
+    draws must equal the first variant's (else MISMATCH)."""
+    saved = sampler.SELECT_DESCENT
+    rows, want = [], None
     try:
-        want = None
-        for bits in (4, 2, 1):
-            for layout in tk.REACH_LAYOUTS[:1] if bits == 1 else tk.REACH_LAYOUTS:
-                tk.REACH_LAYOUT, sampler.SELECT_BITS = layout, bits
+        for bits in (4, 2):
+            for major in (False, True):
+                sampler.SELECT_DESCENT = {"bits": bits, "digits_major": major}
                 fn = jax.jit(functools.partial(sampler.sample.__wrapped__, mode="sample", top_filter="select"))
                 got = np.asarray(fn(logits, *columns))
                 want = got if want is None else want
-                label = f"select filter, {layout}, {bits} bits" + ("" if np.array_equal(got, want) else " MISMATCH")
+                label = (f"select filter, {bits}-bit digits {'before the keys' if major else 'innermost'}"
+                         + ("" if np.array_equal(got, want) else " MISMATCH"))
                 rows.append(_row("sampler", shape, label, time_call(fn, logits, *columns, **timing), floor_bytes,
                                  base))
     finally:
-        tk.REACH_LAYOUT, sampler.SELECT_BITS = saved
+        sampler.SELECT_DESCENT = saved
     return rows
 
 

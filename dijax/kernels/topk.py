@@ -80,39 +80,25 @@ def order_key(score: jax.Array) -> jax.Array:
     return jnp.where(negative, ~bits, bits | np.uint32(1 << 31))
 
 
-def _reach(key_RP: jax.Array, cand_RD: jax.Array, weight_RP: jax.Array | None) -> jax.Array:
-    """The count (``weight_RP`` None) or weight of the keys at or above each candidate: [R, D], in the
-    ``REACH_LAYOUT`` form (the same sums; how XLA lays out the reduction differs)."""
-    def total(above, axis):
-        if weight_RP is None:
-            return jnp.sum(above.astype(jnp.int32), axis=axis)
-        weight = jnp.expand_dims(weight_RP, 2 if axis == 1 else 1)
-        return jnp.sum(jnp.where(above, weight, 0), axis=axis)
-
-    if REACH_LAYOUT == "digits_minor":
-        # digits innermost: the lanes comparing one key against every digit share its load
-        return total(key_RP[:, :, None] >= cand_RD[:, None, :], axis=1)
-    if REACH_LAYOUT == "digits_major":
-        return total(key_RP[:, None, :] >= cand_RD[:, :, None], axis=2)
-    if REACH_LAYOUT == "per_digit":
-        # one row reduction a digit over the same keys, for XLA to fuse as siblings
-        return jnp.stack([total(key_RP[:, None, :] >= cand_RD[:, d, None, None], axis=2)[:, 0]
-                          for d in range(cand_RD.shape[1])], axis=1)
-    raise ValueError(f"topk.REACH_LAYOUT must be one of {REACH_LAYOUTS}, got {REACH_LAYOUT!r}")
-
-
-REACH_LAYOUTS = ("digits_minor", "digits_major", "per_digit")
-REACH_LAYOUT = "digits_minor"
+def _reach(key_RP: jax.Array, cand_RD: jax.Array, weight_RP: jax.Array | None, digits_major: bool) -> jax.Array:
+    """The count (``weight_RP`` None) or weight of the keys at or above each candidate: [R, D]. The digits are the
+    compare's innermost axis (the lanes comparing one key against every digit share its load) or, with
+    ``digits_major``, the axis before the keys (a row reduction a digit): the same sums, laid out differently."""
+    above = key_RP[:, None, :] >= cand_RD[:, :, None] if digits_major else key_RP[:, :, None] >= cand_RD[:, None, :]
+    axis = 2 if digits_major else 1
+    if weight_RP is None:
+        return jnp.sum(above.astype(jnp.int32), axis=axis)
+    return jnp.sum(jnp.where(above, jnp.expand_dims(weight_RP, 3 - axis), 0), axis=axis)
 
 
 def largest_reaching(key_RP: jax.Array, target_R: jax.Array | int, weight_RP: jax.Array | None = None,
-                     bits: int | None = None) -> jax.Array:
+                     bits: int | None = None, digits_major: bool = False) -> jax.Array:
     """Per row, the largest key t whose keys at or above it reach ``target``: ``count(key >= t) >= target``, or
     with ``weight_RP`` (>= 0) ``sum(weight[key >= t]) >= target``. uint32 [R]; 0 when even every key together
-    falls short. A radix descent from the top bit, ``bits`` (default ``RADIX_BITS``; 1, 2, 4 or 8) a pass: each
-    pass measures the keys at or above every candidate digit and keeps the largest digit that still reaches. With
-    counts the answer is the target-th largest key (with multiplicity); either way it is a key of the row unless
-    the row falls short.
+    falls short. A radix descent from the top bit, ``bits`` (1, 2, 4 or 8; None: ``RADIX_BITS``) a pass: each
+    pass measures the keys at or above every candidate digit (``_reach``, whose layout ``digits_major`` picks) and
+    keeps the largest digit that still reaches. With counts the answer is the target-th largest key (with multiplicity); either way it is a
+    key of the row unless the row falls short.
 
     key_RP uint32 [R, P]; target_R a scalar or [R] (int for counts, float for weights)."""
     bits = RADIX_BITS if bits is None else bits
@@ -122,7 +108,7 @@ def largest_reaching(key_RP: jax.Array, target_R: jax.Array | int, weight_RP: ja
     prefix_R = jnp.zeros(key_RP.shape[:1], jnp.uint32)
     digit_D = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
     for shift in range(32 - bits, -1, -bits):
-        reach_RD = _reach(key_RP, prefix_R[:, None] | (digit_D << shift)[None, :], weight_RP)
+        reach_RD = _reach(key_RP, prefix_R[:, None] | (digit_D << shift)[None, :], weight_RP, digits_major)
         # the largest digit that reaches; digit 0 is the prefix itself. (The reach falls as the digit grows;
         # taking the largest qualifying digit, not counting them, does not lean on float sums being monotone.)
         digit_R = jnp.max(jnp.where(reach_RD >= target_R[:, None], digit_D[None, :], 0), axis=-1)

@@ -78,24 +78,25 @@ def _filter_select(scaled_V: jax.Array, top_k: jax.Array, top_p: jax.Array) -> j
     # -0.0 as +0.0: the sorted form compares values, where the two are equal
     key_1V = topk.order_key(jnp.where(scaled_V == 0, 0.0, scaled_V))[None]
     top = jnp.max(key_1V)
-    kth = jnp.where(top_k > 0, topk.largest_reaching(key_1V, top_k, bits=SELECT_BITS)[0], np.uint32(0))
+    kth = jnp.where(top_k > 0, topk.largest_reaching(key_1V, top_k, **SELECT_DESCENT)[0], np.uint32(0))
     kept_1V = key_1V >= kth
     weight_1V = jnp.where(kept_1V, jnp.exp(scaled_V - jnp.max(scaled_V))[None], 0.0)
     mass_1V = weight_1V / jnp.sum(weight_1V)
     # at or above the k-th (all of whose mass is at or above it), at most the top (a top_p that rounds to 0 in
     # float32 still samples the most likely token)
-    nucleus = jnp.clip(topk.largest_reaching(key_1V, top_p, mass_1V, bits=SELECT_BITS)[0], kth, top)
+    nucleus = jnp.clip(topk.largest_reaching(key_1V, top_p, mass_1V, **SELECT_DESCENT)[0], kth, top)
     threshold = jnp.where(top_p >= 1, kth, nucleus)
     return jnp.where(key_1V[0] < threshold, -jnp.inf, scaled_V)
 
 
 FILTERS = {"sort": _filter_sort, "select": _filter_select}
-# ``sample``'s top-k / top-p filter at or above this many rows is ``_filter_select``, below it ``_filter_sort``.
-# Thirty-seventh session, H100, V4.1's vocabulary (docs/benchmarks.md): the sample mode with the sort 78 / 560 /
-# 1190 us at 1 / 16 / 64 rows, with the select 91 / 249 / 956 us.
+# ``sample``'s top-k / top-p filter at or above this many rows is ``_filter_select``, below it ``_filter_sort``,
+# whose descents take ``SELECT_DESCENT`` (``topk.largest_reaching``'s digit width and layout). Thirty-seventh
+# session, H100, V4.1's vocabulary (docs/benchmarks.md), the sample mode at 1 / 16 / 64 rows: with the sort 78 / 557
+# / 1186 us, with the select of 4-bit digits innermost 90 / 247 / 953, of 2-bit digits before the keys - / 265 /
+# 781 (of 1-bit digits 364 / 1226 at 16 / 64; one row reduction a digit 523 / 1222 at 4 bits, 286 / 828 at 2).
 SELECT_MIN_ROWS = 2
-# the select's radix digits (``topk.largest_reaching``'s bits): 32 / SELECT_BITS passes a descent
-SELECT_BITS = 4
+SELECT_DESCENT = {"bits": 2, "digits_major": True}
 
 
 def _row(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position, *, top_filter: str | None):
