@@ -97,8 +97,8 @@ def largest_reaching(key_RP: jax.Array, target_R: jax.Array | int, weight_RP: ja
     with ``weight_RP`` (>= 0) ``sum(weight[key >= t]) >= target``. uint32 [R]; 0 when even every key together
     falls short. A radix descent from the top bit, ``bits`` (1, 2, 4 or 8; None: ``RADIX_BITS``) a pass: each
     pass measures the keys at or above every candidate digit (``_reach``, whose layout ``digits_major`` picks) and
-    keeps the largest digit that still reaches. With counts the answer is the target-th largest key (with multiplicity); either way it is a
-    key of the row unless the row falls short.
+    keeps the largest digit that still reaches. With counts the answer is the target-th largest key (with
+    multiplicity); either way it is a key of the row unless the row falls short.
 
     key_RP uint32 [R, P]; target_R a scalar or [R] (int for counts, float for weights)."""
     bits = RADIX_BITS if bits is None else bits
