@@ -75,6 +75,7 @@ def test_sampler_rows_time_the_step_sampler_each_mode_and_the_sort():
     assert [row["impl"] for row in rows] == ["sample_packed (the step's: every mode, one selected)",
                                              "greedy mode alone", "temperature mode alone",
                                              "sample mode alone, sort filter", "sample mode alone, select filter",
+                                             "sample mode alone, pallas filter",
                                              "jnp.sort of the rows alone"]
     assert all(row["us"] > 0 and row["shape"] == "R=2, V=512" for row in rows)
     swept = bench_kernels.sampler_rows(rows=(2,), vocab=64, sweep=True, iters=1, repeats=1)[len(rows):]

@@ -829,14 +829,16 @@ def sampler_rows(rows=(1, 16, 64), vocab: int = 129_280, sweep: bool = False, **
 
 def _select_variant_rows(sampler, logits, columns, shape, floor_bytes, base, **timing) -> list[dict]:
     """The sample mode with the select filter's descents at 4 and 2 radix bits a pass, the digits innermost or
-    before the keys (``sampler.SELECT_DESCENT``, set while a fresh jit of the unjitted ``sample`` traces it); the
+    before the keys (``sample_filter.DESCENT``, set while a fresh jit of the unjitted ``sample`` traces it); the
     draws must equal the first variant's (else MISMATCH)."""
-    saved = sampler.SELECT_DESCENT
+    from dijax.kernels import sample_filter
+
+    saved = sample_filter.DESCENT
     rows, want = [], None
     try:
         for bits in (4, 2):
             for major in (False, True):
-                sampler.SELECT_DESCENT = {"bits": bits, "digits_major": major}
+                sample_filter.DESCENT = {"bits": bits, "digits_major": major}
                 fn = jax.jit(functools.partial(sampler.sample.__wrapped__, mode="sample", top_filter="select"))
                 got = np.asarray(fn(logits, *columns))
                 want = got if want is None else want
@@ -845,7 +847,7 @@ def _select_variant_rows(sampler, logits, columns, shape, floor_bytes, base, **t
                 rows.append(_row("sampler", shape, label, time_call(fn, logits, *columns, **timing), floor_bytes,
                                  base))
     finally:
-        sampler.SELECT_DESCENT = saved
+        sample_filter.DESCENT = saved
     return rows
 
 

@@ -78,12 +78,10 @@
 #            then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches (sinkhorn.mixes_pallas: on
 #            by default since the thirty-sixth session up to 16 tokens and width 4096), off, and on up to 128 tokens,
 #            alternating over two rounds;
-#   sampler  (~450 s) the sampler's tests, its rows at V4.1's vocabulary by GPU kernel time (bench_kernels --only
-#            sampler: the step's every-mode sampler, each mode alone, the sample mode with each top-k / top-p filter,
-#            the bare sort; R = 1 / 16 / 64), then flash-slice decode B=16 / 64 with the sort-free filter (the
-#            default from SELECT_MIN_ROWS rows) and with the sort;
-#   sampler-sweep  (~200 s) the Sinkhorn GPU tests, then the sampler rows with the select filter's layouts and
-#            radix widths;
+#   sampler  (~520 s) the sampler's tests (the thresholds kernel's GPU test among them), its rows at V4.1's
+#            vocabulary by GPU kernel time (bench_kernels --only sampler: the step's every-mode sampler, each mode
+#            alone, the sample mode with each top-k / top-p filter, the bare sort; R = 1 / 16 / 64), then
+#            flash-slice decode B=16 / 64 with the thresholds kernel and with the default XLA select;
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64;
@@ -104,7 +102,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="stream-probe|mixes-ab|sampler|sampler-sweep|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -182,23 +180,18 @@ case "$stage" in
         --engine off --warmup 5 --iters 30 $setting
     done ;;
   sampler)
-    # (~450 s) the sampler's two top-k / top-p filters (thirty-seventh session): their tests on the GPU (the select
-    # must keep exactly what the sort keeps with the GPU's reduction order too), the sampler rows (bench_kernels: each
-    # filter alone at 1, 16 and 64 rows of V4.1's vocabulary), then flash-slice decode at batch 16 and 64 with the
-    # default (the select from SELECT_MIN_ROWS rows) and with the sort at every size (the thirty-sixth session's
-    # step), the second process loading its load-time programs from a persistent compilation cache
-    run 60 python3 -m pytest -q -ra tests/test_sampler.py
+    # (~520 s) the sampler's top-k / top-p filters: their tests on the GPU (the thresholds kernel, prepared in the
+    # thirty-seventh session, against the XLA select at V4.1's vocabulary; the select must keep exactly what the sort
+    # keeps with the GPU's reduction order too), the sampler rows (bench_kernels: each filter alone at 1, 16 and 64
+    # rows), then flash-slice decode at batch 16 and 64 with the kernel as the many-rows filter and with the default
+    # (the XLA select), the second process loading its load-time programs from a persistent compilation cache
+    run 100 python3 -m pytest -q -ra tests/test_sampler.py tests/gpu/test_sample_filter_gpu.py
     run 90 python3 tools/bench_kernels.py --only sampler --timing device --iters 10 --repeats 3
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-sampler-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-    for setting in "" "--kernel-setting sampler.SELECT_MIN_ROWS=1024"; do
-      run 240 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
+    for setting in "--kernel-setting sampler.MANY_ROWS_FILTER='pallas'" ""; do
+      run 200 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
         --engine off --warmup 3 --iters 10 $setting
     done ;;
-  sampler-sweep)
-    # (~200 s) the Sinkhorn kernel's GPU tests (its split prologue back to one part a load, thirty-seventh session),
-    # then the sampler rows with the select filter's variants (topk.REACH_LAYOUTS x 4 / 2 / 1 radix bits)
-    run 150 python3 -m pytest -q -ra tests/gpu/test_sinkhorn_gpu.py
-    run 200 python3 tools/bench_kernels.py --only sampler --sweep --timing device --iters 10 --repeats 3 ;;
   tests)
     # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
     run 430 python3 -m pytest -q -ra tests/gpu

@@ -246,7 +246,7 @@ def topk_pallas_supports(shape: tuple[int, ...], k: int, config: TopkConfig | No
     return chunk is not None and _offsets_fit(rows, width, k, chunk)
 
 
-def _signed_key(x: jax.Array) -> jax.Array:
+def signed_key(x: jax.Array) -> jax.Array:
     """int32 keys whose signed order is the float total order of float32 ``x`` (``order_key`` shifted by 2^31:
     the low 31 bits of negatives flipped). Its own inverse on the bits (``_float_of_key``)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
@@ -254,7 +254,7 @@ def _signed_key(x: jax.Array) -> jax.Array:
 
 
 def _float_of_key(key: jax.Array) -> jax.Array:
-    """The float32 whose ``_signed_key`` is ``key`` (bit for bit, NaN payloads included)."""
+    """The float32 whose ``signed_key`` is ``key`` (bit for bit, NaN payloads included)."""
     return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ _LOW_BITS, key), jnp.float32)
 
 
@@ -299,7 +299,7 @@ def _chunk_max_kernel(score_ref, max_ref, *, width: int, chunk: int, block_m: in
     pos_MC = (m0 + jnp.arange(block_m, dtype=jnp.int32))[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)[None]
     live_MC = pos_MC < width
     x_MC = pltriton.load(score_ref.at[r, pos_MC], mask=live_MC, other=0.0)
-    key_MC = jnp.where(live_MC, _signed_key(x_MC), INT32_MIN)
+    key_MC = jnp.where(live_MC, signed_key(x_MC), INT32_MIN)
     max_ref[r, pl.ds(m0, block_m)] = jnp.max(key_MC, axis=1)
 
 
@@ -326,7 +326,7 @@ def _select_kernel(score_ref, max_ref, *out_refs, k: int, width: int, chunk: int
     has_L = slot_L < min(k, lanes_m)
     pos_L = pltriton.load(chunk_ref.at[r, slot_L], mask=has_L, other=0) * chunk + lane_L % chunk
     live_L = has_L & (pos_L < width)
-    key_L = jnp.where(live_L, _signed_key(pltriton.load(score_ref.at[r, pos_L], mask=live_L, other=0.0)), INT32_MIN)
+    key_L = jnp.where(live_L, signed_key(pltriton.load(score_ref.at[r, pos_L], mask=live_L, other=0.0)), INT32_MIN)
     take_L = _take_lanes(key_L, k)
     _store_compacted(pos_ref, r, take_L, pos_L)
     if not ranked:

@@ -19,9 +19,10 @@ says what a step needs: a greedy step's tokens are the argmax, whatever else was
 * ``temperature``: no sampled row filters (top_k 0, top_p 1): the Gumbel argmax of the scaled logits, with no
   sort. top_k 0 and top_p 1 are exact no-ops in ``sample`` (both ``FILTERS``), so a row draws the same token in
   both.
-* ``sample``: top-k, then top-p, by thresholds: one descending sort per row serves both (``_filter_sort``), or,
-  from ``SELECT_MIN_ROWS`` rows up, radix descents over the row's order keys find them with no sort
-  (``_filter_select``: a CUB sort of 64 rows of V4.1's vocabulary took 1.0 ms on an H100, docs/benchmarks.md).
+* ``sample``: top-k, then top-p, by thresholds: one descending sort per row serves both (``_filter_sort_row``),
+  or, from ``SELECT_MIN_ROWS`` rows up, radix descents over the rows' order keys find them with no sort
+  (``_filter_by_thresholds``: a CUB sort of 64 rows of V4.1's vocabulary took 1.0 ms on an H100,
+  docs/benchmarks.md).
 
 A temperature-0 row takes the same argmax in every mode, so a row's token never depends on the mode its step took.
 
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dijax.kernels import topk
+from dijax.kernels import sample_filter
 
 MODES = ("greedy", "temperature", "sample")
 
@@ -49,10 +50,10 @@ def _argmax(logits_xV: jax.Array) -> jax.Array:
     return jnp.argmax(logits_xV, axis=-1).astype(jnp.int32)
 
 
-def _filter_sort(scaled_V: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """``scaled_V`` with the entries top-k, then top-p, drop set to -inf, by one descending sort of the row. top_k 0
-    and top_p >= 1 leave it exactly as it was (the float32 cumulative sum of a large vocabulary can reach 1 before
-    its tail: top_p >= 1 does not read it)."""
+def _filter_sort_row(scaled_V: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """One row's ``scaled_V`` with the entries top-k, then top-p, drop set to -inf, by one descending sort of the
+    row. top_k 0 and top_p >= 1 leave it exactly as it was (the float32 cumulative sum of a large vocabulary can
+    reach 1 before its tail: top_p >= 1 does not read it)."""
     # one descending sort serves both filters: masking the values below the k-th of a sorted row leaves it sorted
     ordered_V = jnp.sort(scaled_V)[::-1]
     kth = ordered_V[jnp.clip(top_k - 1, 0, scaled_V.shape[0] - 1)]
@@ -68,43 +69,35 @@ def _filter_sort(scaled_V: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
     return jnp.where(scaled_V < threshold, -jnp.inf, scaled_V)
 
 
-def _filter_select(scaled_V: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """``_filter_sort`` without a sort: both thresholds by radix descents over the row's order keys
-    (``topk.largest_reaching``, ~16 passes of compares and sums). The top-k threshold is the k-th largest value; the
-    top-p one is the largest value whose own mass and everything above it reach top_p, which is the smallest value
-    the sorted rule keeps (a value stays when the mass strictly above it is below top_p). The same rule, with the
-    mass summed in another order: the two forms can differ only where a mass lands within float32 rounding of
-    top_p."""
-    # -0.0 as +0.0: the sorted form compares values, where the two are equal
-    key_1V = topk.order_key(jnp.where(scaled_V == 0, 0.0, scaled_V))[None]
-    top = jnp.max(key_1V)
-    kth = jnp.where(top_k > 0, topk.largest_reaching(key_1V, top_k, **SELECT_DESCENT)[0], np.uint32(0))
-    kept_1V = key_1V >= kth
-    weight_1V = jnp.where(kept_1V, jnp.exp(scaled_V - jnp.max(scaled_V))[None], 0.0)
-    mass_1V = weight_1V / jnp.sum(weight_1V)
-    # at or above the k-th (all of whose mass is at or above it), at most the top (a top_p that rounds to 0 in
-    # float32 still samples the most likely token)
-    nucleus = jnp.clip(topk.largest_reaching(key_1V, top_p, mass_1V, **SELECT_DESCENT)[0], kth, top)
-    threshold = jnp.where(top_p >= 1, kth, nucleus)
-    return jnp.where(key_1V[0] < threshold, -jnp.inf, scaled_V)
+def _filter_by_thresholds(scaled_RV: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array, *, impl: str
+                          ) -> jax.Array:
+    """``_filter_sort_row`` on every row without a sort: the thresholds by radix descents over the rows' order keys
+    (``dijax.kernels.sample_filter``, in XLA or the kernel by ``impl``). The top-k threshold is the k-th largest
+    value; the top-p one is the largest value whose own mass and everything above it reach top_p, which is the
+    smallest value the sorted rule keeps (a value stays when the mass strictly above it is below top_p). The same
+    rule, with the mass summed in another order: the two forms can differ only where a mass lands within float32
+    rounding of top_p."""
+    threshold_R = sample_filter.thresholds(scaled_RV, top_k_R, top_p_R, impl=impl)
+    return jnp.where(sample_filter.filter_keys(scaled_RV) < threshold_R[:, None], -jnp.inf, scaled_RV)
 
 
-FILTERS = {"sort": _filter_sort, "select": _filter_select}
-# ``sample``'s top-k / top-p filter at or above this many rows is ``_filter_select``, below it ``_filter_sort``,
-# whose descents take ``SELECT_DESCENT`` (``topk.largest_reaching``'s digit width and layout). Thirty-seventh
+# the ``sample`` mode's top-k / top-p filters, each (scaled_RV, top_k_R, top_p_R) -> scaled_RV with the dropped
+# entries at -inf: a sort of each row, the thresholds' radix descents in XLA, or the same in one Triton-lowered
+# program a row (prepared, not yet run on a GPU: dijax/kernels/sample_filter.py)
+FILTERS = {"sort": jax.vmap(_filter_sort_row),
+           "select": partial(_filter_by_thresholds, impl="reference"),
+           "pallas": partial(_filter_by_thresholds, impl="pallas")}
+# ``sample``'s "auto" filter: the sort below SELECT_MIN_ROWS rows, MANY_ROWS_FILTER from there. Thirty-seventh
 # session, H100, V4.1's vocabulary (docs/benchmarks.md), the sample mode at 1 / 16 / 64 rows: with the sort 78 / 557
-# / 1186 us, with the select of 4-bit digits innermost 90 / 247 / 953, of 2-bit digits before the keys - / 265 /
-# 781 (of 1-bit digits 364 / 1226 at 16 / 64; one row reduction a digit 523 / 1222 at 4 bits, 286 / 828 at 2).
+# / 1186 us, with the select 90 / 247 / 953 (4-bit digits innermost), - / 265 / 781 (2-bit digits before the keys,
+# sample_filter.DESCENT).
 SELECT_MIN_ROWS = 2
-SELECT_DESCENT = {"bits": 2, "digits_major": True}
+MANY_ROWS_FILTER = "select"
 
 
-def _row(logits_V, temperature, top_k, top_p, seed_hi, seed_lo, position, *, top_filter: str | None):
-    """One row's token: the argmax of ``logits_V`` at temperature 0, else the Gumbel argmax of the scaled logits,
-    after top-k / top-p by ``FILTERS[top_filter]`` (the ``sample`` mode; None in the ``temperature`` mode)."""
-    scaled_V = logits_V.astype(jnp.float32) / jnp.maximum(temperature, 1e-5)
-    if top_filter is not None:
-        scaled_V = FILTERS[top_filter](scaled_V, top_k, top_p)
+def _draw(logits_V, scaled_V, temperature, seed_hi, seed_lo, position):
+    """One row's token: the argmax of ``logits_V`` at temperature 0, else the Gumbel argmax of ``scaled_V`` (the
+    row's logits over its temperature, filtered in the ``sample`` mode)."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_lo), seed_hi), position)
     sampled = _argmax(scaled_V + jax.random.gumbel(key, scaled_V.shape, jnp.float32))
     return jnp.where(temperature == 0, _argmax(logits_V), sampled)
@@ -120,15 +113,17 @@ def sample(logits_RV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, t
     ``MODES``) is what ``sampling_mode`` picks for them: in ``greedy`` the row arguments are not read.
     ``top_filter``: the ``sample`` mode's filter, a key of ``FILTERS``, or "auto" (``SELECT_MIN_ROWS``)."""
     if top_filter == "auto":
-        top_filter = "select" if logits_RV.shape[0] >= SELECT_MIN_ROWS else "sort"
+        top_filter = MANY_ROWS_FILTER if logits_RV.shape[0] >= SELECT_MIN_ROWS else "sort"
     if top_filter not in FILTERS:
         raise ValueError(f"sampler top_filter must be 'auto' or one of {tuple(FILTERS)}, got {top_filter!r}")
     if mode == "greedy":
         return _argmax(logits_RV)
-    if mode in ("temperature", "sample"):
-        row = partial(_row, top_filter=top_filter if mode == "sample" else None)
-        return jax.vmap(row)(logits_RV, temperature_R, top_k_R, top_p_R, seed_hi_R, seed_lo_R, position_R)
-    raise ValueError(f"sampling mode must be one of {MODES}, got {mode!r}")
+    if mode not in ("temperature", "sample"):
+        raise ValueError(f"sampling mode must be one of {MODES}, got {mode!r}")
+    scaled_RV = logits_RV.astype(jnp.float32) / jnp.maximum(temperature_R, 1e-5)[:, None]
+    if mode == "sample":
+        scaled_RV = FILTERS[top_filter](scaled_RV, top_k_R, top_p_R)
+    return jax.vmap(_draw)(logits_RV, scaled_RV, temperature_R, seed_hi_R, seed_lo_R, position_R)
 
 
 def sampling_mode(chunks: Sequence) -> str:
