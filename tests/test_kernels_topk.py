@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.kernels import topk as topk_mod
 from dijax.kernels import topk as topk_module
 from dijax.kernels.topk import topk_ascending, topk_reference, topk_select
 from dijax.model.attention import select_candidate_blocks, topk_positions
@@ -57,13 +56,13 @@ def test_select_matches_lax_top_k(kind, width, k):
 @pytest.fixture
 def prefilter_small_arrays(monkeypatch):
     """Let small arrays take the chunk prefilter (it is kept for large ones), with a fresh jit of the select."""
-    monkeypatch.setattr(topk_mod, "PREFILTER_MIN_VALUES", 0)
+    monkeypatch.setattr(topk_module, "PREFILTER_MIN_VALUES", 0)
     return jax.jit(topk_select, static_argnums=1)
 
 
 def test_long_rows_take_the_chunk_prefilter(prefilter_small_arrays):
-    width, k = 4 * 8 * topk_mod.CHUNK + 17, 8  # above the prefilter bound, with a ragged last chunk
-    assert width >= topk_mod.PREFILTER_FACTOR * k * topk_mod.CHUNK
+    width, k = 4 * 8 * topk_module.CHUNK + 17, 8  # above the prefilter bound, with a ragged last chunk
+    assert width >= topk_module.PREFILTER_FACTOR * k * topk_module.CHUNK
     for seed, kind in enumerate(["random", "ties", "masked", "special"]):
         x = jnp.asarray(scores(kind, 3, width, seed))
         want_v, want_i = topk_reference(x, k)

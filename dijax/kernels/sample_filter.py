@@ -146,10 +146,11 @@ def _kernel(x_ref, top_k_ref, top_p_ref, out_ref, *, width: int, block: int, bit
         return total_B + kept_weight(x_B, key_B, live_B)
 
     total = jnp.sum(jax.lax.fori_loop(0, blocks, mass, jnp.zeros((block,), jnp.float32)))
-    nucleus_u = descend(jnp.where(top_p < 1, passes, np.int32(0)),
-                        lambda x_B, key_B, live_B, cand_s: [jnp.where(key_B >= c, kept_weight(x_B, key_B, live_B),
-                                                                      0.0) for c in cand_s],
-                        top_p * total, jnp.float32)
+    def mass_above(x_B, key_B, live_B, cand_s):
+        weight_B = kept_weight(x_B, key_B, live_B)  # one exp a key, shared by the candidates
+        return [jnp.where(key_B >= c, weight_B, 0.0) for c in cand_s]
+
+    nucleus_u = descend(jnp.where(top_p < 1, passes, np.int32(0)), mass_above, top_p * total, jnp.float32)
     # clipped to [kth, top] in the unsigned order (compared as signed keys)
     nucleus_s = jnp.minimum(jnp.maximum(nucleus_u ^ INT32_MIN, kth_s), top_s)
     out_ref[r] = jnp.where(top_p >= 1, kth_s, nucleus_s) ^ INT32_MIN
