@@ -4,6 +4,8 @@
     python tools/bench.py --model flash-slice --decode-batch 1,16,64 --context 4096 --prefill 2048
     python tools/bench.py --ep 2                            # experts and Engram rows split over 2 devices
     python tools/bench.py --model flash-slice --kernel-setting topk.SELECT_MIN_VALUES=512   # an A/B run
+    python tools/bench.py --model flash-slice --variant "sampler.MANY_ROWS_FILTER='pallas'" --rounds 2
+                                                            # A/B in one process: the model loaded once
 
 Step rows: the step the engine runs (``ModelRunner.launch``: the model step with the ZOS remap, ``forward_step`` and
 the sampler, and the small launches around it; no scheduler), a decode step of B sequences at context C or one
@@ -62,7 +64,7 @@ from dijax.kernels.options import kernel_options  # noqa: E402
 from dijax.parallel.mesh import make_mesh, place_params  # noqa: E402
 from dijax.runtime.llm import LLM  # noqa: E402
 from dijax.runtime.llm_engine import LLMEngine  # noqa: E402
-from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS, ModelRunner  # noqa: E402
+from dijax.runtime.model_runner import STEP_COMPILER_OPTIONS, ModelRunner, compiled_step  # noqa: E402
 from dijax.runtime.sampling_params import SamplingParams  # noqa: E402
 from dijax.runtime.step_timeline import PHASES, summarize  # noqa: E402
 from tools.ceilings import ceilings  # noqa: E402
@@ -450,27 +452,34 @@ def _setting_module(name: str):
                      f"(allowed: {allowed})")
 
 
+def _setting(setting: str):
+    """(module, holder, name, target, text) of one ``MODULE.NAME=VALUE`` / ``MODULE.CONFIG.FIELD=VALUE``: the
+    module, the module or its ``CONFIG``, the name set there, and the setting's two sides. SystemExit names a
+    malformed or unknown one and the allowed names."""
+    target, sep, text = setting.partition("=")
+    parts = target.split(".")
+    if not sep or len(parts) not in (2, 3) or (len(parts) == 3 and parts[1] != "CONFIG"):
+        raise SystemExit(f"--kernel-setting must be MODULE.NAME=VALUE or MODULE.CONFIG.FIELD=VALUE, got {setting!r}")
+    module = _setting_module(parts[0])
+    holder = module.CONFIG if len(parts) == 3 else module
+    names = ([f.name for f in dataclasses.fields(holder)] if len(parts) == 3
+             else [n for n in vars(module) if n.isupper() and not n.startswith("_")])
+    if parts[-1] not in names:
+        raise SystemExit(f"--kernel-setting: {target} is not a setting of {module.__name__} (allowed: "
+                         f"{sorted(names)})")
+    return module, holder, parts[-1], target, text
+
+
 def apply_kernel_settings(settings: list[str]) -> list[str]:
     """Apply ``--kernel-setting`` values before any step is traced: ``MODULE.NAME=VALUE`` sets a module constant of
     ``dijax.kernels.MODULE`` or ``dijax.runtime.MODULE`` (a dispatcher threshold such as ``topk.SELECT_MIN_VALUES``
-    or ``sampler.SELECT_MIN_ROWS``), ``MODULE.CONFIG.FIELD=VALUE``
-    replaces one field of that module's ``CONFIG`` (a tiling such as ``routed_experts.CONFIG.gathered_max``). VALUE
-    is a Python literal of the current value's type. Returns the settings as applied; SystemExit names a malformed
-    or unknown one and the allowed names."""
+    or ``sampler.SELECT_MIN_ROWS``), ``MODULE.CONFIG.FIELD=VALUE`` replaces one field of that module's ``CONFIG`` (a
+    tiling such as ``routed_experts.CONFIG.gathered_max``). VALUE is a Python literal of the current value's type.
+    Returns the settings as applied; SystemExit names a malformed or unknown one and the allowed names."""
     applied = []
     for setting in settings:
-        target, sep, text = setting.partition("=")
-        parts = target.split(".")
-        if not sep or len(parts) not in (2, 3) or (len(parts) == 3 and parts[1] != "CONFIG"):
-            raise SystemExit(f"--kernel-setting must be MODULE.NAME=VALUE or MODULE.CONFIG.FIELD=VALUE, got {setting!r}")
-        module = _setting_module(parts[0])
-        holder = module.CONFIG if len(parts) == 3 else module
-        names = ([f.name for f in dataclasses.fields(holder)] if len(parts) == 3
-                 else [n for n in vars(module) if n.isupper() and not n.startswith("_")])
-        if parts[-1] not in names:
-            raise SystemExit(f"--kernel-setting: {target} is not a setting of {module.__name__} (allowed: "
-                             f"{sorted(names)})")
-        current = getattr(holder, parts[-1])
+        module, holder, name, target, text = _setting(setting)
+        current = getattr(holder, name)
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
@@ -478,12 +487,22 @@ def apply_kernel_settings(settings: list[str]) -> list[str]:
         if type(value) is not type(current):
             raise SystemExit(f"--kernel-setting: {target} must be of type {type(current).__name__} (now {current!r}), "
                              f"got {text!r}")
-        if len(parts) == 3:
-            module.CONFIG = dataclasses.replace(holder, **{parts[-1]: value})
+        if holder is module:
+            setattr(module, name, value)
         else:
-            setattr(module, parts[-1], value)
+            module.CONFIG = dataclasses.replace(holder, **{name: value})
         applied.append(f"{target}={value!r}")
     return applied
+
+
+def current_settings(settings: list[str]) -> list[str]:
+    """The values the targets of ``settings`` hold now, as settings (``_setting``'s errors for a bad one): what
+    ``apply_kernel_settings`` takes to restore them after a ``--variant``."""
+    now = []
+    for setting in settings:
+        _, holder, name, target, _ = _setting(setting)
+        now.append(f"{target}={getattr(holder, name)!r}")
+    return now
 
 
 def _counts(text: str) -> list[int]:
@@ -525,6 +544,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel-setting", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="A/B runs of a kernel module's constant or CONFIG field (apply_kernel_settings), e.g. "
                              "topk.SELECT_MIN_VALUES=512 or routed_experts.CONFIG.gathered_max=64; repeatable")
+    parser.add_argument("--variant", action="append", default=[], metavar="SETTING[;SETTING...]",
+                        help="after the step rows, run them again with these --kernel-setting values (';'-separated)"
+                             " on the model already loaded, every jit retraced; repeatable, each a variant of its "
+                             "own, rows labelled [variant]")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --variant: run the base and every variant this many times, alternating")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dump", help="write each step's optimised HLO and a profiler trace of 3 steps here")
     args = parser.parse_args(argv)
@@ -532,6 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     kernel_options(args.kernels, jax.default_backend())  # a bad choice fails before the model is built
     apply_step_options(args.step_xla_option)
     settings = apply_kernel_settings(args.kernel_setting)
+    variants = [[v for v in variant.split(";") if v] for variant in args.variant]
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    for variant in variants:  # a bad setting fails before the model is built: applied, then restored
+        base = current_settings(variant)
+        apply_kernel_settings(variant)
+        apply_kernel_settings(base)
 
     if args.moe_path != "auto":  # A/B seam: every step traced from here on takes the forced path
         from dijax.kernels import routed_experts
@@ -565,7 +597,22 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(f"{label} max_model_len={n}", lengths, n) for label, lengths in cases for n in args.max_model_len]
     else:
         cases = [(label, lengths, None) for label, lengths in cases]
-    for label, lengths, max_model_len in cases:
+    runs = [(label, lengths, max_model_len, None) for label, lengths, max_model_len in cases]
+    if variants:
+        runs = [(label if variant is None else f"{label} [{'; '.join(variant)}]", lengths, max_model_len, variant)
+                for _ in range(args.rounds) for variant in [None, *variants]
+                for label, lengths, max_model_len in cases]
+    applied = None
+    for label, lengths, max_model_len, variant in runs:
+        if variant != applied:  # every step retraced with the variant's settings (or back to the base's)
+            if applied is not None:
+                apply_kernel_settings(restore)
+            restore = current_settings(variant) if variant else None
+            if variant:
+                apply_kernel_settings(variant)
+            applied = variant
+            compiled_step.cache_clear()
+            jax.clear_caches()
         timing = time_step(cfg, params, consts, lengths, args.block_size, args.warmup, args.iters, args.kernels,
                            args.dump, label, max_model_len, args.sampling)
         median = timing.median
@@ -580,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label}: {median * 1e3:.2f} ms (host dispatch {timing.dispatch * 1e3:.2f} ms, back to back "
               f"{timing.pipelined * 1e3:.2f} ms; first run {timing.first:.1f} s, {timing.launches} kernel launches, "
               f"{timing.temp_bytes / 1e9:.3f} GB temporaries)", flush=True)
+    if applied is not None:  # the engine rows and the caller see the base settings again
+        apply_kernel_settings(restore)
+        compiled_step.cache_clear()
+        jax.clear_caches()
     engine_rows = []
     if args.engine == "on":
         prompt_len, max_tokens = args.engine_prompt, args.engine_tokens

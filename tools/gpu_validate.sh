@@ -78,10 +78,11 @@
 #            then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches (sinkhorn.mixes_pallas: on
 #            by default since the thirty-sixth session up to 16 tokens and width 4096), off, and on up to 128 tokens,
 #            alternating over two rounds;
-#   sampler  (~520 s) the sampler's tests (the thresholds kernel's GPU test among them), its rows at V4.1's
+#   sampler  (~500 s) the sampler's tests (the thresholds kernel's GPU test among them), its rows at V4.1's
 #            vocabulary by GPU kernel time (bench_kernels --only sampler: the step's every-mode sampler, each mode
 #            alone, the sample mode with each top-k / top-p filter, the bare sort; R = 1 / 16 / 64), then
-#            flash-slice decode B=16 / 64 with the thresholds kernel and with the default XLA select;
+#            flash-slice decode B=16 / 64 in one process (bench.py --variant): the XLA select, the thresholds
+#            kernel, the sort, two rounds;
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64;
@@ -180,18 +181,18 @@ case "$stage" in
         --engine off --warmup 5 --iters 30 $setting
     done ;;
   sampler)
-    # (~520 s) the sampler's top-k / top-p filters: their tests on the GPU (the thresholds kernel, prepared in the
+    # (~500 s) the sampler's top-k / top-p filters: their tests on the GPU (the thresholds kernel, prepared in the
     # thirty-seventh session, against the XLA select at V4.1's vocabulary; the select must keep exactly what the sort
     # keeps with the GPU's reduction order too), the sampler rows (bench_kernels: each filter alone at 1, 16 and 64
-    # rows), then flash-slice decode at batch 16 and 64 with the kernel as the many-rows filter and with the default
-    # (the XLA select), the second process loading its load-time programs from a persistent compilation cache
+    # rows), then flash-slice decode at batch 16 and 64 in one process (the model loaded once): the default (the XLA
+    # select from 2 rows), the kernel as the many-rows filter, the sort at every size, alternating over two rounds
+    # (the second round's executables from a persistent compilation cache)
     run 100 python3 -m pytest -q -ra tests/test_sampler.py tests/gpu/test_sample_filter_gpu.py
     run 90 python3 tools/bench_kernels.py --only sampler --timing device --iters 10 --repeats 3
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-sampler-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-    for setting in "--kernel-setting sampler.MANY_ROWS_FILTER='pallas'" ""; do
-      run 200 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
-        --engine off --warmup 3 --iters 10 $setting
-    done ;;
+    run 400 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
+      --engine off --warmup 3 --iters 10 --variant "sampler.MANY_ROWS_FILTER='pallas'" \
+      --variant "sampler.SELECT_MIN_ROWS=1024" --rounds 2 ;;
   tests)
     # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
     run 430 python3 -m pytest -q -ra tests/gpu
