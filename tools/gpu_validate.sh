@@ -190,7 +190,7 @@ case "$stage" in
     run 100 python3 -m pytest -q -ra tests/test_sampler.py tests/gpu/test_sample_filter_gpu.py
     run 90 python3 tools/bench_kernels.py --only sampler --timing device --iters 10 --repeats 3
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-sampler-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-    run 400 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
+    run 430 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10 --variant "sampler.MANY_ROWS_FILTER='pallas'" \
       --variant "sampler.SELECT_MIN_ROWS=1024" --rounds 2 ;;
   tests)
