@@ -9,9 +9,9 @@ float total order, with -0.0 read as +0.0, where a sort's compares see two equal
 whose key is at or above it.
 
 * ``thresholds_reference``: two descents of ``topk.largest_reaching`` (``DESCENT``: 2-bit digits laid out before
-  the keys; each pass reads the whole [R, V] array: ~100 launches, compiled for an H100). On an H100 at V4.1's vocabulary the
-  sample mode took 265 / 781 us at 16 / 64 rows with it, against 557 / 1186 with a sort (docs/benchmarks.md,
-  thirty-seventh session).
+  the keys; each pass reads the whole [R, V] array: ~100 launches, compiled for an H100). On an H100 at V4.1's
+  vocabulary the sample mode took 265 / 781 us at 16 / 64 rows with it, against 557 / 1186 with a sort
+  (docs/benchmarks.md, thirty-seventh session).
 * ``thresholds_pallas``: the same descents in one program a row, which streams its row from memory once a pass
   (the maximum, the top-k descent, the kept mass, the top-p descent: at most 2 + 2 * 32 / bits passes) and skips a
   descent whose filter is off. Its work a row does not grow with the rows, so a step of 64 rows costs what one
