@@ -505,6 +505,13 @@ def current_settings(settings: list[str]) -> list[str]:
     return now
 
 
+def use_settings(settings: list[str]) -> None:
+    """Apply ``settings`` and drop every traced and compiled step, so the next step is traced under them."""
+    apply_kernel_settings(settings)
+    compiled_step.cache_clear()
+    jax.clear_caches()
+
+
 def _counts(text: str) -> list[int]:
     """``_ints`` of values >= 1 (batch sizes, prefill lengths, max_model_len)."""
     return _ints(text, 1)
@@ -560,10 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = [[v for v in variant.split(";") if v] for variant in args.variant]
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
-    for variant in variants:  # a bad setting fails before the model is built: applied, then restored
-        base = current_settings(variant)
+    base = current_settings([setting for variant in variants for setting in variant])  # what the variants change
+    for variant in variants:  # a bad setting fails before the model is built
         apply_kernel_settings(variant)
-        apply_kernel_settings(base)
+    apply_kernel_settings(base)
 
     if args.moe_path != "auto":  # A/B seam: every step traced from here on takes the forced path
         from dijax.kernels import routed_experts
@@ -604,15 +611,9 @@ def main(argv: list[str] | None = None) -> int:
                 for label, lengths, max_model_len in cases]
     applied = None
     for label, lengths, max_model_len, variant in runs:
-        if variant != applied:  # every step retraced with the variant's settings (or back to the base's)
-            if applied is not None:
-                apply_kernel_settings(restore)
-            restore = current_settings(variant) if variant else None
-            if variant:
-                apply_kernel_settings(variant)
+        if variant != applied:  # every step retraced with the base settings, then the variant's on top
+            use_settings(base + (variant or []))
             applied = variant
-            compiled_step.cache_clear()
-            jax.clear_caches()
         timing = time_step(cfg, params, consts, lengths, args.block_size, args.warmup, args.iters, args.kernels,
                            args.dump, label, max_model_len, args.sampling)
         median = timing.median
@@ -628,9 +629,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{timing.pipelined * 1e3:.2f} ms; first run {timing.first:.1f} s, {timing.launches} kernel launches, "
               f"{timing.temp_bytes / 1e9:.3f} GB temporaries)", flush=True)
     if applied is not None:  # the engine rows and the caller see the base settings again
-        apply_kernel_settings(restore)
-        compiled_step.cache_clear()
-        jax.clear_caches()
+        use_settings(base)
     engine_rows = []
     if args.engine == "on":
         prompt_len, max_tokens = args.engine_prompt, args.engine_tokens

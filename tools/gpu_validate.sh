@@ -165,21 +165,15 @@ case "$stage" in
   stream-probe)
     run 150 python3 tools/stream_probe.py ;;
   mixes-ab)
-    # (~300 s) the tiny decode rows at batch 1, 16 and 64 with the hyper-connection mixes in two launches (on by
-    # default since the thirty-sixth session for steps of up to 16 tokens of streams up to 4096 wide) and off,
-    # alternating, two rounds (the second loads its executables from a persistent compilation cache): the default
-    # rests on one pair of runs at batch 1 (docs/benchmarks.md)
-    # first the mixes alone at both widths by GPU kernel time (bench_kernels: 14 a jitted call, as in a
-    # flash-slice step). Thirty-seventh session: ran (docs/benchmarks.md); the first run of a row compiles, 60 s
-    # was once too short for it
+    # (~250 s) the hyper-connection mixes alone at both widths by GPU kernel time (bench_kernels: 14 a jitted call, as
+    # in a flash-slice step), then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches as by
+    # default (steps of up to 16 tokens of streams up to 4096 wide), off, and on up to 128 tokens, alternating over
+    # two rounds in one process (thirty-seventh session: the default held, docs/benchmarks.md)
     run 150 python3 tools/bench_kernels.py --only mixes --timing device --iters 10 --repeats 3
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-mixes-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-    off="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=0"
-    wide="--kernel-setting sinkhorn.CONFIG.fused_mixes_max_tokens=128"
-    for setting in "$off" "" "$wide" "$off" "" "$wide"; do
-      run 90 python3 tools/bench.py --kernels on --decode-batch 1,16,64 --context 256 --prefill= --block-size 16 \
-        --engine off --warmup 5 --iters 30 $setting
-    done ;;
+    run 240 python3 tools/bench.py --kernels on --decode-batch 1,16,64 --context 256 --prefill= --block-size 16 \
+      --engine off --warmup 5 --iters 30 --variant "sinkhorn.CONFIG.fused_mixes_max_tokens=0" \
+      --variant "sinkhorn.CONFIG.fused_mixes_max_tokens=128" --rounds 2 ;;
   sampler)
     # (~500 s) the sampler's top-k / top-p filters: their tests on the GPU (the thresholds kernel, prepared in the
     # thirty-seventh session, against the XLA select at V4.1's vocabulary; the select must keep exactly what the sort

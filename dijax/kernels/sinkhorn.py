@@ -35,7 +35,7 @@ The mixes themselves (``mixes_reference``: the projection of a token's C * D str
 statistic, then the split) run in XLA around the split kernel: 7-8 launches a hyper-connection at decode sizes.
 ``mixes_pallas`` takes a decode step's (up to ``MIXES_MAX_TOKENS`` tokens) in two: a projection kernel whose
 programs each take a part of K (fp32 products and sums, the sums of squares in the same pass), then the split
-kernel with a prologue that adds the parts in a fixed order and applies the statistic and the affine. It runs where
+kernel with a prologue that adds the parts in order and applies the statistic and the affine. It runs where
 it paid on an H100: decode steps of up to 16 tokens of streams up to 4096 values wide (``SinkhornConfig``).
 
 Letters: T tokens, C hc copies, M = (2 + C) * C mix entries, P = M rounded up to a power of two (Triton's block),
@@ -328,15 +328,10 @@ def _project_kernel(x_ref, fn_ref, out_ref, *, t: int, m: int, chunks: int, chun
 
 
 def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: int, norm_eps: float, **split):
-    """The projection kernel's parts summed (in a fixed order), the RMS statistic, the affine, then
-    ``_split_block``."""
+    """The projection kernel's parts summed in order, the RMS statistic, the affine, then ``_split_block``."""
     c, n = split["c"], out_ref.shape[1]
-
-    def add(s, acc):
-        # a one-part block summed: the form measured on the GPU
-        return [a + jnp.sum(part_ref[pl.ds(s, 1), e, :], axis=0) for e, a in enumerate(acc)]
-
-    total = lax.fori_loop(0, part_ref.shape[0], add, [jnp.zeros((n,), jnp.float32)] * (m + 1))
+    total = lax.fori_loop(0, part_ref.shape[0], lambda s, acc: [a + part_ref[s, e, :] for e, a in enumerate(acc)],
+                          [jnp.zeros((n,), jnp.float32)] * (m + 1))
     mean_N = div_rn(total[m], jnp.full((n,), k, jnp.float32), split["interpret"])
     rsqrt_N = lax.rsqrt(mean_N + np.float32(norm_eps))
     scales = [scale_ref[0], scale_ref[1], scale_ref[2]]
