@@ -32,11 +32,10 @@ def mean(x: jax.Array, axis: int = -1, keepdims: bool = True) -> jax.Array:
 def sum_in_order(x: jax.Array, axis: int) -> jax.Array:
     """Sum over a short axis strictly left to right, keeping the axis (size 1): the order the reference's reductions
     use, so the bits match (XLA's reduce may pair the terms differently)."""
-    parts = jnp.moveaxis(x, axis, 0)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return jnp.expand_dims(total, axis)
+    total = jax.lax.slice_in_dim(x, 0, 1, axis=axis)
+    for i in range(1, x.shape[axis]):
+        total = total + jax.lax.slice_in_dim(x, i, i + 1, axis=axis)
+    return total
 
 
 def matmul_f32(x: jax.Array, w_OI: jax.Array) -> jax.Array:

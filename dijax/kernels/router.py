@@ -9,7 +9,8 @@ Two implementations behind ``route(..., impl=)``, with one signature:
     (``block_tokens``, ``RouterConfig``) and takes the maximum X times (the lowest id among equal maxima first:
     ``lax.top_k``'s order, so the same experts on ties), masking each pick; then the same network, the scores
     picked by a masked sum (one nonzero term: exact), the sum in id order and ``div.rn.f32``
-    (dijax.kernels.division). Its outputs are [X, T] rows, sliced and transposed by their consumers' fusions.
+    (dijax.kernels.division). It writes [T, X] (a pick of its tokens a strided column store): written [X, T], as
+    before the thirty-eighth session, each MoE layer's consumers needed a transpose kernel of their own.
 
 Both sum the X weights left to right in ascending id order (``sum_in_order``), so they agree bit for bit for equal
 scores. The scores themselves (``sqrt(softplus(logits / temp))``) stay in XLA: libdevice's ``exp`` and ``log1p``
@@ -94,8 +95,7 @@ def block_tokens(t: int, config: RouterConfig = RouterConfig()) -> int:
 def _route_kernel(scores_ref, bias_ref, weights_ref, experts_ref, *, block: int, n_tokens: int, n_experts: int,
                   n_active: int, normalize: bool, route_scale: float, interpret: bool):
     """Program i: tokens [i * B, (i + 1) * B), B = ``block`` (rows past ``n_tokens`` read token n_tokens - 1 and
-    are written to the padding columns of the outputs). scores_ref [T, E], bias_ref [E] float32 -> weights_ref,
-    experts_ref [Xp, T'] (rows 0..X-1 written)."""
+    are not written). scores_ref [T, E], bias_ref [E] float32 -> weights_ref, experts_ref [T, X]."""
     rows = pl.program_id(0) * block + jnp.arange(block)
     safe_R1 = jnp.minimum(rows, n_tokens - 1)[:, None]
     padded = pl.next_power_of_2(n_experts)
@@ -116,9 +116,12 @@ def _route_kernel(scores_ref, bias_ref, weights_ref, experts_ref, *, block: int,
     if normalize and n_active > 1:
         total = functools.reduce(lambda a, b: a + b, weights) + NORM_EPS
         weights = [div_rn(w, total, interpret) for w in weights]
+    # rows past T keep their own indices, masked: clamped duplicates of a live row would overwrite it, interpreted
+    live_R = rows < n_tokens
     for j, (w, p) in enumerate(zip(weights, picks)):
-        weights_ref[j, :] = w * np.float32(route_scale)
-        experts_ref[j, :] = p.astype(jnp.int32)
+        column_R = jnp.full((block,), j)
+        pltriton.store(weights_ref.at[rows, column_R], w * np.float32(route_scale), mask=live_R)
+        pltriton.store(experts_ref.at[rows, column_R], p.astype(jnp.int32), mask=live_R)
 
 
 @functools.partial(jax.jit, static_argnames=("n_active", "normalize", "route_scale", "interpret", "config"))
@@ -130,18 +133,15 @@ def route_pallas(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normali
     t, e = scores_TE.shape
     if t == 0:  # no program to launch
         return jnp.zeros((0, n_active), jnp.float32), jnp.zeros((0, n_active), jnp.int32)
-    rows, block = pl.next_power_of_2(n_active), block_tokens(t, config)
-    padded = -(-t // block) * block
+    block = block_tokens(t, config)
     kernel = functools.partial(_route_kernel, block=block, n_tokens=t, n_experts=e, n_active=n_active,
                                normalize=normalize, route_scale=route_scale, interpret=interpret)
-    out_spec = pl.BlockSpec((rows, block), lambda i: (0, i))
-    weights_XT, experts_XT = pl.pallas_call(
-        kernel, grid=(padded // block,), in_specs=[pl.no_block_spec, pl.no_block_spec],
-        out_specs=[out_spec, out_spec], interpret=interpret, name="router",
-        out_shape=[jax.ShapeDtypeStruct((rows, padded), jnp.float32), jax.ShapeDtypeStruct((rows, padded), jnp.int32)],
+    weights_TX, experts_TX = pl.pallas_call(
+        kernel, grid=(-(-t // block),), interpret=interpret, name="router",
+        out_shape=[jax.ShapeDtypeStruct((t, n_active), jnp.float32), jax.ShapeDtypeStruct((t, n_active), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=config.warps, num_stages=1))(
         scores_TE.astype(jnp.float32), bias_E.astype(jnp.float32))
-    return weights_XT[:n_active, :t].T, experts_XT[:n_active, :t].T
+    return weights_TX, experts_TX
 
 
 _IMPLEMENTATIONS = {"reference": route_reference, "pallas": route_pallas}

@@ -10,8 +10,10 @@ Two implementations behind ``split(..., impl=)``, with one signature:
   * ``"pallas"``: the affine part (mixes * scale + base) in XLA, fused with the transpose that feeds the kernel, then
     one Triton-lowered Pallas kernel for everything else. Each program holds BLOCK_T tokens; the M mix entries of a
     token live in M register vectors (the mixes are transposed to [M, T] outside), so a row or column sum is C - 1
-    vector adds in the reference's order. Its output, [M, T] likewise, is sliced and transposed back by its
-    consumers' fusions.
+    vector adds in the reference's order. It writes its output token-major, [T, M] (entry e of its block's tokens a
+    strided column store), so pre, post and comb are column slices that fuse into their consumers: written [M, T],
+    as before the thirty-eighth session, each layer's consumers needed a transpose kernel of their own (two a layer
+    in the tiny decode step, deviceless).
 
 Division in the kernel. Triton lowers ``x / y`` in float32 to the approximate ``div.full.f32``; the reference (and
 XLA) divide with correct rounding. PTX's ``div.rn.f32`` is correct, but ptxas wraps each one in a branch to a slow
@@ -206,12 +208,14 @@ def _split(z: list, *, c: int, rounds: int, eps: np.float32, reciprocal, divide,
 
 
 def _split_kernel(z_ref, out_ref, **split):
-    _split_block([z_ref[e, :] for e in range((2 + split["c"]) * split["c"])], out_ref, **split)
+    _split_block([z_ref[e, :] for e in range((2 + split["c"]) * split["c"])], out_ref, pl.program_id(0), **split)
 
 
-def _split_block(z: list, out_ref, *, c: int, rounds: int, eps: float, interpret: bool, fast_divide: bool):
-    """The split of a block of tokens: z[e] the affine mix entry e of every token (a float32 vector); out_ref [P,
-    tokens] gets pre, post and comb as rows 0 .. M - 1."""
+def _split_block(z: list, out_ref, block: int, *, c: int, rounds: int, eps: float, interpret: bool,
+                 fast_divide: bool):
+    """The split of block ``block`` of tokens: z[e] the affine mix entry e of each of its N tokens (a float32
+    vector); out_ref [T, M] gets their pre, post and comb as columns 0 .. M - 1 of rows [block * N, (block + 1) *
+    N) (rows past T are not written)."""
     split_of = functools.partial(_split, z, c=c, rounds=rounds, eps=np.float32(eps))
     if interpret:  # '/' is IEEE-rounded off the GPU: every path divides with it
         fast, exact, reciprocal = (lambda x, y, r: x / y), (lambda x, y: x / y), (lambda y: y)
@@ -227,15 +231,17 @@ def _split_block(z: list, out_ref, *, c: int, rounds: int, eps: float, interpret
     else:
         parts = exact_split()[:3]
     pre, post, m = parts
+    n = z[0].shape[0]
+    # rows past T keep their own indices, masked: clamped duplicates of a live row would overwrite it, interpreted
+    row_N = block * n + jnp.arange(n)
     for e, v in enumerate([*pre, *post, *(v for row in m for v in row)]):
-        out_ref[e, :] = v
+        pltriton.store(out_ref.at[row_N, jnp.full((n,), e)], v, mask=row_N < out_ref.shape[0])
 
 
-def _parts(out_PT: jax.Array, t: int, c: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A split kernel's output rows (float32 [P, >= T]: pre, post, then comb, a token a column) as (pre [T, C],
-    post [T, C], comb [T, C, C])."""
-    out_TM = out_PT[:(2 + c) * c, :t].T
-    return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(t, c, c)
+def _parts(out_TM: jax.Array, c: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A split kernel's output (float32 [T, M]: pre, post, then comb, a token a row) as (pre [T, C], post [T, C],
+    comb [T, C, C])."""
+    return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(-1, c, c)
 
 
 @functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "eps", "interpret", "config"))
@@ -250,18 +256,18 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
     c = hc_mult
     t, m = mixes_TM.shape
     if t == 0:  # no program to launch
-        return _parts(jnp.zeros((m, 0), jnp.float32), 0, c)
+        return _parts(jnp.zeros((0, m), jnp.float32), c)
     rows = pl.next_power_of_2(m)
     padded = -(-t // BLOCK_T) * BLOCK_T
     # padding tokens and rows are zeros: sigmoid(0) and uniform softmax rows, inside the fast range
     z_PT = jnp.pad(affine(mixes_TM, scale_3, base_M, c).T, ((0, rows - m), (0, padded - t)))
     kernel = functools.partial(_split_kernel, c=c, rounds=max(iters - 1, 0), eps=eps, interpret=interpret,
                                fast_divide=(config or CONFIG).fast_divide)
-    spec = pl.BlockSpec((rows, BLOCK_T), lambda i: (0, i))
-    out_PT = pl.pallas_call(kernel, grid=(padded // BLOCK_T,), in_specs=[spec], out_specs=spec,
-                            out_shape=jax.ShapeDtypeStruct((rows, padded), jnp.float32), interpret=interpret,
+    out_TM = pl.pallas_call(kernel, grid=(padded // BLOCK_T,), in_specs=[pl.BlockSpec((rows, BLOCK_T), lambda i: (0, i))],
+                            out_specs=pl.no_block_spec, out_shape=jax.ShapeDtypeStruct((t, m), jnp.float32),
+                            interpret=interpret,
                             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(z_PT)
-    return _parts(out_PT, t, c)
+    return _parts(out_TM, c)
 
 
 def mixes_rsqrt(x_TK: jax.Array, norm_eps: float) -> jax.Array:
@@ -329,14 +335,14 @@ def _project_kernel(x_ref, fn_ref, out_ref, *, t: int, m: int, chunks: int, chun
 
 def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: int, norm_eps: float, **split):
     """The projection kernel's parts summed in order, the RMS statistic, the affine, then ``_split_block``."""
-    c, n = split["c"], out_ref.shape[1]
+    c, n = split["c"], part_ref.shape[2]
     total = lax.fori_loop(0, part_ref.shape[0], lambda s, acc: [a + part_ref[s, e, :] for e, a in enumerate(acc)],
                           [jnp.zeros((n,), jnp.float32)] * (m + 1))
     mean_N = div_rn(total[m], jnp.full((n,), k, jnp.float32), split["interpret"])
     rsqrt_N = lax.rsqrt(mean_N + np.float32(norm_eps))
     scales = [scale_ref[0], scale_ref[1], scale_ref[2]]
     z = [(total[e] * rsqrt_N) * scales[min(e // c, 2)] + base_ref[e] for e in range(m)]
-    _split_block(z, out_ref, **split)
+    _split_block(z, out_ref, 0, **split)
 
 
 @functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "hc_eps", "norm_eps", "interpret", "config"))
@@ -353,7 +359,7 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
     c = hc_mult
     (t, k), m = x_TK.shape, fn_MK.shape[0]
     if t == 0:
-        return _parts(jnp.zeros((m, 0), jnp.float32), 0, c)
+        return _parts(jnp.zeros((0, m), jnp.float32), c)
     if t > MIXES_MAX_TOKENS or k % MIXES_CHUNK or m != (2 + c) * c:
         raise ValueError(f"mixes_pallas: T {t} must be at most {MIXES_MAX_TOKENS}, K {k} a multiple of "
                          f"{MIXES_CHUNK} and M {m} equal to (2 + C) * C = {(2 + c) * c}")
@@ -368,11 +374,11 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2))(x_TK, fn_MK)
     kernel = functools.partial(_mixes_split_kernel, m=m, k=k, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0),
                                eps=hc_eps, interpret=interpret, fast_divide=config.fast_divide)
-    out_PN = pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((p, n), jnp.float32),
+    out_TM = pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((t, m), jnp.float32),
                             interpret=interpret,
                             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
         part_SPN, scale_3.astype(jnp.float32), base_M.astype(jnp.float32))
-    return _parts(out_PN, t, c)
+    return _parts(out_TM, c)
 
 
 _IMPLEMENTATIONS = {"reference": split_reference, "pallas": split_pallas}
