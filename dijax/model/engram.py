@@ -153,8 +153,11 @@ def ngram_window(ids_TG: jax.Array, positions_T: jax.Array, pad_id: int | jax.Ar
     return jnp.where(blocked, pad_id, ids_TG).astype(jnp.int32)
 
 
-def _mul_limbs(tok_T: jax.Array, mult_4: jax.Array) -> jax.Array:
-    """(tok * mult) mod 2^64 as four 16-bit limbs. tok_T: uint32 [...]; mult_4: uint32 [4]. -> uint32 [..., 4]."""
+def _mul_limbs(tok_T: jax.Array, mult_4: jax.Array) -> tuple[jax.Array, ...]:
+    """(tok * mult) mod 2^64 as four 16-bit limbs, lowest first. tok_T: uint32 [...]; mult_4: uint32 [4]. -> four
+    uint32 [...] arrays. (Kept apart, not stacked: the hash is elementwise work on [T] vectors that XLA fuses;
+    a stacked [T, 4] array sliced back per limb left flash-slice's decode step ~11 slice kernels an Engram layer,
+    deviceless, thirty-eighth session.)"""
     t = (tok_T & 0xFFFF, tok_T >> 16)
     cols = [jnp.zeros_like(tok_T) for _ in range(5)]
     for i in range(2):
@@ -169,15 +172,16 @@ def _mul_limbs(tok_T: jax.Array, mult_4: jax.Array) -> jax.Array:
         v = cols[c] + carry
         limbs.append(v & 0xFFFF)
         carry = v >> 16
-    return jnp.stack(limbs, axis=-1)
+    return tuple(limbs)
 
 
-def _mod_limbs(limbs: jax.Array, prime: jax.Array) -> jax.Array:
-    """Unsigned 64-bit value in four 16-bit limbs mod ``prime`` (< 2^24), by Horner over bytes. -> uint32."""
-    r = jnp.zeros(limbs.shape[:-1], jnp.uint32)
+def _mod_limbs(limbs: tuple[jax.Array, ...], prime: jax.Array) -> jax.Array:
+    """Unsigned 64-bit value in four 16-bit limbs (lowest first) mod ``prime`` (< 2^24), by Horner over bytes.
+    -> uint32."""
+    r = jnp.zeros(limbs[0].shape, jnp.uint32)
     for c in (3, 2, 1, 0):
         for shift in (8, 0):
-            byte = (limbs[..., c] >> shift) & 0xFF
+            byte = (limbs[c] >> shift) & 0xFF
             r = ((r << 8) + byte) % prime
     return r
 
@@ -193,7 +197,7 @@ def hash_rows(window_TG: jax.Array, dev: dict[str, jax.Array], engram_index: int
     rolling = _mul_limbs(tok[:, 0], mult[0])
     cols = []
     for s in range(1, g):
-        rolling = rolling ^ _mul_limbs(tok[:, s], mult[s])
+        rolling = tuple(a ^ b for a, b in zip(rolling, _mul_limbs(tok[:, s], mult[s])))
         for h in range(heads):
             cols.append(_mod_limbs(rolling, primes[(s - 1) * heads + h]))
     return jnp.stack(cols, axis=-1).astype(jnp.int32) + dev["offsets"][engram_index]
