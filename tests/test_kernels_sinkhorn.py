@@ -46,6 +46,19 @@ def test_pallas_matches_reference(t, c, iters, config):
     np.testing.assert_allclose(np.asarray(got[2]).sum(axis=-2), 1.0, rtol=1e-4)
 
 
+@pytest.mark.parametrize("t", [3, BLOCK_T + 3])
+def test_pallas_applies_the_rms_factor_as_the_reference(t):
+    """The bare projection and its tokens' sums of squares (``hc.mixes``' form): the kernel applies the RMS factor in
+    its prologue, the reference first, as ``mixes_raw``."""
+    mixes, scale, base = mix_inputs(t, 4, seed=t)
+    squares = jax.random.uniform(jax.random.key(7), (t, 1), jnp.float32, 100.0, 4000.0)
+    args = (mixes, scale, base, 4, 20, 1e-6, squares, 1024, 1e-6)
+    want = split_reference(*args)
+    assert_split_close(split_pallas(*args, interpret=True), want)
+    raw = mixes * sk.rms_factor(squares, 1024, 1e-6)
+    assert_split_close(want, split_reference(raw, scale, base, 4, 20, 1e-6), rtol=0)
+
+
 def test_no_tokens_gives_empty_parts():
     args = (jnp.zeros((0, 24), jnp.float32), jnp.ones(3), jnp.zeros(24), 4, 20, 1e-6)
     got = split_pallas(*args, interpret=True)

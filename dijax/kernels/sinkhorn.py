@@ -7,13 +7,13 @@ Two implementations behind ``split(..., impl=)``, with one signature:
   * ``"reference"``: jnp, a ``fori_loop`` over the rounds. On a GPU the rounds alone were ~680 of the tiny
     default's ~690 kernels before the kernel existed (docs/benchmarks.md), and the sigmoids, the softmax and the
     divisions around them ~5 launches per hyper-connection more;
-  * ``"pallas"``: the affine part (mixes * scale + base) in XLA, fused with the transpose that feeds the kernel, then
-    one Triton-lowered Pallas kernel for everything else. Each program holds BLOCK_T tokens; the M mix entries of a
-    token live in M register vectors (the mixes are transposed to [M, T] outside), so a row or column sum is C - 1
-    vector adds in the reference's order. It writes its output token-major, [T, M] (entry e of its block's tokens a
-    strided column store), so pre, post and comb are column slices that fuse into their consumers: written [M, T],
-    as before the thirty-eighth session, each layer's consumers needed a transpose kernel of their own (two a layer
-    in the tiny decode step, deviceless).
+  * ``"pallas"``: one Triton-lowered Pallas kernel. Each program holds BLOCK_T tokens; the M mix entries of a token
+    live in M register vectors (entry e of the block's tokens a strided column load of the [T, M] mixes, then the
+    affine part, mixes * scale + base), so a row or column sum is C - 1 vector adds in the reference's order. It
+    writes its output token-major likewise, [T, M], so pre, post and comb are column slices that fuse into their
+    consumers. (Until the thirty-eighth session the affine part ran in XLA, fused with a transpose to [M, T] and a
+    pad, and the output was [M, T]: one launch more a hyper-connection, and in the tiny decode step two transpose
+    kernels a layer for the consumers, deviceless.)
 
 Division in the kernel. Triton lowers ``x / y`` in float32 to the approximate ``div.full.f32``; the reference (and
 XLA) divide with correct rounding. PTX's ``div.rn.f32`` is correct, but ptxas wraps each one in a branch to a slow
@@ -58,7 +58,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode
 from dijax.kernels.division import asm_f32, div_rn
-from dijax.kernels.numerics import divide, matmul_f32, mean, sum_in_order
+from dijax.kernels.numerics import divide, matmul_f32, sum_in_order
 
 BLOCK_T = 128
 IMPLS = ("reference", "pallas")
@@ -102,12 +102,17 @@ def affine(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: 
 
 
 def split_reference(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
-                    eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    eps: float, squares_T1: jax.Array | None = None, width: int = 0,
+                    norm_eps: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Raw mixes [T, M] -> (pre [T, C], post [T, C], comb [T, C, C]), float32.
 
     pre = sigmoid(z) + eps, post = 2 sigmoid(z), comb[i, j] = softmax_j(row i) + eps, then a column normalisation,
     then ``iters - 1`` rounds of (row, column) normalisation, each dividing by (sum + eps); the last operation is
-    always a column one. z = ``affine(mixes, scale, base)``."""
+    always a column one. z = ``affine(mixes, scale, base)``; with ``squares_T1`` (float32 [T, 1], each token's sum of
+    x^2 over its ``width`` stream values) the raw mixes are ``mixes * rms_factor(squares_T1, width, norm_eps)``
+    (``mixes_projection``'s bare product: the kernel applies the factor in its prologue)."""
+    if squares_T1 is not None:
+        mixes_TM = mixes_TM * rms_factor(squares_T1, width, norm_eps)
     c = hc_mult
     z_TM = affine(mixes_TM, scale_3, base_M, c)
     eps = np.float32(eps)
@@ -207,8 +212,30 @@ def _split(z: list, *, c: int, rounds: int, eps: np.float32, reciprocal, divide,
     return pre, post, m, (seen[0] >= lo) & (seen[1] < hi)  # a NaN compares false: the exact path
 
 
-def _split_kernel(z_ref, out_ref, **split):
-    _split_block([z_ref[e, :] for e in range((2 + split["c"]) * split["c"])], out_ref, pl.program_id(0), **split)
+def _affine_entries(raw: list, scale_ref, base_ref, c: int) -> list:
+    """``affine`` inside a kernel: raw[e] the raw mix entry e of a block's tokens (a float32 vector) -> z[e]."""
+    scales = [scale_ref[0], scale_ref[1], scale_ref[2]]
+    return [v * scales[min(e // c, 2)] + base_ref[e] for e, v in enumerate(raw)]
+
+
+def _rms_factor_rn(squares_N: jax.Array, width: int, norm_eps: float, interpret: bool) -> jax.Array:
+    """``rms_factor`` inside a kernel (the mean by a correctly rounded division)."""
+    mean_N = div_rn(squares_N, jnp.full(squares_N.shape, width, jnp.float32), interpret)
+    return lax.rsqrt(mean_N + np.float32(norm_eps))
+
+
+def _split_kernel(mixes_ref, *refs, width: int, norm_eps: float, **split):
+    """Program i: the BLOCK_T tokens [i * BLOCK_T, ...) of mixes_ref [T, M] (rows past T read token T - 1 and are
+    not written: a duplicate leaves the block's fast-range check as it was). refs: the sums of squares [T] where the
+    mixes are a bare projection (``split_pallas``' squares_T1), then scale [3], base [M] and the output [T, M]."""
+    *squares, scale_ref, base_ref, out_ref = refs
+    c, t = split["c"], mixes_ref.shape[0]
+    safe_N = jnp.minimum(pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T), t - 1)
+    raw = [pltriton.load(mixes_ref.at[safe_N, jnp.full((BLOCK_T,), e)]) for e in range((2 + c) * c)]
+    if squares:
+        rsqrt_N = _rms_factor_rn(pltriton.load(squares[0].at[safe_N]), width, norm_eps, split["interpret"])
+        raw = [v * rsqrt_N for v in raw]
+    _split_block(_affine_entries(raw, scale_ref, base_ref, c), out_ref, pl.program_id(0), **split)
 
 
 def _split_block(z: list, out_ref, block: int, *, c: int, rounds: int, eps: float, interpret: bool,
@@ -244,41 +271,58 @@ def _parts(out_TM: jax.Array, c: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(-1, c, c)
 
 
-@functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "eps", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "eps", "width", "norm_eps", "interpret", "config"))
 def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
-                 eps: float, interpret: bool | None = None,
+                 eps: float, squares_T1: jax.Array | None = None, width: int = 0, norm_eps: float = 0.0,
+                 interpret: bool | None = None,
                  config: SinkhornConfig | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Same contract as ``split_reference``, one kernel launch after XLA's affine-and-transpose fusion.
+    """Same contract as ``split_reference``, one kernel launch (the affine part in the kernel; the thirty-seventh
+    session's form ran it, transposed and padded, as an XLA fusion of its own: one launch more a hyper-connection).
     ``interpret``: run the kernel interpreted (default: off a GPU); ``config``: default ``CONFIG`` (read when a
-    shape is first traced). Jitted, as every kernel's entry point: a step makes this call twice per layer with one
-    shape, and the jit cache traces and lowers the kernel once per step shape."""
+    shape is first traced). With ``squares_T1`` the kernel applies the RMS factor to the mixes first
+    (``split_reference``): in XLA the mean, rsqrt and product after the reduction were a launch of their own.
+    Jitted, as every kernel's entry point: a step makes this call twice per layer with one shape, and the jit cache
+    traces and lowers the kernel once per step shape."""
     interpret = interpret_mode(interpret)
     c = hc_mult
     t, m = mixes_TM.shape
     if t == 0:  # no program to launch
         return _parts(jnp.zeros((0, m), jnp.float32), c)
-    rows = pl.next_power_of_2(m)
-    padded = -(-t // BLOCK_T) * BLOCK_T
-    # padding tokens and rows are zeros: sigmoid(0) and uniform softmax rows, inside the fast range
-    z_PT = jnp.pad(affine(mixes_TM, scale_3, base_M, c).T, ((0, rows - m), (0, padded - t)))
-    kernel = functools.partial(_split_kernel, c=c, rounds=max(iters - 1, 0), eps=eps, interpret=interpret,
-                               fast_divide=(config or CONFIG).fast_divide)
-    out_TM = pl.pallas_call(kernel, grid=(padded // BLOCK_T,), in_specs=[pl.BlockSpec((rows, BLOCK_T), lambda i: (0, i))],
-                            out_specs=pl.no_block_spec, out_shape=jax.ShapeDtypeStruct((t, m), jnp.float32),
+    kernel = functools.partial(_split_kernel, width=width, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0), eps=eps,
+                               interpret=interpret, fast_divide=(config or CONFIG).fast_divide)
+    out_TM = pl.pallas_call(kernel, grid=(-(-t // BLOCK_T),), out_shape=jax.ShapeDtypeStruct((t, m), jnp.float32),
                             interpret=interpret,
-                            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(z_PT)
+                            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
+        mixes_TM.astype(jnp.float32), *([] if squares_T1 is None else [squares_T1.reshape(t).astype(jnp.float32)]),
+        scale_3.astype(jnp.float32), base_M.astype(jnp.float32))
     return _parts(out_TM, c)
+
+
+def sum_squares(x_TK: jax.Array) -> jax.Array:
+    """Each token's sum of x^2 over its C * D stream values, float32 [T, 1]."""
+    return jnp.sum(jnp.square(x_TK.astype(jnp.float32)), axis=-1, keepdims=True)
+
+
+def rms_factor(squares_T1: jax.Array, width: int, norm_eps: float) -> jax.Array:
+    """rsqrt(squares / width + norm_eps) (a true division, as ``mean``), float32 [T, 1]."""
+    return lax.rsqrt(divide(squares_T1, float(width)) + np.float32(norm_eps))
 
 
 def mixes_rsqrt(x_TK: jax.Array, norm_eps: float) -> jax.Array:
     """The mixes' RMS statistic: rsqrt(mean(x^2) + norm_eps) over a token's C * D values, float32 [T, 1]."""
-    return lax.rsqrt(mean(jnp.square(x_TK.astype(jnp.float32))) + np.float32(norm_eps))
+    return rms_factor(sum_squares(x_TK), x_TK.shape[-1], norm_eps)
+
+
+def mixes_projection(x_TK: jax.Array, fn_MK: jax.Array) -> jax.Array:
+    """x @ fn.T in float32 (exact bf16 -> float32 x, float32 products and sums). x_TK [T, C * D], fn_MK float32
+    [M, C * D] -> float32 [T, M]."""
+    return matmul_f32(x_TK.astype(jnp.float32), fn_MK)
 
 
 def mixes_raw(x_TK: jax.Array, fn_MK: jax.Array, norm_eps: float) -> jax.Array:
-    """A hyper-connection's raw mixes from its flattened streams: (x @ fn.T) * ``mixes_rsqrt`` in float32 (exact
-    bf16 -> float32 x, float32 products and sums). x_TK [T, C * D], fn_MK float32 [M, C * D] -> float32 [T, M]."""
-    return matmul_f32(x_TK.astype(jnp.float32), fn_MK) * mixes_rsqrt(x_TK, norm_eps)
+    """A hyper-connection's raw mixes from its flattened streams: ``mixes_projection`` * ``mixes_rsqrt``. x_TK
+    [T, C * D], fn_MK float32 [M, C * D] -> float32 [T, M]."""
+    return mixes_projection(x_TK, fn_MK) * mixes_rsqrt(x_TK, norm_eps)
 
 
 def mixes_reference(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int,
@@ -338,11 +382,9 @@ def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: in
     c, n = split["c"], part_ref.shape[2]
     total = lax.fori_loop(0, part_ref.shape[0], lambda s, acc: [a + part_ref[s, e, :] for e, a in enumerate(acc)],
                           [jnp.zeros((n,), jnp.float32)] * (m + 1))
-    mean_N = div_rn(total[m], jnp.full((n,), k, jnp.float32), split["interpret"])
-    rsqrt_N = lax.rsqrt(mean_N + np.float32(norm_eps))
-    scales = [scale_ref[0], scale_ref[1], scale_ref[2]]
-    z = [(total[e] * rsqrt_N) * scales[min(e // c, 2)] + base_ref[e] for e in range(m)]
-    _split_block(z, out_ref, 0, **split)
+    rsqrt_N = _rms_factor_rn(total[m], k, norm_eps, split["interpret"])
+    _split_block(_affine_entries([total[e] * rsqrt_N for e in range(m)], scale_ref, base_ref, c), out_ref, 0,
+                 **split)
 
 
 @functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "hc_eps", "norm_eps", "interpret", "config"))
@@ -384,10 +426,12 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
 _IMPLEMENTATIONS = {"reference": split_reference, "pallas": split_pallas}
 
 
-def split(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int, eps: float, *,
+def split(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int, eps: float,
+          squares_T1: jax.Array | None = None, width: int = 0, norm_eps: float = 0.0, *,
           impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Dispatch to the implementation ``impl`` (one of IMPLS): raw mixes [T, M] -> (pre [T, C], post [T, C],
-    comb [T, C, C]) float32 (``split_reference``)."""
+    """Dispatch to the implementation ``impl`` (one of IMPLS): raw mixes [T, M] (with ``squares_T1``, a bare
+    projection and its tokens' sums of squares over ``width`` values: ``split_reference``) -> (pre [T, C], post
+    [T, C], comb [T, C, C]) float32."""
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"sinkhorn impl must be one of {IMPLS}, got {impl!r}")
-    return _IMPLEMENTATIONS[impl](mixes_TM, scale_3, base_M, hc_mult, iters, eps)
+    return _IMPLEMENTATIONS[impl](mixes_TM, scale_3, base_M, hc_mult, iters, eps, squares_T1, width, norm_eps)

@@ -25,10 +25,11 @@ def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Ar
     if sinkhorn_impl == "pallas" and sinkhorn.fused_mixes(*flat.shape):
         return sinkhorn.mixes_pallas(flat, fn_MX, scale_3, base_M, hc_mult, iters, hc_eps, norm_eps)
     if flat.dtype == jnp.bfloat16 and large_step(flat.shape[0]):
-        raw = matmul_f32_weight(flat, fn_MX) * sinkhorn.mixes_rsqrt(flat, norm_eps)
+        projection = matmul_f32_weight(flat, fn_MX)
     else:
-        raw = sinkhorn.mixes_raw(flat, fn_MX, norm_eps)
-    return sinkhorn.split(raw, scale_3, base_M, hc_mult, iters, hc_eps, impl=sinkhorn_impl)
+        projection = sinkhorn.mixes_projection(flat, fn_MX)
+    return sinkhorn.split(projection, scale_3, base_M, hc_mult, iters, hc_eps, sinkhorn.sum_squares(flat),
+                          flat.shape[1], norm_eps, impl=sinkhorn_impl)
 
 
 def pre(x_TCD: jax.Array, pre_TC: jax.Array) -> jax.Array:

@@ -47,6 +47,21 @@ def test_both_division_forms_give_one_result_near_the_formula(t, c):
         np.testing.assert_allclose(x, want, rtol=RTOL, atol=1e-8)
 
 
+@pytest.mark.parametrize("t", [8, BLOCK_T + 5])
+def test_the_prologue_rms_factor_matches_the_reference(t):
+    """The bare projection and the tokens' sums of squares (``hc.mixes``' form since the thirty-eighth session):
+    the factor rsqrt(squares / width + eps) in the kernel's prologue against XLA's, then the split."""
+    mixes, scale, base = mix_inputs(t, 4, seed=t)
+    squares = jax.random.uniform(jax.random.key(3), (t, 1), np.float32, 100.0, 4000.0)
+    got = jax.jit(lambda m, s, b, q: split_pallas(m, s, b, 4, ITERS, EPS, q, 20480, 1e-6, config=FAST))(
+        mixes, scale, base, squares)
+    want = jax.jit(lambda m, s, b, q: split_reference(m, s, b, 4, ITERS, EPS, q, 20480, 1e-6))(
+        mixes, scale, base, squares)
+    for g, w in zip(got, want, strict=True):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=RTOL, atol=1e-8)
+
+
 @pytest.mark.parametrize("entry, value", [(8, -500.0), (9, -1e-30), (5, -60.0), (0, 200.0)])
 def test_blocks_outside_the_fast_range_take_the_exact_bits(entry, value):
     """With ``fast_divide``, a token whose divisions leave the fast path's range (an underflowing comb entry, a
