@@ -78,6 +78,8 @@
 #            then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches (sinkhorn.mixes_pallas: on
 #            by default since the thirty-sixth session up to 16 tokens and width 4096), off, and on up to 128 tokens,
 #            alternating over two rounds;
+#   layouts  (~480 s) the thirty-eighth session's changed kernels (token-major split and router outputs, the
+#            split's prologue) on the GPU: their tests, tiny-nodrop parity, the tiny step's rows and launches;
 #   sampler  (~500 s) the sampler's tests (the thresholds kernel's GPU test among them), its rows at V4.1's
 #            vocabulary by GPU kernel time (bench_kernels --only sampler: the step's every-mode sampler, each mode
 #            alone, the sample mode with each top-k / top-p filter, the bare sort; R = 1 / 16 / 64), then
@@ -103,7 +105,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -174,6 +176,21 @@ case "$stage" in
     run 240 python3 tools/bench.py --kernels on --decode-batch 1,16,64 --context 256 --prefill= --block-size 16 \
       --engine off --warmup 5 --iters 30 --variant "sinkhorn.CONFIG.fused_mixes_max_tokens=0" \
       --variant "sinkhorn.CONFIG.fused_mixes_max_tokens=128" --rounds 2 ;;
+  layouts)
+    # (~480 s; thirty-eighth session, not yet run) the kernels whose stores and prologues changed without a device:
+    # the split kernel's token-major [T, M] output with the affine part and the RMS factor in its prologue, the
+    # router's [T, X] outputs (their GPU tests), the sampler's thresholds kernel; then GPU parity of tiny-nodrop (the
+    # model and the engine) and the tiny step's rows with their launch counts (deviceless said B=1 / 16 / 64
+    # 442 / 511 / 752 -> 422 / 484 / 730, flash-slice 478 / 567 / 771 -> 422 / 516 / 722)
+    run 200 python3 -m pytest -q -ra tests/gpu/test_sinkhorn_gpu.py tests/gpu/test_router_gpu.py \
+      tests/gpu/test_sample_filter_gpu.py tests/test_sampler.py
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    parity tiny-nodrop 300 "$fixtures/tiny-nodrop" &
+    parity engine 300 "$fixtures/tiny-nodrop" --engine &
+    wait
+    parity_summary "$out"/parity-*.txt
+    run 150 python3 tools/bench.py --kernels on --decode-batch 1,16,64 --context 256 --prefill 256 --block-size 16 \
+      --engine off --warmup 5 --iters 30 ;;
   sampler)
     # (~500 s) the sampler's top-k / top-p filters: their tests on the GPU (the thresholds kernel, prepared in the
     # thirty-seventh session, against the XLA select at V4.1's vocabulary; the select must keep exactly what the sort
