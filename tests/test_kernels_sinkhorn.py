@@ -37,7 +37,8 @@ def assert_split_close(got, want, rtol: float = RTOL) -> None:
 
 
 @pytest.mark.parametrize("config", [EXACT, FAST], ids=["exact", "fast_divide"])
-@pytest.mark.parametrize("t, c, iters", [(1, 2, 20), (5, 4, 20), (BLOCK_T + 3, 4, 20), (3, 4, 1)])
+@pytest.mark.parametrize("t, c, iters", [(1, 2, 20), (5, 4, 20), (BLOCK_T + 3, 4, 20), (3, 4, 1),
+                                         (sk.TOKEN_MAJOR_MAX_TOKENS + 2, 2, 3)])
 def test_pallas_matches_reference(t, c, iters, config):
     args = (*mix_inputs(t, c, seed=t), c, iters, 1e-6)
     got = split_pallas(*args, interpret=True, config=config)

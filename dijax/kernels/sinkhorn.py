@@ -239,10 +239,10 @@ def _split_kernel(mixes_ref, *refs, width: int, norm_eps: float, **split):
 
 
 def _split_block(z: list, out_ref, block: int, *, c: int, rounds: int, eps: float, interpret: bool,
-                 fast_divide: bool):
+                 fast_divide: bool, token_major: bool):
     """The split of block ``block`` of tokens: z[e] the affine mix entry e of each of its N tokens (a float32
-    vector); out_ref [T, M] gets their pre, post and comb as columns 0 .. M - 1 of rows [block * N, (block + 1) *
-    N) (rows past T are not written)."""
+    vector); out_ref [T, M] (``token_major``, else [M, T]) gets their pre, post and comb as entries 0 .. M - 1 of
+    tokens [block * N, (block + 1) * N) (tokens past T are not written)."""
     split_of = functools.partial(_split, z, c=c, rounds=rounds, eps=np.float32(eps))
     if interpret:  # '/' is IEEE-rounded off the GPU: every path divides with it
         fast, exact, reciprocal = (lambda x, y, r: x / y), (lambda x, y: x / y), (lambda y: y)
@@ -260,15 +260,23 @@ def _split_block(z: list, out_ref, block: int, *, c: int, rounds: int, eps: floa
     pre, post, m = parts
     n = z[0].shape[0]
     # rows past T keep their own indices, masked: clamped duplicates of a live row would overwrite it, interpreted
-    row_N = block * n + jnp.arange(n)
+    token_N = block * n + jnp.arange(n)
     for e, v in enumerate([*pre, *post, *(v for row in m for v in row)]):
-        pltriton.store(out_ref.at[row_N, jnp.full((n,), e)], v, mask=row_N < out_ref.shape[0])
+        index = (token_N, jnp.full((n,), e)) if token_major else (jnp.full((n,), e), token_N)
+        pltriton.store(out_ref.at[index], v, mask=token_N < out_ref.shape[0 if token_major else 1])
 
 
-def _parts(out_TM: jax.Array, c: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A split kernel's output (float32 [T, M]: pre, post, then comb, a token a row) as (pre [T, C], post [T, C],
-    comb [T, C, C])."""
+def _parts(out: jax.Array, c: int, token_major: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A split kernel's output (float32 [T, M]: pre, post, then comb, a token a row; or [M, T]) as (pre [T, C],
+    post [T, C], comb [T, C, C])."""
+    out_TM = out if token_major else out.T
     return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(-1, c, c)
+
+
+# ``split_pallas`` writes [T, M] for steps of up to this many tokens (its consumers then need no transposes; with
+# [M, T], as before the thirty-eighth session, deviceless flash-slice prefill 1024 had 766 launches against 736),
+# [M, T] above (flash-slice's prefill of 8192 tokens needed 3.29 GB of temporaries with [T, M], 3.04 with [M, T])
+TOKEN_MAJOR_MAX_TOKENS = 1024
 
 
 @functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "eps", "width", "norm_eps", "interpret", "config"))
@@ -288,14 +296,16 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
     t, m = mixes_TM.shape
     if t == 0:  # no program to launch
         return _parts(jnp.zeros((0, m), jnp.float32), c)
+    token_major = t <= TOKEN_MAJOR_MAX_TOKENS
     kernel = functools.partial(_split_kernel, width=width, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0), eps=eps,
-                               interpret=interpret, fast_divide=(config or CONFIG).fast_divide)
-    out_TM = pl.pallas_call(kernel, grid=(-(-t // BLOCK_T),), out_shape=jax.ShapeDtypeStruct((t, m), jnp.float32),
-                            interpret=interpret,
-                            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
+                               interpret=interpret, fast_divide=(config or CONFIG).fast_divide,
+                               token_major=token_major)
+    out = pl.pallas_call(kernel, grid=(-(-t // BLOCK_T),),
+                         out_shape=jax.ShapeDtypeStruct((t, m) if token_major else (m, t), jnp.float32),
+                         interpret=interpret, compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
         mixes_TM.astype(jnp.float32), *([] if squares_T1 is None else [squares_T1.reshape(t).astype(jnp.float32)]),
         scale_3.astype(jnp.float32), base_M.astype(jnp.float32))
-    return _parts(out_TM, c)
+    return _parts(out, c, token_major)
 
 
 def sum_squares(x_TK: jax.Array) -> jax.Array:
@@ -415,7 +425,7 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
         out_shape=jax.ShapeDtypeStruct((splits, p, n), jnp.float32), interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2))(x_TK, fn_MK)
     kernel = functools.partial(_mixes_split_kernel, m=m, k=k, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0),
-                               eps=hc_eps, interpret=interpret, fast_divide=config.fast_divide)
+                               eps=hc_eps, interpret=interpret, fast_divide=config.fast_divide, token_major=True)
     out_TM = pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((t, m), jnp.float32),
                             interpret=interpret,
                             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(

@@ -34,12 +34,14 @@ def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Ar
 
 def pre(x_TCD: jax.Array, pre_TC: jax.Array) -> jax.Array:
     """Collapse the streams: ``sum_k pre[k] * x[k]`` in float32, cast to x's dtype. -> [T, D]."""
-    return sum_in_order(pre_TC[..., None] * x_TCD.astype(jnp.float32), 1)[:, 0].astype(x_TCD.dtype)
+    terms = pre_TC[..., None] * x_TCD.astype(jnp.float32)
+    return sum_in_order(terms, 1, front=large_step(x_TCD.shape[0]))[:, 0].astype(x_TCD.dtype)
 
 
 def post(y_TD: jax.Array, residual_TCD: jax.Array, post_TC: jax.Array, comb_TCC: jax.Array) -> jax.Array:
     """Expand a sublayer output: stream k = ``post[k] * y + sum_i comb[i, k] * residual[i]``. -> [T, C, D]."""
-    mixed = sum_in_order(comb_TCC[..., None] * residual_TCD.astype(jnp.float32)[:, :, None, :], 1)[:, 0]
+    terms = comb_TCC[..., None] * residual_TCD.astype(jnp.float32)[:, :, None, :]
+    mixed = sum_in_order(terms, 1, front=large_step(y_TD.shape[0]))[:, 0]
     out = post_TC[..., None] * y_TD.astype(jnp.float32)[:, None, :] + mixed
     return out.astype(y_TD.dtype)
 
