@@ -38,7 +38,7 @@ def sum_in_order(x: jax.Array, axis: int, front: bool = False) -> jax.Array:
     The layout XLA picks around it depends on the form (the same bits either way). By default the slices are added
     in place: moving the axis to the front made XLA lay the hyper-connection streams out [C, T, D] and transpose
     them back around every kernel reading them (tiny decode, thirty-eighth session, deviceless). ``front`` moves
-    it first: in flash-slice's prefill of 8192 tokens that form needs 3.04 GB of temporaries against 3.29."""
+    it first: the form the hyper-connections take where the split kernel writes entry-major (``dijax.model.hc``)."""
     if front:
         parts = jnp.moveaxis(x, axis, 0)
         return jnp.expand_dims(functools.reduce(lambda a, b: a + b, list(parts)), axis)

@@ -11,7 +11,8 @@ Two implementations behind ``split(..., impl=)``, with one signature:
     live in M register vectors (entry e of the block's tokens a strided column load of the [T, M] mixes, then the
     affine part, mixes * scale + base), so a row or column sum is C - 1 vector adds in the reference's order. It
     writes its output token-major likewise, [T, M], so pre, post and comb are column slices that fuse into their
-    consumers. (Until the thirty-eighth session the affine part ran in XLA, fused with a transpose to [M, T] and a
+    consumers; above ``TOKEN_MAJOR_MAX_TOKENS`` tokens it writes [M, T], which keeps long prefills' temporaries
+    lower. (Until the thirty-eighth session the affine part ran in XLA, fused with a transpose to [M, T] and a
     pad, and the output was [M, T]: one launch more a hyper-connection, and in the tiny decode step two transpose
     kernels a layer for the consumers, deviceless.)
 
