@@ -32,7 +32,8 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64)).max())
 
 
-@pytest.mark.parametrize("t, c", [(1, 4), (7, 4), (BLOCK_T + 5, 4), (3 * BLOCK_T, 2)])
+@pytest.mark.parametrize("t, c", [(1, 4), (7, 4), (BLOCK_T + 5, 4), (3 * BLOCK_T, 2),
+                                  (sk.TOKEN_MAJOR_MAX_TOKENS + 5, 4)])  # the last: the [M, T] output
 def test_both_division_forms_give_one_result_near_the_formula(t, c):
     mixes, scale, base = mix_inputs(t, c, seed=t)
     fast, exact, xla = _run(mixes, scale, base, c, FAST), _run(mixes, scale, base, c, EXACT), _run(mixes, scale,
