@@ -50,7 +50,7 @@ def test_pallas_matches_reference(t, c, iters, config):
 @pytest.mark.parametrize("t", [3, BLOCK_T + 3])
 def test_pallas_applies_the_rms_factor_as_the_reference(t):
     """The bare projection and its tokens' sums of squares (``hc.mixes``' form): the kernel applies the RMS factor in
-    its prologue, the reference first, as ``mixes_raw``."""
+    its prologue, the reference first (the projection times the factor)."""
     mixes, scale, base = mix_inputs(t, 4, seed=t)
     squares = jax.random.uniform(jax.random.key(7), (t, 1), jnp.float32, 100.0, 4000.0)
     args = (mixes, scale, base, 4, 20, 1e-6, squares, 1024, 1e-6)

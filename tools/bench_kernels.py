@@ -760,8 +760,8 @@ def sinkhorn_rows(tokens=(1, 32, 1024), c: int = 4, rounds: int = 20, sweep: boo
 def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int = 20, sweep: bool = False,
                calls: int = 14, rtol: float = 1e-4, **timing) -> list[dict]:
     """A hyper-connection's mixes at the tiny model's stream width (C * D = 1024) and flash-slice's (20480): XLA's
-    projection and RMS statistic with the split kernel (``sinkhorn.mixes_raw`` then ``split``, the path
-    ``SinkhornConfig`` leaves outside its range) against ``mixes_pallas``' two launches. One jitted call runs
+    projection and sums of squares with the split kernel (``hc.mixes``' split path, the RMS factor in the kernel's
+    prologue: what ``SinkhornConfig`` leaves outside its range) against ``mixes_pallas``' two launches. One jitted call runs
     ``calls`` of them on one token block, each with its own weight (a step's 14 hyper-connections at flash-slice's
     7 layers). A row further than ``rtol`` (tests' MIXES_RTOL) from the XLA path is marked MISMATCH. Floor: the
     streams and the weight read once."""
@@ -770,7 +770,8 @@ def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int
     out = []
     m = (2 + c) * c
     scale, base = jnp.array([0.5, 1.5, 2.0], jnp.float32), jnp.zeros((m,), jnp.float32)
-    xla = repeated(lambda x, fn: sk.split(sk.mixes_raw(x, fn, 1e-6), scale, base, c, rounds, 1e-6, impl="pallas"))
+    xla = repeated(lambda x, fn: sk.split(sk.mixes_projection(x, fn), scale, base, c, rounds, 1e-6, sk.sum_squares(x),
+                                          x.shape[1], 1e-6, impl="pallas"))
     fused = repeated(lambda x, fn: sk.mixes_pallas(x, fn, scale, base, c, rounds, 1e-6, 1e-6))
     for k in widths:
         fns = [jax.random.normal(jax.random.key(k + i), (m, k), jnp.float32) / np.sqrt(k) for i in range(calls)]

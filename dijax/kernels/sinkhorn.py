@@ -319,29 +319,19 @@ def rms_factor(squares_T1: jax.Array, width: int, norm_eps: float) -> jax.Array:
     return lax.rsqrt(divide(squares_T1, float(width)) + np.float32(norm_eps))
 
 
-def mixes_rsqrt(x_TK: jax.Array, norm_eps: float) -> jax.Array:
-    """The mixes' RMS statistic: rsqrt(mean(x^2) + norm_eps) over a token's C * D values, float32 [T, 1]."""
-    return rms_factor(sum_squares(x_TK), x_TK.shape[-1], norm_eps)
-
-
 def mixes_projection(x_TK: jax.Array, fn_MK: jax.Array) -> jax.Array:
     """x @ fn.T in float32 (exact bf16 -> float32 x, float32 products and sums). x_TK [T, C * D], fn_MK float32
     [M, C * D] -> float32 [T, M]."""
     return matmul_f32(x_TK.astype(jnp.float32), fn_MK)
 
 
-def mixes_raw(x_TK: jax.Array, fn_MK: jax.Array, norm_eps: float) -> jax.Array:
-    """A hyper-connection's raw mixes from its flattened streams: ``mixes_projection`` * ``mixes_rsqrt``. x_TK
-    [T, C * D], fn_MK float32 [M, C * D] -> float32 [T, M]."""
-    return mixes_projection(x_TK, fn_MK) * mixes_rsqrt(x_TK, norm_eps)
-
-
 def mixes_reference(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int,
                     iters: int, hc_eps: float, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A hyper-connection's mixes (v41_spec §8, ``dijax.model.hc.mixes``): ``mixes_raw``, then
-    ``split_reference``. x_TK bf16 [T, C * D], fn_MK float32 [M, C * D] -> (pre [T, C], post [T, C], comb
+    """A hyper-connection's mixes (v41_spec §8, ``dijax.model.hc.mixes``): ``mixes_projection`` and
+    ``sum_squares``, then ``split_reference`` (the projection times the RMS factor, then the split). x_TK bf16 [T, C * D], fn_MK float32 [M, C * D] -> (pre [T, C], post [T, C], comb
     [T, C, C]) float32."""
-    return split_reference(mixes_raw(x_TK, fn_MK, norm_eps), scale_3, base_M, hc_mult, iters, hc_eps)
+    return split_reference(mixes_projection(x_TK, fn_MK), scale_3, base_M, hc_mult, iters, hc_eps, sum_squares(x_TK),
+                           x_TK.shape[-1], norm_eps)
 
 
 MIXES_CHUNK = 64  # K columns a step of mixes_pallas' projection kernel at up to 16 tokens (its operands' multiple)
