@@ -1,11 +1,11 @@
-"""Rotary embedding (dijax.model.layers.rope): float64 pairs rotation, both write forms, the inverse."""
+"""Rotary embedding (dijax.kernels.rope): float64 pairs rotation, both write forms, the inverse."""
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from dijax.model import layers
+from dijax.kernels import rope as rope_mod
 
 BF16 = ml_dtypes.bfloat16
 FREQS = np.array([1.0, 0.3, 0.05, 0.002], np.float32)
@@ -26,13 +26,13 @@ def np_rope(x, pos, freqs, inverse=False):
     return out.astype(BF16)
 
 
-@pytest.mark.parametrize("tokens", [5, layers.LARGE_STEP_TOKENS])  # the concatenation, the in-place update
+@pytest.mark.parametrize("tokens", [5, rope_mod.LARGE_STEP_TOKENS])  # the concatenation, the in-place update
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_rotates_only_the_tail(tokens, inverse):
     rng = np.random.default_rng(tokens)
     x = rng.standard_normal((tokens, 3, K)).astype(BF16)
     pos = rng.integers(0, 5000, tokens).astype(np.int32)
-    got = np.asarray(layers.rope(jnp.asarray(x), jnp.asarray(pos), FREQS, inverse=inverse))
+    got = np.asarray(rope_mod.rope(jnp.asarray(x), jnp.asarray(pos), FREQS, inverse=inverse))
     assert got.dtype == BF16
     np.testing.assert_array_equal(got[..., :-8], x[..., :-8])
     want = np_rope(x, pos, FREQS, inverse).astype(np.float64)
@@ -44,14 +44,14 @@ def test_rope_forms_agree_bit_for_bit(monkeypatch):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((64, 2, K)).astype(BF16))
     pos = jnp.arange(64, dtype=jnp.int32) * 37
-    concatenated = np.asarray(layers.rope(x, pos, FREQS))
-    monkeypatch.setattr(layers, "LARGE_STEP_TOKENS", 1)
-    np.testing.assert_array_equal(np.asarray(layers.rope(x, pos, FREQS)), concatenated)
+    concatenated = np.asarray(rope_mod.rope(x, pos, FREQS))
+    monkeypatch.setattr(rope_mod, "LARGE_STEP_TOKENS", 1)
+    np.testing.assert_array_equal(np.asarray(rope_mod.rope(x, pos, FREQS)), concatenated)
 
 
 def test_inverse_rope_undoes_rope_to_bf16_rounding():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((16, K)).astype(BF16)
     pos = jnp.arange(16, dtype=jnp.int32)
-    back = layers.rope(layers.rope(jnp.asarray(x), pos, FREQS), pos, FREQS, inverse=True)
+    back = rope_mod.rope(rope_mod.rope(jnp.asarray(x), pos, FREQS), pos, FREQS, inverse=True)
     np.testing.assert_allclose(np.asarray(back, np.float32), x.astype(np.float32), atol=2 ** -6, rtol=2 ** -6)

@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def divide(x: jax.Array, y: jax.Array | float) -> jax.Array:
@@ -29,6 +30,14 @@ def mean(x: jax.Array, axis: int = -1, keepdims: bool = True) -> jax.Array:
     """``sum(x) / n`` over ``axis`` with a true division (as torch's mean)."""
     total = jnp.sum(x, axis=axis, keepdims=keepdims)
     return divide(total, float(x.shape[axis]))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``weight * x * rsqrt(mean(x^2) + eps)`` in float32, cast back to x's dtype. x: [..., N], weight: [N]."""
+    xf = x.astype(jnp.float32)
+    var = mean(jnp.square(xf))
+    y = xf * jax.lax.rsqrt(var + np.float32(eps))
+    return (weight.astype(jnp.float32) * y).astype(x.dtype)
 
 
 def sum_in_order(x: jax.Array, axis: int, front: bool = False) -> jax.Array:

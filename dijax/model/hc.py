@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dijax.model.layers import large_step, matmul_f32_weight, param
 from dijax.kernels import sinkhorn
 from dijax.kernels.numerics import sum_in_order
+from dijax.kernels.rope import large_step
+from dijax.model.layers import matmul_f32_weight, param
 
 
 def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int, iters: int,
