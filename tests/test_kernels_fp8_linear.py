@@ -230,9 +230,9 @@ def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkey
     cfg = fixture.cfg
     seen = set()
 
-    def record(x_TI, pairs):
+    def record(x_TI, pairs, joined):
         seen.update(weight_OI.shape for weight_OI, _ in pairs)
-        return fl.fp8_linears_reference(x_TI, pairs)
+        return fl.fp8_linears_reference(x_TI, pairs, joined)
 
     monkeypatch.setitem(fl._IMPLEMENTATIONS, "pallas", record)
     chunks = [SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=list(range(3, 20)), logits="all")]

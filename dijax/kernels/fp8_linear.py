@@ -284,45 +284,59 @@ def fp8_linear_pallas(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight,
     x_TI bf16 [T, I] (any leading shape is flattened by ``fp8_linear``); weight [O, I] e4m3; scale uint8
     [O/32, I/32] (either may be a ``LayerSlice``, read in place). -> bf16 [T, O]. ``interpret``: run the kernel
     interpreted (default: off a GPU)."""
-    [y_TO] = fp8_linears_pallas(x_TI, [(weight_OI, scale_BB)], interpret)
+    [y_TO] = fp8_linears_pallas(x_TI, [(weight_OI, scale_BB)], interpret=interpret)
     return y_TO
 
 
-def fp8_linears_reference(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]]) -> list[jax.Array]:
-    """``fp8_linear_reference`` of one x by each (weight, scale) pair. -> [bf16 [T, O_i]]."""
-    return [fp8_linear_reference(x_TI, weight_OI, scale_BB) for weight_OI, scale_BB in pairs]
+def _join(ys: list[jax.Array], joined: bool) -> list[jax.Array]:
+    """``ys``, or with ``joined`` their one concatenation along the output features."""
+    return [jnp.concatenate(ys, axis=-1)] if joined and len(ys) > 1 else ys
 
 
-def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]],
+def fp8_linears_reference(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]],
+                          joined: bool = False) -> list[jax.Array]:
+    """``fp8_linear_reference`` of one x by each (weight, scale) pair. -> [bf16 [T, O_i]], or with ``joined`` one
+    bf16 [T, sum O_i] (the outputs side by side)."""
+    return _join([fp8_linear_reference(x_TI, weight_OI, scale_BB) for weight_OI, scale_BB in pairs], joined)
+
+
+def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]], joined: bool = False,
                        interpret: bool | None = None) -> list[jax.Array]:
     """``fp8_linears_reference`` in one kernel launch: the weights' column tiles side by side in one grid (each
     program reads one weight's tile), so linears that share their input (wq_a and wkv, the shared expert's w1 and
     w3) cost one launch, and with split K one sum. Each output tile is computed as ``fp8_linear_pallas`` computes
     it alone; only the split count can differ (the grid is wider, so K may be split less), which changes the fp32
     order of the splits' sum. Weights the kernel cannot take together (or all, with ``CONFIG.fuse`` off) run one
-    launch each (or on the reference)."""
+    launch each (or on the reference). ``joined``: as ``fp8_linears_reference``'s; the one launch's output is
+    that already (no copy)."""
     weights = [weight_OI for weight_OI, _ in pairs]
     if _mgpu_takes(x_TI, weights, interpret_mode(interpret)):
-        return [fp8_wgmma.linear_mgpu(x_TI, weight_OI, scale_BB, stages=CONFIG.mgpu_stages,
-                                      warpgroups=CONFIG.mgpu_warpgroups, target_ctas=CONFIG.target_programs,
-                                      block_scales=CONFIG.mgpu_block_scales)
-                for weight_OI, scale_BB in pairs]
+        return _join([fp8_wgmma.linear_mgpu(x_TI, weight_OI, scale_BB, stages=CONFIG.mgpu_stages,
+                                            warpgroups=CONFIG.mgpu_warpgroups, target_ctas=CONFIG.target_programs,
+                                            block_scales=CONFIG.mgpu_block_scales)
+                      for weight_OI, scale_BB in pairs], joined)
     supported = pallas_supports(x_TI, *weights)
     if len(pairs) > 1 and not (CONFIG.fuse and supported):
-        return [fp8_linear_pallas(x_TI, weight_OI, scale_BB, interpret) for weight_OI, scale_BB in pairs]
+        return _join([fp8_linear_pallas(x_TI, weight_OI, scale_BB, interpret) for weight_OI, scale_BB in pairs],
+                     joined)
     if not supported:
-        return fp8_linears_reference(x_TI, pairs)
+        return fp8_linears_reference(x_TI, pairs, joined)
     if x_TI.shape[0] == 0:
-        return [jnp.zeros((0, w.shape[0]), jnp.bfloat16) for w in weights]
-    return list(_fp8_linear_call(x_TI, tuple(weights), tuple(scale for _, scale in pairs), config=CONFIG,
-                                 interpret=interpret_mode(interpret)))
+        return _join([jnp.zeros((0, w.shape[0]), jnp.bfloat16) for w in weights], joined)
+    y_TO = _fp8_linear_call(x_TI, tuple(weights), tuple(scale for _, scale in pairs), config=CONFIG,
+                            interpret=interpret_mode(interpret))
+    if joined:
+        return [y_TO]
+    bounds = np.cumsum([0] + [w.shape[0] for w in weights])
+    return [y_TO[:, bounds[i]:bounds[i + 1]] for i in range(len(weights))]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def _fp8_linear_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple[Weight, ...], *,
-                     config: KernelConfig, interpret: bool) -> tuple[jax.Array, ...]:
+                     config: KernelConfig, interpret: bool) -> jax.Array:
     """The kernel launch of ``fp8_linears_pallas``, jitted: the linears of one shape (the same projection in every
-    layer) share one trace and lowering per step shape; ``config`` is part of the key."""
+    layer) share one trace and lowering per step shape; ``config`` is part of the key. -> bf16 [T, sum O_i], the
+    outputs side by side."""
     stacks, layer = in_place([*weights, *scales])
     w_stacks, s_stacks = stacks[:len(weights)], stacks[len(weights):]
     t, in_dim = x_TI.shape
@@ -345,8 +359,7 @@ def _fp8_linear_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple
                                           jnp.uint32) for w in w_stacks]
     y = poison.pallas_call(kernel, layer[None], x_TI, *words, *s_stacks, out_shape=out, poison=config.poison,
                            grid=grid, compiler_params=params, name="fp8_linear", interpret=interpret)
-    y_TO = y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
-    return tuple(y_TO[:, bounds[i] * cols:bounds[i + 1] * cols] for i in range(len(weights)))
+    return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
 
 
 _IMPLEMENTATIONS = {"reference": fp8_linears_reference, "pallas": fp8_linears_pallas}
@@ -359,10 +372,13 @@ def fp8_linear(x: jax.Array, weight_OI: Weight, scale_BB: Weight, *, impl: str =
     return y
 
 
-def fp8_linears(x: jax.Array, pairs: list[tuple[Weight, Weight]], *, impl: str = "reference") -> list[jax.Array]:
+def fp8_linears(x: jax.Array, pairs: list[tuple[Weight, Weight]], *, impl: str = "reference",
+                joined: bool = False) -> list[jax.Array]:
     """Several fp8 linears of one input: x [..., I] bf16, (weight [O_i, I], scale) pairs -> [bf16 [..., O_i]], each
-    what ``fp8_linear`` gives; the Pallas implementation runs them as one launch (``fp8_linears_pallas``)."""
+    what ``fp8_linear`` gives, or with ``joined`` one bf16 [..., sum O_i], the outputs side by side (what a kernel
+    reading them all takes without a copy of each); the Pallas implementation runs them as one launch
+    (``fp8_linears_pallas``)."""
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"fp8 linear impl must be one of {IMPLS}, got {impl!r}")
     x_TI = x.reshape(-1, x.shape[-1])
-    return [y_TO.reshape(*x.shape[:-1], y_TO.shape[-1]) for y_TO in _IMPLEMENTATIONS[impl](x_TI, pairs)]
+    return [y_TO.reshape(*x.shape[:-1], y_TO.shape[-1]) for y_TO in _IMPLEMENTATIONS[impl](x_TI, pairs, joined)]

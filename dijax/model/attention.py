@@ -23,6 +23,7 @@ from flax import nnx
 from dijax.config import LayerRole, ModelConfig
 from dijax.kernels.sparse_attn import sparse_attn
 from dijax.kernels import indexer, quant
+from dijax.kernels.latents import latents
 from dijax.kernels.topk import topk_ascending
 from dijax.kernels.numerics import divide, einsum_bf16, rms_norm
 from dijax.kernels.rope import large_step, rope, rope_frequencies
@@ -284,7 +285,8 @@ def attend_lists(q_THK: jax.Array, ring_RK: jax.Array, kv_TK: jax.Array, pool_NK
 
 def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Geometry, cache: dict,
               shared: dict, inject_TN: jax.Array | None, *, topk_impl: str = "reference",
-              sparse_attn_impl: str = "reference", linear_impl: str = "reference", indexer_impl: str = "reference"):
+              sparse_attn_impl: str = "reference", linear_impl: str = "reference", indexer_impl: str = "reference",
+              latents_impl: str = "reference"):
     """One attention sublayer on the ragged step.
 
     x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
@@ -293,7 +295,8 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     "pallas") and ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and ``indexer_impl`` (the index scores), each
     "reference" | "pallas", pick the kernel implementations (static): the top-k picks are identical, the attention
     output, the linears and the index scores agree to bf16 rounding (``kernels.sparse_attn``,
-    ``kernels.fp8_linear``, ``kernels.indexer``).
+    ``kernels.fp8_linear``, ``kernels.indexer``); so do ``latents_impl``'s query latent and KV row after the first
+    projections (``kernels.latents``).
     Returns (y_TD bf16, cache updates dict, shared).
     """
     t = x_TD.shape[0]
@@ -305,11 +308,10 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     else:
         freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 0, cfg.rope_factor, cfg.beta_fast,
                                  cfg.beta_slow)
-    qa, kva = linears(x_TD, [p["wq_a"], p["wkv"]], linear_impl)  # one launch on the Pallas path
-    qr = rms_norm(qa, p["q_norm"]["weight"], eps)
+    [qkva] = linears(x_TD, [p["wq_a"], p["wkv"]], linear_impl, joined=True)  # one launch on the Pallas path
+    qr, kv = latents(qkva, cfg.q_lora_rank, p["q_norm"]["weight"], p["kv_norm"]["weight"], g.pos_T, freqs, eps,
+                     impl=latents_impl)
     q = rope(linear(qr, p["wq_b"], linear_impl).reshape(t, cfg.n_heads, cfg.head_dim), g.pos_T, freqs)
-    kv = rms_norm(kva, p["kv_norm"]["weight"], eps)
-    kv = quant.fq8(rope(kv, g.pos_T, freqs))
 
     ring = cache["window"][role.layer]
     ring_rows = ring.reshape(-1, cfg.head_dim)

@@ -129,12 +129,14 @@ def linear(x: jax.Array, p: dict, impl: str = "reference") -> jax.Array:
     return matmul_f32(x.astype(jnp.bfloat16), w).astype(jnp.bfloat16)
 
 
-def linears(x: jax.Array, ps: list[dict], impl: str = "reference") -> list[jax.Array]:
-    """``linear`` of one x by each of ``ps`` (their outputs, in order). When every weight is fp8 they go through
-    ``fp8_linears``, whose Pallas implementation runs them as one kernel launch."""
+def linears(x: jax.Array, ps: list[dict], impl: str = "reference", joined: bool = False) -> list[jax.Array]:
+    """``linear`` of one x by each of ``ps`` (their outputs, in order; with ``joined`` one array of them side by
+    side). When every weight is fp8 they go through ``fp8_linears``, whose Pallas implementation runs them as one
+    kernel launch (and writes them side by side)."""
     if all(p["weight"].dtype == jnp.float8_e4m3fn for p in ps):
-        return fp8_linears(x, [(p["weight"], p["scale"]) for p in ps], impl=impl)
-    return [linear(x, p, impl) for p in ps]
+        return fp8_linears(x, [(p["weight"], p["scale"]) for p in ps], impl=impl, joined=joined)
+    ys = [linear(x, p, impl) for p in ps]
+    return [jnp.concatenate(ys, axis=-1)] if joined else ys
 
 
 class QuantLinear(nnx.Module):

@@ -63,7 +63,8 @@ def _engram_rows(consts: dict, cfg: ModelConfig, batch: StepBatch, g: Geometry, 
     return rows, new_history
 
 
-ATTENTION_OPTIONS = ("topk_impl", "sparse_attn_impl", "linear_impl", "indexer_impl")  # the ones attention() takes
+# the kernel options attention() takes
+ATTENTION_OPTIONS = ("topk_impl", "sparse_attn_impl", "linear_impl", "indexer_impl", "latents_impl")
 
 
 @dataclass(frozen=True)
@@ -338,7 +339,7 @@ def forward_step(params: nnx.State, cache: dict, batch: StepBatch, consts: dict,
     without Engram; inject_topk: optional {index-source layer: int32 [T, N] compressed positions} overriding that
     layer's selection (a test seam; layers of one scanned stage are given all or none). kernel_options (static):
     ``moe_impl``, ``topk_impl``, ``sparse_attn_impl``, ``sinkhorn_impl``, ``linear_impl``, ``indexer_impl``,
-    ``router_impl`` ('reference' by default, see dijax.kernels.options).
+    ``router_impl``, ``latents_impl`` ('reference' by default, see dijax.kernels.options).
 
     Returns (logits_RV float32 for ``batch.logit_rows_R``, the new cache, {index-source layer: selected
     compressed positions int32 [T, N], ascending, -1 padded}).
