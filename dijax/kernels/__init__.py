@@ -15,7 +15,9 @@
 | the MoE router's selection (top-X, ids ascending, renormalised weights) | ``router`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
 | fp8 linear at decode on wgmma, weights decoded in registers (``fp8_linear``'s ``engine='mgpu'``) | ``fp8_wgmma`` | reference, mgpu |
+| the attention's query latent and KV row after its first projections (RMS norms, rope, fp8) | ``latents`` | reference, pallas |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
+| rotary embedding with YaRN | ``rope`` | (jnp only) |
 | bf16 pairs in uint32 words: the weight decode's pieces (grouped GEMM, fp8 linear) | ``bf16_pairs`` | (helpers) |
 | correctly rounded float32 division inside kernels (``div.rn.f32``) | ``division`` | (helpers) |
 | are a checkpoint's scales where those decodes are exact (else the reference) | ``scale_range`` | (engine start) |
