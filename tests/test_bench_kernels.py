@@ -70,6 +70,14 @@ def test_mixes_rows_agree_and_time_both_paths():
     assert all(row["us"] > 0 and "C * D=1024" in row["shape"] for row in rows)
 
 
+def test_latents_rows_agree_and_time_both_paths():
+    """The latents rows run the reference and the kernel (interpreted here) on the same projections, and the two
+    agree (a MISMATCH label would say they do not)."""
+    rows = bench_kernels.latents_rows(tokens=(3,), q_width=64, kv_width=64, rope_dim=16, calls=2, iters=1, repeats=1)
+    assert [row["impl"] for row in rows] == ["reference (XLA)", "pallas"]
+    assert all(row["us"] > 0 and row["shape"] == "T=3, Q=64, K=64" for row in rows)
+
+
 def test_sampler_rows_time_the_step_sampler_each_mode_and_the_sort():
     rows = bench_kernels.sampler_rows(rows=(2,), vocab=512, iters=1, repeats=1)
     assert [row["impl"] for row in rows] == ["sample_packed (the step's: every mode, one selected)",

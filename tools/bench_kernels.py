@@ -885,6 +885,42 @@ def router_rows(tokens=(1, 16, 64, 1024, 8192), n_experts: int = 384, n_active: 
     return out
 
 
+def latents_rows(tokens=(1, 8, 64, 1024, 8192), q_width: int = 1280, kv_width: int = 512, rope_dim: int = 64,
+                 calls: int = 16, **timing) -> list[dict]:
+    """The attention's latents at V4.1-Flash's widths (``dijax.kernels.latents``: the query latent's RMS norm, the
+    KV row's norm, rope and fp8): ``latents_reference`` (XLA's fusions) against the Pallas kernel. One jitted call
+    runs ``calls`` of them (a projection output each), as a step runs one per attention layer. A row where more
+    than 1 % of either latent's values differ from the reference's is marked MISMATCH (rounding of the sums of
+    squares moves a few). Floor: one read of the joined projection
+    output and one write of both latents (bf16)."""
+    from dijax.kernels import latents
+    from dijax.kernels.rope import rope_frequencies
+
+    freqs = rope_frequencies(rope_dim, 160000.0, 65536, 16.0, 32.0, 1.0)
+    out = []
+    for t in tokens:
+        keys = jax.random.split(jax.random.key(t), calls + 1)
+        qkva = jax.random.normal(keys[0], (t, q_width + kv_width), jnp.float32).astype(jnp.bfloat16)
+        lists = [[(jax.random.normal(key, (q_width + kv_width,), jnp.float32) * 0.1 + 1).astype(jnp.bfloat16)
+                  for key in keys[1:]]]
+        positions = jnp.arange(t, dtype=jnp.int32) * 7
+
+        def call(impl, x, w):
+            return latents.latents(x * w, q_width, w[:q_width], w[q_width:], positions, freqs, 1e-6, impl=impl)
+
+        shape, floor_bytes = f"T={t}, Q={q_width}, K={kv_width}", t * (q_width + kv_width) * 2 * 2
+        ref = repeated(functools.partial(call, "reference"))
+        want = ref(qkva, *lists)
+        base = time_call(ref, qkva, *lists, **timing) / calls
+        out.append(_row("latents", shape, "reference (XLA)", base, floor_bytes, None))
+        fn = repeated(functools.partial(call, "pallas"))
+        close = all(float(jnp.mean(g == w)) > 0.99 for got, wanted in zip(fn(qkva, *lists), want)
+                    for g, w in zip(got, wanted))
+        seconds = time_call(fn, qkva, *lists, **timing) / calls
+        out.append(_row("latents", shape, "pallas" + ("" if close else " MISMATCH"), seconds, floor_bytes, base))
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     """Markdown table of benchmark rows."""
     print("| kernel | shape | impl | us | floor us | % of floor | x reference |")
@@ -908,7 +944,7 @@ def parse_change(text: str) -> dict:
 BENCHES = {"topk": topk_rows, "index_topk": index_topk_rows, "sparse_attn": sparse_attn_rows, "indexer": indexer_rows,
            "routed_experts": routed_experts_rows, "fp8_linear": fp8_linear_rows, "fp8_linears": fp8_linears_rows,
            "xla_gemm": xla_gemm_rows, "sinkhorn": sinkhorn_rows, "mixes": mixes_rows, "sampler": sampler_rows,
-           "router": router_rows,
+           "router": router_rows, "latents": latents_rows,
            "fp4_wgmma": fp4_wgmma_rows}
 
 
