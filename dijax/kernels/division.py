@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
 
@@ -25,3 +27,10 @@ def div_rn(x: jax.Array, y: jax.Array, interpret: bool = False) -> jax.Array:
     """Correctly rounded float32 ``x / y`` inside a Triton kernel (``div.rn.f32``), x and y of one shape; in an
     interpreted kernel (``interpret``) ``/``, which is IEEE-rounded there."""
     return x / y if interpret else asm_f32("div.rn.f32 $0, $1, $2;", x, y)
+
+
+def rms_factor_rn(squares: jax.Array, width: int, eps: float, interpret: bool = False) -> jax.Array:
+    """``rsqrt(squares / width + eps)`` inside a kernel, the mean a correctly rounded division (as
+    ``numerics.rms_norm``'s true division): an RMS norm's factor from a sum of ``width`` squares."""
+    mean = div_rn(squares, jnp.full(squares.shape, width, jnp.float32), interpret)
+    return lax.rsqrt(mean + np.float32(eps))

@@ -1,4 +1,4 @@
-"""The attention's two latents after its first projections (v41_spec §5): the query latent
+"""The attention's two latents after its first projections (v41_spec §4): the query latent
 ``qr = RMSNorm(qa)`` (the input of ``wq_b`` and of the indexer's query) and the KV row
 ``kv = fq8(rope(RMSNorm(kva)))``, which the window ring stores and the attention reads. Both take the projections
 side by side, ``qkva = [qa | kva]`` (``fp8_linears``' joined output: one launch writes it, and a kernel reads it
@@ -29,12 +29,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode, poison, quant
-from dijax.kernels.division import div_rn
+from dijax.kernels.division import rms_factor_rn
 from dijax.kernels.numerics import rms_norm
 from dijax.kernels.rope import angles, rope
 
@@ -62,12 +61,6 @@ def latents_reference(qkva_TX: jax.Array, q_width: int, q_weight_Q: jax.Array, k
     return qr_TQ, kv_TK
 
 
-def _rms_factor(squares_N1: jax.Array, width: int, eps: float, interpret: bool) -> jax.Array:
-    """rsqrt(squares / width + eps), the division correctly rounded (``numerics.rms_norm``'s mean)."""
-    mean_N1 = div_rn(squares_N1, jnp.full(squares_N1.shape, width, jnp.float32), interpret)
-    return lax.rsqrt(mean_N1 + np.float32(eps))
-
-
 def _kernel(qkva_ref, qw_ref, kvw_ref, cos_ref, sin_ref, qr_ref, kv_ref, *, n_tokens: int, block: int,
             chunk: int, eps: float, interpret: bool):
     """Program i: tokens [i * N, (i + 1) * N) (rows past T read token T - 1 and are not written). qkva_ref [T, X]
@@ -81,7 +74,7 @@ def _kernel(qkva_ref, qw_ref, kvw_ref, cos_ref, sin_ref, qr_ref, kv_ref, *, n_to
     q, k = qr_ref.shape[1], kv_ref.shape[1]
     columns = [c0 + jnp.arange(chunk)[None, :] for c0 in range(0, q, chunk)]
     qa = [pltriton.load(qkva_ref.at[safe_N1, col_1C]).astype(jnp.float32) for col_1C in columns]
-    factor_N1 = _rms_factor(sum(jnp.sum(x * x, axis=1, keepdims=True) for x in qa), q, eps, interpret)
+    factor_N1 = rms_factor_rn(sum(jnp.sum(x * x, axis=1, keepdims=True) for x in qa), q, eps, interpret)
     for x_NC, col_1C in zip(qa, columns):
         weight_1C = pltriton.load(qw_ref.at[col_1C]).astype(jnp.float32)
         pltriton.store(qr_ref.at[rows_N1, col_1C], (weight_1C * (x_NC * factor_N1)).astype(jnp.bfloat16),
@@ -90,7 +83,7 @@ def _kernel(qkva_ref, qw_ref, kvw_ref, cos_ref, sin_ref, qr_ref, kv_ref, *, n_to
     half, pairs = k // 2, cos_ref.shape[1]
     even_1H = 2 * jnp.arange(half)[None, :]
     parts = [pltriton.load(qkva_ref.at[safe_N1, q + even_1H + odd]).astype(jnp.float32) for odd in (0, 1)]
-    factor_N1 = _rms_factor(sum(jnp.sum(x * x, axis=1, keepdims=True) for x in parts), k, eps, interpret)
+    factor_N1 = rms_factor_rn(sum(jnp.sum(x * x, axis=1, keepdims=True) for x in parts), k, eps, interpret)
     a, b = [(pltriton.load(kvw_ref.at[even_1H + odd]).astype(jnp.float32) * (x * factor_N1))
             .astype(jnp.bfloat16).astype(jnp.float32) for odd, x in enumerate(parts)]
     pair_1H = jnp.arange(half)[None, :] - (half - pairs)

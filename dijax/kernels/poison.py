@@ -13,7 +13,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 
-def pallas_call(kernel, *args, out_shape, poison: bool, **kwargs):
+def pallas_call(kernel, *args, out_shape, poison: bool, **kwargs) -> jax.Array | tuple[jax.Array, ...]:
     """``pl.pallas_call(kernel, out_shape=out_shape, **kwargs)(*args)`` (one output, or a tuple of them); with
     ``poison`` every output starts NaN-filled. ``in_specs``, when given, get the outputs' ``out_specs`` for the NaN
     inputs."""

@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode
-from dijax.kernels.division import asm_f32, div_rn
+from dijax.kernels.division import asm_f32, div_rn, rms_factor_rn
 from dijax.kernels.numerics import divide, matmul_f32, sum_in_order
 
 BLOCK_T = 128
@@ -219,12 +219,6 @@ def _affine_entries(raw: list, scale_ref, base_ref, c: int) -> list:
     return [v * scales[min(e // c, 2)] + base_ref[e] for e, v in enumerate(raw)]
 
 
-def _rms_factor_rn(squares_N: jax.Array, width: int, norm_eps: float, interpret: bool) -> jax.Array:
-    """``rms_factor`` inside a kernel (the mean by a correctly rounded division)."""
-    mean_N = div_rn(squares_N, jnp.full(squares_N.shape, width, jnp.float32), interpret)
-    return lax.rsqrt(mean_N + np.float32(norm_eps))
-
-
 def _split_kernel(mixes_ref, *refs, width: int, norm_eps: float, **split):
     """Program i: the BLOCK_T tokens [i * BLOCK_T, ...) of mixes_ref [T, M] (rows past T read token T - 1 and are
     not written: a duplicate leaves the block's fast-range check as it was). refs: the sums of squares [T] where the
@@ -234,7 +228,7 @@ def _split_kernel(mixes_ref, *refs, width: int, norm_eps: float, **split):
     safe_N = jnp.minimum(pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T), t - 1)
     raw = [pltriton.load(mixes_ref.at[safe_N, jnp.full((BLOCK_T,), e)]) for e in range((2 + c) * c)]
     if squares:
-        rsqrt_N = _rms_factor_rn(pltriton.load(squares[0].at[safe_N]), width, norm_eps, split["interpret"])
+        rsqrt_N = rms_factor_rn(pltriton.load(squares[0].at[safe_N]), width, norm_eps, split["interpret"])
         raw = [v * rsqrt_N for v in raw]
     _split_block(_affine_entries(raw, scale_ref, base_ref, c), out_ref, pl.program_id(0), **split)
 
@@ -383,7 +377,7 @@ def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: in
     c, n = split["c"], part_ref.shape[2]
     total = lax.fori_loop(0, part_ref.shape[0], lambda s, acc: [a + part_ref[s, e, :] for e, a in enumerate(acc)],
                           [jnp.zeros((n,), jnp.float32)] * (m + 1))
-    rsqrt_N = _rms_factor_rn(total[m], k, norm_eps, split["interpret"])
+    rsqrt_N = rms_factor_rn(total[m], k, norm_eps, split["interpret"])
     _split_block(_affine_entries([total[e] * rsqrt_N for e in range(m)], scale_ref, base_ref, c), out_ref, 0,
                  **split)
 
