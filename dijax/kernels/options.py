@@ -29,7 +29,7 @@ FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas
 # numpy oracle's experts and correctly rounded weights), GPU parity with it gave the figures of the runs without it
 # (every failure the issue-8 prefix row), and one token a program it is 1.6-7.4x XLA's top-k path at 16-8192 tokens.
 # The latents kernel (thirty-ninth session) was built without a GPU (deviceless compiles): it stays off under
-# 'auto' until its GPU test and a GPU parity run with it pass (tools/gpu_validate.sh latents).
+# 'auto' until its GPU test and a GPU parity run with it pass (tools/gpu_validate.sh layouts).
 AUTO_ON_GPU: dict[str, str] = dict(FAST, latents_impl="reference")
 # each option's implementations: its module's own list
 OPTION_IMPLS = {"moe_impl": routed_experts.IMPLS, "topk_impl": topk.IMPLS, "sparse_attn_impl": sparse_attn.IMPLS,
