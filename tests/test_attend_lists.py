@@ -10,7 +10,7 @@ import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.kernels.sparse_attn import sparse_attn, sparse_attn_pallas
-from dijax.kernels import rope as rope_mod
+from dijax.kernels import numerics
 from dijax.model import attention
 from dijax.model.attention import attend_lists
 
@@ -36,7 +36,7 @@ def lists(seed: int, with_pool: bool):
 @pytest.fixture(params=[True, False], ids=["large", "small"])
 def large(request, monkeypatch):
     if request.param:
-        monkeypatch.setattr(rope_mod, "LARGE_STEP_TOKENS", 1)
+        monkeypatch.setattr(numerics, "LARGE_STEP_TOKENS", 1)
     return request.param
 
 

@@ -11,7 +11,7 @@ import pytest
 from dijax.kernels.sinkhorn import split
 from dijax.model import hc
 from dijax.kernels.numerics import matmul_f32
-from dijax.kernels.rope import LARGE_STEP_TOKENS
+from dijax.kernels.numerics import LARGE_STEP_TOKENS
 from dijax.model.layers import matmul_f32_weight
 
 BF16 = ml_dtypes.bfloat16

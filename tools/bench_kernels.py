@@ -891,32 +891,32 @@ def latents_rows(tokens=(1, 8, 64, 1024, 8192), q_width: int = 1280, kv_width: i
     KV row's norm, rope and fp8): ``latents_reference`` (XLA's fusions) against the Pallas kernel. One jitted call
     runs ``calls`` of them (a projection output each), as a step runs one per attention layer. A row where more
     than 1 % of either latent's values differ from the reference's is marked MISMATCH (rounding of the sums of
-    squares moves a few). Floor: one read of the joined projection
-    output and one write of both latents (bf16)."""
+    squares moves a few). Floor: one read of the joined projection output and one write of both latents (bf16)."""
     from dijax.kernels import latents
     from dijax.kernels.rope import rope_frequencies
 
     freqs = rope_frequencies(rope_dim, 160000.0, 65536, 16.0, 32.0, 1.0)
     out = []
     for t in tokens:
-        keys = jax.random.split(jax.random.key(t), calls + 1)
-        qkva = jax.random.normal(keys[0], (t, q_width + kv_width), jnp.float32).astype(jnp.bfloat16)
-        lists = [[(jax.random.normal(key, (q_width + kv_width,), jnp.float32) * 0.1 + 1).astype(jnp.bfloat16)
-                  for key in keys[1:]]]
+        keys = jax.random.split(jax.random.key(t), calls + 2)
+        weights = [(jax.random.normal(key, (n,), jnp.float32) * 0.1 + 1).astype(jnp.bfloat16)
+                   for key, n in zip(keys[:2], (q_width, kv_width))]
+        lists = [[jax.random.normal(key, (t, q_width + kv_width), jnp.float32).astype(jnp.bfloat16)
+                  for key in keys[2:]]]
         positions = jnp.arange(t, dtype=jnp.int32) * 7
 
-        def call(impl, x, w):
-            return latents.latents(x * w, q_width, w[:q_width], w[q_width:], positions, freqs, 1e-6, impl=impl)
+        def call(impl, weights, qkva):
+            return latents.latents(qkva, q_width, *weights, positions, freqs, 1e-6, impl=impl)
 
         shape, floor_bytes = f"T={t}, Q={q_width}, K={kv_width}", t * (q_width + kv_width) * 2 * 2
         ref = repeated(functools.partial(call, "reference"))
-        want = ref(qkva, *lists)
-        base = time_call(ref, qkva, *lists, **timing) / calls
+        want = ref(weights, *lists)
+        base = time_call(ref, weights, *lists, **timing) / calls
         out.append(_row("latents", shape, "reference (XLA)", base, floor_bytes, None))
         fn = repeated(functools.partial(call, "pallas"))
-        close = all(float(jnp.mean(g == w)) > 0.99 for got, wanted in zip(fn(qkva, *lists), want)
+        close = all(float(jnp.mean(g == w)) > 0.99 for got, wanted in zip(fn(weights, *lists), want)
                     for g, w in zip(got, wanted))
-        seconds = time_call(fn, qkva, *lists, **timing) / calls
+        seconds = time_call(fn, weights, *lists, **timing) / calls
         out.append(_row("latents", shape, "pallas" + ("" if close else " MISMATCH"), seconds, floor_bytes, base))
     return out
 

@@ -30,7 +30,6 @@ def div_rn(x: jax.Array, y: jax.Array, interpret: bool = False) -> jax.Array:
 
 
 def rms_factor_rn(squares: jax.Array, width: int, eps: float, interpret: bool = False) -> jax.Array:
-    """``rsqrt(squares / width + eps)`` inside a kernel, the mean a correctly rounded division (as
-    ``numerics.rms_norm``'s true division): an RMS norm's factor from a sum of ``width`` squares."""
+    """``numerics.rms_factor`` inside a kernel (the mean a correctly rounded division, ``div.rn.f32``)."""
     mean = div_rn(squares, jnp.full(squares.shape, width, jnp.float32), interpret)
     return lax.rsqrt(mean + np.float32(eps))

@@ -17,6 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# Steps of this many tokens or more take the forms that avoid a full-size copy of an activation; smaller steps
+# (decode) take the forms that fuse into their neighbours, where a copy is small and an extra launch is not.
+# ``rope`` writes the rotated tail into x in place instead of concatenating: on the H200 (twenty-fourth session)
+# the concatenation rewrote every column of prefill 8192's q and o (14 copies of [8192, 64, 512], 5.5 ms a step),
+# while the update at every size added 11 launches to flash-slice decode at batch 1. The hyper-connections'
+# projection (``hc.mixes``) takes bf16 x against the weight's exact bf16 parts (``matmul_f32_weight``) instead of
+# an fp32 copy of x and an fp32 GEMM.
+LARGE_STEP_TOKENS = 256
+
+
+def large_step(tokens: int) -> bool:
+    """Whether a step of ``tokens`` tokens takes the copy-avoiding forms (``LARGE_STEP_TOKENS``)."""
+    return tokens >= LARGE_STEP_TOKENS
+
+
 def divide(x: jax.Array, y: jax.Array | float) -> jax.Array:
     """Correctly rounded ``x / y`` with y broadcast to x's shape (never a reciprocal multiply).
 
@@ -32,11 +47,16 @@ def mean(x: jax.Array, axis: int = -1, keepdims: bool = True) -> jax.Array:
     return divide(total, float(x.shape[axis]))
 
 
+def rms_factor(squares: jax.Array, width: int, eps: float) -> jax.Array:
+    """``rsqrt(squares / width + eps)`` (a true division, as ``mean``): an RMS norm's factor from a sum of ``width``
+    squares, float32."""
+    return jax.lax.rsqrt(divide(squares, float(width)) + np.float32(eps))
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """``weight * x * rsqrt(mean(x^2) + eps)`` in float32, cast back to x's dtype. x: [..., N], weight: [N]."""
     xf = x.astype(jnp.float32)
-    var = mean(jnp.square(xf))
-    y = xf * jax.lax.rsqrt(var + np.float32(eps))
+    y = xf * rms_factor(jnp.sum(jnp.square(xf), axis=-1, keepdims=True), x.shape[-1], eps)
     return (weight.astype(jnp.float32) * y).astype(x.dtype)
 
 

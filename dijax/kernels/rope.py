@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dijax.kernels.numerics import large_step
+
 
 def rope_frequencies(rope_dim: int, base: float, original_seq_len: int, factor: float, beta_fast: float,
                      beta_slow: float) -> np.ndarray:
@@ -38,21 +40,6 @@ def angles(positions_T: jax.Array, freqs: np.ndarray) -> tuple[jax.Array, jax.Ar
     """cos and sin of ``position * freq`` (the angle in float32, as the reference), float32 [T, R / 2] each."""
     angle = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(freqs)[None, :]
     return jnp.cos(angle), jnp.sin(angle)
-
-
-# Steps of this many tokens or more take the forms that avoid a full-size copy of an activation; smaller steps
-# (decode) take the forms that fuse into their neighbours, where a copy is small and an extra launch is not.
-# ``rope`` writes the rotated tail into x in place instead of concatenating: on the H200 (twenty-fourth session)
-# the concatenation rewrote every column of prefill 8192's q and o (14 copies of [8192, 64, 512], 5.5 ms a step),
-# while the update at every size added 11 launches to flash-slice decode at batch 1. The hyper-connections'
-# projection (``hc.mixes``) takes bf16 x against the weight's exact bf16 parts (``matmul_f32_weight``) instead of
-# an fp32 copy of x and an fp32 GEMM.
-LARGE_STEP_TOKENS = 256
-
-
-def large_step(tokens: int) -> bool:
-    """Whether a step of ``tokens`` tokens takes the copy-avoiding forms (``LARGE_STEP_TOKENS``)."""
-    return tokens >= LARGE_STEP_TOKENS
 
 
 def rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, inverse: bool = False) -> jax.Array:

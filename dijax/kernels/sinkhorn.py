@@ -59,7 +59,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode
 from dijax.kernels.division import asm_f32, div_rn, rms_factor_rn
-from dijax.kernels.numerics import divide, matmul_f32, sum_in_order
+from dijax.kernels.numerics import divide, matmul_f32, rms_factor, sum_in_order
 
 BLOCK_T = 128
 IMPLS = ("reference", "pallas")
@@ -306,11 +306,6 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
 def sum_squares(x_TK: jax.Array) -> jax.Array:
     """Each token's sum of x^2 over its C * D stream values, float32 [T, 1]."""
     return jnp.sum(jnp.square(x_TK.astype(jnp.float32)), axis=-1, keepdims=True)
-
-
-def rms_factor(squares_T1: jax.Array, width: int, norm_eps: float) -> jax.Array:
-    """rsqrt(squares / width + norm_eps) (a true division, as ``mean``), float32 [T, 1]."""
-    return lax.rsqrt(divide(squares_T1, float(width)) + np.float32(norm_eps))
 
 
 def mixes_projection(x_TK: jax.Array, fn_MK: jax.Array) -> jax.Array:

@@ -25,8 +25,8 @@ from dijax.kernels.sparse_attn import sparse_attn
 from dijax.kernels import indexer, quant
 from dijax.kernels.latents import latents
 from dijax.kernels.topk import topk_ascending
-from dijax.kernels.numerics import divide, einsum_bf16, rms_norm
-from dijax.kernels.rope import large_step, rope, rope_frequencies
+from dijax.kernels.numerics import divide, einsum_bf16, large_step, rms_norm
+from dijax.kernels.rope import rope, rope_frequencies
 from dijax.model.layers import QuantLinear, RMSNorm, linear, linears, matmul_promoted, param, values
 from dijax.model.step import StepBatch
 
@@ -257,7 +257,7 @@ def attend_lists(q_THK: jax.Array, ring_RK: jax.Array, kv_TK: jax.Array, pool_NK
 
     Each token's list is its window part in lanes [0, width_T) and its compressed part right after, the order in
     which DeepSeek's kernel walks them: the 64-lane blocks, whose running max P is rounded against, are the same
-    for both implementations. In a large step (``rope.large_step``: prefill) the Pallas kernel reads the window
+    for both implementations. In a large step (``numerics.large_step``: prefill) the Pallas kernel reads the window
     rows as one source ([ring | kv], one copy) and takes width_T as the lane where the pool starts
     (``sparse_attn_pallas``' ``first_T``), so the blocks on either side each read one source and their gathers
     pipeline (prefill 8192 1.4-1.5 % faster on the H200, twenty-sixth session). A smaller step reads the three

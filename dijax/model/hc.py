@@ -10,8 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dijax.kernels import sinkhorn
-from dijax.kernels.numerics import sum_in_order
-from dijax.kernels.rope import large_step
+from dijax.kernels.numerics import large_step, sum_in_order
 from dijax.model.layers import matmul_f32_weight, param
 
 
