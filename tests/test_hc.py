@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from dijax.kernels.collapse import collapse
 from dijax.kernels.sinkhorn import split
 from dijax.model import hc
 from dijax.kernels.numerics import matmul_f32
@@ -241,7 +242,7 @@ def test_mixes_is_scale_invariant(inputs):
 def test_pre_matches_float64(inputs):
     pre_TC = run_split(inputs)[0]
     x = inputs["x_TCD"]
-    got = np.asarray(hc.pre(jnp.asarray(x), jnp.asarray(pre_TC)))
+    got = np.asarray(collapse(jnp.asarray(x), jnp.asarray(pre_TC)))
     assert got.shape == (T, D) and got.dtype == BF16
     want = np.einsum("tc,tcd->td", pre_TC.astype(np.float64), x.astype(np.float64))
     assert_within_bf16_ulp(got, want)
@@ -250,10 +251,10 @@ def test_pre_matches_float64(inputs):
 def test_pre_hand_values():
     x = np.array([[[1.0, 2.0], [3.0, -4.0]]], BF16)  # T=1, C=2, D=2
     p = np.float32([[0.5, 0.25]])
-    got = np.asarray(hc.pre(jnp.asarray(x), jnp.asarray(p)))
+    got = np.asarray(collapse(jnp.asarray(x), jnp.asarray(p)))
     np.testing.assert_array_equal(got.astype(np.float32), np.float32([[0.5 + 0.75, 1.0 - 1.0]]))
     # float32 input gives float32 output
-    got32 = np.asarray(hc.pre(jnp.asarray(x.astype(np.float32)), jnp.asarray(p)))
+    got32 = np.asarray(collapse(jnp.asarray(x.astype(np.float32)), jnp.asarray(p)))
     assert got32.dtype == np.float32
 
 

@@ -9,8 +9,8 @@ import jax
 import pytest
 
 from dijax.cli.options import add_model_options
-from dijax.kernels import (fp4_wgmma, fp8_linear, indexer, interpret_mode, latents, lowering_for_gpu, routed_experts,
-                           router, sinkhorn, sparse_attn, topk)
+from dijax.kernels import (collapse, fp4_wgmma, fp8_linear, indexer, interpret_mode, latents, lowering_for_gpu,
+                           routed_experts, router, sinkhorn, sparse_attn, topk)
 from dijax.kernels.options import AUTO_ON_GPU, FAST, OPTION_IMPLS, REFERENCE, kernel_options, parse_kernels
 from dijax.runtime.model_runner import ModelRunner
 
@@ -24,9 +24,9 @@ def test_choices():
 
 
 def test_every_gpu_checked_kernel_is_automatic_on_a_gpu():
-    # each joined 'auto' after its GPU test and a GPU parity run with it (the router last, twenty-third session); the
-    # latents kernel, built without a GPU, waits for both
-    assert kernel_options("auto", "gpu") == dict(FAST, latents_impl="reference")
+    # each joined 'auto' after its GPU test and a GPU parity run with it (the latents and collapse kernels last,
+    # fortieth session)
+    assert kernel_options("auto", "gpu") == FAST
     assert FAST["topk_impl"] == "pallas" and FAST["router_impl"] == "pallas"
 
 
@@ -66,7 +66,7 @@ def test_overrides_after_the_choice():
 
 
 @pytest.mark.parametrize("kernels,message", [
-    ("off,sparse=pallas", r"option=impl with option one of \['indexer_impl'"),
+    ("off,sparse=pallas", r"option=impl with option one of \['collapse_impl'"),
     ("off,sparse_attn_impl", r"sparse_attn_impl must be one of \('reference', 'pallas'\), got ''"),
     ("off,topk_impl=triton", r"topk_impl must be one of \('reference', 'select', 'pallas'\), got 'triton'"),
     ("pallas,topk_impl=select", "kernels must start with one of"),
@@ -81,7 +81,7 @@ def test_each_option_takes_its_modules_implementations():
     """The options of REFERENCE, FAST and OPTION_IMPLS are one set, and each picks one of its module's IMPLS."""
     modules = {"moe_impl": routed_experts, "topk_impl": topk, "sparse_attn_impl": sparse_attn,
                "sinkhorn_impl": sinkhorn, "linear_impl": fp8_linear, "indexer_impl": indexer, "router_impl": router,
-               "latents_impl": latents}
+               "latents_impl": latents, "collapse_impl": collapse}
     assert set(REFERENCE) == set(FAST) == set(OPTION_IMPLS) == set(modules)
     for name, module in modules.items():
         assert OPTION_IMPLS[name] is module.IMPLS

@@ -172,6 +172,19 @@ def test_pallas_matches_reference(case, path):
         assert (gate_values(experts, x_TD, experts_TX) > LIMIT).any()  # the clamp fires
 
 
+@pytest.mark.parametrize("impl", rx.IMPLS)
+def test_quantized_activations_are_not_quantised_again(case, impl):
+    """``quantized``: x is fq8'd already (the MoE's input norm kernel writes it so); fq8 is idempotent, so each path
+    gives the same bits as from x itself."""
+    name, experts, x_TD, weights_TX, experts_TX, _ = case
+    x_act_TD = quant.fq8(x_TD)
+    for path in rx.PATHS:
+        want = rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl=impl, path=path)
+        got = rx.routed_experts(experts, x_act_TD, weights_TX, experts_TX, LIMIT, impl=impl, path=path,
+                                quantized=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} {path}")
+
+
 def test_several_k_steps_on_both_paths():
     """D = F = 1024 takes several K steps on both paths (mat-vec: 64 words a step; grouped GEMM: 16 words, so
     pair_major's column order changes from step to step)."""
@@ -271,6 +284,8 @@ def test_moe_with_pallas_matches_reference(t):
     ref = np.asarray(moe.moe(ffn, x_TD, cfg), np.float32)
     got = np.asarray(moe.moe(ffn, x_TD, cfg, impl="pallas"), np.float32)
     assert_close(got, ref, min_equal=0.97)
+    given = moe.moe(ffn, x_TD, cfg, x_act_TD=quant.fq8(x_TD), impl="pallas")  # the collapse kernel's fq8 output
+    np.testing.assert_array_equal(np.asarray(given, np.float32), got)
 
 
 @pytest.mark.parametrize("change, field", [({"gemm_cols": 16}, "gemm_cols"), ({"gemm_rows_max": 48}, "gemm_rows_max"),
@@ -317,15 +332,16 @@ def test_mgpu_engine_from_its_fewest_assignments(monkeypatch):
         calls.clear()
 
 
-@pytest.mark.parametrize("gemm", ["reference", "interpreted"])
-@pytest.mark.parametrize("t, pool, pad_tokens, pad_slots", [(1, None, (), ()), (3, 8, (1,), (2,)),
-                                                          (16, None, (3,), (5,)), (200, 9, (17,), (2,))])
+@pytest.mark.parametrize("t, pool, pad_tokens, pad_slots, gemm", [
+    (1, None, (), (), "reference"), (3, 8, (1,), (2,), "reference"), (3, 8, (1,), (2,), "interpreted"),
+    (16, None, (3,), (5,), "reference"), (200, 9, (17,), (2,), "reference"), (200, 9, (17,), (2,), "interpreted")])
 def test_mgpu_path_on_the_cpu(t, pool, pad_tokens, pad_slots, gemm, monkeypatch):
     """The 'mgpu' ragged path on the CPU: its tile layout (``lone_tiles`` up to ``mgpu_lone_max`` assignments,
     else fit_tiles), the row gathers, SwiGLU and routing weights and the combine around fp4_wgmma's reference
     (same signature) or its kernel run by the Mosaic GPU interpreter. Decode (a tile per assignment, experts
     shared by two tokens), padding tokens and slots, empty experts and tiles of several sizes, against the
-    reference path."""
+    reference path. The interpreter (25 s a case on the CI machine) runs one lone-tiles case and one fit-tiles
+    case; the layouts of the others are the same code around the reference."""
     kernel = (rx.fp4_wgmma.grouped_gemm_t_reference if gemm == "reference"
               else functools.partial(rx.fp4_wgmma.grouped_gemm_t_mgpu, interpret=True))
     monkeypatch.setattr(rx.fp4_wgmma, "grouped_gemm_t_mgpu", kernel)

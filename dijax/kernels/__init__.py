@@ -16,6 +16,7 @@
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
 | fp8 linear at decode on wgmma, weights decoded in registers (``fp8_linear``'s ``engine='mgpu'``) | ``fp8_wgmma`` | reference, mgpu |
 | the attention's query latent and KV row after its first projections (RMS norms, rope, fp8) | ``latents`` | reference, pallas |
+| the hyper-connections' collapse of the streams and the RMS norm after it (each sublayer's input) | ``collapse`` | reference, pallas |
 | fp8 / fp4 fake quantisation, block-scaled weights | ``quant`` | (jnp only) |
 | rotary embedding with YaRN | ``rope`` | (jnp only) |
 | bf16 pairs in uint32 words: the weight decode's pieces (grouped GEMM, fp8 linear) | ``bf16_pairs`` | (helpers) |

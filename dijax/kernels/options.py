@@ -4,14 +4,15 @@ implementations are its module's ``IMPLS``."""
 
 from __future__ import annotations
 
-from dijax.kernels import fp8_linear, indexer, latents, router, routed_experts, sinkhorn, sparse_attn, topk
+from dijax.kernels import collapse, fp8_linear, indexer, latents, router, routed_experts, sinkhorn, sparse_attn, topk
 
 KERNEL_CHOICES = ("auto", "on", "off")
 REFERENCE = {"moe_impl": "reference", "topk_impl": "reference", "sparse_attn_impl": "reference",
              "sinkhorn_impl": "reference", "linear_impl": "reference", "indexer_impl": "reference",
-             "router_impl": "reference", "latents_impl": "reference"}
+             "router_impl": "reference", "latents_impl": "reference", "collapse_impl": "reference"}
 FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas", "sinkhorn_impl": "pallas",
-        "linear_impl": "pallas", "indexer_impl": "pallas", "router_impl": "pallas", "latents_impl": "pallas"}
+        "linear_impl": "pallas", "indexer_impl": "pallas", "router_impl": "pallas", "latents_impl": "pallas",
+        "collapse_impl": "pallas"}
 # The fast kernels 'auto' turns on for a GPU: a kernel joins once the whole model passes `dijax parity` on a GPU
 # with it (`--kernels on`, tools/gpu_validate.sh). All four have (H200, 2026-12-01, docs/parity.md "On the GPU"):
 # every statistical bound, tier 2, the engine's tokens; the one prefix row that misses is of the same kind as the
@@ -28,13 +29,15 @@ FAST = {"moe_impl": "pallas", "topk_impl": "pallas", "sparse_attn_impl": "pallas
 # The router kernel (twenty-second session) joined in the twenty-third (2026-12-04): its GPU test passes (the
 # numpy oracle's experts and correctly rounded weights), GPU parity with it gave the figures of the runs without it
 # (every failure the issue-8 prefix row), and one token a program it is 1.6-7.4x XLA's top-k path at 16-8192 tokens.
-# The latents kernel (thirty-ninth session) was built without a GPU (deviceless compiles): it stays off under
-# 'auto' until its GPU test and a GPU parity run with it pass (tools/gpu_validate.sh layouts).
-AUTO_ON_GPU: dict[str, str] = dict(FAST, latents_impl="reference")
+# The latents kernel (thirty-ninth session, built without a GPU) and the collapse-and-norm kernel (fortieth) joined
+# in the fortieth session (H100, 2026-12-06, docs/benchmarks.md): their GPU checks pass, and GPU parity of
+# tiny-nodrop with every kernel on gave the figures of the runs with either one off (tier 1 0.00793 / 0.0108 /
+# 0.0739 with and without the collapse kernel; every failure the issue-8 prefix rows).
+AUTO_ON_GPU: dict[str, str] = dict(FAST)
 # each option's implementations: its module's own list
 OPTION_IMPLS = {"moe_impl": routed_experts.IMPLS, "topk_impl": topk.IMPLS, "sparse_attn_impl": sparse_attn.IMPLS,
                 "sinkhorn_impl": sinkhorn.IMPLS, "linear_impl": fp8_linear.IMPLS, "indexer_impl": indexer.IMPLS,
-                "router_impl": router.IMPLS, "latents_impl": latents.IMPLS}
+                "router_impl": router.IMPLS, "latents_impl": latents.IMPLS, "collapse_impl": collapse.IMPLS}
 
 
 def parse_kernels(kernels: str) -> tuple[str, dict[str, str]]:

@@ -101,11 +101,13 @@ def _sum_slots(y_AD: jax.Array, valid_A: jax.Array, t: int, n_per_token: int) ->
 
 
 def routed_experts_reference(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array,
-                             limit: float, path: str | None = None) -> jax.Array:
+                             limit: float, path: str | None = None, quantized: bool = False) -> jax.Array:
     """Sum over each token's experts of ``w_e * expert_e(x)``, in expert-id order, in fp32. -> float32 [T, D].
 
     experts: stacked {'w1','w2','w3': {'weight': [E, ...], 'scale': [E, ...]}}; x_TD bf16; weights_TX float32;
-    experts_TX int32, ascending per token (-1 = padding, module docstring). Two paths, chosen statically from the
+    experts_TX int32, ascending per token (-1 = padding, module docstring); ``quantized`` (static): x_TD is fq8'd
+    already (``dijax.kernels.collapse`` writes the MoE's input so), and is not quantised again (``quant.fq8`` is
+    idempotent: the same result). Two paths, chosen statically from the
     shapes by ``routed_path`` (``path`` forces one):
       * 'gathered' (A <= E, e.g. decode steps): the A assigned experts' packed weights and scales are gathered and
         only those are dequantised, then each assignment is a batched matrix-vector product. Memory traffic is A
@@ -138,7 +140,7 @@ def routed_experts_reference(experts: dict, x_TD: jax.Array, weights_TX: jax.Arr
             return jax.lax.ragged_dot(lhs_AI, w_EIO, group_sizes_E, precision=jax.lax.Precision.HIGHEST,
                                       preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
-    x_AD = quant.fq8(x_TD)[token_A]
+    x_AD = (x_TD if quantized else quant.fq8(x_TD))[token_A]
     g_AF = matmul(x_AD, "w1").astype(jnp.float32)
     u_AF = matmul(x_AD, "w3").astype(jnp.float32)
     h_AF = swiglu(g_AF, u_AF, limit) * weights_A[:, None]
@@ -678,7 +680,7 @@ def pallas_path(n_assignments: int, config: KernelConfig = CONFIG) -> str:
 
 
 def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array,
-                          limit: float, path: str | None = None) -> jax.Array:
+                          limit: float, path: str | None = None, quantized: bool = False) -> jax.Array:
     """``routed_experts_reference`` with MXFP4 experts read packed and decoded in registers. -> float32 [T, D].
 
     Same arguments and semantics (module docstring). Paths, chosen statically by ``pallas_path`` (``path`` forces):
@@ -691,16 +693,17 @@ def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array,
     fp8-stored experts ([E, out, in] float8_e4m3fn) take the reference path.
     """
     if experts["w1"]["weight"].dtype != jnp.uint8:
-        return routed_experts_reference(experts, x_TD, weights_TX, experts_TX, limit, path)
+        return routed_experts_reference(experts, x_TD, weights_TX, experts_TX, limit, path, quantized)
     path = path or pallas_path(experts_TX.size, CONFIG)
     _check_path(path)
-    return _routed_experts_call(experts, x_TD, weights_TX, experts_TX, limit=limit, path=path, config=CONFIG,
-                                interpret=interpret_mode())
+    return _routed_experts_call(experts, x_TD, weights_TX, experts_TX, limit=limit, path=path, quantized=quantized,
+                                config=CONFIG, interpret=interpret_mode())
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "path", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("limit", "path", "quantized", "config", "interpret"))
 def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array, *,
-                         limit: float, path: str, config: KernelConfig, interpret: bool) -> jax.Array:
+                         limit: float, path: str, quantized: bool, config: KernelConfig, interpret: bool
+                         ) -> jax.Array:
     """The kernel launches of ``routed_experts_pallas`` on ``path``, jitted: the MoE layers of one shape share one
     trace and lowering per step shape; ``config`` is part of the key."""
     t, d = x_TD.shape
@@ -712,7 +715,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         if size % 32:
             raise ValueError(f"{name}={size} must be a multiple of 32 (the MXFP4 scale block)")
     ((w1, s1), (w3, s3), (w2, s2)), offset = _expert_stacks(experts)
-    x_act_TD = quant.fq8(x_TD)
+    x_act_TD = x_TD if quantized else quant.fq8(x_TD)
     weights_A = weights_TX.reshape(-1).astype(jnp.float32)
     call = functools.partial(_call, poisoned=config.poison, interpret=interpret)
     if path == "gathered":
@@ -832,11 +835,12 @@ _IMPLEMENTATIONS = {"reference": routed_experts_reference, "pallas": routed_expe
 
 
 def routed_experts(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array, limit: float,
-                   *, impl: str = "reference", path: str | None = None) -> jax.Array:
+                   *, impl: str = "reference", path: str | None = None, quantized: bool = False) -> jax.Array:
     """The routed-experts seam: ``impl`` in IMPLS picks the implementation (static). -> float32 [T, D].
 
-    Arguments as ``routed_experts_reference``; ``path`` forces that implementation's path ('gathered'/'ragged').
+    Arguments as ``routed_experts_reference``; ``path`` forces that implementation's path ('gathered'/'ragged');
+    ``quantized``: x_TD is fq8'd already.
     """
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"routed-experts impl must be one of {IMPLS}, got {impl!r}")
-    return _IMPLEMENTATIONS[impl](experts, x_TD, weights_TX, experts_TX, limit, path)
+    return _IMPLEMENTATIONS[impl](experts, x_TD, weights_TX, experts_TX, limit, path, quantized)

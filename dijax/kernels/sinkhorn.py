@@ -10,9 +10,9 @@ Two implementations behind ``split(..., impl=)``, with one signature:
   * ``"pallas"``: one Triton-lowered Pallas kernel. Each program holds BLOCK_T tokens; the M mix entries of a token
     live in M register vectors (entry e of the block's tokens a strided column load of the [T, M] mixes, then the
     affine part, mixes * scale + base), so a row or column sum is C - 1 vector adds in the reference's order. It
-    writes its output token-major likewise, [T, M], so pre, post and comb are column slices that fuse into their
-    consumers; above ``TOKEN_MAJOR_MAX_TOKENS`` tokens it writes [M, T], which keeps long prefills' temporaries
-    lower. (Until the thirty-eighth session the affine part ran in XLA, fused with a transpose to [M, T] and a
+    writes pre [T, C] to a buffer of its own (the collapse kernel's input: a slice would be a copy) and post and
+    comb token-major likewise, [T, M - C], column slices that fuse into their consumers; above
+    ``TOKEN_MAJOR_MAX_TOKENS`` tokens [M - C, T], which keeps long prefills' temporaries lower. (Until the thirty-eighth session the affine part ran in XLA, fused with a transpose to [M, T] and a
     pad, and the output was [M, T]: one launch more a hyper-connection, and in the tiny decode step two transpose
     kernels a layer for the consumers, deviceless.)
 
@@ -222,22 +222,24 @@ def _affine_entries(raw: list, scale_ref, base_ref, c: int) -> list:
 def _split_kernel(mixes_ref, *refs, width: int, norm_eps: float, **split):
     """Program i: the BLOCK_T tokens [i * BLOCK_T, ...) of mixes_ref [T, M] (rows past T read token T - 1 and are
     not written: a duplicate leaves the block's fast-range check as it was). refs: the sums of squares [T] where the
-    mixes are a bare projection (``split_pallas``' squares_T1), then scale [3], base [M] and the output [T, M]."""
-    *squares, scale_ref, base_ref, out_ref = refs
+    mixes are a bare projection (``split_pallas``' squares_T1), then scale [3], base [M] and the outputs
+    (``_split_block``)."""
+    *squares, scale_ref, base_ref, pre_ref, out_ref = refs
     c, t = split["c"], mixes_ref.shape[0]
     safe_N = jnp.minimum(pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T), t - 1)
     raw = [pltriton.load(mixes_ref.at[safe_N, jnp.full((BLOCK_T,), e)]) for e in range((2 + c) * c)]
     if squares:
         rsqrt_N = rms_factor_rn(pltriton.load(squares[0].at[safe_N]), width, norm_eps, split["interpret"])
         raw = [v * rsqrt_N for v in raw]
-    _split_block(_affine_entries(raw, scale_ref, base_ref, c), out_ref, pl.program_id(0), **split)
+    _split_block(_affine_entries(raw, scale_ref, base_ref, c), pre_ref, out_ref, pl.program_id(0), **split)
 
 
-def _split_block(z: list, out_ref, block: int, *, c: int, rounds: int, eps: float, interpret: bool,
+def _split_block(z: list, pre_ref, out_ref, block: int, *, c: int, rounds: int, eps: float, interpret: bool,
                  fast_divide: bool, token_major: bool):
     """The split of block ``block`` of tokens: z[e] the affine mix entry e of each of its N tokens (a float32
-    vector); out_ref [T, M] (``token_major``, else [M, T]) gets their pre, post and comb as entries 0 .. M - 1 of
-    tokens [block * N, (block + 1) * N) (tokens past T are not written)."""
+    vector); of tokens [block * N, (block + 1) * N) (tokens past T are not written), pre_ref [T, C] gets their pre,
+    out_ref [T, M - C] (``token_major``, else [M - C, T]) their post and comb as entries 0 .. M - C - 1. (pre has a
+    buffer of its own: ``dijax.kernels.collapse``'s kernel reads it, and a slice of one output would be a copy.)"""
     split_of = functools.partial(_split, z, c=c, rounds=rounds, eps=np.float32(eps))
     if interpret:  # '/' is IEEE-rounded off the GPU: every path divides with it
         fast, exact, reciprocal = (lambda x, y, r: x / y), (lambda x, y: x / y), (lambda y: y)
@@ -256,22 +258,35 @@ def _split_block(z: list, out_ref, block: int, *, c: int, rounds: int, eps: floa
     n = z[0].shape[0]
     # rows past T keep their own indices, masked: clamped duplicates of a live row would overwrite it, interpreted
     token_N = block * n + jnp.arange(n)
-    for e, v in enumerate([*pre, *post, *(v for row in m for v in row)]):
+    live_N = token_N < pre_ref.shape[0]
+    for e, v in enumerate(pre):
+        pltriton.store(pre_ref.at[token_N, jnp.full((n,), e)], v, mask=live_N)
+    for e, v in enumerate([*post, *(v for row in m for v in row)]):
         index = (token_N, jnp.full((n,), e)) if token_major else (jnp.full((n,), e), token_N)
-        pltriton.store(out_ref.at[index], v, mask=token_N < out_ref.shape[0 if token_major else 1])
+        pltriton.store(out_ref.at[index], v, mask=live_N)
 
 
-def _parts(out: jax.Array, c: int, token_major: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A split kernel's output (float32 [T, M]: pre, post, then comb, a token a row; or [M, T]) as (pre [T, C],
-    post [T, C], comb [T, C, C])."""
-    out_TM = out if token_major else out.T
-    return out_TM[:, :c], out_TM[:, c:2 * c], out_TM[:, 2 * c:].reshape(-1, c, c)
+def _parts(pre_TC: jax.Array, out: jax.Array, c: int, token_major: bool = True
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A split kernel's outputs (pre float32 [T, C]; post then comb, [T, M - C] a token a row, or [M - C, T]) as
+    (pre [T, C], post [T, C], comb [T, C, C])."""
+    out_TE = out if token_major else out.T
+    return pre_TC, out_TE[:, :c], out_TE[:, c:].reshape(-1, c, c)
 
 
 # ``split_pallas`` writes [T, M] for steps of up to this many tokens (its consumers then need no transposes; with
 # [M, T], as before the thirty-eighth session, deviceless flash-slice prefill 1024 had 766 launches against 736),
 # [M, T] above (flash-slice's prefill of 8192 tokens needed 3.29 GB of temporaries with [T, M], 3.04 with [M, T])
 TOKEN_MAJOR_MAX_TOKENS = 1024
+
+
+def entry_major(tokens: int) -> bool:
+    """Whether ``split_pallas`` writes its output entry-major ([M, T]) in a step of ``tokens`` tokens. The stream
+    sums that read the split's output (``dijax.kernels.collapse.collapse``, ``dijax.model.hc.post``) take
+    ``sum_in_order``'s axis-first form there: either form beside the other's kernel output gave XLA more launches
+    (deviceless, thirty-eighth session: tiny prefill 256 728 against 668, flash-slice prefill 1024 782 against
+    736)."""
+    return tokens > TOKEN_MAJOR_MAX_TOKENS
 
 
 @functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "eps", "width", "norm_eps", "interpret", "config"))
@@ -290,17 +305,18 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
     c = hc_mult
     t, m = mixes_TM.shape
     if t == 0:  # no program to launch
-        return _parts(jnp.zeros((0, m), jnp.float32), c)
-    token_major = t <= TOKEN_MAJOR_MAX_TOKENS
+        return _parts(jnp.zeros((0, c), jnp.float32), jnp.zeros((0, m - c), jnp.float32), c)
+    token_major = not entry_major(t)
     kernel = functools.partial(_split_kernel, width=width, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0), eps=eps,
                                interpret=interpret, fast_divide=(config or CONFIG).fast_divide,
                                token_major=token_major)
-    out = pl.pallas_call(kernel, grid=(-(-t // BLOCK_T),),
-                         out_shape=jax.ShapeDtypeStruct((t, m) if token_major else (m, t), jnp.float32),
-                         interpret=interpret, compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
+    out_shape = (jax.ShapeDtypeStruct((t, c), jnp.float32),
+                 jax.ShapeDtypeStruct((t, m - c) if token_major else (m - c, t), jnp.float32))
+    pre_TC, out = pl.pallas_call(kernel, grid=(-(-t // BLOCK_T),), out_shape=out_shape, interpret=interpret,
+                                 compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
         mixes_TM.astype(jnp.float32), *([] if squares_T1 is None else [squares_T1.reshape(t).astype(jnp.float32)]),
         scale_3.astype(jnp.float32), base_M.astype(jnp.float32))
-    return _parts(out, c, token_major)
+    return _parts(pre_TC, out, c, token_major)
 
 
 def sum_squares(x_TK: jax.Array) -> jax.Array:
@@ -367,14 +383,15 @@ def _project_kernel(x_ref, fn_ref, out_ref, *, t: int, m: int, chunks: int, chun
     out_ref[...] = jnp.where(mix_P[:, None] == m, squares_N[None, :], acc_PN)
 
 
-def _mixes_split_kernel(part_ref, scale_ref, base_ref, out_ref, *, m: int, k: int, norm_eps: float, **split):
+def _mixes_split_kernel(part_ref, scale_ref, base_ref, pre_ref, out_ref, *, m: int, k: int, norm_eps: float,
+                        **split):
     """The projection kernel's parts summed in order, the RMS statistic, the affine, then ``_split_block``."""
     c, n = split["c"], part_ref.shape[2]
     total = lax.fori_loop(0, part_ref.shape[0], lambda s, acc: [a + part_ref[s, e, :] for e, a in enumerate(acc)],
                           [jnp.zeros((n,), jnp.float32)] * (m + 1))
     rsqrt_N = rms_factor_rn(total[m], k, norm_eps, split["interpret"])
-    _split_block(_affine_entries([total[e] * rsqrt_N for e in range(m)], scale_ref, base_ref, c), out_ref, 0,
-                 **split)
+    z = _affine_entries([total[e] * rsqrt_N for e in range(m)], scale_ref, base_ref, c)
+    _split_block(z, pre_ref, out_ref, 0, **split)
 
 
 @functools.partial(jax.jit, static_argnames=("hc_mult", "iters", "hc_eps", "norm_eps", "interpret", "config"))
@@ -391,7 +408,7 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
     c = hc_mult
     (t, k), m = x_TK.shape, fn_MK.shape[0]
     if t == 0:
-        return _parts(jnp.zeros((0, m), jnp.float32), c)
+        return _parts(jnp.zeros((0, c), jnp.float32), jnp.zeros((0, m - c), jnp.float32), c)
     if t > MIXES_MAX_TOKENS or k % MIXES_CHUNK or m != (2 + c) * c:
         raise ValueError(f"mixes_pallas: T {t} must be at most {MIXES_MAX_TOKENS}, K {k} a multiple of "
                          f"{MIXES_CHUNK} and M {m} equal to (2 + C) * C = {(2 + c) * c}")
@@ -406,11 +423,11 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2))(x_TK, fn_MK)
     kernel = functools.partial(_mixes_split_kernel, m=m, k=k, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0),
                                eps=hc_eps, interpret=interpret, fast_divide=config.fast_divide, token_major=True)
-    out_TM = pl.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((t, m), jnp.float32),
-                            interpret=interpret,
-                            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
+    out_shape = (jax.ShapeDtypeStruct((t, c), jnp.float32), jax.ShapeDtypeStruct((t, m - c), jnp.float32))
+    pre_TC, out_TE = pl.pallas_call(kernel, grid=(1,), out_shape=out_shape, interpret=interpret,
+                                    compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
         part_SPN, scale_3.astype(jnp.float32), base_M.astype(jnp.float32))
-    return _parts(out_TM, c)
+    return _parts(pre_TC, out_TE, c)
 
 
 _IMPLEMENTATIONS = {"reference": split_reference, "pallas": split_pallas}

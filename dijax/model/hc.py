@@ -32,24 +32,10 @@ def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Ar
                           flat.shape[1], norm_eps, impl=sinkhorn_impl)
 
 
-def _entry_major(tokens: int) -> bool:
-    """Whether the stream sums take ``sum_in_order``'s axis-first form: in the steps where the split kernel writes
-    its output entry-major (above ``sinkhorn.TOKEN_MAJOR_MAX_TOKENS`` tokens). The two layouts must agree: either
-    form beside the other's kernel output gave XLA more launches (deviceless, thirty-eighth session: tiny prefill
-    256 728 against 668, flash-slice prefill 1024 782 against 736)."""
-    return tokens > sinkhorn.TOKEN_MAJOR_MAX_TOKENS
-
-
-def pre(x_TCD: jax.Array, pre_TC: jax.Array) -> jax.Array:
-    """Collapse the streams: ``sum_k pre[k] * x[k]`` in float32, cast to x's dtype. -> [T, D]."""
-    terms = pre_TC[..., None] * x_TCD.astype(jnp.float32)
-    return sum_in_order(terms, 1, front=_entry_major(x_TCD.shape[0]))[:, 0].astype(x_TCD.dtype)
-
-
 def post(y_TD: jax.Array, residual_TCD: jax.Array, post_TC: jax.Array, comb_TCC: jax.Array) -> jax.Array:
     """Expand a sublayer output: stream k = ``post[k] * y + sum_i comb[i, k] * residual[i]``. -> [T, C, D]."""
     terms = comb_TCC[..., None] * residual_TCD.astype(jnp.float32)[:, :, None, :]
-    mixed = sum_in_order(terms, 1, front=_entry_major(y_TD.shape[0]))[:, 0]
+    mixed = sum_in_order(terms, 1, front=sinkhorn.entry_major(y_TD.shape[0]))[:, 0]
     out = post_TC[..., None] * y_TD.astype(jnp.float32)[:, None, :] + mixed
     return out.astype(y_TD.dtype)
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dijax.kernels import quant
+from dijax.kernels.collapse import collapse_norm
 from dijax.kernels.fp8_linear import fp8_linear, fp8_linears
 from dijax.kernels.numerics import matmul_f32, rms_norm
 from dijax.kernels.quant import FP4_BLOCK, FP8_BLOCK
@@ -183,6 +184,12 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., dim] -> same shape and dtype."""
         return rms_norm(x, self.weight[...], self.eps)
+
+    def of_streams(self, x_TCD: jax.Array, pre_TC: jax.Array, impl: str = "reference",
+                   quantized: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """The norm of the hyper-connection streams x_TCD bf16 [T, C, dim] collapsed by pre_TC float32 [T, C]
+        (``dijax.kernels.collapse``, by ``impl``) -> bf16 [T, dim]; with ``quantized`` also its fq8."""
+        return collapse_norm(x_TCD, pre_TC, self.weight[...], self.eps, quantized, impl=impl)
 
 
 class Embed(nnx.Module):

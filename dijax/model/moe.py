@@ -39,9 +39,12 @@ def shared_expert(p: dict, x_TD: jax.Array, limit: float, linear_impl: str = "re
 
 
 def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, valid_T: jax.Array | None = None, *,
-        impl: str = "reference", linear_impl: str = "reference", router_impl: str = "reference") -> jax.Array:
+        x_act_TD: jax.Array | None = None, impl: str = "reference", linear_impl: str = "reference",
+        router_impl: str = "reference") -> jax.Array:
     """MoE sublayer. x_TD: bf16 (after ffn_norm) -> bf16 [T, D]. valid_T: bool [T], False for the step's padding
     tokens, which are routed to no expert (expert id -1: no expert weights are read for them by the kernel).
+    x_act_TD: ``quant.fq8(x_TD)``, the routed experts' activations, where the caller has it (the input norm's
+    kernel writes it beside x_TD: ``dijax.kernels.collapse``); else the routed experts quantise x_TD.
     ``impl``: the routed-experts kernel seam's implementation ('reference' or 'pallas', static); ``linear_impl``:
     the shared expert's fp8 linears' (``dijax.kernels.fp8_linear``); ``router_impl``: the router's selection's
     (``dijax.kernels.router``). Under a context mesh with an ``ep`` axis the routed experts run split over it
@@ -49,7 +52,8 @@ def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, valid_T: jax.Array | None = 
     weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg, router_impl)
     if valid_T is not None:
         experts = jnp.where(valid_T[:, None], experts, -1)
-    y = routed_experts_ep(p["experts"], x_TD, weights, experts, cfg.swiglu_limit, impl=impl)
+    y = routed_experts_ep(p["experts"], x_TD if x_act_TD is None else x_act_TD, weights, experts, cfg.swiglu_limit,
+                          impl=impl, quantized=x_act_TD is not None)
     y = y + shared_expert(p["shared_experts"], x_TD, cfg.swiglu_limit, linear_impl).astype(jnp.float32)
     return y.astype(jnp.bfloat16)
 

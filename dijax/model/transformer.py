@@ -108,14 +108,14 @@ class Block(nnx.Module):
                                 ctx.kernel_options["linear_impl"])
         residual = x_TCD
         a_pre, a_post, a_comb = self.hc_attn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
-        y = self.attn_norm(hc.pre(x_TCD, pre_TC))
+        y = self.attn_norm.of_streams(x_TCD, pre_TC, ctx.kernel_options["collapse_impl"])
         attn_options = {k: ctx.kernel_options[k] for k in ATTENTION_OPTIONS}
         y, updates, shared = self.attn(y, ctx.geometry, cache, shared, inject_TN, **attn_options)
         x_TCD = hc.post(y, residual, a_post, a_comb)
         residual = x_TCD
         f_pre, f_post, f_comb = self.hc_ffn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
-        y = self.ffn_norm(hc.pre(x_TCD, a_pre))
-        y = self.ffn(y, ctx.geometry.valid_T, impl=ctx.kernel_options["moe_impl"],
+        y, y_act = self.ffn_norm.of_streams(x_TCD, a_pre, ctx.kernel_options["collapse_impl"], quantized=True)
+        y = self.ffn(y, ctx.geometry.valid_T, x_act_TD=y_act, impl=ctx.kernel_options["moe_impl"],
                      linear_impl=ctx.kernel_options["linear_impl"], router_impl=ctx.kernel_options["router_impl"])
         x_TCD = hc.post(y, residual, f_post, f_comb)
         return x_TCD, f_pre, updates, shared
@@ -311,7 +311,7 @@ class Transformer(nnx.Module):
             if out["candidates"] is not None:
                 published["candidates"] = out["candidates"]
         rows = batch.logit_rows_R
-        h = self.norm(hc.pre(x_TCD[rows], pre_TC[rows]))
+        h = self.norm.of_streams(x_TCD[rows], pre_TC[rows], ctx.kernel_options["collapse_impl"])
         return self.head(h), new_cache, published["topk"]
 
 
@@ -339,7 +339,7 @@ def forward_step(params: nnx.State, cache: dict, batch: StepBatch, consts: dict,
     without Engram; inject_topk: optional {index-source layer: int32 [T, N] compressed positions} overriding that
     layer's selection (a test seam; layers of one scanned stage are given all or none). kernel_options (static):
     ``moe_impl``, ``topk_impl``, ``sparse_attn_impl``, ``sinkhorn_impl``, ``linear_impl``, ``indexer_impl``,
-    ``router_impl``, ``latents_impl`` ('reference' by default, see dijax.kernels.options).
+    ``router_impl``, ``latents_impl``, ``collapse_impl`` ('reference' by default, see dijax.kernels.options).
 
     Returns (logits_RV float32 for ``batch.logit_rows_R``, the new cache, {index-source layer: selected
     compressed positions int32 [T, N], ascending, -1 padded}).
