@@ -60,14 +60,14 @@ def test_ceilings_follow_the_device_kind():
 def test_current_settings_restore_what_a_variant_changed(monkeypatch):
     monkeypatch.setattr(sampler, "MANY_ROWS_FILTER", sampler.MANY_ROWS_FILTER)
     monkeypatch.setattr(routed_experts, "CONFIG", routed_experts.CONFIG)
-    variant = ["sampler.MANY_ROWS_FILTER='pallas'", "routed_experts.CONFIG.gathered_max=64"]
+    variant = ["sampler.MANY_ROWS_FILTER='select'", "routed_experts.CONFIG.gathered_max=64"]
     before = routed_experts.CONFIG
     restore = current_settings(variant)
-    assert restore == ["sampler.MANY_ROWS_FILTER='select'", f"routed_experts.CONFIG.gathered_max={before.gathered_max}"]
+    assert restore == ["sampler.MANY_ROWS_FILTER='pallas'", f"routed_experts.CONFIG.gathered_max={before.gathered_max}"]
     apply_kernel_settings(variant)
-    assert sampler.MANY_ROWS_FILTER == "pallas" and routed_experts.CONFIG.gathered_max == 64
+    assert sampler.MANY_ROWS_FILTER == "select" and routed_experts.CONFIG.gathered_max == 64
     apply_kernel_settings(restore)
-    assert sampler.MANY_ROWS_FILTER == "select" and routed_experts.CONFIG == before
+    assert sampler.MANY_ROWS_FILTER == "pallas" and routed_experts.CONFIG == before
 
 
 @pytest.mark.cost(40)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dijax.kernels import lowering_for_gpu
 from dijax.runtime import sampler
 from dijax.runtime.sampler import (MODES, StepSampling, sample, sample_packed, sampling_inputs, sampling_mode,
                                    step_sampling)
@@ -194,6 +195,19 @@ def test_greedy_mode_compiles_no_sort_and_no_noise_and_temperature_mode_no_sort(
     assert "sort" in sample.lower(*args, mode="sample", top_filter="sort").as_text()
     one = [a[:1] for a in args]
     assert ("sort" in sample.lower(*one, mode="sample").as_text()) == (1 < sampler.SELECT_MIN_ROWS)
+
+
+def test_auto_filter_by_rows_and_platform():
+    """The sort below SELECT_MIN_ROWS rows, then the XLA select; the thresholds kernel from MANY_ROWS only where it
+    compiles for a GPU (tools/deviceless.py's compile for an H100 included), never interpreted."""
+    on_gpu = jax.default_backend() == "gpu"
+    assert sampler.auto_filter(sampler.SELECT_MIN_ROWS - 1) == "sort"
+    assert sampler.auto_filter(sampler.SELECT_MIN_ROWS) == "select"
+    assert sampler.auto_filter(sampler.MANY_ROWS - 1) == "select"
+    assert sampler.auto_filter(sampler.MANY_ROWS) == ("pallas" if on_gpu else "select")
+    with lowering_for_gpu():
+        assert sampler.auto_filter(sampler.MANY_ROWS) == "pallas" == sampler.MANY_ROWS_FILTER
+        assert sampler.auto_filter(sampler.MANY_ROWS - 1) == "select"
 
 
 @pytest.mark.parametrize("name", ["select", "pallas"])

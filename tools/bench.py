@@ -4,7 +4,7 @@
     python tools/bench.py --model flash-slice --decode-batch 1,16,64 --context 4096 --prefill 2048
     python tools/bench.py --ep 2                            # experts and Engram rows split over 2 devices
     python tools/bench.py --model flash-slice --kernel-setting topk.SELECT_MIN_VALUES=512   # an A/B run
-    python tools/bench.py --model flash-slice --variant "sampler.MANY_ROWS_FILTER='pallas'" --rounds 2
+    python tools/bench.py --model flash-slice --variant "sampler.MANY_ROWS_FILTER='select'" --rounds 2
                                                             # A/B in one process: the model loaded once
 
 Step rows: the step the engine runs (``ModelRunner.launch``: the model step with the ZOS remap, ``forward_step`` and

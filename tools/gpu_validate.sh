@@ -177,14 +177,13 @@ case "$stage" in
       --engine off --warmup 5 --iters 30 --variant "sinkhorn.CONFIG.fused_mixes_max_tokens=0" \
       --variant "sinkhorn.CONFIG.fused_mixes_max_tokens=128" --rounds 2 ;;
   layouts)
-    # (~500 s; thirty-eighth and thirty-ninth sessions, not yet run) the kernels built without a device: the split
-    # kernel's token-major [T, M] output with the affine part and the RMS factor in its prologue, the router's [T, X]
-    # outputs, the sampler's thresholds kernel, the latents kernel (their GPU tests); then GPU parity of tiny-nodrop
-    # (the model and the engine, every kernel on) and the tiny step's rows with their launch counts, with the latents
-    # kernel and without (deviceless, H100 target: B=1 / 16 / 64 442 / 511 / 752 before the thirty-eighth session,
-    # 422 / 484 / 730 after it, see docs/benchmarks.md for the latents kernel's)
+    # (~500 s; first run in the fortieth session, H100: every test passed, parity as before) the kernels built
+    # without a device: the split kernel's token-major output with the affine part and the RMS factor in its
+    # prologue (and pre in a buffer of its own), the router's [T, X] outputs, the sampler's thresholds kernel, the
+    # latents and collapse-and-norm kernels (their GPU tests); then GPU parity of tiny-nodrop (the model and the
+    # engine, every kernel on) and the tiny step's rows with their launch counts, with the latents kernel and without
     run 180 python3 -m pytest -q -ra tests/gpu/test_sinkhorn_gpu.py tests/gpu/test_router_gpu.py \
-      tests/gpu/test_latents_gpu.py tests/gpu/test_sample_filter_gpu.py
+      tests/gpu/test_latents_gpu.py tests/gpu/test_collapse_gpu.py tests/gpu/test_sample_filter_gpu.py
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     parity tiny-nodrop 200 "$fixtures/tiny-nodrop" &
     parity engine 200 "$fixtures/tiny-nodrop" --engine &
@@ -199,13 +198,13 @@ case "$stage" in
     # thirty-seventh session, against the XLA select at V4.1's vocabulary; the select must keep exactly what the sort
     # keeps with the GPU's reduction order too), the sampler rows (bench_kernels: each filter alone at 1, 16 and 64
     # rows), then flash-slice decode at batch 16 and 64 in one process (the model loaded once): the default (the XLA
-    # select from 2 rows), the kernel as the many-rows filter, the sort at every size, alternating over two rounds
-    # (the second round's executables from a persistent compilation cache)
-    # (the kernel's flash variant only where its GPU tests passed)
+    # select from 2 rows, the thresholds kernel from 64 since the fortieth session), the kernel from 2 rows, the XLA
+    # select at every size from 2, the sort at every size, alternating over two rounds (the second round's
+    # executables from a persistent compilation cache)
     echo "== pytest tests/test_sampler.py tests/gpu/test_sample_filter_gpu.py" | tee -a "$log"
-    kernel=(--variant "sampler.MANY_ROWS_FILTER='pallas'")
+    kernel=(--variant "sampler.MANY_ROWS=2" --variant "sampler.MANY_ROWS=1024")
     timeout 100 python3 -m pytest -q -ra tests/test_sampler.py tests/gpu/test_sample_filter_gpu.py >> "$log" 2>&1 \
-      || { echo "   (exit $?: the kernel's flash variant left out)" >> "$log"; kernel=(); }
+      || echo "   (exit $?)" >> "$log"
     run 90 python3 tools/bench_kernels.py --only sampler --timing device --iters 10 --repeats 3
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-sampler-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     run 400 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \

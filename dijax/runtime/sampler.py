@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dijax.kernels import sample_filter
+from dijax.kernels import interpret_mode, sample_filter
 
 MODES = ("greedy", "temperature", "sample")
 
@@ -83,16 +83,27 @@ def _filter_by_thresholds(scaled_RV: jax.Array, top_k_R: jax.Array, top_p_R: jax
 
 # the ``sample`` mode's top-k / top-p filters, each (scaled_RV, top_k_R, top_p_R) -> scaled_RV with the dropped
 # entries at -inf: a sort of each row, the thresholds' radix descents in XLA, or the same in one Triton-lowered
-# program a row (prepared, not yet run on a GPU: dijax/kernels/sample_filter.py)
+# program a row (dijax/kernels/sample_filter.py)
 FILTERS = {"sort": jax.vmap(_filter_sort_row),
            "select": partial(_filter_by_thresholds, impl="reference"),
            "pallas": partial(_filter_by_thresholds, impl="pallas")}
-# ``sample``'s "auto" filter: the sort below SELECT_MIN_ROWS rows, MANY_ROWS_FILTER from there. Thirty-seventh
-# session, H100, V4.1's vocabulary (docs/benchmarks.md), the sample mode at 1 / 16 / 64 rows: with the sort 78 / 557
-# / 1186 us, with the select 90 / 247 / 953 (4-bit digits innermost), - / 265 / 781 (2-bit digits before the keys,
-# sample_filter.DESCENT).
+# ``sample``'s "auto" filter by a step's rows (``auto_filter``): the sort below SELECT_MIN_ROWS rows, the XLA select
+# from there, and on a GPU MANY_ROWS_FILTER from MANY_ROWS. Thirty-seventh session, H100 (docs/benchmarks.md), the
+# sample mode at 1 / 16 / 64 rows: with the sort 78 / 557 / 1186 us, with the select 90 / 247 / 953 (4-bit digits
+# innermost), - / 265 / 781 (2-bit digits before the keys, sample_filter.DESCENT). Fortieth session, H100, by GPU
+# kernel time: sort 78 / 560 / 1191, select 144 / 266 / 1416, the thresholds kernel 542 / 615 / 682; flash-slice
+# decode back to back with the kernel at B=64 18.9 ms against the select's 19.6 (two rounds), at B=16 8.6 against 8.3.
 SELECT_MIN_ROWS = 2
-MANY_ROWS_FILTER = "select"
+MANY_ROWS = 64
+MANY_ROWS_FILTER = "pallas"
+
+
+def auto_filter(rows: int) -> str:
+    """The ``sample`` mode's filter under "auto" for a step of ``rows`` rows (above); the kernel only where it is
+    compiled for a GPU (interpreted elsewhere, it would be slow)."""
+    if rows < SELECT_MIN_ROWS:
+        return "sort"
+    return MANY_ROWS_FILTER if rows >= MANY_ROWS and not interpret_mode() else "select"
 
 
 def _draw(logits_V, scaled_V, temperature, seed_hi, seed_lo, position):
@@ -111,9 +122,9 @@ def sample(logits_RV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, t
     seed_hi / seed_lo uint32 (the high and low halves of the 64-bit seed), position int32 (index of the token in
     the request's output). -> int32 [R]. The arrays are what ``sampling_inputs`` builds; ``mode`` (static, one of
     ``MODES``) is what ``sampling_mode`` picks for them: in ``greedy`` the row arguments are not read.
-    ``top_filter``: the ``sample`` mode's filter, a key of ``FILTERS``, or "auto" (``SELECT_MIN_ROWS``)."""
+    ``top_filter``: the ``sample`` mode's filter, a key of ``FILTERS``, or "auto" (``auto_filter``)."""
     if top_filter == "auto":
-        top_filter = MANY_ROWS_FILTER if logits_RV.shape[0] >= SELECT_MIN_ROWS else "sort"
+        top_filter = auto_filter(logits_RV.shape[0])
     if top_filter not in FILTERS:
         raise ValueError(f"sampler top_filter must be 'auto' or one of {tuple(FILTERS)}, got {top_filter!r}")
     if mode == "greedy":
