@@ -12,8 +12,9 @@ Two implementations behind ``collapse_norm(..., impl=)``, one signature:
 
 Each program takes ``CollapseConfig.block_tokens`` tokens and holds their whole collapsed rows in registers, in
 power-of-two column chunks: it reads each stream's chunk once, keeps the bf16-rounded sum, and writes the normed
-row (and its fq8, ``quant.fq8_tiles``) after the sum of squares. The sum of squares runs in another order than XLA's (float32 rounding apart, the
-same value); its mean is a correctly rounded division (``div.rn.f32``), as the reference's true division.
+row (and its fq8, ``quant.fq8_tiles``) after the sum of squares. The sum of squares runs in another order than
+XLA's (float32 rounding apart, the same value); its mean is a correctly rounded division (``div.rn.f32``), as the
+reference's true division.
 
 Letters: T tokens, C streams (hc_mult), D model dim, N tokens of a program, K a column chunk of D.
 """
@@ -39,8 +40,9 @@ MAX_CHUNK = 512  # the widest column chunk a program loads at once
 @dataclasses.dataclass(frozen=True)
 class CollapseConfig:
     """block_tokens: tokens a program takes (a power of two; fewer when the step has fewer); warps: Triton warps a
-    program; max_tokens: steps of more tokens take the reference (there XLA fuses the norm with its consumers' quantisations; deviceless, tiny decode B=64: 712 launches with the kernel, 701 without); poison: the output starts NaN-filled
-    (tests: an element no program writes shows)."""
+    program; max_tokens: steps of more tokens take the reference (there XLA fuses the norm with its consumers'
+    quantisations; deviceless, tiny decode B=64: 712 launches with the kernel, 701 without); poison: the output
+    starts NaN-filled (tests: an element no program writes shows)."""
     block_tokens: int = 4
     warps: int = 4
     max_tokens: int = 16

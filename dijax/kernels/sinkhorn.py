@@ -10,11 +10,11 @@ Two implementations behind ``split(..., impl=)``, with one signature:
   * ``"pallas"``: one Triton-lowered Pallas kernel. Each program holds BLOCK_T tokens; the M mix entries of a token
     live in M register vectors (entry e of the block's tokens a strided column load of the [T, M] mixes, then the
     affine part, mixes * scale + base), so a row or column sum is C - 1 vector adds in the reference's order. It
-    writes pre [T, C] to a buffer of its own (the collapse kernel's input: a slice would be a copy) and post and
-    comb token-major likewise, [T, M - C], column slices that fuse into their consumers; above
-    ``TOKEN_MAJOR_MAX_TOKENS`` tokens [M - C, T], which keeps long prefills' temporaries lower. (Until the thirty-eighth session the affine part ran in XLA, fused with a transpose to [M, T] and a
-    pad, and the output was [M, T]: one launch more a hyper-connection, and in the tiny decode step two transpose
-    kernels a layer for the consumers, deviceless.)
+    writes pre [T, C] to a buffer of its own (the collapse kernel's input: a slice would be a copy) and post and comb
+    token-major likewise, [T, M - C], column slices that fuse into their consumers; above ``TOKEN_MAJOR_MAX_TOKENS``
+    tokens [M - C, T], which keeps long prefills' temporaries lower. (Until the thirty-eighth session the affine part
+    ran in XLA, fused with a transpose to [M, T] and a pad, and the output was [M, T]: one launch more a
+    hyper-connection, and in the tiny decode step two transpose kernels a layer for the consumers, deviceless.)
 
 Division in the kernel. Triton lowers ``x / y`` in float32 to the approximate ``div.full.f32``; the reference (and
 XLA) divide with correct rounding. PTX's ``div.rn.f32`` is correct, but ptxas wraps each one in a branch to a slow

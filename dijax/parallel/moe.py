@@ -102,12 +102,13 @@ def routed_experts_ep(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, exp
                       *, impl: str = "reference", combine: str = "exact", quantized: bool = False) -> jax.Array:
     """``kernels.routed_experts`` with the experts split over the context mesh's ``ep`` axis. -> float32 [T, D].
 
-    Arguments as ``routed_experts`` (``quantized`` too). ``experts``' leaves: in the replicated layout (module docstring) the global
-    stacked [E, ...] arrays, placed with their expert axis on ``ep`` (dijax.parallel.mesh.place_params); in the
-    rank-local layout this rank's [E / ep, ...] slice. Without an ``ep`` mesh this is ``routed_experts``. The
-    kernel's path is the one a single device would take for all E experts on the tokens the kernel sees
-    (``routed_path``), so the per-assignment arithmetic is the same as on one device. ``combine`` (module
-    docstring): 'exact' (bit-identical to one device) or 'partial' (X / 2 times fewer bytes, fp32 re-association).
+    Arguments as ``routed_experts`` (``quantized`` too). ``experts``' leaves: in the replicated layout (module
+    docstring) the global stacked [E, ...] arrays, placed with their expert axis on ``ep``
+    (dijax.parallel.mesh.place_params); in the rank-local layout this rank's [E / ep, ...] slice. Without an ``ep``
+    mesh this is ``routed_experts``. The kernel's path is the one a single device would take for all E experts on
+    the tokens the kernel sees (``routed_path``), so the per-assignment arithmetic is the same as on one device.
+    ``combine`` (module docstring): 'exact' (bit-identical to one device) or 'partial' (X / 2 times fewer bytes, fp32
+    re-association).
     """
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
