@@ -9,7 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dijax.kernels import collapse, quant
+from dijax.kernels import collapse
+from tests.test_quant import fq8_step
 
 pytestmark = pytest.mark.cost(2)  # CI seconds, a scheduling hint (tests/conftest.py)
 
@@ -57,9 +58,7 @@ def test_kernel_agrees_with_the_reference_to_a_rounding_step():
                 collapse.collapse_norm_pallas(x, pre, weight, EPS, True, interpret=True, config=POISON))
     y_want, act_want = (np.asarray(a, np.float32) for a in collapse.collapse_norm_reference(x, pre, weight, EPS, True))
     np.testing.assert_allclose(y, y_want, rtol=2 ** -7, atol=0)
-    blocks = np.abs(act_want).reshape(16, -1, quant.FP8_BLOCK).max(axis=-1, keepdims=True)
-    step = np.repeat(blocks, quant.FP8_BLOCK, axis=-1).reshape(y.shape) / 8
-    assert (np.abs(y_act - act_want) <= step).all()
+    assert (np.abs(y_act - act_want) <= fq8_step(act_want)).all()
     assert (y == y_want).mean() > 0.99 and (y_act == act_want).mean() > 0.99
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from dijax.kernels import latents, quant
 from dijax.kernels.rope import rope_frequencies
+from tests.test_quant import fq8_step
 
 pytestmark = pytest.mark.cost(2)  # CI seconds, a scheduling hint (tests/conftest.py)
 
@@ -58,9 +59,7 @@ def test_kernel_agrees_with_the_reference_to_a_rounding_step():
     qr, kv = (np.asarray(x, np.float32) for x in got)
     qr_want, kv_want = (np.asarray(x, np.float32) for x in want)
     np.testing.assert_allclose(qr, qr_want, rtol=2 ** -7, atol=0)
-    blocks = np.abs(kv_want).reshape(64, -1, quant.FP8_BLOCK).max(axis=-1, keepdims=True)
-    step = np.repeat(blocks, quant.FP8_BLOCK, axis=-1).reshape(kv.shape) / 8
-    assert (np.abs(kv - kv_want) <= step).all()
+    assert (np.abs(kv - kv_want) <= fq8_step(kv_want)).all()
     assert (qr == qr_want).mean() > 0.99 and (kv == kv_want).mean() > 0.99
 
 

@@ -77,6 +77,14 @@ def np_fq4_pow2(x_bf16, block=32):
         return (np_e2m1(v) * s.astype(np.float64)).reshape(x.shape).astype(BF16)
 
 
+def fq8_step(want) -> np.ndarray:
+    """A bound on one e4m3 step of fq8'd values [T, K]: each 32-value block's largest magnitude over 8 (a code has 3
+    mantissa bits), per value. Kernels whose sums round in another order than XLA's stay within it."""
+    want = np.asarray(want, np.float32)
+    blocks = np.abs(want).reshape(want.shape[0], -1, quant.FP8_BLOCK).max(axis=-1, keepdims=True)
+    return np.repeat(blocks, quant.FP8_BLOCK, axis=-1).reshape(want.shape) / 8
+
+
 def bits(a):
     """Raw bits of a bf16 / f32 array, to compare results bit for bit (signed zeros included)."""
     a = np.asarray(a)

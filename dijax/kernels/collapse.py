@@ -39,11 +39,14 @@ MAX_CHUNK = 512  # the widest column chunk a program loads at once
 
 @dataclasses.dataclass(frozen=True)
 class CollapseConfig:
-    """block_tokens: tokens a program takes (a power of two; fewer when the step has fewer); warps: Triton warps a
-    program; max_tokens: steps of more tokens take the reference (there XLA fuses the norm with its consumers'
-    quantisations; deviceless, tiny decode B=64: 712 launches with the kernel, 701 without); poison: the output
-    starts NaN-filled (tests: an element no program writes shows)."""
+    """block_tokens: tokens a program takes (a power of two; fewer when the step has fewer, or when N x D would pass
+    ``max_values``: at V4.1's D = 4096 a program takes one token, so a step's tokens spread over as many SMs; built
+    for sm_90, 4 tokens of 4096 a program took 252-254 registers, one token 64-69, tools/kernel_report.py); warps:
+    Triton warps a program; max_tokens: steps of more tokens take the reference (there XLA fuses the norm with its
+    consumers' quantisations; deviceless, tiny decode B=64: 712 launches with the kernel, 701 without); poison: the
+    output starts NaN-filled (tests: an element no program writes shows)."""
     block_tokens: int = 4
+    max_values: int = 1024
     warps: int = 4
     max_tokens: int = 16
     poison: bool = False
@@ -104,7 +107,7 @@ def check_shapes(x_TCD: jax.Array, pre_TC: jax.Array, weight_D: jax.Array) -> No
 def _collapse_norm_call(x_TCD, pre_TC, weight_D, eps: float, quantized: bool, interpret: bool,
                         config: CollapseConfig):
     t, c, d = x_TCD.shape
-    block = min(config.block_tokens, pl.next_power_of_2(t))
+    block = min(config.block_tokens, pl.next_power_of_2(t), max(1, config.max_values // pl.next_power_of_2(d)))
     kernel = functools.partial(_kernel, n_tokens=t, block=block, chunk=min(MAX_CHUNK, d & -d), eps=eps,
                                interpret=interpret)
     outs = poison.pallas_call(kernel, x_TCD.reshape(t, c * d), pre_TC.astype(jnp.float32), weight_D,

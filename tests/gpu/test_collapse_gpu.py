@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from dijax.kernels import collapse, quant
+from dijax.kernels import collapse
 from tests.test_kernels_collapse import EPS, _inputs
+from tests.test_quant import fq8_step
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="compiles the Pallas kernel for a GPU (the CPU tests run it interpreted)")
@@ -32,9 +33,7 @@ def test_kernel_is_the_reference_to_a_rounding_step(t, d, quantized):
     assert (y == y_want).mean() > 0.99
     if quantized:
         act, act_want = np.asarray(got[1], np.float32), np.asarray(want[1], np.float32)
-        blocks = np.abs(act_want).reshape(t, -1, quant.FP8_BLOCK).max(axis=-1, keepdims=True)
-        step = np.repeat(blocks, quant.FP8_BLOCK, axis=-1).reshape(act.shape) / 8
-        assert (np.abs(act - act_want) <= step).all() and (act == act_want).mean() > 0.99
+        assert (np.abs(act - act_want) <= fq8_step(act_want)).all() and (act == act_want).mean() > 0.99
 
 
 def test_exact_sums_give_the_references_bits():

@@ -12,6 +12,7 @@ import pytest
 
 from dijax.kernels import latents, quant
 from tests.test_kernels_latents import EPS, FREQS, _inputs
+from tests.test_quant import fq8_step
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="compiles the Pallas kernel for a GPU (the CPU tests run it interpreted)")
@@ -25,11 +26,6 @@ def _run(t, q, k, exact, config=latents.LatentsConfig(poison=True)):
     return [np.asarray(x, np.float32) for x in (*got, *want)]
 
 
-def _kv_step(kv_want):
-    blocks = np.abs(kv_want).reshape(kv_want.shape[0], -1, quant.FP8_BLOCK).max(axis=-1, keepdims=True)
-    return np.repeat(blocks, quant.FP8_BLOCK, axis=-1).reshape(kv_want.shape) / 8
-
-
 @pytest.mark.parametrize("t, q, k", [(1, 64, 64), (8, 64, 64), (19, 64, 64), (1, 1280, 512), (64, 1280, 512),
                                      (200, 1280, 512)])
 def test_exact_sums_give_the_references_bits(t, q, k):
@@ -40,7 +36,7 @@ def test_exact_sums_give_the_references_bits(t, q, k):
     np.testing.assert_array_equal(qr, qr_want)
     blocks_with_tail = k - quant.FP8_BLOCK * -(-rotated // quant.FP8_BLOCK)
     np.testing.assert_array_equal(kv[:, :blocks_with_tail], kv_want[:, :blocks_with_tail])
-    assert (np.abs(kv - kv_want) <= _kv_step(kv_want)).all()
+    assert (np.abs(kv - kv_want) <= fq8_step(kv_want)).all()
 
 
 @pytest.mark.parametrize("t, config", [(64, latents.LatentsConfig(poison=True)),
@@ -50,5 +46,5 @@ def test_random_rows_within_a_rounding_step(t, config):
     print(f"t={t}: query latents off {(qr != qr_want).sum()} of {qr.size}, KV values off {(kv != kv_want).sum()} "
           f"of {kv.size}")
     np.testing.assert_allclose(qr, qr_want, rtol=2 ** -7, atol=0)
-    assert (np.abs(kv - kv_want) <= _kv_step(kv_want)).all()
+    assert (np.abs(kv - kv_want) <= fq8_step(kv_want)).all()
     assert (qr == qr_want).mean() > 0.99 and (kv == kv_want).mean() > 0.99
