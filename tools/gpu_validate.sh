@@ -78,6 +78,9 @@
 #            then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches (sinkhorn.mixes_pallas: on
 #            by default since the thirty-sixth session up to 16 tokens and width 4096), off, and on up to 128 tokens,
 #            alternating over two rounds;
+#   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
+#            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
+#            session: wall time could not rank their launch cuts);
 #   layouts  (~480 s) the thirty-eighth session's changed kernels (token-major split and router outputs, the
 #            split's prologue) on the GPU: their tests, tiny-nodrop parity, the tiny step's rows and launches;
 #   sampler  (~500 s) the sampler's tests (the thresholds kernel's GPU test among them), its rows at V4.1's
@@ -105,7 +108,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="launch-ab|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -176,6 +179,20 @@ case "$stage" in
     run 240 python3 tools/bench.py --kernels on --decode-batch 1,16,64 --context 256 --prefill= --block-size 16 \
       --engine off --warmup 5 --iters 30 --variant "sinkhorn.CONFIG.fused_mixes_max_tokens=0" \
       --variant "sinkhorn.CONFIG.fused_mixes_max_tokens=128" --rounds 2 ;;
+  launch-ab)
+    # (~400 s; fortieth session, not yet run) do the launch-count cuts pay on the device? Wall time could not tell
+    # (one H100: the same tiny B=64 executable ran 2.78 and 3.24 ms back to back in two processes). The collapse
+    # GPU test file first (the script form of it passed), then the tiny step at B=1 and 16 with every kernel on and
+    # with the latents and collapse kernels off (`on,...=reference`, 56 / 48 launches more), each with a profiler
+    # trace; trace_summary gives each trace's device-busy time and launch gaps a step, the figures to compare
+    run 120 python3 -m pytest -q -ra tests/gpu/test_collapse_gpu.py
+    for kernels in on on,latents_impl=reference,collapse_impl=reference; do
+      run 150 python3 tools/bench.py --kernels "$kernels" --decode-batch 1,16 --context 256 --prefill= \
+        --block-size 16 --engine off --warmup 5 --iters 20 --dump "$out/dump-${kernels//[,=]/-}"
+    done
+    for trace in "$out"/dump-*/decode_*/; do
+      run 30 python3 tools/trace_summary.py "$trace" --top 5
+    done ;;
   layouts)
     # (~500 s; first run in the fortieth session, H100: every test passed, parity as before) the kernels built
     # without a device: the split kernel's token-major output with the affine part and the RMS factor in its
