@@ -56,7 +56,8 @@ def make_routing(rng: np.random.Generator, t: int, n_experts: int, n_per_token: 
 
 
 def make_x(rng: np.random.Generator, t: int, d: int, scale: float) -> jax.Array:
-    return jnp.asarray(rng.normal(0.0, scale, (t, d)).astype(np.float32)).astype(jnp.bfloat16)
+    """Activations [t, d] as the seam takes them: bf16, fq8'd (the MoE's quantisation, module docstring)."""
+    return quant.fq8(jnp.asarray(rng.normal(0.0, scale, (t, d)).astype(np.float32)).astype(jnp.bfloat16))
 
 
 def gate_values(experts: dict, x_TD: jax.Array, experts_TX: jax.Array) -> np.ndarray:
@@ -173,15 +174,15 @@ def test_pallas_matches_reference(case, path):
 
 
 @pytest.mark.parametrize("impl", rx.IMPLS)
-def test_quantized_activations_are_not_quantised_again(case, impl):
-    """``quantized``: x is fq8'd already (the MoE's input norm kernel writes it so); fq8 is idempotent, so each path
-    gives the same bits as from x itself."""
+def test_activations_are_taken_as_given(case, impl):
+    """The seam takes x fq8'd by its caller (``dijax.model.moe``, or the collapse kernel's second output) and does
+    not quantise it again: fq8 is idempotent, so x fq8'd once or twice gives the same bits on each path, and the
+    MoE's own fq8 (below) is the only one."""
     name, experts, x_TD, weights_TX, experts_TX, _ = case
     x_act_TD = quant.fq8(x_TD)
     for path in rx.PATHS:
-        want = rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl=impl, path=path)
-        got = rx.routed_experts(experts, x_act_TD, weights_TX, experts_TX, LIMIT, impl=impl, path=path,
-                                quantized=True)
+        want = rx.routed_experts(experts, quant.fq8(x_act_TD), weights_TX, experts_TX, LIMIT, impl=impl, path=path)
+        got = rx.routed_experts(experts, x_act_TD, weights_TX, experts_TX, LIMIT, impl=impl, path=path)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} {path}")
 
 
@@ -284,8 +285,9 @@ def test_moe_with_pallas_matches_reference(t):
     ref = np.asarray(moe.moe(ffn, x_TD, cfg), np.float32)
     got = np.asarray(moe.moe(ffn, x_TD, cfg, impl="pallas"), np.float32)
     assert_close(got, ref, min_equal=0.97)
-    given = moe.moe(ffn, x_TD, cfg, x_act_TD=quant.fq8(x_TD), impl="pallas")  # the collapse kernel's fq8 output
-    np.testing.assert_array_equal(np.asarray(given, np.float32), got)
+    for impl, y in (("reference", ref), ("pallas", got)):  # x_act_TD: the collapse kernel's fq8 output
+        given = moe.moe(ffn, x_TD, cfg, x_act_TD=quant.fq8(x_TD), impl=impl)
+        np.testing.assert_array_equal(np.asarray(given, np.float32), y)
 
 
 @pytest.mark.parametrize("change, field", [({"gemm_cols": 16}, "gemm_cols"), ({"gemm_rows_max": 48}, "gemm_rows_max"),

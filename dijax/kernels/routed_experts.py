@@ -5,8 +5,9 @@
   * 'pallas': MXFP4 experts are read packed and decoded in registers by Triton-lowered ``pl.pallas_call`` kernels
     (interpret mode when the backend is not a GPU). Only the assigned experts' bytes are read.
 
-Semantics shared by both: activations are fake-quantised to fp8 (``quant.fq8``, 1 x 32 blocks) and stay bf16
-values, so every product of an activation and a dequantised weight is exact in fp32; GEMMs accumulate in fp32 and
+Semantics shared by both: the activations come fake-quantised to fp8 (``quant.fq8``, 1 x 32 blocks: the caller's,
+``dijax.model.moe`` or the collapse kernel before it, so that no step quantises them twice) and stay bf16 values
+(any bf16 x gives the same arithmetic), so every product of an activation and a dequantised weight is exact in fp32; GEMMs accumulate in fp32 and
 each GEMM output is rounded to bf16; ``h = silu(min(g, l)) * clip(u, +-l)`` times the routing weight, rounded to
 bf16 and fq8'd, feeds w2; the X expert outputs of a token are summed in fp32 in expert-id order. The Pallas kernels
 sum in another order, so they agree with the reference up to fp32 summation order (a bf16 ulp at rounding ties).
@@ -101,13 +102,12 @@ def _sum_slots(y_AD: jax.Array, valid_A: jax.Array, t: int, n_per_token: int) ->
 
 
 def routed_experts_reference(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array,
-                             limit: float, path: str | None = None, quantized: bool = False) -> jax.Array:
+                             limit: float, path: str | None = None) -> jax.Array:
     """Sum over each token's experts of ``w_e * expert_e(x)``, in expert-id order, in fp32. -> float32 [T, D].
 
-    experts: stacked {'w1','w2','w3': {'weight': [E, ...], 'scale': [E, ...]}}; x_TD bf16; weights_TX float32;
-    experts_TX int32, ascending per token (-1 = padding, module docstring); ``quantized`` (static): x_TD is fq8'd
-    already (``dijax.kernels.collapse`` writes the MoE's input so), and is not quantised again (``quant.fq8`` is
-    idempotent: the same result). Two paths, chosen statically from the
+    experts: stacked {'w1','w2','w3': {'weight': [E, ...], 'scale': [E, ...]}}; x_TD bf16, fq8'd (module
+    docstring); weights_TX float32; experts_TX int32, ascending per token (-1 = padding, module docstring). Two
+    paths, chosen statically from the
     shapes by ``routed_path`` (``path`` forces one):
       * 'gathered' (A <= E, e.g. decode steps): the A assigned experts' packed weights and scales are gathered and
         only those are dequantised, then each assignment is a batched matrix-vector product. Memory traffic is A
@@ -140,7 +140,7 @@ def routed_experts_reference(experts: dict, x_TD: jax.Array, weights_TX: jax.Arr
             return jax.lax.ragged_dot(lhs_AI, w_EIO, group_sizes_E, precision=jax.lax.Precision.HIGHEST,
                                       preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
-    x_AD = (x_TD if quantized else quant.fq8(x_TD))[token_A]
+    x_AD = x_TD[token_A]
     g_AF = matmul(x_AD, "w1").astype(jnp.float32)
     u_AF = matmul(x_AD, "w3").astype(jnp.float32)
     h_AF = swiglu(g_AF, u_AF, limit) * weights_A[:, None]
@@ -680,7 +680,7 @@ def pallas_path(n_assignments: int, config: KernelConfig = CONFIG) -> str:
 
 
 def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array,
-                          limit: float, path: str | None = None, quantized: bool = False) -> jax.Array:
+                          limit: float, path: str | None = None) -> jax.Array:
     """``routed_experts_reference`` with MXFP4 experts read packed and decoded in registers. -> float32 [T, D].
 
     Same arguments and semantics (module docstring). Paths, chosen statically by ``pallas_path`` (``path`` forces):
@@ -693,17 +693,16 @@ def routed_experts_pallas(experts: dict, x_TD: jax.Array, weights_TX: jax.Array,
     fp8-stored experts ([E, out, in] float8_e4m3fn) take the reference path.
     """
     if experts["w1"]["weight"].dtype != jnp.uint8:
-        return routed_experts_reference(experts, x_TD, weights_TX, experts_TX, limit, path, quantized)
+        return routed_experts_reference(experts, x_TD, weights_TX, experts_TX, limit, path)
     path = path or pallas_path(experts_TX.size, CONFIG)
     _check_path(path)
-    return _routed_experts_call(experts, x_TD, weights_TX, experts_TX, limit=limit, path=path, quantized=quantized,
-                                config=CONFIG, interpret=interpret_mode())
+    return _routed_experts_call(experts, x_TD, weights_TX, experts_TX, limit=limit, path=path, config=CONFIG,
+                                interpret=interpret_mode())
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "path", "quantized", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("limit", "path", "config", "interpret"))
 def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array, *,
-                         limit: float, path: str, quantized: bool, config: KernelConfig, interpret: bool
-                         ) -> jax.Array:
+                         limit: float, path: str, config: KernelConfig, interpret: bool) -> jax.Array:
     """The kernel launches of ``routed_experts_pallas`` on ``path``, jitted: the MoE layers of one shape share one
     trace and lowering per step shape; ``config`` is part of the key."""
     t, d = x_TD.shape
@@ -715,7 +714,6 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         if size % 32:
             raise ValueError(f"{name}={size} must be a multiple of 32 (the MXFP4 scale block)")
     ((w1, s1), (w3, s3), (w2, s2)), offset = _expert_stacks(experts)
-    x_act_TD = x_TD if quantized else quant.fq8(x_TD)
     weights_A = weights_TX.reshape(-1).astype(jnp.float32)
     call = functools.partial(_call, poisoned=config.poison, interpret=interpret)
     if path == "gathered":
@@ -728,7 +726,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
                                        words=words_d, n_words=d // 8, asm=asm),
                      (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
-                     stack_A, weights_A, phase_major(x_act_TD).astype(jnp.float32), w1, s1, w3, s3)
+                     stack_A, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3)
         y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8, asm=asm),
                      (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
                      stack_A, phase_major(quant.fq8(h_AF)).astype(jnp.float32), w2, s2)
@@ -736,7 +734,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
 
     if (config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments
             and _mgpu_takes(d, f, config, interpret)):
-        return _ragged_mgpu(((w1, s1), (w3, s3), (w2, s2)), offset, x_act_TD, weights_A, expert_A, n_experts,
+        return _ragged_mgpu(((w1, s1), (w3, s3), (w2, s2)), offset, x_TD, weights_A, expert_A, n_experts,
                             n_per_token, limit, config)
     rows = gemm_rows(n_assign, n_experts, config)
     tile_expert_I, token_R, weight_R, pos_A = _stack_tiles(expert_A, weights_A, n_experts, n_per_token, rows, offset)
@@ -749,7 +747,7 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
     h_RF = call(functools.partial(_gate_up_gemm_kernel, limit=limit, rows=rows, cols=cols_f, words=words_d,
                                    n_words=d // 8, asm=not interpret),
                  (n_rows, f), (n_tiles, f // cols_f), params, "routed_gate_up_gemm",
-                 tile_expert_I, token_R, weight_R, pair_major(x_act_TD, words_d), w1, s1, w3, s3)
+                 tile_expert_I, token_R, weight_R, pair_major(x_TD, words_d), w1, s1, w3, s3)
     y_RD = call(functools.partial(_down_gemm_kernel, rows=rows, cols=cols_d, words=words_f, n_words=f // 8,
                                    asm=not interpret),
                  (n_rows, d), (n_tiles, d // cols_d), params, "routed_down_gemm",
@@ -835,12 +833,11 @@ _IMPLEMENTATIONS = {"reference": routed_experts_reference, "pallas": routed_expe
 
 
 def routed_experts(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array, limit: float,
-                   *, impl: str = "reference", path: str | None = None, quantized: bool = False) -> jax.Array:
+                   *, impl: str = "reference", path: str | None = None) -> jax.Array:
     """The routed-experts seam: ``impl`` in IMPLS picks the implementation (static). -> float32 [T, D].
 
-    Arguments as ``routed_experts_reference``; ``path`` forces that implementation's path ('gathered'/'ragged');
-    ``quantized``: x_TD is fq8'd already.
+    Arguments as ``routed_experts_reference``; ``path`` forces that implementation's path ('gathered'/'ragged').
     """
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"routed-experts impl must be one of {IMPLS}, got {impl!r}")
-    return _IMPLEMENTATIONS[impl](experts, x_TD, weights_TX, experts_TX, limit, path, quantized)
+    return _IMPLEMENTATIONS[impl](experts, x_TD, weights_TX, experts_TX, limit, path)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dijax.config import ModelConfig
-from dijax.kernels import router
+from dijax.kernels import quant, router
 from dijax.kernels.routed_experts import swiglu
 from dijax.model.layers import QuantLinear, linear, linears, matmul_promoted, param, values
 from dijax.parallel.moe import routed_experts_ep
@@ -44,7 +44,7 @@ def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, valid_T: jax.Array | None = 
     """MoE sublayer. x_TD: bf16 (after ffn_norm) -> bf16 [T, D]. valid_T: bool [T], False for the step's padding
     tokens, which are routed to no expert (expert id -1: no expert weights are read for them by the kernel).
     x_act_TD: ``quant.fq8(x_TD)``, the routed experts' activations, where the caller has it (the input norm's
-    kernel writes it beside x_TD: ``dijax.kernels.collapse``); else the routed experts quantise x_TD.
+    kernel writes it beside x_TD: ``dijax.kernels.collapse``); else computed here.
     ``impl``: the routed-experts kernel seam's implementation ('reference' or 'pallas', static); ``linear_impl``:
     the shared expert's fp8 linears' (``dijax.kernels.fp8_linear``); ``router_impl``: the router's selection's
     (``dijax.kernels.router``). Under a context mesh with an ``ep`` axis the routed experts run split over it
@@ -52,8 +52,8 @@ def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, valid_T: jax.Array | None = 
     weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg, router_impl)
     if valid_T is not None:
         experts = jnp.where(valid_T[:, None], experts, -1)
-    y = routed_experts_ep(p["experts"], x_TD if x_act_TD is None else x_act_TD, weights, experts, cfg.swiglu_limit,
-                          impl=impl, quantized=x_act_TD is not None)
+    x_act_TD = quant.fq8(x_TD) if x_act_TD is None else x_act_TD
+    y = routed_experts_ep(p["experts"], x_act_TD, weights, experts, cfg.swiglu_limit, impl=impl)
     y = y + shared_expert(p["shared_experts"], x_TD, cfg.swiglu_limit, linear_impl).astype(jnp.float32)
     return y.astype(jnp.bfloat16)
 

@@ -99,10 +99,10 @@ def expert_specs(experts: dict) -> dict:
 
 
 def routed_experts_ep(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, experts_TX: jax.Array, limit: float,
-                      *, impl: str = "reference", combine: str = "exact", quantized: bool = False) -> jax.Array:
+                      *, impl: str = "reference", combine: str = "exact") -> jax.Array:
     """``kernels.routed_experts`` with the experts split over the context mesh's ``ep`` axis. -> float32 [T, D].
 
-    Arguments as ``routed_experts`` (``quantized`` too). ``experts``' leaves: in the replicated layout (module
+    Arguments as ``routed_experts``. ``experts``' leaves: in the replicated layout (module
     docstring) the global stacked [E, ...] arrays, placed with their expert axis on ``ep``
     (dijax.parallel.mesh.place_params); in the rank-local layout this rank's [E / ep, ...] slice. Without an ``ep``
     mesh this is ``routed_experts``. The kernel's path is the one a single device would take for all E experts on
@@ -114,7 +114,7 @@ def routed_experts_ep(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, exp
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     mesh = expert_mesh()
     if mesh is None:
-        return routed_experts(experts, x_TD, weights_TX, experts_TX, limit, impl=impl, quantized=quantized)
+        return routed_experts(experts, x_TD, weights_TX, experts_TX, limit, impl=impl)
     ep = mesh.shape["ep"]
     layout = token_layout(mesh)
     n_held = experts["w1"]["weight"].shape[0]
@@ -128,13 +128,12 @@ def routed_experts_ep(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, exp
         # one assignment per row: the kernel's "sum" over a single slot is that assignment's bf16 output, exactly
         local_A1 = local_experts(experts_TX, n_experts // ep).reshape(-1, 1)
         y_AD = routed_experts(experts_local, jnp.repeat(x_TD, n_per_token, axis=0), weights_TX.reshape(-1, 1),
-                              local_A1, limit, impl=impl, path=path, quantized=quantized)
+                              local_A1, limit, impl=impl, path=path)
         return y_AD.astype(jnp.bfloat16)
 
     def partial(experts_local: dict, x_TD, weights_TX, experts_TX):
         local_TX = local_experts(experts_TX, n_experts // ep)
-        return routed_experts(experts_local, x_TD, weights_TX, local_TX, limit, impl=impl, path=path,
-                              quantized=quantized)
+        return routed_experts(experts_local, x_TD, weights_TX, local_TX, limit, impl=impl, path=path)
 
     body = exact if combine == "exact" else partial
     if layout == "rank-local":
