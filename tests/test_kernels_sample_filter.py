@@ -28,8 +28,8 @@ def filter_rows(rows: int, width: int, seed: int) -> tuple[np.ndarray, np.ndarra
     return scaled, top_k, top_p
 
 
-@pytest.mark.parametrize("config", [sf.FilterConfig(block=64), sf.FilterConfig(block=16, bits=4),
-                                    sf.FilterConfig(block=256, bits=1)], ids=["2_bits", "4_bits", "1_bit"])
+@pytest.mark.parametrize("config", [sf.FilterConfig(block=64), sf.FilterConfig(block=16, bits=4, prefetch=True),
+                                    sf.FilterConfig(block=256, bits=1)], ids=["2_bits", "4_bits_prefetch", "1_bit"])
 @pytest.mark.parametrize("rows, width", [(8, 40), (5, 300), (3, 1000)])
 def test_kernel_thresholds_match_the_reference(config, rows, width):
     scaled, top_k, top_p = (jnp.asarray(a) for a in filter_rows(rows, width, seed=rows + width))

@@ -828,7 +828,34 @@ def sampler_rows(rows=(1, 16, 64), vocab: int = 129_280, sweep: bool = False, **
                         floor_bytes, base))
         if sweep and r > 1:
             out += _select_variant_rows(sampler, logits, columns, shape, floor_bytes, base, **timing)
+            out += _thresholds_kernel_rows(logits, columns, shape, floor_bytes, **timing)
     return out
+
+
+# (block, warps, prefetch, bits) tilings of the thresholds kernel that ``sampler_rows --sweep`` times
+THRESHOLD_TILINGS = ((2048, 8, False, 2), (2048, 8, True, 2), (4096, 8, True, 2), (8192, 8, True, 2),
+                     (8192, 16, True, 2), (16384, 16, True, 2), (8192, 8, False, 2), (8192, 8, True, 4))
+
+
+def _thresholds_kernel_rows(logits, columns, shape, floor_bytes, **timing) -> list[dict]:
+    """The top-k / top-p thresholds kernel alone (``sample_filter.thresholds_pallas``) at ``THRESHOLD_TILINGS``, on
+    the sample mode's scaled rows; each must give the first tiling's thresholds (else MISMATCH)."""
+    from dijax.kernels import sample_filter
+
+    temperature_R, top_k_R, top_p_R = columns[:3]
+    scaled = logits / temperature_R[:, None]
+    rows, want, first = [], None, None
+    for block, warps, prefetch, bits in THRESHOLD_TILINGS:
+        config = sample_filter.FilterConfig(block=block, num_warps=warps, prefetch=prefetch, bits=bits)
+        fn = jax.jit(functools.partial(sample_filter.thresholds_pallas, config=config))
+        got = np.asarray(fn(scaled, top_k_R, top_p_R))
+        want = got if want is None else want
+        seconds = time_call(fn, scaled, top_k_R, top_p_R, **timing)
+        first = first or seconds
+        label = (f"thresholds kernel alone, block {block}, {warps} warps, {bits}-bit digits"
+                 f"{', prefetch' if prefetch else ''}" + ("" if np.array_equal(got, want) else " MISMATCH"))
+        rows.append(_row("sampler", shape, label, seconds, floor_bytes, first))
+    return rows
 
 
 def _select_variant_rows(sampler, logits, columns, shape, floor_bytes, base, **timing) -> list[dict]:

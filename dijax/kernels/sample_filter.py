@@ -15,9 +15,11 @@ whose key is at or above it.
 * ``thresholds_pallas``: the same descents in one program a row, which streams its row from memory once a pass
   (the maximum, the top-k descent, the kept mass, the top-p descent: at most 2 + 2 * 32 / bits passes) and skips a
   descent whose filter is off. Its work a row does not grow with the rows, so a step of 64 rows costs what one
-  costs while 64 programs fit the GPU at once. Prepared in the thirty-seventh session: interpreted and built for
-  sm_90 without a GPU, not yet run on one (``tools/gpu_validate.sh sampler``); the sampler does not take it by
-  default.
+  costs while 64 programs fit the GPU at once. The sampler takes it from 64 rows on a GPU (``sampler.MANY_ROWS``).
+  Triton pipelines only loads that feed a dot, so a pass's steps each waited out a memory round trip: 2048 lanes
+  a step, 586 / 604 us at 16 / 64 rows of V4.1's vocabulary (H100, GPU kernel time, forty-first session). Loading
+  the next block before working on this one (``FilterConfig.prefetch``) and 8192 lanes a step over 16 warps took
+  that to 305 / 305 us (4-bit digits: 4.5-10 ms, spilled; 16384 lanes: 1.0-1.3 ms).
 
 The two sum the top-p mass in different orders (and the kernel compares the unnormalised mass against top_p times
 the total): their thresholds can differ only where a mass lands within float32 rounding of top_p.
@@ -68,13 +70,17 @@ def thresholds_reference(scaled_RV: jax.Array, top_k_R: jax.Array, top_p_R: jax.
 @dataclass(frozen=True)
 class FilterConfig:
     """Tiling of ``thresholds_pallas``: ``block`` lanes a step of a pass (a power of two), ``bits`` a descent's
-    digit (1, 2 or 4: 2 ** bits - 1 compares a key a pass), ``num_warps`` / ``num_stages`` the Triton program's.
-    Reasoned, not measured: 2-bit digits keep a pass near one compare-and-add a key per candidate."""
+    digit (1, 2 or 4: 2 ** bits - 1 compares a key a pass), ``num_warps`` / ``num_stages`` the Triton program's,
+    ``prefetch``: each step of a pass loads the next block before it works on its own (Triton pipelines only
+    loads that feed a dot, so without it every step waits out one memory round trip). 2-bit digits keep a pass
+    near one compare-and-add a key per candidate. Defaults: the fastest of ``tools/bench_kernels.py --only
+    sampler --sweep``'s tilings on an H100 (module docstring)."""
 
-    block: int = 2048
+    block: int = 8192
     bits: int = 2
-    num_warps: int = 8
+    num_warps: int = 16
     num_stages: int = 3
+    prefetch: bool = True
 
     def __post_init__(self):
         if self.block < 16 or self.block & (self.block - 1):
@@ -86,7 +92,7 @@ class FilterConfig:
 CONFIG = FilterConfig()
 
 
-def _kernel(x_ref, top_k_ref, top_p_ref, out_ref, *, width: int, block: int, bits: int):
+def _kernel(x_ref, top_k_ref, top_p_ref, out_ref, *, width: int, block: int, bits: int, prefetch: bool):
     """Program r: row r's threshold (``thresholds_reference``) into ``out_ref[r]`` as int32 bits.
 
     Keys are signed int32 (``topk.signed_key``: the unsigned key shifted by 2^31, so signed compares order them);
@@ -99,18 +105,34 @@ def _kernel(x_ref, top_k_ref, top_p_ref, out_ref, *, width: int, block: int, bit
     passes = np.int32(32 // bits)  # typed: a loop bound the lowering must not narrow
 
     def load(b):
-        live_B = b * block + lane_B < width
-        x_B = pltriton.load(x_ref.at[r, pl.ds(b * block, block)], mask=live_B, other=0.0)
-        key_B = jnp.where(live_B, signed_key(jnp.where(x_B == 0, 0.0, x_B)), INT32_MIN)
-        return x_B, key_B, live_B
+        """Block b of the row, float32 [B] (0 past the row: a block past the last loads nothing)."""
+        return pltriton.load(x_ref.at[r, pl.ds(b * block, block)], mask=b * block + lane_B < width, other=0.0)
 
-    def row_max(b, carry):
+    def stream(fold, init):
+        """``fold(acc, x_B, key_B, live_B)`` over the row's blocks in order (a pass); with ``prefetch`` each step
+        issues the next block's load before its own work."""
+        def work(b, acc, x_B):
+            live_B = b * block + lane_B < width
+            key_B = jnp.where(live_B, signed_key(jnp.where(x_B == 0, 0.0, x_B)), INT32_MIN)
+            return fold(acc, x_B, key_B, live_B)
+
+        if not prefetch:
+            return jax.lax.fori_loop(0, blocks, lambda b, acc: work(b, acc, load(b)), init)
+
+        def step(b, carry):
+            acc, x_B = carry
+            ahead_B = load(b + 1)
+            return work(b, acc, x_B), ahead_B
+
+        first = r * 0  # traced: a block past a short row's end is masked, not an out-of-bounds slice at trace time
+        return jax.lax.fori_loop(0, blocks, step, (init, load(first)))[0]
+
+    def row_max(carry, x_B, key_B, live_B):
         key_max_B, x_max_B = carry
-        x_B, key_B, live_B = load(b)
         return jnp.maximum(key_max_B, key_B), jnp.maximum(x_max_B, jnp.where(live_B, x_B, -jnp.inf))
 
-    key_max_B, x_max_B = jax.lax.fori_loop(0, blocks, row_max, (jnp.full((block,), INT32_MIN, jnp.int32),
-                                                                jnp.full((block,), -jnp.inf, jnp.float32)))
+    key_max_B, x_max_B = stream(row_max, (jnp.full((block,), INT32_MIN, jnp.int32),
+                                          jnp.full((block,), -jnp.inf, jnp.float32)))
     top_s, x_max = jnp.max(key_max_B), jnp.max(x_max_B)
 
     def descend(count, measure, target, dtype):
@@ -119,12 +141,8 @@ def _kernel(x_ref, top_k_ref, top_p_ref, out_ref, *, width: int, block: int, bit
         def one_pass(i, prefix_u):
             shift = 32 - bits * (i + 1)
             cand_s = [(prefix_u | jnp.left_shift(np.int32(d), shift)) ^ INT32_MIN for d in range(1, digits + 1)]
-
-            def step(b, acc):
-                x_B, key_B, live_B = load(b)
-                return [a + m for a, m in zip(acc, measure(x_B, key_B, live_B, cand_s))]
-
-            acc = jax.lax.fori_loop(0, blocks, step, [jnp.zeros((block,), dtype)] * digits)
+            acc = stream(lambda acc, *block_values: [a + m for a, m in zip(acc, measure(*block_values, cand_s))],
+                         [jnp.zeros((block,), dtype)] * digits)
             digit = np.int32(0)
             for d, a in enumerate(acc, 1):  # the reach falls as the digit grows: the last that reaches is largest
                 digit = jnp.where(jnp.sum(a) >= target, np.int32(d), digit)
@@ -141,11 +159,9 @@ def _kernel(x_ref, top_k_ref, top_p_ref, out_ref, *, width: int, block: int, bit
     def kept_weight(x_B, key_B, live_B):
         return jnp.where(live_B & (key_B >= kth_s), jnp.exp(x_B - x_max), 0.0)
 
-    def mass(b, total_B):
-        x_B, key_B, live_B = load(b)
-        return total_B + kept_weight(x_B, key_B, live_B)
+    total = jnp.sum(stream(lambda total_B, *block_values: total_B + kept_weight(*block_values),
+                           jnp.zeros((block,), jnp.float32)))
 
-    total = jnp.sum(jax.lax.fori_loop(0, blocks, mass, jnp.zeros((block,), jnp.float32)))
     def mass_above(x_B, key_B, live_B, cand_s):
         weight_B = kept_weight(x_B, key_B, live_B)  # one exp a key, shared by the candidates
         return [jnp.where(key_B >= c, weight_B, 0.0) for c in cand_s]
@@ -167,7 +183,8 @@ def thresholds_pallas(scaled_RV: jax.Array, top_k_R: jax.Array, top_p_R: jax.Arr
     if rows * -(-width // config.block) * config.block >= 1 << 31:
         raise ValueError(f"thresholds_pallas: {rows} rows of {width} values need int32 offsets past 2^31")
     bits_R = pl.pallas_call(
-        functools.partial(_kernel, width=width, block=config.block, bits=config.bits),
+        functools.partial(_kernel, width=width, block=config.block, bits=config.bits,
+                          prefetch=config.prefetch),
         grid=(rows,),
         out_shape=jax.ShapeDtypeStruct((rows,), jnp.int32),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

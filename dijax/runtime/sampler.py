@@ -93,6 +93,9 @@ FILTERS = {"sort": jax.vmap(_filter_sort_row),
 # innermost), - / 265 / 781 (2-bit digits before the keys, sample_filter.DESCENT). Fortieth session, H100, by GPU
 # kernel time: sort 78 / 560 / 1191, select 144 / 266 / 1416, the thresholds kernel 542 / 615 / 682; flash-slice
 # decode back to back with the kernel at B=64 18.9 ms against the select's 19.6 (two rounds), at B=16 8.6 against 8.3.
+# Forty-first session, H100: the kernel with its next block loaded ahead, 305 us at 16 and at 64 rows (the select
+# 266 / 1417): flash-slice B=64 18.56-18.58 ms back to back against 18.83-18.84 with the old tiling; at B=16 the kernel
+# from 16 rows gave 8.04-8.08 against the select's 8.01-8.04 (two rounds each), so the select keeps 16 rows.
 SELECT_MIN_ROWS = 2
 MANY_ROWS = 64
 MANY_ROWS_FILTER = "pallas"

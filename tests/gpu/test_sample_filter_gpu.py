@@ -18,8 +18,10 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
 VOCAB = 129_280
 
 
-@pytest.mark.parametrize("config", [sf.CONFIG, sf.FilterConfig(bits=4), sf.FilterConfig(block=1024, num_warps=4)],
-                         ids=["default", "4_bits", "block_1024"])
+@pytest.mark.parametrize("config", [sf.CONFIG, sf.FilterConfig(bits=4), sf.FilterConfig(block=1024, num_warps=4),
+                                    sf.FilterConfig(block=2048, num_warps=8, prefetch=False),
+                                    sf.FilterConfig(prefetch=False)],
+                         ids=["default", "4_bits", "block_1024", "block_2048_no_prefetch", "no_prefetch"])
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_kernel_thresholds_match_the_reference_on_the_gpu(rows, config):
     scaled, top_k, top_p = (jnp.asarray(a) for a in filter_rows(rows, VOCAB, seed=rows))
