@@ -13,6 +13,7 @@
 | the indexer's exact top-k | ``topk`` | reference (``lax.top_k``), select (threshold selection in XLA), pallas |
 | the hyper-connection mix split (sigmoids, softmax, Sinkhorn rounds) | ``sinkhorn.split`` | reference, pallas |
 | the MoE router's selection (top-X, ids ascending, renormalised weights) | ``router`` | reference, pallas |
+| the sampler's top-k / top-p thresholds (radix descents over the vocabulary) | ``sample_filter`` | reference, pallas |
 | fp8 block-scaled linear (attention, shared expert, Engram projections) | ``fp8_linear`` | reference, pallas |
 | fp8 linear at decode on wgmma, weights decoded in registers (``fp8_linear``'s ``engine='mgpu'``) | ``fp8_wgmma`` | reference, mgpu |
 | the attention's query latent and KV row after its first projections (RMS norms, rope, fp8) | ``latents`` | reference, pallas |
@@ -21,6 +22,7 @@
 | rotary embedding with YaRN | ``rope`` | (jnp only) |
 | bf16 pairs in uint32 words: the weight decode's pieces (grouped GEMM, fp8 linear) | ``bf16_pairs`` | (helpers) |
 | correctly rounded float32 division inside kernels (``div.rn.f32``) | ``division`` | (helpers) |
+| kernel loops whose loads run a step ahead (Triton pipelines only loads that feed a dot) | ``prefetch`` | (helpers) |
 | are a checkpoint's scales where those decodes are exact (else the reference) | ``scale_range`` | (engine start) |
 
 The choice is static (part of the step's jit key) and made once per engine by ``options.kernel_options``. This

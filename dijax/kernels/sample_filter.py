@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import interpret_mode
+from dijax.kernels.prefetch import fori_loop_ahead
 from dijax.kernels.topk import INT32_MIN, largest_reaching, order_key, signed_key
 
 IMPLS = ("reference", "pallas")
@@ -71,10 +72,10 @@ def thresholds_reference(scaled_RV: jax.Array, top_k_R: jax.Array, top_p_R: jax.
 class FilterConfig:
     """Tiling of ``thresholds_pallas``: ``block`` lanes a step of a pass (a power of two), ``bits`` a descent's
     digit (1, 2 or 4: 2 ** bits - 1 compares a key a pass), ``num_warps`` / ``num_stages`` the Triton program's,
-    ``prefetch``: each step of a pass loads the next block before it works on its own (Triton pipelines only
-    loads that feed a dot, so without it every step waits out one memory round trip). 2-bit digits keep a pass
-    near one compare-and-add a key per candidate. Defaults: the fastest of ``tools/bench_kernels.py --only
-    sampler --sweep``'s tilings on an H100 (module docstring)."""
+    ``prefetch``: each step of a pass loads the next block before it works on its own
+    (``dijax.kernels.prefetch``). 2-bit digits keep a pass near one compare-and-add a key per candidate.
+    Defaults: the fastest of ``tools/bench_kernels.py --only sampler --sweep``'s tilings on an H100 (module
+    docstring)."""
 
     block: int = 8192
     bits: int = 2
@@ -105,27 +106,21 @@ def _kernel(x_ref, top_k_ref, top_p_ref, out_ref, *, width: int, block: int, bit
     passes = np.int32(32 // bits)  # typed: a loop bound the lowering must not narrow
 
     def load(b):
-        """Block b of the row, float32 [B] (0 past the row: a block past the last loads nothing)."""
-        return pltriton.load(x_ref.at[r, pl.ds(b * block, block)], mask=b * block + lane_B < width, other=0.0)
+        """Block b of the row, float32 [B] (0 past the row: a block past the last loads nothing). ``r * 0``: a
+        traced start, so that block 0 of a row shorter than a block is a masked load, not a constant out-of-bounds
+        slice at trace time."""
+        return pltriton.load(x_ref.at[r, pl.ds(b * block + r * 0, block)], mask=b * block + lane_B < width,
+                             other=0.0)
 
     def stream(fold, init):
         """``fold(acc, x_B, key_B, live_B)`` over the row's blocks in order (a pass); with ``prefetch`` each step
-        issues the next block's load before its own work."""
-        def work(b, acc, x_B):
+        issues the next block's load before its own work (``prefetch.fori_loop_ahead``)."""
+        def work(b, x_B, acc):
             live_B = b * block + lane_B < width
             key_B = jnp.where(live_B, signed_key(jnp.where(x_B == 0, 0.0, x_B)), INT32_MIN)
             return fold(acc, x_B, key_B, live_B)
 
-        if not prefetch:
-            return jax.lax.fori_loop(0, blocks, lambda b, acc: work(b, acc, load(b)), init)
-
-        def step(b, carry):
-            acc, x_B = carry
-            ahead_B = load(b + 1)
-            return work(b, acc, x_B), ahead_B
-
-        first = r * 0  # traced: a block past a short row's end is masked, not an out-of-bounds slice at trace time
-        return jax.lax.fori_loop(0, blocks, step, (init, load(first)))[0]
+        return fori_loop_ahead(blocks, load, work, init, ahead=prefetch)
 
     def row_max(carry, x_B, key_B, live_B):
         key_max_B, x_max_B = carry
