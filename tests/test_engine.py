@@ -11,6 +11,10 @@ import pytest
 from jax import monitoring
 from jax._src.dispatch import BACKEND_COMPILE_EVENT  # XLA's compile event (jax.monitoring)
 
+# a compile served by the persistent compilation cache (tests/conftest.py caches every compile) fires no
+# BACKEND_COMPILE_EVENT: this event instead
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
 import dijax.runtime.model_runner as model_runner
 from dijax.runtime.llm import LLM
 from dijax.runtime.sampler import MODES, StepSampling, sampling_inputs, step_sampling
@@ -48,7 +52,7 @@ def warm():
 def test_no_new_compilations_after_warm_up(warm):
     """After the warm-up, generations taking every bucket and every sampler mode trace no model step and compile
     nothing at all (XLA's compile events counted: the step, the inputs' writer, the buffers' fills, the tokens'
-    copy)."""
+    copy; and loads from the persistent compilation cache, which replace a compile)."""
     llm, steps = warm
     work = [_params(i) for i in range(3)]
     assert llm.engine.runner.buckets() == [(8, 4, 4), (16, 4, 4), (32, 4, 4)]  # S = min(T, 4 sequences)
@@ -60,7 +64,12 @@ def test_no_new_compilations_after_warm_up(warm):
         if event == BACKEND_COMPILE_EVENT:
             compiled.append(kwargs.get("fun_name", "?"))
 
+    def count_hit(event: str, **kwargs) -> None:
+        if event == CACHE_HIT_EVENT:
+            compiled.append("a persistent-cache load")
+
     monitoring.register_event_duration_secs_listener(count)
+    monitoring.register_event_listener(count_hit)
     try:
         llm.generate(PROMPTS[::-1], work, use_tqdm=False)
         llm.generate(PROMPTS, work, use_tqdm=False)
@@ -68,6 +77,7 @@ def test_no_new_compilations_after_warm_up(warm):
         llm.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=4, seed=1), use_tqdm=False)  # temperature
     finally:
         monitoring.unregister_event_duration_listener(count)
+        monitoring.unregister_event_listener(count_hit)
     assert llm.engine.runner.compiles == traces and compiled == []
 
 
