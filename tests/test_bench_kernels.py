@@ -87,8 +87,11 @@ def test_sampler_rows_time_the_step_sampler_each_mode_and_the_sort():
                                              "jnp.sort of the rows alone"]
     assert all(row["us"] > 0 and row["shape"] == "R=2, V=512" for row in rows)
     swept = bench_kernels.sampler_rows(rows=(2,), vocab=64, sweep=True, iters=1, repeats=1)[len(rows):]
-    assert [row["impl"] for row in swept] == [f"select filter, {bits}-bit digits {where}" for bits in (4, 2)
-                                              for where in ("innermost", "before the keys")]
+    tilings = [f"thresholds kernel alone, block {block}, {warps} warps, {bits}-bit digits"
+               f"{', prefetch' if ahead else ''}" for block, warps, ahead, bits in bench_kernels.THRESHOLD_TILINGS]
+    assert [row["impl"].removesuffix(" MISMATCH") for row in swept] == [
+        *(f"select filter, {bits}-bit digits {where}" for bits in (4, 2) for where in ("innermost", "before the keys")),
+        *tilings]
 
 
 def test_rows_filter_keeps_the_named_rows():
