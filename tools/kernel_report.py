@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dijax  # noqa: E402,F401  (sets XLA flags before JAX starts)
 import jax  # noqa: E402
 from jax._src.interpreters import mlir  # noqa: E402
-from jax._src.pallas.triton import gpu_info, lowering  # noqa: E402
+from jax._src.pallas.triton import lowering  # noqa: E402
 from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
 
 from dijax.kernels import lowering_for_gpu  # noqa: E402
@@ -58,8 +58,9 @@ FAMILIES = {"HGMMA": "wgmma", "HMMA": "mma.sync", "QGMMA": "fp8 wgmma", "FFMA": 
 def triton_sm90():
     """Within: Pallas' Triton lowering targets compute capability 9.0 instead of asking the (absent) device."""
     saved = registration.gpu_info_lib.get_gpu_info
-    registration.gpu_info_lib.get_gpu_info = lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0",
-                                                                      compute_capability=90)
+    info = registration.gpu_info_lib  # the module the lowering asks (its home moved in jax 0.12.1)
+    registration.gpu_info_lib.get_gpu_info = lambda: info.GpuInfo(gpu_version=None, arch_name="9.0",
+                                                                  compute_capability=90)
     try:
         yield
     finally:

@@ -18,6 +18,8 @@ block, K row width (bf16 elements), P parts of K (one a warpgroup).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,15 @@ def wait_group(pending: int, interpret: bool = False) -> None:
     wait()
 
 
+def read_only_ref(transforms: tuple = ()) -> plgpu.RefType:
+    """``inline_mgpu``'s type of a reference its code only reads. From jax 0.12.1 a ``RefType`` is read and written
+    unless told otherwise, and a kernel's inputs must not be written (they are arrays, not Refs); before, the type
+    had no such fields."""
+    if "write" in {field.name for field in dataclasses.fields(plgpu.RefType)}:
+        return plgpu.RefType(transforms, write=False)
+    return plgpu.RefType(transforms)
+
+
 def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int) -> None:
     """Start the ``cp.async`` copies of one block of ``ROWS`` rows: row r of the block is row ``idx_ref[r]`` (GMEM
     int32 [R]) of the sources' concatenation (``refs[:-1]``, GMEM bf16 [``sizes``[i], K]), copied into the tile
@@ -93,7 +104,7 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int) -> None:
     step = threads // chunks  # rows a pass of the threads
     bases = np.cumsum((0,) + tuple(sizes)).tolist()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs) + (plgpu.RefType(TILED),))
+    @plgpu.inline_mgpu(arg_types=(read_only_ref(),) * len(refs) + (plgpu.RefType(TILED),))
     def gather(ctx, idx, *refs):
         del ctx
         *srcs, dst = refs
