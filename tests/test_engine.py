@@ -11,16 +11,16 @@ import pytest
 from jax import monitoring
 from jax._src.dispatch import BACKEND_COMPILE_EVENT  # XLA's compile event (jax.monitoring)
 
-# a compile served by the persistent compilation cache (tests/conftest.py caches every compile) fires no
-# BACKEND_COMPILE_EVENT: this event instead
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-
 import dijax.runtime.model_runner as model_runner
 from dijax.runtime.llm import LLM
 from dijax.runtime.sampler import MODES, StepSampling, sampling_inputs, step_sampling
 from dijax.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.cost(95)  # CI seconds, a scheduling hint (tests/conftest.py)
+
+# a compile served by the persistent compilation cache (tests/conftest.py caches every compile) fires no
+# BACKEND_COMPILE_EVENT: this event instead
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
 # One engine size for every test here but the preemption one: its step buckets (tokens 8 / 16 / 32 x the one
