@@ -18,16 +18,11 @@ os.environ.setdefault("DIJAX_CACHE", tempfile.mkdtemp(prefix="dijax-cache-"))
 # controller) and inherited by the workers and the tests' subprocesses: the tiny model's step buckets are compiled
 # by many modules and processes, and a cached one loads in a fraction of its compile time (XLA CPU included)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dijax-jax-cache-"))
-# every compile, not only those of 1 s and more: each module drops its executables (_release_compiled_steps) and
-# compiles the small jits it shares with the others again (random fills, writers, copies: 0.02-1 s each)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 FIXTURE_COPY = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
 SHARED_PARITY = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "parity"))
 PARITY_DIR = os.environ.get("DIJAX_PARITY_DIR", FIXTURE_COPY)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 def pytest_configure(config):

@@ -18,8 +18,8 @@ from dijax.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.cost(95)  # CI seconds, a scheduling hint (tests/conftest.py)
 
-# a compile served by the persistent compilation cache (tests/conftest.py caches every compile) fires no
-# BACKEND_COMPILE_EVENT: this event instead
+# a compile served by the persistent compilation cache (tests/conftest.py shares one between the run's processes)
+# fires no BACKEND_COMPILE_EVENT: this event instead
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 PROMPTS = ["The license", "Permission is hereby granted, free of charge", "You may obtain a copy of the License"]
