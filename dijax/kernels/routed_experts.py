@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import bf16_pairs, fp4_wgmma, interpret_mode, numerics, poison, quant
-from dijax.kernels.prefetch import fori_loop_ahead
+from dijax.kernels.prefetch import clamped, fori_loop_ahead
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
@@ -353,11 +353,6 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
     return (swiglu(g_f32, u_f32, limit) * weight).astype(jnp.bfloat16)
 
 
-def _k_step(k, steps: int, ahead: bool):
-    """A mat-vec's K step to load: loaded ahead, the step past the last reloads the last."""
-    return jnp.minimum(k, steps - 1) if ahead else k
-
-
 def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                            n_per_token: int, limit: float, rows: int, words: int, n_words: int, asm: bool,
                            ahead: bool):
@@ -372,7 +367,7 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
         t = a // n_per_token
 
         def load(k):
-            w0 = _k_step(k, steps, ahead) * words
+            w0 = clamped(k, steps, ahead) * words
             x_J = [x_ref[t, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
             return x_J, _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, r0, rows, w0, words)
 
@@ -400,7 +395,7 @@ def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, 
     @pl.when(e >= 0)
     def _():
         def load(k):
-            w0 = _k_step(k, steps, ahead) * words
+            w0 = clamped(k, steps, ahead) * words
             h_J = [h_ref[a, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
             return h_J, _weight_tiles((w2_ref,), (s2_ref,), e, r0, rows, w0, words)
 

@@ -60,7 +60,7 @@ from jax.experimental.pallas import triton as pltriton
 from dijax.kernels import interpret_mode
 from dijax.kernels.division import asm_f32, div_rn, rms_factor_rn
 from dijax.kernels.numerics import divide, matmul_f32, rms_factor, sum_in_order
-from dijax.kernels.prefetch import fori_loop_ahead
+from dijax.kernels.prefetch import clamped, fori_loop_ahead
 
 BLOCK_T = 128
 IMPLS = ("reference", "pallas")
@@ -396,9 +396,8 @@ def _mixes_split_kernel(part_ref, scale_ref, base_ref, pre_ref, out_ref, *, m: i
     added), the RMS statistic, the affine, then ``_split_block``."""
     c, (parts, _, n) = split["c"], part_ref.shape
 
-    def load(s):  # part s's rows (loaded ahead, the step past the last reloads the last part)
-        s = jnp.minimum(s, parts - 1) if prefetch else s
-        return [part_ref[s, e, :] for e in range(m + 1)]
+    def load(s):  # part s's rows
+        return [part_ref[clamped(s, parts, prefetch), e, :] for e in range(m + 1)]
 
     total = fori_loop_ahead(parts, load, lambda s, part, acc: [a + p for a, p in zip(acc, part)],
                             [jnp.zeros((n,), jnp.float32)] * (m + 1), ahead=prefetch)
