@@ -199,34 +199,6 @@ def test_several_k_steps_on_both_paths():
         assert_close(got, expected)
 
 
-def test_matvec_steps_loaded_ahead_give_the_same_bits(monkeypatch):
-    """``matvec_prefetch`` moves the mat-vecs' loads a K step earlier, not their sums: the same bits over
-    several K steps (D = F = 1024: two steps of 64 words each way)."""
-    rng = np.random.default_rng(22)
-    experts = make_experts(rng, 4, 1024, 1024, (116, 122))
-    weights_TX, experts_TX = make_routing(rng, 2, 4, 2, pad_slots=(1,))
-    x_TD = make_x(rng, 2, 1024, 3.0)
-    got = {}
-    for ahead in (False, True):
-        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_prefetch=ahead))
-        got[ahead] = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas",
-                                                  path="gathered"))
-    np.testing.assert_array_equal(got[True], got[False])
-
-
-def test_matvecs_loaded_ahead_lower_to_triton_without_a_gpu(lower_for_cuda, monkeypatch):
-    """The mat-vecs with their K steps' loads a step ahead (inline PTX and all, as on the GPU) lower to Triton IR:
-    two kernels, gate-up and down."""
-    rng = np.random.default_rng(23)
-    experts = make_experts(rng, 4, 1024, 512, (116, 122))
-    weights_TX, experts_TX = make_routing(rng, 2, 4, 2)
-    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_prefetch=True))
-    with dijax.kernels.lowering_for_gpu():
-        text = lower_for_cuda(lambda e, x, w, i: rx.routed_experts_pallas(e, x, w, i, LIMIT, "gathered"), experts,
-                              make_x(rng, 2, 1024, 3.0), weights_TX, experts_TX)
-    assert text.count("xla.gpu.triton") == 2
-
-
 def test_a_padding_slot_adds_exactly_nothing():
     rng = np.random.default_rng(11)
     experts = make_experts(rng, 8, 256, 128, (118, 124))

@@ -19,7 +19,6 @@ from dijax.kernels.sinkhorn import BLOCK_T, split, split_pallas, split_reference
 from dijax.model import hc
 
 EXACT, FAST = sk.SinkhornConfig(fast_divide=False), sk.SinkhornConfig(fast_divide=True)
-AHEAD = sk.SinkhornConfig(fast_divide=True, prefetch_parts=True)
 RTOL = 1e-5
 
 
@@ -192,21 +191,10 @@ def test_model_mixes_take_the_fused_kernel_when_on(monkeypatch):
     assert calls == [(9, 1024)]
 
 
-@pytest.mark.parametrize("config", [FAST, AHEAD], ids=["fast_divide", "prefetch_parts"])
-def test_fused_mixes_lower_to_triton_without_a_gpu(lower_for_cuda, config):
+def test_fused_mixes_lower_to_triton_without_a_gpu(lower_for_cuda):
     """Both kernels of mixes_pallas lower to Triton IR at flash-slice's width (C * D = 20480: 32 parts of 10
-    chunks) and a decode batch of 64, the split kernel's parts also loaded ahead."""
-    text = lower_for_cuda(lambda x, f, s, b: sk.mixes_pallas(x, f, s, b, 4, 20, 1e-6, 1e-6, interpret=False,
-                                                             config=config),
+    chunks) and a decode batch of 64."""
+    text = lower_for_cuda(lambda x, f, s, b: sk.mixes_pallas(x, f, s, b, 4, 20, 1e-6, 1e-6, interpret=False),
                           jax.ShapeDtypeStruct((64, 20480), jnp.bfloat16), jax.ShapeDtypeStruct((24, 20480), jnp.float32),
                           jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((24,), jnp.float32))
     assert text.count("triton") >= 2
-
-
-def test_parts_loaded_ahead_give_the_same_bits():
-    """``SinkhornConfig.prefetch_parts`` changes when the split kernel loads the projection's parts, not the order
-    it adds them in: the same bits (16 parts at the tiny width)."""
-    args = (*stream_inputs(9, 4, 1024, seed=3), 4, 20, 1e-6, 1e-6)
-    for got, want in zip(sk.mixes_pallas(*args, interpret=True, config=AHEAD),
-                         sk.mixes_pallas(*args, interpret=True, config=FAST), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

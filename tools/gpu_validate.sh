@@ -81,11 +81,6 @@
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
 #            session: wall time could not rank their launch cuts);
-#   prefetch-ab  (~560 s; forty-first session, not yet run) the loads a step ahead (dijax.kernels.prefetch) in the
-#            mixes' split kernel (SinkhornConfig.prefetch_parts) and the routed mat-vecs (matvec_prefetch): their GPU
-#            tests, the tiny B=1 step's device-busy time with and without the split's, the mat-vecs alone at 1 and
-#            16 tokens by GPU kernel time with and without theirs, then flash-slice decode B=1 / 16 with and without
-#            (two rounds); both default off until this says they pay;
 #   layouts  (~480 s) the thirty-eighth session's changed kernels (token-major split and router outputs, the
 #            split's prologue) on the GPU: their tests, tiny-nodrop parity, the tiny step's rows and launches;
 #   sampler  (~500 s) the sampler's tests (the thresholds kernel's GPU test among them), its rows at V4.1's
@@ -113,7 +108,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="launch-ab|prefetch-ab|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="launch-ab|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -198,18 +193,6 @@ case "$stage" in
     for trace in "$out"/dump-*/decode_*/; do
       run 30 python3 tools/trace_summary.py "$trace" --top 5
     done ;;
-  prefetch-ab)
-    run 150 python3 -m pytest -q -ra tests/gpu/test_sinkhorn_gpu.py tests/gpu/test_routed_experts_gpu.py \
-      -k "fused_mixes or gathered"
-    for ahead in False True; do
-      run 90 python3 tools/bench.py --kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 --engine off \
-        --warmup 5 --iters 20 --kernel-setting sinkhorn.CONFIG.prefetch_parts=$ahead --dump "$out/dump-parts-$ahead"
-      run 30 python3 tools/trace_summary.py "$out"/dump-parts-$ahead/decode_*/ --top 4
-    done
-    run 120 python3 tools/bench_kernels.py --only routed_experts --tokens 1,16 --variant matvec_prefetch=True \
-      --timing device --iters 10 --repeats 3
-    run 300 python3 tools/bench.py --model flash-slice --decode-batch 1,16 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 3 --iters 10 --variant "routed_experts.CONFIG.matvec_prefetch=True" --rounds 2 ;;
   layouts)
     # (~500 s; first run in the fortieth session, H100: every test passed, parity as before) the kernels built
     # without a device: the split kernel's token-major output with the affine part and the RMS factor in its

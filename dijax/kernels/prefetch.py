@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 
 def fori_loop_ahead(steps, load: Callable[[Any], Any], body: Callable[[Any, Any, Any], Any], init: Any,
@@ -31,9 +30,3 @@ def fori_loop_ahead(steps, load: Callable[[Any], Any], body: Callable[[Any, Any,
         return body(i, loaded, acc), next_loaded
 
     return jax.lax.fori_loop(0, steps, step, (init, load(0)))[0]
-
-
-def clamped(i, steps: int, ahead: bool):
-    """The step a ``fori_loop_ahead`` load may read: with ``ahead``, the step past the last reloads the last (for
-    loads that cannot be masked off); else ``i``."""
-    return jnp.minimum(i, steps - 1) if ahead else i

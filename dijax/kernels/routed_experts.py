@@ -42,7 +42,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dijax.kernels import bf16_pairs, fp4_wgmma, interpret_mode, numerics, poison, quant
-from dijax.kernels.prefetch import clamped, fori_loop_ahead
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
 IMPLS = ("reference", "pallas")
@@ -166,12 +165,9 @@ class KernelConfig:
       (tools/kernel_report.py, T = 16) the two cut the K-step loops from 1357 to 1182 instructions (gate-up) and
       from 718 to 598 (down); the mat-vecs are issue-bound on the H200 (docs/benchmarks.md, ninth session). On the
       H200 the same values bit for bit, and the gathered path 1.13x faster at T = 1 (151.9 -> 134.3 us) and 1.05x
-      at T = 16 (813 -> 774 us) at the real sizes (eleventh session);
-    matvec_prefetch: each K step of the mat-vecs issues the next step's loads before its FMAs
-      (``prefetch.fori_loop_ahead``: Triton pipelines only loads that feed a dot, so ``matvec_stages`` does not
-      reach them, and the twenty-seventh session found the one-token down kernel waiting on memory). The sampler's
-      thresholds kernel gained 1.25x from the same (forty-first session); these kernels have not run with it on a
-      GPU (``gpu_validate.sh prefetch-ab``), so it is off;
+      at T = 16 (813 -> 774 us) at the real sizes (eleventh session). Loading each K step's weights a step ahead
+      (the sampler's thresholds kernel gained from it) did not pay here: H100, forty-second session, GPU time 74.2
+      against 75.6 us at T = 1 and 764.7 against 744.7 at T = 16 (removed);
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
     gemm_engine: the ragged path's GEMMs: 'triton' (the grouped GEMM kernels here: tiles of tokens, gathered
       activations, the weights' tiles dequantised into a bf16 dot) or 'mgpu' (dijax.kernels.fp4_wgmma: wgmma with
@@ -198,7 +194,6 @@ class KernelConfig:
     matvec_words: int = 64
     matvec_warps: int = 4
     matvec_stages: int = 3
-    matvec_prefetch: bool = False
     gemm_rows_min: int = 16
     gemm_rows_max: int = 64
     gemm_cols: int = 128
@@ -354,29 +349,23 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
 
 
 def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                           n_per_token: int, limit: float, rows: int, words: int, n_words: int, asm: bool,
-                           ahead: bool):
-    """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding.
-    ``ahead``: each K step's loads are issued one step early (``prefetch.fori_loop_ahead``)."""
+                           n_per_token: int, limit: float, rows: int, words: int, n_words: int, asm: bool):
+    """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
-    steps = n_words // words
 
     @pl.when(e >= 0)
     def _():
         t = a // n_per_token
 
-        def load(k):
-            w0 = clamped(k, steps, ahead) * words
+        def step(k, acc):
+            w0 = k * words
             x_J = [x_ref[t, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
-            return x_J, _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, r0, rows, w0, words)
-
-        def step(k, loaded, acc):
-            x_J, ((w1_RW, s1_RB), (w3_RW, s3_RB)) = loaded
+            (w1_RW, s1_RB), (w3_RW, s3_RB) = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, r0, rows, w0, words)
             return acc[0] + _matvec_partial(w1_RW, s1_RB, x_J, asm), acc[1] + _matvec_partial(w3_RW, s3_RB, x_J, asm)
 
         zeros = jnp.zeros((rows,), jnp.float32)
-        g, u = fori_loop_ahead(steps, load, step, (zeros, zeros), ahead=ahead)
+        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
         h_ref[a, pl.ds(r0, rows)] = _weighted_swiglu(g, u, limit, weight_ref[a])
 
     @pl.when(e < 0)
@@ -385,25 +374,20 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
 
 
 def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int,
-                        asm: bool, ahead: bool):
-    """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding (``ahead``: as the gate-up
-    kernel's)."""
+                        asm: bool):
+    """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
-    steps = n_words // words
 
     @pl.when(e >= 0)
     def _():
-        def load(k):
-            w0 = clamped(k, steps, ahead) * words
+        def step(k, acc):
+            w0 = k * words
             h_J = [h_ref[a, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
-            return h_J, _weight_tiles((w2_ref,), (s2_ref,), e, r0, rows, w0, words)
-
-        def step(k, loaded, acc):
-            h_J, [(w2_RW, s2_RB)] = loaded
+            [(w2_RW, s2_RB)] = _weight_tiles((w2_ref,), (s2_ref,), e, r0, rows, w0, words)
             return acc + _matvec_partial(w2_RW, s2_RB, h_J, asm)
 
-        y = fori_loop_ahead(steps, load, step, jnp.zeros((rows,), jnp.float32), ahead=ahead)
+        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows,), jnp.float32))
         y_ref[a, pl.ds(r0, rows)] = y.astype(jnp.bfloat16)
 
     @pl.when(e < 0)
@@ -741,13 +725,11 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         params = _compiler_params(config.matvec_warps, config.matvec_stages)
         stack_A = _in_stack(expert_A, offset)
         asm = not interpret  # the inline-PTX conversions only lower for a GPU
-        ahead = config.matvec_prefetch
         h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
-                                       words=words_d, n_words=d // 8, asm=asm, ahead=ahead),
+                                       words=words_d, n_words=d // 8, asm=asm),
                      (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
                      stack_A, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3)
-        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8, asm=asm,
-                                      ahead=ahead),
+        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8, asm=asm),
                      (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
                      stack_A, phase_major(quant.fq8(h_AF)).astype(jnp.float32), w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)

@@ -60,7 +60,6 @@ from jax.experimental.pallas import triton as pltriton
 from dijax.kernels import interpret_mode
 from dijax.kernels.division import asm_f32, div_rn, rms_factor_rn
 from dijax.kernels.numerics import divide, matmul_f32, rms_factor, sum_in_order
-from dijax.kernels.prefetch import clamped, fori_loop_ahead
 
 BLOCK_T = 128
 IMPLS = ("reference", "pallas")
@@ -82,15 +81,11 @@ class SinkhornConfig:
     # card kind, alternating over two rounds: B=1 median 1.94 / 2.01 ms off against 1.81 / 1.78 on, B=16 1.99 /
     # 1.97 against 1.87 / 1.93, and on up to 128 tokens B=64 went 2.25 -> 2.48 / 3.02. By GPU time alone the pair
     # is slower than XLA's path even at C * D = 1024 (14.2 against 8.1 us a call at T=1): it pays in launches,
-    # which bound the tiny step; a prologue loading 8 parts at once was slower still at every shape (removed).
+    # which bound the tiny step; a prologue loading 8 parts at once was slower still at every shape (removed), and
+    # one loading each part a step ahead took the same time (H100, forty-second session: device busy 773 against 767
+    # us a tiny B=1 step; removed). Fewer parts (8, 2) made the split faster and the projection slower by more.
     fused_mixes_max_tokens: int = 16
     fused_mixes_max_width: int = 4096
-    # mixes_pallas' split kernel loads the projection's next part while it adds this one (prefetch.fori_loop_ahead:
-    # its 16 parts at the tiny width were 16 memory round trips one after another). Forty-first session, H100: the
-    # tiny B=1 step's split kernels took 155 us (16 parts), 117 (8), 87 (2), and the projection 65 / 113 / 392 us
-    # against them, so fewer parts did not pay; this form keeps 16 and has not run on a GPU (gpu_validate.sh
-    # prefetch-ab), so it is off
-    prefetch_parts: bool = False
 
     def __post_init__(self):
         for name in ("fused_mixes_max_tokens", "fused_mixes_max_width"):
@@ -391,16 +386,11 @@ def _project_kernel(x_ref, fn_ref, out_ref, *, t: int, m: int, chunks: int, chun
 
 
 def _mixes_split_kernel(part_ref, scale_ref, base_ref, pre_ref, out_ref, *, m: int, k: int, norm_eps: float,
-                        prefetch: bool, **split):
-    """The projection kernel's parts summed in order (``prefetch``: each part loaded while the one before is
-    added), the RMS statistic, the affine, then ``_split_block``."""
-    c, (parts, _, n) = split["c"], part_ref.shape
-
-    def load(s):  # part s's rows
-        return [part_ref[clamped(s, parts, prefetch), e, :] for e in range(m + 1)]
-
-    total = fori_loop_ahead(parts, load, lambda s, part, acc: [a + p for a, p in zip(acc, part)],
-                            [jnp.zeros((n,), jnp.float32)] * (m + 1), ahead=prefetch)
+                        **split):
+    """The projection kernel's parts summed in order, the RMS statistic, the affine, then ``_split_block``."""
+    c, n = split["c"], part_ref.shape[2]
+    total = lax.fori_loop(0, part_ref.shape[0], lambda s, acc: [a + part_ref[s, e, :] for e, a in enumerate(acc)],
+                          [jnp.zeros((n,), jnp.float32)] * (m + 1))
     rsqrt_N = rms_factor_rn(total[m], k, norm_eps, split["interpret"])
     z = _affine_entries([total[e] * rsqrt_N for e in range(m)], scale_ref, base_ref, c)
     _split_block(z, pre_ref, out_ref, 0, **split)
@@ -433,9 +423,8 @@ def mixes_pallas(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: 
         out_specs=pl.BlockSpec((None, p, n), lambda s: (s, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((splits, p, n), jnp.float32), interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2))(x_TK, fn_MK)
-    kernel = functools.partial(_mixes_split_kernel, m=m, k=k, norm_eps=norm_eps, prefetch=config.prefetch_parts,
-                               c=c, rounds=max(iters - 1, 0), eps=hc_eps, interpret=interpret,
-                               fast_divide=config.fast_divide, token_major=True)
+    kernel = functools.partial(_mixes_split_kernel, m=m, k=k, norm_eps=norm_eps, c=c, rounds=max(iters - 1, 0),
+                               eps=hc_eps, interpret=interpret, fast_divide=config.fast_divide, token_major=True)
     out_shape = (jax.ShapeDtypeStruct((t, c), jnp.float32), jax.ShapeDtypeStruct((t, m - c), jnp.float32))
     pre_TC, out_TE = pl.pallas_call(kernel, grid=(1,), out_shape=out_shape, interpret=interpret,
                                     compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(

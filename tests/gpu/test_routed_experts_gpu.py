@@ -44,8 +44,7 @@ VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the 
             "ragged-mgpu-64x1": ("ragged", {**MGPU, "mgpu_sizes": (16, 64), "mgpu_chunks": 1}),
             "ragged-mgpu-1wg": ("ragged", {**MGPU, "mgpu_warpgroups": 1, "mgpu_stages": 8}),
             "ragged-mgpu-overlap": ("ragged", {**MGPU, "mgpu_overlap": True}),
-            "ragged-mgpu-fitted": ("ragged", {**MGPU, "mgpu_lone_max": 0}),
-            "gathered-prefetch": ("gathered", {"matvec_prefetch": True})}
+            "ragged-mgpu-fitted": ("ragged", {**MGPU, "mgpu_lone_max": 0})}
 
 
 @pytest.mark.parametrize("path", [*rx.PATHS, *VARIANTS])
