@@ -199,6 +199,23 @@ def test_several_k_steps_on_both_paths():
         assert_close(got, expected)
 
 
+def test_gate_up_kernel_quantises_h_as_xla_does(monkeypatch):
+    """With whole 32-wide scale blocks per program (``matvec_rows`` 32, the default) the gate-up mat-vec writes h
+    fq8'd and phase-major itself; with 16 rows XLA does (``quant.fq8``, ``phase_major``). The down kernel's sums do
+    not depend on its rows, so the two give the same bits, padding slots and several K steps included."""
+    rng = np.random.default_rng(5)
+    experts = make_experts(rng, 4, 512, 256, (114, 124))
+    weights_TX, experts_TX = make_routing(rng, 3, 4, 2, pad_tokens=(2,), pad_slots=(0,))
+    x_TD = make_x(rng, 3, 512, 3.0)
+    got = {}
+    for rows in (32, 16):
+        monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_rows=rows, matvec_words=16))
+        got[rows] = np.asarray(rx.routed_experts(experts, x_TD, weights_TX, experts_TX, LIMIT, impl="pallas",
+                                                 path="gathered"))
+    np.testing.assert_array_equal(got[32], got[16])
+    assert_close(got[32], np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT)))
+
+
 def test_a_padding_slot_adds_exactly_nothing():
     rng = np.random.default_rng(11)
     experts = make_experts(rng, 8, 256, 128, (118, 124))

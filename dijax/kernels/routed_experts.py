@@ -167,7 +167,9 @@ class KernelConfig:
       H200 the same values bit for bit, and the gathered path 1.13x faster at T = 1 (151.9 -> 134.3 us) and 1.05x
       at T = 16 (813 -> 774 us) at the real sizes (eleventh session). Loading each K step's weights a step ahead
       (the sampler's thresholds kernel gained from it) did not pay here: H100, forty-second session, GPU time 74.2
-      against 75.6 us at T = 1 and 764.7 against 744.7 at T = 16 (removed);
+      against 75.6 us at T = 1 and 764.7 against 744.7 at T = 16 (removed). Where ``matvec_rows`` holds whole
+      32-wide scale blocks (the default) the gate-up kernel writes h as the down kernel reads it (fq8'd,
+      phase-major, float32), which took XLA two launches a layer (forty-second session);
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
     gemm_engine: the ragged path's GEMMs: 'triton' (the grouped GEMM kernels here: tiles of tokens, gathered
       activations, the weights' tiles dequantised into a bf16 dot) or 'mgpu' (dijax.kernels.fp4_wgmma: wgmma with
@@ -349,10 +351,19 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
 
 
 def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                           n_per_token: int, limit: float, rows: int, words: int, n_words: int, asm: bool):
-    """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding."""
+                           n_per_token: int, limit: float, rows: int, words: int, n_words: int, asm: bool,
+                           quantised: bool):
+    """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding.
+    ``quantised``: h goes out as the down kernel reads it, ``fq8``'d (the program's rows are whole 32-wide scale
+    blocks) and phase-major in float32, h_ref [A, 8, F/8] (``_store_phase_major``); else bf16, h_ref [A, F]."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
+
+    def store(h_R):
+        if quantised:
+            _store_phase_major(h_ref, a, r0, quant.fq8_tiles([h_R.astype(jnp.float32)[None, :]])[0][0])
+        else:
+            h_ref[a, pl.ds(r0, rows)] = h_R
 
     @pl.when(e >= 0)
     def _():
@@ -366,11 +377,18 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
 
         zeros = jnp.zeros((rows,), jnp.float32)
         g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
-        h_ref[a, pl.ds(r0, rows)] = _weighted_swiglu(g, u, limit, weight_ref[a])
+        store(_weighted_swiglu(g, u, limit, weight_ref[a]))
 
     @pl.when(e < 0)
     def _():
-        h_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
+        store(jnp.zeros((rows,), jnp.bfloat16))
+
+
+def _store_phase_major(h_ref, a, r0, h_R: jax.Array) -> None:
+    """Rows [r0, r0 + R) of assignment a's h (bf16 [R], R a multiple of 8) into h_ref float32 [A, 8, F/8], which
+    is ``phase_major``'s [A, F] (element 8w + j at [a, j, w]): [R/8 words, 8 codes] transposed."""
+    words = h_R.shape[0] // CODES_PER_WORD
+    h_ref[a, :, pl.ds(r0 // CODES_PER_WORD, words)] = h_R.astype(jnp.float32).reshape(words, CODES_PER_WORD).T
 
 
 def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int,
@@ -725,13 +743,18 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         params = _compiler_params(config.matvec_warps, config.matvec_stages)
         stack_A = _in_stack(expert_A, offset)
         asm = not interpret  # the inline-PTX conversions only lower for a GPU
-        h_AF = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
-                                       words=words_d, n_words=d // 8, asm=asm),
-                     (n_assign, f), (n_assign, f // rows_f), params, "routed_gate_up_matvec",
-                     stack_A, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3)
+        # the down kernel's input (fq8, phase-major, float32) straight from the gate-up kernel where each program's
+        # rows are whole scale blocks (the default); else XLA's two launches make it
+        quantised = rows_f % quant.FP8_BLOCK == 0
+        h = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
+                                   words=words_d, n_words=d // 8, asm=asm, quantised=quantised),
+                 (n_assign, CODES_PER_WORD, f // CODES_PER_WORD) if quantised else (n_assign, f),
+                 (n_assign, f // rows_f), params, "routed_gate_up_matvec",
+                 stack_A, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3,
+                 dtype=jnp.float32 if quantised else jnp.bfloat16)
+        h_AF = h.reshape(n_assign, f) if quantised else phase_major(quant.fq8(h)).astype(jnp.float32)
         y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8, asm=asm),
-                     (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec",
-                     stack_A, phase_major(quant.fq8(h_AF)).astype(jnp.float32), w2, s2)
+                     (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec", stack_A, h_AF, w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
     if (config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments
@@ -823,11 +846,11 @@ def _expert_stacks(experts: dict) -> tuple[list[tuple[jax.Array, jax.Array]], ja
     return list(zip(flat[:3], flat[3:])), layer * stacks[0].shape[1]
 
 
-def _call(kernel, out_shape: tuple[int, int], grid: tuple[int, int], params, name: str, *args, poisoned: bool,
-          interpret: bool) -> jax.Array:
-    """One bf16-output ``pallas_call``; when ``poisoned`` the output starts NaN-filled (dijax.kernels.poison), so
-    elements that no program writes stay NaN."""
-    return poison.pallas_call(kernel, *args, out_shape=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
+def _call(kernel, out_shape: tuple[int, ...], grid: tuple[int, int], params, name: str, *args, poisoned: bool,
+          interpret: bool, dtype=jnp.bfloat16) -> jax.Array:
+    """One ``pallas_call`` with one output (bf16 unless ``dtype``); when ``poisoned`` the output starts NaN-filled
+    (dijax.kernels.poison), so elements that no program writes stay NaN."""
+    return poison.pallas_call(kernel, *args, out_shape=jax.ShapeDtypeStruct(out_shape, dtype),
                               poison=poisoned, grid=grid, compiler_params=params, name=name, interpret=interpret)
 
 

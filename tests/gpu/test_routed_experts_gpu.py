@@ -39,6 +39,7 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 
 MGPU = {"gemm_engine": "mgpu", "mgpu_min_assignments": 0}  # the ragged path on fp4_wgmma at every size
 VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the benchmark sweeps
+            "gathered-rows16": ("gathered", {"matvec_rows": 16}),  # h quantised by XLA, not the gate-up kernel
             # the ragged path on dijax.kernels.fp4_wgmma (wgmma, weights decoded in registers)
             "ragged-mgpu": ("ragged", MGPU),
             "ragged-mgpu-64x1": ("ragged", {**MGPU, "mgpu_sizes": (16, 64), "mgpu_chunks": 1}),
