@@ -42,6 +42,22 @@ def test_kernel_is_the_reference(t, e, x, normalize, config):
     assert np.all(np.diff(experts, axis=1) > 0) and experts.min() >= 0 and experts.max() < e
 
 
+@pytest.mark.parametrize("config", [router.RouterConfig(), router.RouterConfig(block_tokens=4, warps=2)])
+def test_padding_tokens_route_to_no_expert(config):
+    """``valid_T`` False: every expert id -1 (the routed experts read nothing for the token); the other tokens and
+    every weight as without the mask."""
+    scores, bias = _scores(7, 64, seed=3)
+    valid = jnp.array([True, False, True, True, False, False, True])
+    args = (scores, bias, 6, True, 2.5)
+    got = router.route_pallas(*args, valid, interpret=True, config=config)
+    _assert_same(got, router.route_reference(*args, valid))
+    unmasked = router.route_reference(*args)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(unmasked[0]))
+    experts = np.asarray(got[1])
+    assert np.all(experts[~np.asarray(valid)] == -1)
+    np.testing.assert_array_equal(experts[np.asarray(valid)], np.asarray(unmasked[1])[np.asarray(valid)])
+
+
 def test_ties_pick_the_lowest_ids_as_top_k_does():
     """Equal selection keys: lax.top_k takes the lower index first, and so does the kernel; the weights come from
     the unbiased scores, not the keys."""

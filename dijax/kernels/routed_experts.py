@@ -350,10 +350,11 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
     return (swiglu(g_f32, u_f32, limit) * weight).astype(jnp.bfloat16)
 
 
-def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
+def _gate_up_matvec_kernel(expert_ref, offset_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                            n_per_token: int, limit: float, rows: int, words: int, n_words: int, asm: bool,
                            quantised: bool):
-    """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding.
+    """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding (expert
+    -1). Expert e's weights are entry e + offset_ref[0] of the stacks (``_expert_stacks``).
     ``quantised``: h goes out as the down kernel reads it, ``fq8``'d (the program's rows are whole 32-wide scale
     blocks) and phase-major in float32, h_ref [A, 8, F/8] (``_store_phase_major``); else bf16, h_ref [A, F]."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
@@ -367,12 +368,13 @@ def _gate_up_matvec_kernel(expert_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref
 
     @pl.when(e >= 0)
     def _():
-        t = a // n_per_token
+        t, e_stack = a // n_per_token, e + offset_ref[0]
 
         def step(k, acc):
             w0 = k * words
             x_J = [x_ref[t, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
-            (w1_RW, s1_RB), (w3_RW, s3_RB) = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e, r0, rows, w0, words)
+            (w1_RW, s1_RB), (w3_RW, s3_RB) = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e_stack, r0, rows, w0,
+                                                           words)
             return acc[0] + _matvec_partial(w1_RW, s1_RB, x_J, asm), acc[1] + _matvec_partial(w3_RW, s3_RB, x_J, asm)
 
         zeros = jnp.zeros((rows,), jnp.float32)
@@ -391,18 +393,21 @@ def _store_phase_major(h_ref, a, r0, h_R: jax.Array) -> None:
     h_ref[a, :, pl.ds(r0 // CODES_PER_WORD, words)] = h_R.astype(jnp.float32).reshape(words, CODES_PER_WORD).T
 
 
-def _down_matvec_kernel(expert_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int, n_words: int,
-                        asm: bool):
-    """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding."""
+def _down_matvec_kernel(expert_ref, offset_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int,
+                        n_words: int, asm: bool):
+    """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding (experts as the gate-up
+    kernel's)."""
     a, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[a]
 
     @pl.when(e >= 0)
     def _():
+        e_stack = e + offset_ref[0]
+
         def step(k, acc):
             w0 = k * words
             h_J = [h_ref[a, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
-            [(w2_RW, s2_RB)] = _weight_tiles((w2_ref,), (s2_ref,), e, r0, rows, w0, words)
+            [(w2_RW, s2_RB)] = _weight_tiles((w2_ref,), (s2_ref,), e_stack, r0, rows, w0, words)
             return acc + _matvec_partial(w2_RW, s2_RB, h_J, asm)
 
         y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows,), jnp.float32))
@@ -741,7 +746,9 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         words_d = _block(d // 8, config.matvec_words, "dim/8", WORDS_PER_SCALE)
         words_f = _block(f // 8, config.matvec_words, "moe_inter_dim/8", WORDS_PER_SCALE)
         params = _compiler_params(config.matvec_warps, config.matvec_stages)
-        stack_A = _in_stack(expert_A, offset)
+        # the stack offset is added in the kernels: with the router's -1 for padding tokens (``router.route``'s
+        # valid_T) no XLA launch sits between the router and the mat-vecs
+        offset_1 = jnp.reshape(offset, (1,)).astype(jnp.int32)
         asm = not interpret  # the inline-PTX conversions only lower for a GPU
         # the down kernel's input (fq8, phase-major, float32) straight from the gate-up kernel where each program's
         # rows are whole scale blocks (the default); else XLA's two launches make it
@@ -750,11 +757,12 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
                                    words=words_d, n_words=d // 8, asm=asm, quantised=quantised),
                  (n_assign, CODES_PER_WORD, f // CODES_PER_WORD) if quantised else (n_assign, f),
                  (n_assign, f // rows_f), params, "routed_gate_up_matvec",
-                 stack_A, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3,
+                 expert_A, offset_1, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3,
                  dtype=jnp.float32 if quantised else jnp.bfloat16)
         h_AF = h.reshape(n_assign, f) if quantised else phase_major(quant.fq8(h)).astype(jnp.float32)
         y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8, asm=asm),
-                     (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec", stack_A, h_AF, w2, s2)
+                     (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec", expert_A, offset_1, h_AF,
+                     w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
     if (config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments

@@ -74,15 +74,18 @@ def ascending(ids_TX: jax.Array) -> jax.Array:
 
 
 def route_reference(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normalize: bool,
-                    route_scale: float) -> tuple[jax.Array, jax.Array]:
+                    route_scale: float, valid_T: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """scores_TE float32 [T, E] (non-negative), bias_E float32 [E] -> (weights float32 [T, X], experts int32
     [T, X] ascending): the top X of scores + bias, weighted by their scores, renormalised when ``normalize`` (and
-    X > 1), times ``route_scale``."""
+    X > 1), times ``route_scale``. valid_T: None, or bool [T], False for a step's padding tokens, whose experts are
+    all -1 (routed to none; their weights are left as computed)."""
     _, experts = jax.lax.top_k(scores_TE + bias_E, n_active)
     experts = ascending(experts)  # the reference sums expert outputs in expert-id order
     weights = jnp.take_along_axis(scores_TE, experts, axis=-1)
     if normalize and n_active > 1:
         weights = divide(weights, sum_in_order(weights, -1) + NORM_EPS)
+    if valid_T is not None:
+        experts = jnp.where(valid_T[:, None], experts, -1)
     return weights * np.float32(route_scale), experts.astype(jnp.int32)
 
 
@@ -92,10 +95,11 @@ def block_tokens(t: int, config: RouterConfig = RouterConfig()) -> int:
     return int(min(config.block_tokens, pl.next_power_of_2(max(t, 1))))
 
 
-def _route_kernel(scores_ref, bias_ref, weights_ref, experts_ref, *, block: int, n_tokens: int, n_experts: int,
-                  n_active: int, normalize: bool, route_scale: float, interpret: bool):
+def _route_kernel(scores_ref, bias_ref, valid_ref, weights_ref, experts_ref, *, block: int, n_tokens: int,
+                  n_experts: int, n_active: int, normalize: bool, route_scale: float, interpret: bool):
     """Program i: tokens [i * B, (i + 1) * B), B = ``block`` (rows past ``n_tokens`` read token n_tokens - 1 and
-    are not written). scores_ref [T, E], bias_ref [E] float32 -> weights_ref, experts_ref [T, X]."""
+    are not written). scores_ref [T, E], bias_ref [E] float32, valid_ref int32 [T] (0: experts -1) -> weights_ref,
+    experts_ref [T, X]."""
     rows = pl.program_id(0) * block + jnp.arange(block)
     safe_R1 = jnp.minimum(rows, n_tokens - 1)[:, None]
     padded = pl.next_power_of_2(n_experts)
@@ -118,17 +122,20 @@ def _route_kernel(scores_ref, bias_ref, weights_ref, experts_ref, *, block: int,
         weights = [div_rn(w, total, interpret) for w in weights]
     # rows past T keep their own indices, masked: clamped duplicates of a live row would overwrite it, interpreted
     live_R = rows < n_tokens
+    valid_R = pltriton.load(valid_ref.at[safe_R1[:, 0]]) != 0
     for j, (w, p) in enumerate(zip(weights, picks)):
         column_R = jnp.full((block,), j)
         pltriton.store(weights_ref.at[rows, column_R], w * np.float32(route_scale), mask=live_R)
-        pltriton.store(experts_ref.at[rows, column_R], p.astype(jnp.int32), mask=live_R)
+        pltriton.store(experts_ref.at[rows, column_R], jnp.where(valid_R, p, -1).astype(jnp.int32), mask=live_R)
 
 
 @functools.partial(jax.jit, static_argnames=("n_active", "normalize", "route_scale", "interpret", "config"))
 def route_pallas(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normalize: bool, route_scale: float,
-                 interpret: bool | None = None, config: RouterConfig = RouterConfig()) -> tuple[jax.Array, jax.Array]:
-    """Same contract as ``route_reference``, one kernel launch. ``interpret``: run the kernel interpreted (default:
-    off a GPU); ``config``: the tiling."""
+                 valid_T: jax.Array | None = None, interpret: bool | None = None,
+                 config: RouterConfig = RouterConfig()) -> tuple[jax.Array, jax.Array]:
+    """Same contract as ``route_reference``, one kernel launch (``valid_T`` masked in the kernel: in a decode step
+    XLA's select after the router was a launch of its own). ``interpret``: run the kernel interpreted (default: off
+    a GPU); ``config``: the tiling."""
     interpret = interpret_mode(interpret)
     t, e = scores_TE.shape
     if t == 0:  # no program to launch
@@ -140,16 +147,17 @@ def route_pallas(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normali
         kernel, grid=(-(-t // block),), interpret=interpret, name="router",
         out_shape=[jax.ShapeDtypeStruct((t, n_active), jnp.float32), jax.ShapeDtypeStruct((t, n_active), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=config.warps, num_stages=1))(
-        scores_TE.astype(jnp.float32), bias_E.astype(jnp.float32))
+        scores_TE.astype(jnp.float32), bias_E.astype(jnp.float32),
+        jnp.ones((t,), jnp.int32) if valid_T is None else valid_T.astype(jnp.int32))
     return weights_TX, experts_TX
 
 
 _IMPLEMENTATIONS = {"reference": route_reference, "pallas": route_pallas}
 
 
-def route(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normalize: bool, route_scale: float, *,
-          impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+def route(scores_TE: jax.Array, bias_E: jax.Array, n_active: int, normalize: bool, route_scale: float,
+          valid_T: jax.Array | None = None, *, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
     """The router's selection by the implementation ``impl`` (one of IMPLS): ``route_reference``'s contract."""
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"router impl must be one of {IMPLS}, got {impl!r}")
-    return _IMPLEMENTATIONS[impl](scores_TE, bias_E, n_active, normalize, route_scale)
+    return _IMPLEMENTATIONS[impl](scores_TE, bias_E, n_active, normalize, route_scale, valid_T)

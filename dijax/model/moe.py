@@ -18,9 +18,10 @@ from dijax.parallel.moe import routed_experts_ep
 from dijax.kernels.numerics import divide
 
 
-def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig,
-         impl: str = "reference") -> tuple[jax.Array, jax.Array]:
-    """Route each token. Returns (weights_TX float32, experts_TX int32), experts in ascending id order.
+def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig, impl: str = "reference",
+         valid_T: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Route each token. Returns (weights_TX float32, experts_TX int32), experts in ascending id order; a token
+    whose ``valid_T`` is False gets expert -1 in every slot.
 
     scores = sqrt(softplus(x @ W.T / gate_temp)) in fp32; the top-X of ``scores + bias`` are selected; weights are
     the unbiased scores of the selected experts, renormalised (sum + 1e-20) and times route_scale
@@ -28,7 +29,8 @@ def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig,
     """
     logits = divide(matmul_promoted(x_TD, p["weight"]), cfg.gate_temp)
     softplus = jnp.where(logits > 20, logits, jnp.log1p(jnp.exp(jnp.minimum(logits, 20))))
-    return router.route(jnp.sqrt(softplus), p["bias"], n_active, cfg.norm_topk_prob, cfg.route_scale, impl=impl)
+    return router.route(jnp.sqrt(softplus), p["bias"], n_active, cfg.norm_topk_prob, cfg.route_scale, valid_T,
+                        impl=impl)
 
 
 def shared_expert(p: dict, x_TD: jax.Array, limit: float, linear_impl: str = "reference") -> jax.Array:
@@ -49,9 +51,7 @@ def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, valid_T: jax.Array | None = 
     the shared expert's fp8 linears' (``dijax.kernels.fp8_linear``); ``router_impl``: the router's selection's
     (``dijax.kernels.router``). Under a context mesh with an ``ep`` axis the routed experts run split over it
     (dijax.parallel.moe)."""
-    weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg, router_impl)
-    if valid_T is not None:
-        experts = jnp.where(valid_T[:, None], experts, -1)
+    weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg, router_impl, valid_T)
     x_act_TD = quant.fq8(x_TD) if x_act_TD is None else x_act_TD
     y = routed_experts_ep(p["experts"], x_act_TD, weights, experts, cfg.swiglu_limit, impl=impl)
     y = y + shared_expert(p["shared_experts"], x_TD, cfg.swiglu_limit, linear_impl).astype(jnp.float32)
