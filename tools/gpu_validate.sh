@@ -81,6 +81,9 @@
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
 #            session: wall time could not rank their launch cuts);
+#   launch-cuts  (~500 s) the forty-second session's launch cuts (the routed gate-up kernel's fq8 epilogue, the
+#            router's padding mask): their GPU tests beside GPU parity, then the tiny step of a base tree (ab-base/)
+#            and of this one alternating, with profiler traces;
 #   layouts  (~480 s) the thirty-eighth session's changed kernels (token-major split and router outputs, the
 #            split's prologue) on the GPU: their tests, tiny-nodrop parity, the tiny step's rows and launches;
 #   sampler  (~500 s) the sampler's tests (the thresholds kernel's GPU test among them), its rows at V4.1's
@@ -108,7 +111,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="launch-ab|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -189,6 +192,28 @@ case "$stage" in
     for kernels in on on,latents_impl=reference,collapse_impl=reference; do
       run 150 python3 tools/bench.py --kernels "$kernels" --decode-batch 1,16 --context 256 --prefill= \
         --block-size 16 --engine off --warmup 5 --iters 20 --dump "$out/dump-${kernels//[,=]/-}"
+    done
+    for trace in "$out"/dump-*/decode_*/; do
+      run 30 python3 tools/trace_summary.py "$trace" --top 5
+    done ;;
+  launch-cuts)
+    # (~500 s; forty-second session) the routed gate-up mat-vec writing h fq8'd and phase-major, and the router
+    # masking padding tokens (both took an XLA launch of their own before): GPU parity of tiny-nodrop and tiny beside
+    # those kernels' GPU test files, then the tiny step (B=1 / 16) of the base tree (ab-base/, exported as for `ab`)
+    # and of this one, alternating over two rounds, the second round with profiler traces (device busy a step)
+    [ -d ab-base/dijax ] || { echo "launch-cuts: export the base tree into ab-base/ first (see ab)" >&2; exit 2; }
+    rm -rf $sub; mkdir -p $sub
+    XLA_PYTHON_CLIENT_PREALLOCATE=false checks_with . 300 tests/gpu/test_routed_experts_gpu.py \
+      tests/gpu/test_router_gpu.py
+    for round in 1 2; do
+      for tree in ab-base .; do
+        name=$([ "$tree" = . ] && echo this || echo base)
+        dump=(); [ "$round" = 2 ] && dump=(--dump "$(realpath "$out")/dump-$name")
+        echo "== $name, round $round" | tee -a "$log"
+        (cd "$tree" && PYTHONPATH=. timeout 150 python3 tools/bench.py --kernels on --decode-batch 1,16 --context 256 \
+          --prefill= --block-size 16 --engine off --warmup 5 --iters 30 "${dump[@]}") >> "$log" 2>&1 \
+          || echo "   (exit $?)" >> "$log"
+      done
     done
     for trace in "$out"/dump-*/decode_*/; do
       run 30 python3 tools/trace_summary.py "$trace" --top 5

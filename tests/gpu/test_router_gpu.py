@@ -46,3 +46,17 @@ def test_kernel_is_the_oracle(t, config):
     ref_w, ref_e = jax.jit(lambda s, b: router.route_reference(s, b, 6, True, 2.5))(scores, bias)
     np.testing.assert_array_equal(np.asarray(ref_e), want_e)
     np.testing.assert_allclose(np.asarray(ref_w), want_w, rtol=2 ** -22)  # XLA's GPU division: an ulp at most
+
+
+@pytest.mark.parametrize("t, config", [(16, router.RouterConfig()), (33, router.RouterConfig(block_tokens=16, warps=4))])
+def test_padding_tokens_get_no_expert(t, config):
+    """``valid_T`` False: the token's experts are all -1, every other output as the oracle's."""
+    key1, key2 = jax.random.split(jax.random.key(t + 1))
+    scores = jnp.sqrt(jax.nn.softplus(jax.random.normal(key1, (t, 384), jnp.float32)))
+    bias = jax.random.normal(key2, (384,), jnp.float32) * 0.01
+    valid = np.arange(t) % 3 != 1
+    weights, experts = jax.jit(lambda s, b, v: router.route_pallas(s, b, 6, True, 2.5, v, config=config))(
+        scores, bias, jnp.asarray(valid))
+    want_w, want_e = _oracle(np.asarray(scores), np.asarray(bias), 6, 2.5)
+    np.testing.assert_array_equal(np.asarray(experts), np.where(valid[:, None], want_e, -1))
+    np.testing.assert_array_equal(np.asarray(weights), want_w)
