@@ -216,6 +216,18 @@ def test_gate_up_kernel_quantises_h_as_xla_does(monkeypatch):
     assert_close(got[32], np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT)))
 
 
+def test_matvecs_lower_to_triton_without_a_gpu(lower_for_cuda):
+    """The mat-vecs as the GPU builds them (inline PTX, the gate-up kernel's fq8 epilogue and transposed store,
+    the stack offset read in the kernels) lower to Triton IR: two kernels."""
+    rng = np.random.default_rng(23)
+    experts = make_experts(rng, 4, 1024, 512, (116, 122))
+    weights_TX, experts_TX = make_routing(rng, 2, 4, 2)
+    with dijax.kernels.lowering_for_gpu():
+        text = lower_for_cuda(lambda e, x, w, i: rx.routed_experts_pallas(e, x, w, i, LIMIT, "gathered"), experts,
+                              make_x(rng, 2, 1024, 3.0), weights_TX, experts_TX)
+    assert text.count("xla.gpu.triton") == 2
+
+
 def test_a_padding_slot_adds_exactly_nothing():
     rng = np.random.default_rng(11)
     experts = make_experts(rng, 8, 256, 128, (118, 124))
