@@ -4,6 +4,7 @@ ptxas errors, registers, spills, shared memory and the SASS instruction mix, bef
     pip install triton==3.6.0          # the GPU machine's version; not a dijax dependency (it brings ptxas)
     PYTHONPATH=. python3 tools/kernel_report.py                          # V4.1-Flash, decode 64 x 64, prefill 1024
     PYTHONPATH=. python3 tools/kernel_report.py --buckets 1x1x8 --sass-top 12 --keep /tmp/kernels
+    PYTHONPATH=. python3 tools/kernel_report.py --buckets 1x1x8 --kernel-setting fp8_linear.CONFIG.depth=128
 
 The step (tools/compile_time.py's abstract 40-layer V4.1-Flash config, the engine's ``compiled_step``) is lowered
 for CUDA with every kernel on (``dijax.kernels.lowering_for_gpu``; Pallas reads the compute capability from an
@@ -17,7 +18,10 @@ time (the first kernel's build includes Triton's start-up, ~10 s here; the twent
 Sinkhorn kernel's unrolled rounds at 25-31 s a build on this 2-core host, 1.5 s as a loop).
 
 Static counts are not timings: they show what a kernel's code is made of (tensor-core instructions and of which
-kind, conversions, spills), which says where to look; the device's benchmarks say how fast it is.
+kind, conversions, barriers, spills), which says where to look; the device's benchmarks say how fast it is. A
+variant's kernels (``--kernel-setting``, as tools/bench.py takes it) can be set beside the default's before a GPU
+run: the forty-second session dropped a float16 decode of the fp8 linear on its counts (SASS no shorter, 7x the
+barriers; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from jax._src.pallas.triton import pallas_call_registration as registration  # n
 
 from dijax.kernels import lowering_for_gpu  # noqa: E402
 from dijax.kernels.options import kernel_options  # noqa: E402
+from tools.bench import apply_kernel_settings  # noqa: E402
 from tools.compile_time import abstract_inputs, flash_config, lower_bucket  # noqa: E402
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -187,7 +192,10 @@ def main() -> None:
                         help="comma-separated TOKENSxSEQUENCESxBLOCKS step buckets (block size 128)")
     parser.add_argument("--sass-top", type=int, default=0, help="also list each kernel's N most frequent opcodes")
     parser.add_argument("--keep", help="keep the .ttir / .ptx / .cubin files in this directory")
+    parser.add_argument("--kernel-setting", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="a kernel module's constant or CONFIG field for this build (tools/bench.py's)")
     args = parser.parse_args()
+    apply_kernel_settings(args.kernel_setting)
     if triton is None:
         sys.exit("kernel_report: needs the triton package (pip install triton==3.6.0, the GPU machine's version)")
     buckets = [tuple(int(v) for v in spec.split("x")) for spec in args.buckets.split(",")]
@@ -198,10 +206,10 @@ def main() -> None:
     workdir = args.keep or tempfile.mkdtemp(prefix="dijax-kernels-")
     os.makedirs(workdir, exist_ok=True)
     columns = ["wgmma", "mma.sync", "fp32", "f16x2", "convert", "int", "global load", "shared load", "shared store",
-               "spill", "other"]
+               "barrier", "spill", "other"]
     print("| kernel | build s | warps | stages | registers | spill bytes (st / ld) | shared KB | "
-          + " | ".join(columns) + " |")
-    print("|---" * (7 + len(columns)) + "|")
+          + " | ".join(columns) + " | total |")
+    print("|---" * (8 + len(columns)) + "|")
     failures, printed = 0, set()
     for i, (name, text, warps, stages) in enumerate(kernels):
         try:
@@ -214,7 +222,8 @@ def main() -> None:
             continue
         fam = families(r["opcodes"])
         row = (f"{warps} | {stages} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
-               f"{r['shared'] / 1024:.1f} | " + " | ".join(str(fam.get(c, 0)) for c in columns))
+               f"{r['shared'] / 1024:.1f} | " + " | ".join(str(fam.get(c, 0)) for c in columns)
+               + f" | {sum(r['opcodes'].values())}")
         if (name, row) in printed:  # the same kernel in another layer (its IR differs only in source locations)
             continue
         printed.add((name, row))
