@@ -154,6 +154,23 @@ def test_pallas_matches_reference(monkeypatch, poison, t, out_dim, in_dim, targe
                       scale)
 
 
+@pytest.mark.parametrize("t, target", [(1, 264), (5, 1), (20, 264)])
+def test_quantised_activations_are_taken_as_they_are(monkeypatch, poison, t, target):
+    """``quantised`` x (``quant.fq8``'s values) with ``take_quantised``: the kernel skips its own fake-quantisation
+    and gives the very bits it gives when it quantises (fq8 is idempotent), on one launch of two linears too."""
+    weight, scale, _ = _weights(96, 160, seed=t + 2)
+    x_act = quant.fq8((jax.random.normal(jax.random.key(t + 2), (t, 160), jnp.float32) * 3).astype(jnp.bfloat16))
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, target_programs=target))
+    want = fl.fp8_linears(x_act, [(weight, scale), (weight, scale)], impl="pallas")
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, target_programs=target, take_quantised=True))
+    got = fl.fp8_linears(x_act, [(weight, scale), (weight, scale)], impl="pallas", quantised=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert_close_bf16(got[0], fl.fp8_linear_reference(x_act, weight, scale), x_act, weight, scale)
+    reference = fl.fp8_linears(x_act, [(weight, scale)], impl="reference", quantised=True)[0]
+    np.testing.assert_array_equal(np.asarray(reference), np.asarray(fl.fp8_linear_reference(x_act, weight, scale)))
+
+
 @pytest.mark.parametrize("wide_from", [1, 17])
 def test_wide_and_narrow_column_tiles_agree_with_the_reference(monkeypatch, poison, wide_from):
     """Steps of ``wide_from`` tokens or more take ``wide_cols``-wide column tiles (here 64 against 32: two tiles
@@ -230,9 +247,9 @@ def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkey
     cfg = fixture.cfg
     seen = set()
 
-    def record(x_TI, pairs, joined):
+    def record(x_TI, pairs, joined, quantised):
         seen.update(weight_OI.shape for weight_OI, _ in pairs)
-        return fl.fp8_linears_reference(x_TI, pairs, joined)
+        return fl.fp8_linears_reference(x_TI, pairs, joined, quantised)
 
     monkeypatch.setitem(fl._IMPLEMENTATIONS, "pallas", record)
     chunks = [SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=list(range(3, 20)), logits="all")]
@@ -246,11 +263,14 @@ def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkey
 
 @pytest.mark.parametrize("t, out_dim, in_dim", [(1, 512, 5120), (64, 5120, 8192), (8, 96, 160)])
 def test_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch, t, out_dim, in_dim):
-    """Both output forms (bf16, and split K's fp32 partial sums) and the poisoned output lower to Triton IR."""
+    """Both output forms (bf16, and split K's fp32 partial sums), the poisoned output and quantised activations
+    taken as they are lower to Triton IR."""
     x = jax.ShapeDtypeStruct((t, in_dim), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((out_dim, in_dim), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((out_dim // 32, in_dim // 32), jnp.uint8)
     for config in (dataclasses.replace(fl.CONFIG, max_tokens=t),
-                   dataclasses.replace(fl.CONFIG, max_tokens=t, target_programs=1, poison=True)):
+                   dataclasses.replace(fl.CONFIG, max_tokens=t, target_programs=1, poison=True),
+                   dataclasses.replace(fl.CONFIG, max_tokens=t, take_quantised=True)):
         monkeypatch.setattr(fl, "CONFIG", config)
-        assert "triton" in lower_for_cuda(functools.partial(fl.fp8_linear_pallas, interpret=False), x, w, s)
+        fn = functools.partial(fl.fp8_linear_pallas, interpret=False, quantised=True)
+        assert "triton" in lower_for_cuda(fn, x, w, s)

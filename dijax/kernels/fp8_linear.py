@@ -96,6 +96,14 @@ class KernelConfig:
     in place (``fp8_wgmma.linear_mgpu``'s ``block_scales``; off: its GPU tests and parity pass, but on an H100 the
     flash-slice decode step at B=64 took the same time with it, 53 launches fewer, thirty-sixth session).
 
+    ``take_quantised``: where a caller passes activations that are ``quant.fq8``'s values already (``quantised``:
+    the MoE's shared expert takes the collapse kernel's fq8 output) the Triton kernel loads them as they are instead
+    of fake-quantising each slice in registers: the same bits (fq8 is idempotent). Every column program quantises
+    the whole slice of x again, padded rows included (16 rows at one token), and that work is a third of the kernel:
+    its sm_90 build at one token is 1184 SASS instructions against 1856 (wq_b) and 1208 against 1880 (wo_b), 1400
+    against 2072 at 16 tokens (shared w1; tools/kernel_report.py, forty-second session). Prepared without a GPU, so
+    off until ``gpu_validate.sh fq8-given`` measures it.
+
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
     cols: int = 64
@@ -113,6 +121,7 @@ class KernelConfig:
     mgpu_min_tokens: int = 33
     mgpu_max_tokens: int = 64
     mgpu_block_scales: bool = False
+    take_quantised: bool = False
     poison: bool = False
 
     def __post_init__(self):
@@ -134,10 +143,11 @@ CONFIG = KernelConfig()
 Weight = jax.Array | LayerSlice
 
 
-def fp8_linear_reference(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight) -> jax.Array:
-    """The reference: x [T, I] bf16, weight [O, I] float8_e4m3fn, scale uint8 [ceil(O/32), I/32] -> bf16 [T, O]."""
+def fp8_linear_reference(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, quantised: bool = False) -> jax.Array:
+    """The reference: x [T, I] bf16, weight [O, I] float8_e4m3fn, scale uint8 [ceil(O/32), I/32] -> bf16 [T, O].
+    ``quantised``: x is ``quant.fq8``'s values already, so it is not quantised again (which would give it back)."""
     w_OI = quant.dequant_fp8_weight(materialize(weight_OI), materialize(scale_BB))
-    return numerics.einsum_bf16("ti,oi->to", quant.fq8(x_TI), w_OI)
+    return numerics.einsum_bf16("ti,oi->to", x_TI if quantised else quant.fq8(x_TI), w_OI)
 
 
 def decode_e4m3(codes: jax.Array) -> jax.Array:
@@ -195,12 +205,13 @@ def dequant_pairs(words_NW: jax.Array, scale_BB: jax.Array, asm: bool) -> list[j
 
 
 def _kernel(layer_ref, x_ref, *refs, n_tokens: int, rows: int, cols: int, depth: int, n_depth: int, asm: bool,
-            bounds: tuple[int, ...]):
+            bounds: tuple[int, ...], quantise: bool):
     """Program (n, m, k): output rows [m*rows, (m+1)*rows) (masked past the last token), columns [n*cols, ...) of
     the weights' outputs side by side, over K slices [k*n_depth, (k+1)*n_depth) of ``depth``. ``refs``: each
     weight's words [L, O_i, I/4] and each one's scale stack, read at layer ``layer_ref[0]``, then the output: bf16
     [T, sum O_i], or with split K the fp32 partial sums [splits, T, sum O_i]. Column tiles [bounds[i],
-    bounds[i+1]) belong to weight i; x bf16 [T, I] is shared."""
+    bounds[i+1]) belong to weight i; x bf16 [T, I] is shared, fake-quantised slice by slice (``quantise``) or
+    already ``quant.fq8``'s values."""
     n_weights = len(bounds) - 1
     w_refs, s_refs, o_ref = refs[:n_weights], refs[n_weights:2 * n_weights], refs[-1]
     n, m0 = pl.program_id(0), pl.program_id(1) * rows
@@ -217,7 +228,8 @@ def _kernel(layer_ref, x_ref, *refs, n_tokens: int, rows: int, cols: int, depth:
             k0 = (first + k) * depth
             x_tiles = [pltriton.load(x_ref.at[safe_R1, (k0 + col_H)[None, :]], mask=live_RH, other=0)
                        for col_H in pair_columns(depth)]
-            x_tiles = quant.fq8_tiles([x.astype(jnp.float32) for x in x_tiles])
+            if quantise:
+                x_tiles = quant.fq8_tiles([x.astype(jnp.float32) for x in x_tiles])
             words_NW = w_ref[layer, pl.ds(n0, cols), pl.ds(k0 // CODES_PER_WORD, words)]
             scale_BB = s_ref[layer, pl.ds(n0 // FP8_BLOCK, cols // FP8_BLOCK),
                              pl.ds(k0 // FP8_BLOCK, depth // FP8_BLOCK)]
@@ -277,14 +289,14 @@ def _mgpu_takes(x_TI: jax.Array, weights: list[Weight], interpret: bool) -> bool
                for w in weights)
 
 
-def fp8_linear_pallas(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight,
-                      interpret: bool | None = None) -> jax.Array:
+def fp8_linear_pallas(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, interpret: bool | None = None,
+                      quantised: bool = False) -> jax.Array:
     """``fp8_linear_reference`` in one Pallas kernel (module docstring); other shapes take the reference.
 
     x_TI bf16 [T, I] (any leading shape is flattened by ``fp8_linear``); weight [O, I] e4m3; scale uint8
     [O/32, I/32] (either may be a ``LayerSlice``, read in place). -> bf16 [T, O]. ``interpret``: run the kernel
-    interpreted (default: off a GPU)."""
-    [y_TO] = fp8_linears_pallas(x_TI, [(weight_OI, scale_BB)], interpret=interpret)
+    interpreted (default: off a GPU); ``quantised``: as ``fp8_linears_pallas``'."""
+    [y_TO] = fp8_linears_pallas(x_TI, [(weight_OI, scale_BB)], interpret=interpret, quantised=quantised)
     return y_TO
 
 
@@ -293,22 +305,24 @@ def _join(ys: list[jax.Array], joined: bool) -> list[jax.Array]:
     return [jnp.concatenate(ys, axis=-1)] if joined and len(ys) > 1 else ys
 
 
-def fp8_linears_reference(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]],
-                          joined: bool = False) -> list[jax.Array]:
+def fp8_linears_reference(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]], joined: bool = False,
+                          quantised: bool = False) -> list[jax.Array]:
     """``fp8_linear_reference`` of one x by each (weight, scale) pair. -> [bf16 [T, O_i]], or with ``joined`` one
-    bf16 [T, sum O_i] (the outputs side by side)."""
-    return _join([fp8_linear_reference(x_TI, weight_OI, scale_BB) for weight_OI, scale_BB in pairs], joined)
+    bf16 [T, sum O_i] (the outputs side by side). ``quantised``: as ``fp8_linear_reference``'s."""
+    return _join([fp8_linear_reference(x_TI, weight_OI, scale_BB, quantised) for weight_OI, scale_BB in pairs],
+                 joined)
 
 
 def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]], joined: bool = False,
-                       interpret: bool | None = None) -> list[jax.Array]:
+                       interpret: bool | None = None, quantised: bool = False) -> list[jax.Array]:
     """``fp8_linears_reference`` in one kernel launch: the weights' column tiles side by side in one grid (each
     program reads one weight's tile), so linears that share their input (wq_a and wkv, the shared expert's w1 and
     w3) cost one launch, and with split K one sum. Each output tile is computed as ``fp8_linear_pallas`` computes
     it alone; only the split count can differ (the grid is wider, so K may be split less), which changes the fp32
     order of the splits' sum. Weights the kernel cannot take together (or all, with ``CONFIG.fuse`` off) run one
     launch each (or on the reference). ``joined``: as ``fp8_linears_reference``'s; the one launch's output is
-    that already (no copy)."""
+    that already (no copy). ``quantised``: x holds ``quant.fq8``'s values already (the kernel may skip its own
+    fake-quantisation: ``KernelConfig.take_quantised``); the result is the same either way."""
     weights = [weight_OI for weight_OI, _ in pairs]
     if _mgpu_takes(x_TI, weights, interpret_mode(interpret)):
         return _join([fp8_wgmma.linear_mgpu(x_TI, weight_OI, scale_BB, stages=CONFIG.mgpu_stages,
@@ -317,26 +331,26 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]], join
                       for weight_OI, scale_BB in pairs], joined)
     supported = pallas_supports(x_TI, *weights)
     if len(pairs) > 1 and not (CONFIG.fuse and supported):
-        return _join([fp8_linear_pallas(x_TI, weight_OI, scale_BB, interpret) for weight_OI, scale_BB in pairs],
-                     joined)
+        return _join([fp8_linear_pallas(x_TI, weight_OI, scale_BB, interpret, quantised)
+                      for weight_OI, scale_BB in pairs], joined)
     if not supported:
-        return fp8_linears_reference(x_TI, pairs, joined)
+        return fp8_linears_reference(x_TI, pairs, joined, quantised)
     if x_TI.shape[0] == 0:
         return _join([jnp.zeros((0, w.shape[0]), jnp.bfloat16) for w in weights], joined)
     y_TO = _fp8_linear_call(x_TI, tuple(weights), tuple(scale for _, scale in pairs), config=CONFIG,
-                            interpret=interpret_mode(interpret))
+                            interpret=interpret_mode(interpret), quantise=not (quantised and CONFIG.take_quantised))
     if joined:
         return [y_TO]
     bounds = np.cumsum([0] + [w.shape[0] for w in weights])
     return [y_TO[:, bounds[i]:bounds[i + 1]] for i in range(len(weights))]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "quantise"))
 def _fp8_linear_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple[Weight, ...], *,
-                     config: KernelConfig, interpret: bool) -> jax.Array:
+                     config: KernelConfig, interpret: bool, quantise: bool) -> jax.Array:
     """The kernel launch of ``fp8_linears_pallas``, jitted: the linears of one shape (the same projection in every
     layer) share one trace and lowering per step shape; ``config`` is part of the key. -> bf16 [T, sum O_i], the
-    outputs side by side."""
+    outputs side by side. ``quantise``: the kernel fake-quantises x (else x is fq8's values already)."""
     stacks, layer = in_place([*weights, *scales])
     w_stacks, s_stacks = stacks[:len(weights)], stacks[len(weights):]
     t, in_dim = x_TI.shape
@@ -348,7 +362,8 @@ def _fp8_linear_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple
     tiles = bounds[-1] * -(-t // rows)
     splits = k_splits(tiles, in_dim // depth, config.target_programs)
     kernel = functools.partial(_kernel, n_tokens=t, rows=rows, cols=cols, depth=depth,
-                               n_depth=in_dim // depth // splits, asm=not interpret, bounds=bounds)
+                               n_depth=in_dim // depth // splits, asm=not interpret, bounds=bounds,
+                               quantise=quantise)
     grid = (bounds[-1], -(-t // rows), splits)
     total = sum(out_dims)
     out = jax.ShapeDtypeStruct((t, total) if splits == 1 else (splits, t, total),
@@ -365,20 +380,23 @@ def _fp8_linear_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple
 _IMPLEMENTATIONS = {"reference": fp8_linears_reference, "pallas": fp8_linears_pallas}
 
 
-def fp8_linear(x: jax.Array, weight_OI: Weight, scale_BB: Weight, *, impl: str = "reference") -> jax.Array:
+def fp8_linear(x: jax.Array, weight_OI: Weight, scale_BB: Weight, *, impl: str = "reference",
+               quantised: bool = False) -> jax.Array:
     """The fp8 linear seam: x [..., I] bf16 -> bf16 [..., O]; ``impl`` in IMPLS (static). ``weight_OI`` and
-    ``scale_BB``: arrays, or ``LayerSlice``s of one layer of stacked weights (module docstring)."""
-    [y] = fp8_linears(x, [(weight_OI, scale_BB)], impl=impl)
+    ``scale_BB``: arrays, or ``LayerSlice``s of one layer of stacked weights (module docstring). ``quantised``: x
+    holds ``quant.fq8``'s values already (``fp8_linears_pallas``)."""
+    [y] = fp8_linears(x, [(weight_OI, scale_BB)], impl=impl, quantised=quantised)
     return y
 
 
 def fp8_linears(x: jax.Array, pairs: list[tuple[Weight, Weight]], *, impl: str = "reference",
-                joined: bool = False) -> list[jax.Array]:
+                joined: bool = False, quantised: bool = False) -> list[jax.Array]:
     """Several fp8 linears of one input: x [..., I] bf16, (weight [O_i, I], scale) pairs -> [bf16 [..., O_i]], each
     what ``fp8_linear`` gives, or with ``joined`` one bf16 [..., sum O_i], the outputs side by side (what a kernel
     reading them all takes without a copy of each); the Pallas implementation runs them as one launch
-    (``fp8_linears_pallas``)."""
+    (``fp8_linears_pallas``; ``quantised`` as there)."""
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"fp8 linear impl must be one of {IMPLS}, got {impl!r}")
     x_TI = x.reshape(-1, x.shape[-1])
-    return [y_TO.reshape(*x.shape[:-1], y_TO.shape[-1]) for y_TO in _IMPLEMENTATIONS[impl](x_TI, pairs, joined)]
+    ys = _IMPLEMENTATIONS[impl](x_TI, pairs, joined, quantised=quantised)
+    return [y_TO.reshape(*x.shape[:-1], y_TO.shape[-1]) for y_TO in ys]

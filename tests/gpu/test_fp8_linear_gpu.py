@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dijax.kernels import fp8_linear as fl
+from dijax.kernels import fp8_linear as fl, quant
 from tests.test_kernels_fp8_linear import _weights, assert_close_bf16
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
@@ -66,3 +66,19 @@ def test_several_linears_in_one_launch_match_the_reference(t, out_dims, in_dim):
     got = jax.jit(fl.fp8_linears_pallas)(x, pairs)
     for (weight, scale), y in zip(pairs, got):
         assert_close_bf16(y, jax.jit(fl.fp8_linear_reference)(x, weight, scale), x, weight, scale)
+
+
+@pytest.mark.parametrize("t, out_dims, in_dim", [(1, (2304, 2304), 5120), (16, (2304, 2304), 5120),
+                                                  (1, (32768,), 1280)])
+def test_quantised_activations_are_taken_as_they_are(t, out_dims, in_dim, monkeypatch):
+    """``take_quantised`` (prepared in the forty-second session): fq8'd x loaded as it is gives the bits of the
+    kernel that quantises it again (the shared expert's w1 and w3, wq_b)."""
+    pairs = [_weights(o, in_dim, seed=o + t)[:2] for o in out_dims]
+    x_act = quant.fq8((jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3).astype(jnp.bfloat16))
+    want = jax.jit(lambda x: fl.fp8_linears(x, pairs, impl="pallas"))(x_act)
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, take_quantised=True))
+    got = jax.jit(lambda x: fl.fp8_linears(x, pairs, impl="pallas", quantised=True))(x_act)
+    for g, w, (weight, scale) in zip(got, want, pairs, strict=True):
+        assert not bool(jnp.isnan(g.astype(jnp.float32)).any())
+        assert bool((g == w).all())
+        assert_close_bf16(g, jax.jit(fl.fp8_linear_reference)(x_act, weight, scale), x_act, weight, scale)

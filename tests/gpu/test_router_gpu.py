@@ -48,7 +48,8 @@ def test_kernel_is_the_oracle(t, config):
     np.testing.assert_allclose(np.asarray(ref_w), want_w, rtol=2 ** -22)  # XLA's GPU division: an ulp at most
 
 
-@pytest.mark.parametrize("t, config", [(16, router.RouterConfig()), (33, router.RouterConfig(block_tokens=16, warps=4))])
+@pytest.mark.parametrize("t, config", [(16, router.RouterConfig()),
+                                       (33, router.RouterConfig(block_tokens=16, warps=4))])
 def test_padding_tokens_get_no_expert(t, config):
     """``valid_T`` False: the token's experts are all -1, every other output as the oracle's."""
     key1, key2 = jax.random.split(jax.random.key(t + 1))
