@@ -62,14 +62,13 @@ FAMILIES = {"HGMMA": "wgmma", "HMMA": "mma.sync", "QGMMA": "fp8 wgmma", "FFMA": 
 @contextlib.contextmanager
 def triton_sm90():
     """Within: Pallas' Triton lowering targets compute capability 9.0 instead of asking the (absent) device."""
-    saved = registration.gpu_info_lib.get_gpu_info
     info = registration.gpu_info_lib  # the module the lowering asks (its home moved in jax 0.12.1)
-    registration.gpu_info_lib.get_gpu_info = lambda: info.GpuInfo(gpu_version=None, arch_name="9.0",
-                                                                  compute_capability=90)
+    saved = info.get_gpu_info
+    info.get_gpu_info = lambda: info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
     try:
         yield
     finally:
-        registration.gpu_info_lib.get_gpu_info = saved
+        info.get_gpu_info = saved
 
 
 class TritonCapture:

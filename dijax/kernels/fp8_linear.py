@@ -101,8 +101,8 @@ class KernelConfig:
     of fake-quantising each slice in registers: the same bits (fq8 is idempotent). Every column program quantises
     the whole slice of x again, padded rows included (16 rows at one token), and that work is a third of the kernel:
     its sm_90 build at one token is 1184 SASS instructions against 1856 (wq_b) and 1208 against 1880 (wo_b), 1400
-    against 2072 at 16 tokens (shared w1; tools/kernel_report.py, forty-second session). Prepared without a GPU, so
-    off until ``gpu_validate.sh fq8-given`` measures it.
+    against 2072 at 16 tokens (shared w1; the kernel alone built by tools/kernel_report.py's ``build``, forty-second
+    session). Prepared without a GPU, so off until ``gpu_validate.sh fq8-given`` measures it.
 
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
