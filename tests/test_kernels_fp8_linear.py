@@ -270,7 +270,7 @@ def test_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch, t, out_dim,
     s = jax.ShapeDtypeStruct((out_dim // 32, in_dim // 32), jnp.uint8)
     for config in (dataclasses.replace(fl.CONFIG, max_tokens=t),
                    dataclasses.replace(fl.CONFIG, max_tokens=t, target_programs=1, poison=True),
-                   dataclasses.replace(fl.CONFIG, max_tokens=t, take_quantised=True)):
+                   dataclasses.replace(fl.CONFIG, max_tokens=t, take_quantised=False)):
         monkeypatch.setattr(fl, "CONFIG", config)
         fn = functools.partial(fl.fp8_linear_pallas, interpret=False, quantised=True)
         assert "triton" in lower_for_cuda(fn, x, w, s)

@@ -18,6 +18,7 @@ import pytest
 
 from dijax.kernels import fp8_linear as fl
 from dijax.kernels import fp8_wgmma as f8
+from dijax.kernels import quant
 from dijax.kernels.stacked import of_layer
 
 
@@ -92,6 +93,17 @@ def test_wrapper_with_the_emulated_kernel_matches_the_reference(o, i, t, warpgro
     assert got.shape == (t, o)
     np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-30)
     assert np.mean(got == want) >= 0.9
+
+
+def test_quantised_activations_skip_the_fq8_pass(monkeypatch):
+    """x that is ``quant.fq8``'s values already, said so: the same bits as quantising it again (the kernel's XLA
+    fq8 pass skipped), from the emulated kernel and the reference."""
+    monkeypatch.setattr(f8, "_call", emulated_call)
+    x, weight, scale = _operands(128, 512, 3, seed=7)
+    x_act = quant.fq8(x)
+    for fn in (f8.linear_mgpu, f8.linear_reference):
+        np.testing.assert_array_equal(np.asarray(fn(x_act, weight, scale, quantised=True), np.float32),
+                                      np.asarray(fn(x, weight, scale), np.float32))
 
 
 def test_reference_is_the_fp8_linears():

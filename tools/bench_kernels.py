@@ -536,7 +536,7 @@ def random_fp8_weight(o: int, i: int, seed: int) -> tuple[jax.Array, jax.Array]:
 
 
 def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: int = 8, changes: tuple[dict, ...] = (),
-                    linears: tuple[str, ...] = (), **timing) -> list[dict]:
+                    linears: tuple[str, ...] = (), quantised: bool = False, **timing) -> list[dict]:
     """The fp8 block-scaled linears at the flash-slice dimensions (attention wq_a / wq_b / wkv / wo_b, the indexer's
     wq_b, the shared expert's w1 and w2; random e4m3 codes, ue8m0 exponents 116..120): the jnp reference against
     the Pallas kernel (every T through the kernel, whatever ``CONFIG.max_tokens`` says), and the Engram layers'
@@ -545,10 +545,13 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
     no weight is served from L2); the row is per linear. Floor: the larger of (codes + scales + x + y bytes) /
     ``BANDWIDTH`` and 2 T O I / ``MATRIX_RATE``. ``sweep`` adds tile variants (columns below and from ``wide_from``
     tokens, K slice, warps, K split target);
-    ``changes``: more KernelConfig changes, each timed."""
+    ``changes``: more KernelConfig changes, each timed. ``quantised``: x comes ``quant.fq8``'d and every
+    implementation is told so (``quantised=True``: the model's form where its input is fq8's output already; the
+    kernel then skips its own fake-quantisation only with ``take_quantised=True``)."""
     import dataclasses
 
     from dijax.kernels import fp8_linear as fl
+    from dijax.kernels import quant
     from tools.bench import flash_slice_config
 
     cfg = flash_slice_config(384)
@@ -574,9 +577,11 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
         ws, ss = zip(*(random_fp8_weight(o, i, r) for r in range(reps)))
         for t in tokens:
             x = (jax.random.normal(jax.random.key(t), (t, i), jnp.float32) * 3).astype(jnp.bfloat16)
+            if quantised:
+                x = quant.fq8(x)
             floor = max((o * i + ss[0].size + 2 * t * (i + o)) / BANDWIDTH, 2 * t * o * i / MATRIX_RATE)
-            shape = f"{name} {o} x {i}, T={t}"
-            ref_fn = repeated(fl.fp8_linear_reference)
+            shape = f"{name} {o} x {i}, T={t}" + (", x fq8'd" if quantised else "")
+            ref_fn = repeated(functools.partial(fl.fp8_linear_reference, quantised=quantised))
             want = np.asarray(ref_fn(x, ws, ss)[0].astype(jnp.float32))
             base = time_call(ref_fn, x, ws, ss, **timing) / reps
             out.append(_timed_row("fp8_linear", shape, "reference", base, floor, None))
@@ -584,7 +589,7 @@ def fp8_linear_rows(tokens=(1, 16, 64, 256, 1024), sweep: bool = False, reps: in
                 saved = fl.CONFIG
                 fl.CONFIG = dataclasses.replace(saved, max_tokens=1 << 30, **change)
                 try:
-                    fn = repeated(fl.fp8_linear_pallas)
+                    fn = repeated(functools.partial(fl.fp8_linear_pallas, quantised=quantised))
                     got = np.asarray(fn(x, ws, ss)[0].astype(jnp.float32))
                     err = float(np.abs(got - want).max() / np.abs(want).max())
                     seconds = time_call(fn, x, ws, ss, **timing) / reps
@@ -995,6 +1000,9 @@ def main() -> None:
                          "gemm_cols=64 or cols=32")
     ap.add_argument("--rows", default="", help="sparse_attn and indexer: only the kernel rows whose name contains "
                                                "one of these comma-separated strings (e.g. 'mgpu')")
+    ap.add_argument("--quantised", action="store_true",
+                    help="fp8_linear: x comes fq8'd and the linears are told so (time take_quantised=True against "
+                         "the default with --variant)")
     ap.add_argument("--linears", default="", help="fp8_linear: comma-separated subset of the linears' names "
                                                   "(default all; e.g. 'engram wkv,wq_b')")
     args = ap.parse_args()
@@ -1025,6 +1033,7 @@ def main() -> None:
             extra["names"] = tuple(n for n in args.rows.split(",") if n)
         if name == "fp8_linear":
             extra["linears"] = tuple(n.strip() for n in args.linears.split(",") if n.strip())
+            extra["quantised"] = args.quantised
         rows += BENCHES[name](sweep=args.sweep, iters=args.iters, repeats=args.repeats,
                               device=args.timing == "device", **extra)
     print_table(rows)

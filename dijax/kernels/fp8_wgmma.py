@@ -80,14 +80,15 @@ def permute_k(x_TI: jax.Array) -> jax.Array:
 
 
 def linear_reference(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: jax.Array | LayerSlice, *,
-                     stages: int = 4, warpgroups: int = 1, target_ctas: int = 264,
-                     interpret: bool = False) -> jax.Array:
+                     stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, block_scales: bool = False,
+                     quantised: bool = False, interpret: bool = False) -> jax.Array:
     """bf16(fq8(x) @ dequant(W).T): x bf16 [T, I], weight e4m3 [O, I], scale ue8m0 [ceil(O/32), I/32] (either may
-    be a ``LayerSlice``) -> bf16 [T, O]; ``fp8_linear.fp8_linear_reference``'s semantics. ``stages``,
-    ``warpgroups``, ``target_ctas`` and ``interpret`` are the kernel's and change nothing here."""
-    del stages, warpgroups, target_ctas, interpret
+    be a ``LayerSlice``) -> bf16 [T, O]; ``fp8_linear.fp8_linear_reference``'s semantics. ``quantised``: x holds
+    ``quant.fq8``'s values already (not quantised again). ``stages``, ``warpgroups``, ``target_ctas``,
+    ``block_scales`` and ``interpret`` are the kernel's and change nothing here."""
+    del stages, warpgroups, target_ctas, block_scales, interpret
     w_OI = quant.dequant_fp8_weight(materialize(weight_OI), materialize(scale_BB))
-    return numerics.einsum_bf16("ti,oi->to", quant.fq8(x_TI), w_OI)
+    return numerics.einsum_bf16("ti,oi->to", x_TI if quantised else quant.fq8(x_TI), w_OI)
 
 
 def shape_error(t: int, o: int, i: int, warpgroups: int) -> str | None:
@@ -108,14 +109,15 @@ def splits_for(ctas: int, steps: int, target: int) -> int:
 
 def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: jax.Array | LayerSlice, *,
                 stages: int = 4, warpgroups: int = 1, target_ctas: int = 264, block_scales: bool = False,
-                interpret: bool = False) -> jax.Array:
+                quantised: bool = False, interpret: bool = False) -> jax.Array:
     """``linear_reference`` as one Mosaic GPU kernel (a GPU of compute capability 9.0; module docstring), plus the
     XLA passes around it: fq8 and ``permute_k`` of x, the scales spread to rows, the splits' sum. ``shape_error``
     lists the shapes it takes; exact for scale bytes in ``SCALE_RANGE``. A ``LayerSlice`` weight is read in place
     (its layer index is an operand). ``block_scales``: the kernel reads the scales' 32 x 32 blocks in their stored
     layout, in place like the weight (two words a warpgroup a step, each thread taking its rows' block), instead
     of XLA spreading one layer's scales to rows every call (a launch a linear: 54 in a flash-slice decode step at
-    64 rows); off by default (``fp8_linear.KernelConfig``). ``interpret``: run in the Mosaic GPU
+    64 rows); off by default (``fp8_linear.KernelConfig``). ``quantised``: x holds ``quant.fq8``'s values already
+    (XLA's fq8 pass is skipped; the same bits). ``interpret``: run in the Mosaic GPU
     interpreter (``fp4_wgmma``'s interpret mode: the register decode replaced by its logical values)."""
     t, i = x_TI.shape
     o = weight_OI.shape[0]
@@ -131,7 +133,7 @@ def linear_mgpu(x_TI: jax.Array, weight_OI: jax.Array | LayerSlice, scale_BB: ja
         lax.bitcast_convert_type(w_stack, jnp.uint8).reshape(*w_stack.shape[:-1], i // CODES_PER_WORD,
                                                             CODES_PER_WORD), jnp.uint32)
     n = -(-t // 8) * 8
-    x_NI = permute_k(jnp.pad(quant.fq8(x_TI), ((0, n - t), (0, 0))))
+    x_NI = permute_k(jnp.pad(x_TI if quantised else quant.fq8(x_TI), ((0, n - t), (0, 0))))
     steps = i // STEP_K
     splits = splits_for(o // (warpgroups * ROWS_PER_WG), steps, target_ctas)
     y_PON = _call(words_LOW, scale_words(s_stack, CHUNKS), x_NI, layer.reshape(1).astype(jnp.int32),

@@ -71,7 +71,7 @@ def test_several_linears_in_one_launch_match_the_reference(t, out_dims, in_dim):
 @pytest.mark.parametrize("t, out_dims, in_dim", [(1, (2304, 2304), 5120), (16, (2304, 2304), 5120),
                                                   (1, (32768,), 1280)])
 def test_quantised_activations_are_taken_as_they_are(t, out_dims, in_dim, monkeypatch):
-    """``take_quantised`` (prepared in the forty-second session): fq8'd x loaded as it is gives the bits of the
+    """``take_quantised`` (on by default since the forty-third session): fq8'd x loaded as it is gives the bits of the
     kernel that quantises it again (the shared expert's w1 and w3, wq_b)."""
     pairs = [_weights(o, in_dim, seed=o + t)[:2] for o in out_dims]
     x_act = quant.fq8((jax.random.normal(jax.random.key(t), (t, in_dim), jnp.float32) * 3).astype(jnp.bfloat16))
