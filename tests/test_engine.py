@@ -55,8 +55,9 @@ def test_no_new_compilations_after_warm_up(warm):
     copy; and loads from the persistent compilation cache, which replace a compile)."""
     llm, steps = warm
     work = [_params(i) for i in range(3)]
-    assert llm.engine.runner.buckets() == [(8, 4, 4), (16, 4, 4), (32, 4, 4)]  # S = min(T, 4 sequences)
-    assert steps == 3  # one model step per bucket, sampling in every mode
+    # one sequence's decode at T = 1, then S = min(T, 4 sequences)
+    assert llm.engine.runner.buckets() == [(1, 1, 4), (8, 4, 4), (16, 4, 4), (32, 4, 4)]
+    assert steps == 4  # one model step per bucket, sampling in every mode
     traces = llm.engine.runner.compiles
     compiled = []
 
@@ -75,6 +76,7 @@ def test_no_new_compilations_after_warm_up(warm):
         llm.generate(PROMPTS, work, use_tqdm=False)
         llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # greedy-mode steps
         llm.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=4, seed=1), use_tqdm=False)  # temperature
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)  # one-token steps
     finally:
         monitoring.unregister_event_duration_listener(count)
         monitoring.unregister_event_listener(count_hit)

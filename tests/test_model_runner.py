@@ -16,7 +16,9 @@ from dijax.io.loader import load
 from dijax.model.moe import moe
 from dijax.model.param_map import checkpoint_tree
 from dijax.model.step import PackedBatch, SeqChunk, StepBatch, build_step, unpack_batch
-from dijax.runtime.model_runner import ModelRunner, engine_buckets, min_width, step_buckets, width_bucket
+from dijax.runtime import model_runner
+from dijax.runtime.model_runner import (ModelRunner, engine_buckets, min_width, step_buckets, token_bucket,
+                                        width_bucket)
 from dijax.runtime.sampling_params import SamplingParams
 from dijax.runtime.scheduler import FROM_DEVICE, ScheduledChunk, SchedulerOutput
 
@@ -35,14 +37,22 @@ def test_width_follows_the_context_not_the_capacity():
     # the engine's tables cover at least 8192 positions: 64 blocks of 128 (fewer under a smaller max_model_len)
     assert min_width(128, 2 ** 20 // 128) == 64 and min_width(128, 32) == 32 and min_width(16, 4) == 4
     assert [width_bucket(b, 8192, 64) for b in (1, 64, 65, 256, 257, 5000)] == [64, 64, 256, 256, 1024, 8192]
-    # a 1M-context engine of 8192-token steps: 11 token buckets x 5 widths (not 8: no width below 64 blocks)
+    # a 1M-context engine of 8192-token steps: 12 token buckets (one token, then 8 .. 8192) x 5 widths (not 8: no
+    # width below 64 blocks)
     buckets = step_buckets(8192, 2 ** 20 // 128, 64)
-    assert len(buckets) == 55 and sorted({w for _, w in buckets}) == [64, 256, 1024, 4096, 8192]
-    assert step_buckets(32, 4, 4) == [(8, 4), (16, 4), (32, 4)]
-    # the engine's own plan: the same 55, rows tied to tokens up to the 256-sequence capacity
+    assert len(buckets) == 60 and sorted({w for _, w in buckets}) == [64, 256, 1024, 4096, 8192]
+    assert step_buckets(32, 4, 4) == [(1, 4), (8, 4), (16, 4), (32, 4)]
+    # the engine's own plan: the same 60, rows tied to tokens up to the 256-sequence capacity
     plan = engine_buckets(8192, 256, 2 ** 20, 128)
     assert [(t, w) for t, _, w in plan] == buckets and {s for t, s, _ in plan if t >= 256} == {256}
     assert all(s == min(t, 256) for t, s, _ in plan)
+
+
+def test_one_token_has_a_bucket_of_its_own(monkeypatch):
+    """One sequence's decode step runs at T = 1; from two tokens the steps pad to MIN_TOKENS and powers of two."""
+    assert [token_bucket(n) for n in (0, 1, 2, 7, 8, 9, 300)] == [8, 1, 8, 8, 8, 16, 512]
+    monkeypatch.setattr(model_runner, "ONE_TOKEN_BUCKET", False)
+    assert token_bucket(1) == 8 and step_buckets(32, 4, 4) == [(8, 4), (16, 4), (32, 4)]
 
 
 def test_padding_tokens_reach_no_expert(monkeypatch, tiny):

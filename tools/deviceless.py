@@ -54,7 +54,8 @@ from dijax.kernels import lowering_for_gpu  # noqa: E402
 from dijax.kernels.options import kernel_options  # noqa: E402
 from dijax.io.loader import ASSETS  # noqa: E402
 from dijax.model.step import CacheSpec, init_cache  # noqa: E402
-from dijax.runtime.model_runner import (MIN_TOKENS, bucket, bucket_inputs, compiled_step, min_width,  # noqa: E402
+from dijax.runtime import model_runner  # noqa: E402
+from dijax.runtime.model_runner import (bucket, bucket_inputs, compiled_step, min_width,  # noqa: E402
                                        width_bucket)
 from dijax.runtime.step_buffers import StepBuffers  # noqa: E402
 from tools.bench import (PRESETS, _ints, add_step_option_argument, apply_kernel_settings,  # noqa: E402
@@ -113,7 +114,7 @@ def step_bucket(lengths: list[tuple[int, int]], block_size: int) -> tuple[int, i
     """(T, S, W, pool blocks, slots) of the step tools/bench.step_runner builds for ``lengths`` ((cached, new)
     tokens per sequence): its runner's buckets (dijax.runtime.model_runner) and cache sizes."""
     max_blocks = -(-max(c + n for c, n in lengths) // block_size)
-    tokens = bucket(sum(n for _, n in lengths), MIN_TOKENS)
+    tokens = model_runner.token_bucket(sum(n for _, n in lengths))
     rows = min(tokens, bucket(len(lengths), 1))
     width = width_bucket(max_blocks, max_blocks, min_width(block_size, max_blocks))
     return tokens, rows, width, max_blocks * len(lengths), len(lengths)

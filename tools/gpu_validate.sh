@@ -84,8 +84,8 @@
 #   launch-cuts  (~240 s) the forty-second session's launch cuts (the routed gate-up kernel's fq8 epilogue, the
 #            router's padding mask): their GPU tests beside GPU parity, then the tiny step of a base tree (ab-base/)
 #            and of this one alternating, with profiler traces;
-#   fq8-given  (~450 s; prepared, not yet run) fp8_linear's take_quantised: its GPU tests, GPU parity with it on,
-#            flash-slice decode B=1 / 16 with and without;
+#   one-token  (~520 s) one sequence's decode step at T = 1 (model_runner.MIN_TOKENS 1 against 8): flash-slice and
+#            tiny B=1 in one process, GPU parity of a tree copy with it, the fp8 linears' GPU tests;
 #   layouts  (~480 s) the thirty-eighth session's changed kernels (token-major split and router outputs, the
 #            split's prologue) on the GPU: their tests, tiny-nodrop parity, the tiny step's rows and launches;
 #   sampler  (~500 s) the sampler's tests (the thresholds kernel's GPU test among them), its rows at V4.1's
@@ -113,7 +113,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="launch-ab|launch-cuts|fq8-given|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="launch-ab|launch-cuts|one-token|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -221,19 +221,20 @@ case "$stage" in
     for trace in "$out"/dump-*/decode_*/; do
       run 30 python3 tools/trace_summary.py "$trace" --top 5
     done ;;
-  fq8-given)
-    # (~450 s; prepared in the forty-second session, not yet run) fp8_linear.KernelConfig.take_quantised: the fp8
-    # linear kernel loads activations that are fq8's values already (the shared expert's w1 / w3 take the collapse
-    # kernel's fq8 output) instead of fake-quantising every slice again (a third of its sm_90 instructions at one
-    # token): its GPU tests beside GPU parity of a copy of the tree with it on, then flash-slice decode B=1 / 16
-    # with and without in one process, two rounds. If it pays: on by default, then fq8'd inputs for the other
-    # linears: the attention norm's fq8 output for wq_a / wkv (free where the collapse kernel writes it, at decode;
-    # tried in this session, tiny prefill 256 took 18 launches more, XLA's fq8 at 256 tokens), the latents
-    # kernel's for wq_b
-    tree_with quantised fp8_linear '    take_quantised: bool = False' '    take_quantised: bool = True'
-    XLA_PYTHON_CLIENT_PREALLOCATE=false checks_with $sub/tree-quantised 250 tests/gpu/test_fp8_linear_gpu.py
-    run 300 python3 tools/bench.py --model flash-slice --decode-batch 1,16 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 3 --iters 10 --variant "fp8_linear.CONFIG.take_quantised=True" --rounds 2 ;;
+  one-token)
+    # (~520 s; forty-third session) a one-sequence decode step at T = 1 instead of the 8-token bucket: flash-slice
+    # and tiny decode B=1 with model_runner.MIN_TOKENS 8 and 1 in one process (two rounds), then GPU parity of a
+    # copy of the tree with MIN_TOKENS = 1 (every step of 1, 2, 4 tokens in its own bucket: the engine run's
+    # decode steps) beside the fp8 linears' GPU tests (take_quantised on by default)
+    run 300 python3 tools/bench.py --model flash-slice --decode-batch 1 --context 4095 --prefill= --kernels on \
+      --engine off --warmup 3 --iters 10 --variant "model_runner.MIN_TOKENS=1" --rounds 2
+    run 120 python3 tools/bench.py --kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 \
+      --engine off --warmup 5 --iters 30 --variant "model_runner.MIN_TOKENS=1" --rounds 2
+    rm -rf $sub; mkdir -p $sub/tree-one; cp -r dijax $sub/tree-one/
+    sed -i 's/^MIN_TOKENS = 8$/MIN_TOKENS = 1/' $sub/tree-one/dijax/runtime/model_runner.py
+    grep -H "^MIN_TOKENS" $sub/tree-one/dijax/runtime/model_runner.py >> "$log"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false checks_with $sub/tree-one 200 tests/gpu/test_fp8_linear_gpu.py \
+      tests/gpu/test_fp8_wgmma_gpu.py ;;
   layouts)
     # (~500 s; first run in the fortieth session, H100: every test passed, parity as before) the kernels built
     # without a device: the split kernel's token-major output with the affine part and the RMS factor in its
