@@ -84,8 +84,6 @@
 #   launch-cuts  (~240 s) the forty-second session's launch cuts (the routed gate-up kernel's fq8 epilogue, the
 #            router's padding mask): their GPU tests beside GPU parity, then the tiny step of a base tree (ab-base/)
 #            and of this one alternating, with profiler traces;
-#   matvec   (~470 s) the fp8 linears' one-token mat-vec kernel: kernel times, flash-slice B=1 with and without,
-#            its GPU tests, parity of a tree copy with it;
 #   one-token  (~520 s) one sequence's decode step at T = 1 (model_runner.MIN_TOKENS 1 against 8): flash-slice and
 #            tiny B=1 in one process, GPU parity of a tree copy with it, the fp8 linears' GPU tests;
 #   layouts  (~480 s) the thirty-eighth session's changed kernels (token-major split and router outputs, the
@@ -115,7 +113,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="launch-ab|launch-cuts|matvec|one-token|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="launch-ab|launch-cuts|one-token|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -223,23 +221,6 @@ case "$stage" in
     for trace in "$out"/dump-*/decode_*/; do
       run 30 python3 tools/trace_summary.py "$trace" --top 5
     done ;;
-  matvec)
-    # (~470 s; prepared in the forty-third session) fp8_linear.KernelConfig.matvec: one token's fp8 linears on the
-    # mat-vec kernel. GPU kernel time of the flash-slice linears at T = 1 (reference, dot kernel, mat-vec), then
-    # flash-slice decode B=1 with and without in one process (two rounds), then the mat-vec's GPU tests beside GPU
-    # parity (tiny-nodrop one step and its engine run, whose one-sequence steps run at T = 1) of a tree copy with it
-    run 90 python3 tools/bench_kernels.py --only fp8_linear --tokens 1 --variant matvec=True --timing device \
-      --iters 10 --repeats 3
-    run 240 python3 tools/bench.py --model flash-slice --decode-batch 1 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 3 --iters 10 --variant "fp8_linear.CONFIG.matvec=True" --rounds 2
-    tree_with matvec fp8_linear '    matvec: bool = False' '    matvec: bool = True'
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    f=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
-    check parity-tiny-nodrop $sub/tree-matvec 150 $p $f/tiny-nodrop &
-    check parity-engine $sub/tree-matvec 150 $p $f/tiny-nodrop --engine &
-    check tests-matvec . 150 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_fp8_linear_gpu.py -k matvec &
-    wait
-    checked ;;
   one-token)
     # (~520 s; forty-third session) a one-sequence decode step at T = 1 instead of the 8-token bucket: flash-slice
     # and tiny decode B=1 with model_runner.MIN_TOKENS 8 and 1 in one process (two rounds), then GPU parity of a
