@@ -104,7 +104,8 @@ class KernelConfig:
     against 2072 at 16 tokens (shared w1; the kernel alone built by tools/kernel_report.py's ``build``, forty-second
     session). On an H100 (forty-third session, ``bench_kernels --only fp8_linear --quantised --timing device``, x
     fq8'd, GPU kernel time without / with): at 16 tokens wq_b 30.7 / 29.2 us, wo_b 32.3 / 29.6, wkv 5.5 / 4.8, the
-    Engram ``wkv`` 114.1 / 103.8; at one token 1-4 % less. GPU parity with it on gave the figures without it.
+    Engram ``wkv`` 114.1 / 103.8; at one token 1-4 % less. GPU parity with it on: the verdicts without it (only
+    the issue-8 prefix rows fail).
 
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
