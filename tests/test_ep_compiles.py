@@ -47,5 +47,9 @@ def test_ep2_compiles_each_bucket_once_like_ep1():
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dijax  # noqa: F401  (XLA flags before JAX starts)
+    from dijax.runtime import model_runner
 
+    # decodes in the 8-token bucket at every ep: with attention DP each rank's decode holds one token (the
+    # one-token bucket, one compile more) where ep 1's holds two
+    model_runner.ONE_TOKEN_BUCKET = False
     print(json.dumps({name: _compiles(*run) for name, run in RUNS.items()}))

@@ -12,8 +12,10 @@ one JSON line of results:
     the preemption count, and whether every block and slot of every rank is free at the end. Attention DP changes
     the schedule (per-rank budgets and pools: other batches, no preemption), yet every sampled logits row (debug
     logits) equals ep 1's bit for bit: a token's computation does not depend on its batch neighbours
-    (docs/scaling.md, "Bit-exactness"). The engine's sizes keep its bucket plan to one token bucket (8) and two
-    block-table widths (1, 3): each (ep, bucket) is a whole-model compile, the bulk of this file's time;
+    (docs/scaling.md, "Bit-exactness"), with one-token steps in the 8-token bucket (``ONE_TOKEN_BUCKET`` off: a
+    rank's step of one token would otherwise take the one-token executable, whose products may round otherwise).
+    The engine's sizes keep its bucket plan to one token bucket (8) and two block-table widths (1, 3): each (ep,
+    bucket) is a whole-model compile, the bulk of this file's time;
   * ``dijax parity --ep 4 --engine`` (attention DP on, 4 ranks) through the CLI (exit status) on a one-case copy of
     tiny-nodrop, its token budget also one bucket (8 tokens: the prompts are prefilled in chunks). The model mode
     at ep 4 gives ep 1's logits bit for bit (tests/test_expert_parallel.py), so its parity is ep 1's; the
@@ -123,7 +125,12 @@ def test_parity_cli_at_ep4(results):
 if __name__ == "__main__":
     import jax
 
+    from dijax.runtime import model_runner
+
     assert len(jax.devices()) == DEVICES, jax.devices()
+    # every step in the 8-token bucket at every ep: with attention DP a rank's step often holds one token where
+    # ep 1's holds several, and the one-token executable's products may round otherwise (model_runner)
+    model_runner.ONE_TOKEN_BUCKET = False
     engine = {str(ep): workload(ep) for ep in (1, 2, DEVICES)}
     for ep in ("2", str(DEVICES)):
         engine[ep]["logits"] = logits_difference(engine["1"]["logits"], engine[ep]["logits"])

@@ -15,6 +15,7 @@ from flax import nnx
 
 from dijax.kernels import fp8_linear as fl
 from dijax.kernels import quant
+from dijax.kernels.stacked import of_layer
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
 
@@ -207,6 +208,54 @@ def test_several_linears_lower_to_one_kernel(lower_for_cuda, monkeypatch):
         monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, fuse=fuse))
         text = lower_for_cuda(lambda x, *a: fl.fp8_linears_pallas(x, [a[:2], a[2:]], interpret=False), x, *args)
         assert text.count("xla.gpu.triton") == kernels
+
+
+@pytest.mark.parametrize("out_dims, in_dim, target, rows, words", [
+    ((64,), 256, 264, 0, 1024), ((96, 32, 64), 160, 264, 0, 1024), ((128,), 1024, 2, 0, 1024),
+    ((1280, 512), 512, 264, 0, 1024), ((64, 32), 512, 264, 4, 2048), ((96,), 256, 264, 64, 4096)])
+def test_matvec_matches_the_reference(monkeypatch, poison, out_dims, in_dim, target, rows, words):
+    """One token on the mat-vec kernel (``CONFIG.matvec``): 8-row programs, 64-row programs (``target`` 2), one
+    launch of several weights, 4 rows a program with wide steps (``matvec_rows``, ``matvec_words``), and 64 rows
+    asked where they do not divide the outputs (the automatic choice); each output is its reference's
+    (poisoned: every element written)."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True, target_programs=target,
+                                                          matvec_rows=rows, matvec_words=words))
+    pairs = [_weights(o, in_dim, seed=o + in_dim)[:2] for o in out_dims]
+    x = (jax.random.normal(jax.random.key(in_dim), (1, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
+    got = fl.fp8_linears(x, pairs, impl="pallas")
+    for (weight, scale), y in zip(pairs, got, strict=True):
+        assert_close_bf16(y, fl.fp8_linear_reference(x, weight, scale), x, weight, scale)
+    x_act = quant.fq8(x)  # quantised activations taken as they are: the same bits
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, take_quantised=True))
+    for g, y in zip(fl.fp8_linears(x_act, pairs, impl="pallas", quantised=True), got, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(y))
+
+
+def test_matvec_rows_are_checked():
+    with pytest.raises(ValueError, match="matvec_rows must be 0"):
+        dataclasses.replace(fl.CONFIG, matvec_rows=3)
+
+
+def test_matvec_reads_a_layer_of_a_stack_and_every_scale_exponent(monkeypatch, poison):
+    """Layer 1 of a 3-layer stack read in place (``LayerSlice``), with scale bytes 0..246 across its blocks."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True))
+    layers = [_weights(64, 256, seed=20 + i)[:2] for i in range(3)]
+    scale = jnp.asarray(np.arange(0, 247, 16, dtype=np.uint8)[:16].reshape(2, 8))
+    layers[1] = (layers[1][0], scale)
+    w_stack, s_stack = (jnp.stack([pair[k] for pair in layers]) for k in range(2))
+    x = (jax.random.normal(jax.random.key(8), (1, 256), jnp.float32) * 3).astype(jnp.bfloat16)
+    got = fl.fp8_linear(x, of_layer(w_stack, 1, 2), of_layer(s_stack, 1, 2), impl="pallas")
+    assert_close_bf16(got, fl.fp8_linear_reference(x, layers[1][0], scale), x, layers[1][0], scale)
+
+
+def test_matvec_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch):
+    """wq_a and wkv at one token on the mat-vec kernel: one Triton kernel, its e4m3 pairs converted by PTX."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True))
+    x = jax.ShapeDtypeStruct((1, 5120), jnp.bfloat16)
+    args = [jax.ShapeDtypeStruct(shape, dtype) for o in (1280, 512)
+            for shape, dtype in (((o, 5120), jnp.float8_e4m3fn), ((o // 32, 160), jnp.uint8))]
+    text = lower_for_cuda(lambda x, *a: fl.fp8_linears_pallas(x, [a[:2], a[2:]], interpret=False), x, *args)
+    assert text.count("xla.gpu.triton") == 1 and "fp8_matvec" in text
 
 
 def test_every_scale_exponent_in_range(monkeypatch, poison):

@@ -48,7 +48,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dijax.kernels import bf16_pairs, fp8_wgmma, interpret_mode, numerics, poison, quant
+from dijax.kernels import bf16_pairs, fp8_wgmma, interpret_mode, numerics, poison, prefetch, quant
 from dijax.kernels.quant import FP8_BLOCK
 from dijax.kernels.stacked import LayerSlice, in_place, materialize
 
@@ -107,6 +107,22 @@ class KernelConfig:
     Engram ``wkv`` 114.1 / 103.8; at one token 1-4 % less. GPU parity with it on: the verdicts without it (only
     the issue-8 prefix rows fail).
 
+    ``matvec``: a one-token step's linears take the mat-vec kernel (``_matvec_kernel``) instead: no tensor-core dot,
+    so no 16-row tile of which 15 rows are padding and no decoded tile passing through shared memory; each program
+    owns a few output rows and all of K (no split, no XLA sum after it), decodes its codes with the hardware's
+    e4m3-pair conversion and accumulates fp32 FMAs, loading each K step's codes a step ahead (``prefetch``).
+    ``matvec_rows``: output rows a program takes (0, or one not dividing every weight's outputs:
+    ``auto_matvec_rows``, the most of 64 / 32 / 16 that still gives ``target_programs`` programs, else 8);
+    ``matvec_words``: uint32 words (4 codes each) a program loads a step, all its rows together; ``matvec_warps``:
+    its Triton warps. Why: at one token XLA's own mat-vec reduction of a standalone weight beat the dot kernel on an
+    H100 (forty-third session, GPU kernel time): wq_a 5.2 / 7.2 us, wo_b 20.7 / 26.0, the shared expert's w1 7.5 /
+    11.1; in the model, where the weights are layers of a stack, XLA dequantises them instead (deviceless: ~90
+    launches more a flash-slice step), so the reduction is written here. Off: its first tiling (the defaults here)
+    passed its GPU tests and GPU parity but lost to the dot kernel (wq_b 30.5 against 22.6 us, wo_b 38.8 against
+    25.3; flash-slice decode B=1 2.99 against 2.74 ms back to back), with too little in flight: a step's 1024 words
+    over 16-64 rows is 4 KB a program, and at wq_b's 16 words a row the activations' fq8 is as much work as the
+    codes. ``gpu_validate.sh matvec-sweep`` times fewer rows with wider steps.
+
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
     cols: int = 64
@@ -125,6 +141,10 @@ class KernelConfig:
     mgpu_max_tokens: int = 64
     mgpu_block_scales: bool = False
     take_quantised: bool = True
+    matvec: bool = False
+    matvec_rows: int = 0
+    matvec_words: int = 1024
+    matvec_warps: int = 4
     poison: bool = False
 
     def __post_init__(self):
@@ -135,6 +155,9 @@ class KernelConfig:
                              f"got {self.mgpu_warpgroups}")
         if self.mgpu_stages < 1:
             raise ValueError(f"fp8_linear KernelConfig.mgpu_stages must be >= 1, got {self.mgpu_stages}")
+        if self.matvec_rows not in (0, 1, 2, 4, 8, 16, 32, 64):
+            raise ValueError(f"fp8_linear KernelConfig.matvec_rows must be 0 (chosen per launch) or a power of two "
+                             f"up to 64, got {self.matvec_rows}")
         if not 1 <= self.mgpu_min_tokens <= self.mgpu_max_tokens:
             raise ValueError(f"fp8_linear KernelConfig.mgpu_min_tokens must be in [1, mgpu_max_tokens = "
                              f"{self.mgpu_max_tokens}], got {self.mgpu_min_tokens}")
@@ -340,8 +363,9 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]], join
         return fp8_linears_reference(x_TI, pairs, joined, quantised)
     if x_TI.shape[0] == 0:
         return _join([jnp.zeros((0, w.shape[0]), jnp.bfloat16) for w in weights], joined)
-    y_TO = _fp8_linear_call(x_TI, tuple(weights), tuple(scale for _, scale in pairs), config=CONFIG,
-                            interpret=interpret_mode(interpret), quantise=not (quantised and CONFIG.take_quantised))
+    call = _fp8_matvec_call if CONFIG.matvec and x_TI.shape[0] == 1 else _fp8_linear_call
+    y_TO = call(x_TI, tuple(weights), tuple(scale for _, scale in pairs), config=CONFIG,
+                interpret=interpret_mode(interpret), quantise=not (quantised and CONFIG.take_quantised))
     if joined:
         return [y_TO]
     bounds = np.cumsum([0] + [w.shape[0] for w in weights])
@@ -378,6 +402,103 @@ def _fp8_linear_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple
     y = poison.pallas_call(kernel, layer[None], x_TI, *words, *s_stacks, out_shape=out, poison=config.poison,
                            grid=grid, compiler_params=params, name="fp8_linear", interpret=interpret)
     return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
+
+
+def decode_words(words_RW: jax.Array, asm: bool) -> list[jax.Array]:
+    """The 4 e4m3 codes of each uint32 word (byte j is code j: little-endian) as float32, four arrays of the words'
+    shape. ``asm`` (GPU): each code's exact value, two codes a ``cvt.rn.f16x2.e4m3x2`` (the hardware's fp8 pair
+    conversion, sm_89 on) then a ``cvt.f32.f16`` each; otherwise ``decode_e4m3``'s ``value * 2^-8`` (interpreted:
+    the scales then carry the 2^8, ``matvec_scale_shift``). Pallas' Triton lowering takes one result per
+    inline-asm call: codes 2h and 2h + 1 each repeat their pair's conversion, which ptxas merges."""
+    if not asm:
+        return [decode_e4m3((words_RW >> (8 * j)) & 0xFF) for j in range(CODES_PER_WORD)]
+    word = jax.lax.bitcast_convert_type(words_RW, jnp.int32)
+    shape = jax.ShapeDtypeStruct(words_RW.shape, jnp.float32)
+    return [pltriton.elementwise_inline_asm(
+        "{ .reg .b16 w0, w1, h0, h1; .reg .b32 p; mov.b32 {w0, w1}, $1; "
+        f"cvt.rn.f16x2.e4m3x2 p, w{j // 2}; mov.b32 {{h0, h1}}, p; cvt.f32.f16 $0, h{j % 2}; }}",
+        args=[word], constraints="=f,r", pack=1, result_shape_dtypes=[shape])[0] for j in range(CODES_PER_WORD)]
+
+
+def matvec_scale_shift(asm: bool) -> int:
+    """The exponent shift of the mat-vec's scale multipliers: 0 for ``decode_words``' exact GPU values, 8 for the
+    interpreted ``value * 2^-8``."""
+    return 0 if asm else _F16_BIAS_FIX
+
+
+def _matvec_kernel(layer_ref, x_ref, *refs, rows: int, words: int, n_steps: int, asm: bool,
+                   bounds: tuple[int, ...], quantise: bool):
+    """Program n: outputs [n * rows, (n + 1) * rows) of the weights side by side (tiles [bounds[i], bounds[i+1])
+    are weight i's) of one token, over all of K in ``n_steps`` steps of ``words`` words. ``refs``: each weight's
+    words [L, O_i, I/4] and scale stack [L, O_i/32, I/32] (layer ``layer_ref[0]``), then the output bf16
+    [1, sum O_i]. x_ref bf16 [1, I]: each step's 4 code phases (K positions 4w + j) are strided loads,
+    fake-quantised together (``quantise``: 32-wide blocks are 8 words of every phase) or fq8's values already."""
+    n_weights = len(bounds) - 1
+    w_refs, s_refs, o_ref = refs[:n_weights], refs[n_weights:2 * n_weights], refs[-1]
+    n, layer = pl.program_id(0), layer_ref[0]
+    blocks = words // (FP8_BLOCK // CODES_PER_WORD)
+    shift = matvec_scale_shift(asm)
+
+    def tile(w_ref, s_ref, r0):
+        row_R1 = (r0 + jnp.arange(rows))[:, None]
+        last = n_steps - 1
+
+        def load(k):  # step k's codes and scales (k = n_steps: the last step's again, loaded and unused)
+            w0 = jnp.minimum(k, last) * words
+            scale_RB = pltriton.load(s_ref.at[layer, row_R1 // FP8_BLOCK, (w0 // 8 + jnp.arange(blocks))[None, :]])
+            return w_ref[layer, pl.ds(r0, rows), pl.ds(w0, words)], scale_RB
+
+        def body(k, loaded, acc_R):
+            words_RW, scale_RB = loaded
+            k0 = k * words * CODES_PER_WORD
+            x_J = [pltriton.load(x_ref.at[0, k0 + j + CODES_PER_WORD * jnp.arange(words)]).astype(jnp.float32)[None]
+                   for j in range(CODES_PER_WORD)]
+            if quantise:
+                x_J = [x.astype(jnp.float32) for x in quant.fq8_tiles(x_J)]
+            p_RW = functools.reduce(lambda a, b: a + b, [w * x for w, x in zip(decode_words(words_RW, asm), x_J)])
+            block_RB = p_RW.reshape(rows, blocks, words // blocks).sum(axis=-1)
+            return acc_R + (block_RB * quant.ue8m0_pow2(scale_RB, shift)).sum(axis=-1)
+
+        y_R = prefetch.fori_loop_ahead(n_steps, load, body, jnp.zeros((rows,), jnp.float32))
+        o_ref[0, pl.ds(n * rows, rows)] = y_R.astype(o_ref.dtype)
+
+    if n_weights == 1:
+        tile(w_refs[0], s_refs[0], n * rows)
+        return
+    for i in range(n_weights):
+        pl.when((n >= bounds[i]) & (n < bounds[i + 1]))(
+            functools.partial(tile, w_refs[i], s_refs[i], (n - bounds[i]) * rows))
+
+
+def auto_matvec_rows(out_dims: list[int], target: int) -> int:
+    """Output rows a mat-vec program takes: the most of 64, 32, 16, 8 dividing every weight's outputs that still
+    gives ``target`` programs, else 8 (each program walks all of K: more programs, more loads in flight)."""
+    return next((r for r in (64, 32, 16) if all(o % r == 0 for o in out_dims) and sum(out_dims) // r >= target), 8)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "quantise"))
+def _fp8_matvec_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple[Weight, ...], *,
+                     config: KernelConfig, interpret: bool, quantise: bool) -> jax.Array:
+    """``_fp8_linear_call``'s contract for one token (T = 1) on ``_matvec_kernel``. -> bf16 [1, sum O_i]."""
+    stacks, layer = in_place([*weights, *scales])
+    w_stacks, s_stacks = stacks[:len(weights)], stacks[len(weights):]
+    in_dim = x_TI.shape[1]
+    out_dims = [w.shape[0] for w in weights]
+    rows = config.matvec_rows
+    if not rows or any(o % rows for o in out_dims):
+        rows = auto_matvec_rows(out_dims, config.target_programs)
+    words = FP8_BLOCK // CODES_PER_WORD  # a step's words: the most (a power of two) dividing K's, one block at least
+    while (words * 2 <= config.matvec_words // rows and (in_dim // CODES_PER_WORD) % (words * 2) == 0):
+        words *= 2
+    bounds = tuple(int(b) for b in np.cumsum([0] + [o // rows for o in out_dims]))
+    kernel = functools.partial(_matvec_kernel, rows=rows, words=words, n_steps=in_dim // CODES_PER_WORD // words,
+                               asm=not interpret, bounds=bounds, quantise=quantise)
+    w_words = [jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], in_dim // CODES_PER_WORD, CODES_PER_WORD),
+                                            jnp.uint32) for w in w_stacks]
+    return poison.pallas_call(kernel, layer[None], x_TI, *w_words, *s_stacks,
+                              out_shape=jax.ShapeDtypeStruct((1, sum(out_dims)), jnp.bfloat16), poison=config.poison,
+                              grid=(bounds[-1],), name="fp8_matvec", interpret=interpret,
+                              compiler_params=pltriton.CompilerParams(num_warps=config.matvec_warps, num_stages=1))
 
 
 _IMPLEMENTATIONS = {"reference": fp8_linears_reference, "pallas": fp8_linears_pallas}

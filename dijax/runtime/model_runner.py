@@ -102,6 +102,12 @@ MIN_TOKENS = 8  # the smallest token bucket of a step of several tokens
 # load and dot 8 rows), one executable more per block-table width. On an H100 (forty-third session, one process,
 # two rounds) flash-slice's decode B=1 ran 2.716 / 2.696 ms back to back against 3.457 / 3.231 in the 8-token
 # bucket, the tiny model's 2.108 / 1.419 against 2.810 / 1.797; GPU parity of the engine's decode steps unchanged.
+# The price: a token's bits can depend on whether it ran alone. The one-token executable's products may round
+# otherwise than the 8-token one's (on the CPU, XLA's one-row products: the tiny model's logits for one request
+# moved by up to 0.08 after its first compressed group and 0.5 once the indexer selects, greedy tokens equal; on a
+# GPU the kernels' sums already depend on the token count), so a request decoded alone and later recomputed, or
+# run at ep 1 and on an attention-DP rank, may differ past rounding near ties. The EP bit-exactness tests turn it
+# off (docs/scaling.md).
 ONE_TOKEN_BUCKET = True
 
 

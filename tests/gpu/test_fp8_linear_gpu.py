@@ -82,3 +82,38 @@ def test_quantised_activations_are_taken_as_they_are(t, out_dims, in_dim, monkey
         assert not bool(jnp.isnan(g.astype(jnp.float32)).any())
         assert bool((g == w).all())
         assert_close_bf16(g, jax.jit(fl.fp8_linear_reference)(x_act, weight, scale), x_act, weight, scale)
+
+
+@pytest.mark.parametrize("out_dims, in_dim", [
+    ((32768,), 1280),       # wq_b: 64-row programs
+    ((5120,), 8192),        # wo_b: 16-row programs, long K
+    ((1280, 512), 5120),    # wq_a and wkv in one launch: 8-row programs
+    ((2304, 2304), 5120),   # the shared expert's w1 and w3
+    ((25600,), 6144),       # the Engram wkv
+])
+def test_matvec_matches_the_reference(out_dims, in_dim, monkeypatch):
+    """One token on the mat-vec kernel (``CONFIG.matvec``), poisoned outputs, the flash-slice shapes; quantised
+    activations taken as they are give the same bits."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True))
+    pairs = [_weights(o, in_dim, seed=o + i)[:2] for i, o in enumerate(out_dims)]
+    x = (jax.random.normal(jax.random.key(in_dim), (1, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
+    got = jax.jit(lambda x: fl.fp8_linears(x, pairs, impl="pallas"))(x)
+    for (weight, scale), y in zip(pairs, got, strict=True):
+        assert_close_bf16(y, jax.jit(fl.fp8_linear_reference)(x, weight, scale), x, weight, scale)
+    given = jax.jit(lambda x: fl.fp8_linears(x, pairs, impl="pallas", quantised=True))(quant.fq8(x))
+    for g, y in zip(given, got, strict=True):
+        assert bool((g == y).all())
+
+
+def test_matvec_every_scale_exponent(monkeypatch):
+    """The mat-vec kernel's decode (the hardware's e4m3 conversion) for every byte of ``SCALE_RANGE`` (where the
+    reference's bf16 weights are exact), 16 a tile row."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True))
+    lo, hi = fl.SCALE_RANGE
+    exponents = jnp.arange(lo, hi + 1, dtype=jnp.uint8)
+    exponents = jnp.concatenate([exponents, jnp.full((-exponents.size % 16,), hi, jnp.uint8)])
+    weight, _, _ = _weights(32 * exponents.size // 16, 16 * 32, seed=12)
+    scale = exponents.reshape(-1, 16)
+    x = jax.random.normal(jax.random.key(4), (1, 16 * 32), jnp.bfloat16)
+    assert_close_bf16(jax.jit(fl.fp8_linear_pallas)(x, weight, scale),
+                      jax.jit(fl.fp8_linear_reference)(x, weight, scale), x, weight, scale)
