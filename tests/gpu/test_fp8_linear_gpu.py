@@ -43,14 +43,17 @@ def test_kernel_matches_reference(t, out_dim, in_dim):
     assert_close_bf16(got, want, x, weight, scale)
 
 
-def test_every_scale_exponent_in_range(monkeypatch):
-    """Every byte of ``SCALE_RANGE``, 16 per tile row; both ends included."""
+@pytest.mark.parametrize("t, matvec", [(4, False), (1, True)], ids=["dot", "matvec"])
+def test_every_scale_exponent_in_range(monkeypatch, t, matvec):
+    """Every byte of ``SCALE_RANGE``, 16 per tile row; both ends included; on the dot kernel and on the one-token
+    mat-vec (``CONFIG.matvec``: the hardware's e4m3 conversion)."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=matvec))
     lo, hi = fl.SCALE_RANGE
     exponents = jnp.arange(lo, hi + 1, dtype=jnp.uint8)
     exponents = jnp.concatenate([exponents, jnp.full((-exponents.size % 16,), hi, jnp.uint8)])
     weight, _, _ = _weights(32 * exponents.size // 16, 16 * 32, seed=9)
     scale = exponents.reshape(-1, 16)
-    x = jax.random.normal(jax.random.key(3), (4, 16 * 32), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(3), (t, 16 * 32), jnp.bfloat16)
     assert_close_bf16(jax.jit(fl.fp8_linear_pallas)(x, weight, scale),
                       jax.jit(fl.fp8_linear_reference)(x, weight, scale), x, weight, scale)
 
@@ -104,16 +107,3 @@ def test_matvec_matches_the_reference(out_dims, in_dim, monkeypatch):
     for g, y in zip(given, got, strict=True):
         assert bool((g == y).all())
 
-
-def test_matvec_every_scale_exponent(monkeypatch):
-    """The mat-vec kernel's decode (the hardware's e4m3 conversion) for every byte of ``SCALE_RANGE`` (where the
-    reference's bf16 weights are exact), 16 a tile row."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True))
-    lo, hi = fl.SCALE_RANGE
-    exponents = jnp.arange(lo, hi + 1, dtype=jnp.uint8)
-    exponents = jnp.concatenate([exponents, jnp.full((-exponents.size % 16,), hi, jnp.uint8)])
-    weight, _, _ = _weights(32 * exponents.size // 16, 16 * 32, seed=12)
-    scale = exponents.reshape(-1, 16)
-    x = jax.random.normal(jax.random.key(4), (1, 16 * 32), jnp.bfloat16)
-    assert_close_bf16(jax.jit(fl.fp8_linear_pallas)(x, weight, scale),
-                      jax.jit(fl.fp8_linear_reference)(x, weight, scale), x, weight, scale)
