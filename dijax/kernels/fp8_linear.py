@@ -272,12 +272,17 @@ def _kernel(layer_ref, x_ref, *refs, n_tokens: int, rows: int, cols: int, depth:
             index = (jnp.full((rows, 1), split),) + index
         pltriton.store(o_ref.at[index], acc.astype(o_ref.dtype), mask=jnp.broadcast_to(live_R1, (rows, cols)))
 
-    if n_weights == 1:
-        tile(w_refs[0], s_refs[0], n * cols)
+    _each_weight(tile, n, bounds, w_refs, s_refs, cols)
+
+
+def _each_weight(tile, n, bounds: tuple[int, ...], w_refs, s_refs, size: int) -> None:
+    """Program ``n``'s ``tile(w_ref, s_ref, first output)`` on the weight whose tiles of ``size`` outputs
+    [bounds[i], bounds[i + 1]) hold it: one ``pl.when`` branch a weight (a program reads one weight's tile)."""
+    if len(w_refs) == 1:
+        tile(w_refs[0], s_refs[0], n * size)
         return
-    for i in range(n_weights):  # one branch a weight: a program reads one weight's tile
-        pl.when((n >= bounds[i]) & (n < bounds[i + 1]))(
-            functools.partial(tile, w_refs[i], s_refs[i], (n - bounds[i]) * cols))
+    for i, (w_ref, s_ref) in enumerate(zip(w_refs, s_refs)):
+        pl.when((n >= bounds[i]) & (n < bounds[i + 1]))(functools.partial(tile, w_ref, s_ref, (n - bounds[i]) * size))
 
 
 def _tile(dim: int, preferred: int) -> int:
@@ -372,14 +377,22 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]], join
     return [y_TO[:, bounds[i]:bounds[i + 1]] for i in range(len(weights))]
 
 
+def _stacks_in_place(weights: tuple[Weight, ...], scales: tuple[Weight, ...]):
+    """(each weight's stack as uint32 words [L, O_i, I/4] (4 codes a word, little-endian: a bitcast, no copy), each
+    scale stack [L, O_i/32, I/32], the layer index int32 []): what a kernel launch reads (``stacked.in_place``)."""
+    stacks, layer = in_place([*weights, *scales])
+    words = [jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // CODES_PER_WORD, CODES_PER_WORD),
+                                          jnp.uint32) for w in stacks[:len(weights)]]
+    return words, stacks[len(weights):], layer
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "quantise"))
 def _fp8_linear_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple[Weight, ...], *,
                      config: KernelConfig, interpret: bool, quantise: bool) -> jax.Array:
     """The kernel launch of ``fp8_linears_pallas``, jitted: the linears of one shape (the same projection in every
     layer) share one trace and lowering per step shape; ``config`` is part of the key. -> bf16 [T, sum O_i], the
     outputs side by side. ``quantise``: the kernel fake-quantises x (else x is fq8's values already)."""
-    stacks, layer = in_place([*weights, *scales])
-    w_stacks, s_stacks = stacks[:len(weights)], stacks[len(weights):]
+    words, s_stacks, layer = _stacks_in_place(weights, scales)
     t, in_dim = x_TI.shape
     out_dims = [w.shape[0] for w in weights]
     rows = int(min(config.rows_max, max(MIN_DOT, pl.next_power_of_2(max(t, 1)))))
@@ -396,9 +409,6 @@ def _fp8_linear_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple
     out = jax.ShapeDtypeStruct((t, total) if splits == 1 else (splits, t, total),
                                jnp.bfloat16 if splits == 1 else jnp.float32)
     params = pltriton.CompilerParams(num_warps=config.warps, num_stages=config.stages)
-    # the codes as uint32 words (4 a word, little-endian): a bitcast, no copy of the stack
-    words = [jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], in_dim // CODES_PER_WORD, CODES_PER_WORD),
-                                          jnp.uint32) for w in w_stacks]
     y = poison.pallas_call(kernel, layer[None], x_TI, *words, *s_stacks, out_shape=out, poison=config.poison,
                            grid=grid, compiler_params=params, name="fp8_linear", interpret=interpret)
     return y if splits == 1 else jnp.sum(y, axis=0).astype(jnp.bfloat16)
@@ -408,7 +418,7 @@ def decode_words(words_RW: jax.Array, asm: bool) -> list[jax.Array]:
     """The 4 e4m3 codes of each uint32 word (byte j is code j: little-endian) as float32, four arrays of the words'
     shape. ``asm`` (GPU): each code's exact value, two codes a ``cvt.rn.f16x2.e4m3x2`` (the hardware's fp8 pair
     conversion, sm_89 on) then a ``cvt.f32.f16`` each; otherwise ``decode_e4m3``'s ``value * 2^-8`` (interpreted:
-    the scales then carry the 2^8, ``matvec_scale_shift``). Pallas' Triton lowering takes one result per
+    the mat-vec's scale multipliers then carry the 2^8). Pallas' Triton lowering takes one result per
     inline-asm call: codes 2h and 2h + 1 each repeat their pair's conversion, which ptxas merges."""
     if not asm:
         return [decode_e4m3((words_RW >> (8 * j)) & 0xFF) for j in range(CODES_PER_WORD)]
@@ -418,12 +428,6 @@ def decode_words(words_RW: jax.Array, asm: bool) -> list[jax.Array]:
         "{ .reg .b16 w0, w1, h0, h1; .reg .b32 p; mov.b32 {w0, w1}, $1; "
         f"cvt.rn.f16x2.e4m3x2 p, w{j // 2}; mov.b32 {{h0, h1}}, p; cvt.f32.f16 $0, h{j % 2}; }}",
         args=[word], constraints="=f,r", pack=1, result_shape_dtypes=[shape])[0] for j in range(CODES_PER_WORD)]
-
-
-def matvec_scale_shift(asm: bool) -> int:
-    """The exponent shift of the mat-vec's scale multipliers: 0 for ``decode_words``' exact GPU values, 8 for the
-    interpreted ``value * 2^-8``."""
-    return 0 if asm else _F16_BIAS_FIX
 
 
 def _matvec_kernel(layer_ref, x_ref, *refs, rows: int, words: int, n_steps: int, asm: bool,
@@ -437,7 +441,7 @@ def _matvec_kernel(layer_ref, x_ref, *refs, rows: int, words: int, n_steps: int,
     w_refs, s_refs, o_ref = refs[:n_weights], refs[n_weights:2 * n_weights], refs[-1]
     n, layer = pl.program_id(0), layer_ref[0]
     blocks = words // (FP8_BLOCK // CODES_PER_WORD)
-    shift = matvec_scale_shift(asm)
+    shift = 0 if asm else _F16_BIAS_FIX  # the scales carry the interpreted decode's 2^8 (``decode_words``)
 
     def tile(w_ref, s_ref, r0):
         row_R1 = (r0 + jnp.arange(rows))[:, None]
@@ -462,12 +466,7 @@ def _matvec_kernel(layer_ref, x_ref, *refs, rows: int, words: int, n_steps: int,
         y_R = prefetch.fori_loop_ahead(n_steps, load, body, jnp.zeros((rows,), jnp.float32))
         o_ref[0, pl.ds(n * rows, rows)] = y_R.astype(o_ref.dtype)
 
-    if n_weights == 1:
-        tile(w_refs[0], s_refs[0], n * rows)
-        return
-    for i in range(n_weights):
-        pl.when((n >= bounds[i]) & (n < bounds[i + 1]))(
-            functools.partial(tile, w_refs[i], s_refs[i], (n - bounds[i]) * rows))
+    _each_weight(tile, n, bounds, w_refs, s_refs, rows)
 
 
 def auto_matvec_rows(out_dims: list[int], target: int) -> int:
@@ -480,8 +479,7 @@ def auto_matvec_rows(out_dims: list[int], target: int) -> int:
 def _fp8_matvec_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple[Weight, ...], *,
                      config: KernelConfig, interpret: bool, quantise: bool) -> jax.Array:
     """``_fp8_linear_call``'s contract for one token (T = 1) on ``_matvec_kernel``. -> bf16 [1, sum O_i]."""
-    stacks, layer = in_place([*weights, *scales])
-    w_stacks, s_stacks = stacks[:len(weights)], stacks[len(weights):]
+    w_words, s_stacks, layer = _stacks_in_place(weights, scales)
     in_dim = x_TI.shape[1]
     out_dims = [w.shape[0] for w in weights]
     rows = config.matvec_rows
@@ -493,8 +491,6 @@ def _fp8_matvec_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple
     bounds = tuple(int(b) for b in np.cumsum([0] + [o // rows for o in out_dims]))
     kernel = functools.partial(_matvec_kernel, rows=rows, words=words, n_steps=in_dim // CODES_PER_WORD // words,
                                asm=not interpret, bounds=bounds, quantise=quantise)
-    w_words = [jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], in_dim // CODES_PER_WORD, CODES_PER_WORD),
-                                            jnp.uint32) for w in w_stacks]
     return poison.pallas_call(kernel, layer[None], x_TI, *w_words, *s_stacks,
                               out_shape=jax.ShapeDtypeStruct((1, sum(out_dims)), jnp.bfloat16), poison=config.poison,
                               grid=(bounds[-1],), name="fp8_matvec", interpret=interpret,
