@@ -19,6 +19,9 @@ from dijax.kernels.stacked import of_layer
 from dijax.model.step import CacheSpec, SeqChunk, build_step, init_cache
 from dijax.model.transformer import forward_step
 
+# the mat-vec kernel on every one-token launch, whatever its shape (the tests' small weights)
+MATVEC_EVERYWHERE = dict(matvec=True, matvec_min_in=0, matvec_min_codes=0)
+
 
 def _bf16_values(limit: float) -> np.ndarray:
     """Every finite bf16 value with |v| <= limit, as float32."""
@@ -218,7 +221,7 @@ def test_matvec_matches_the_reference(monkeypatch, poison, out_dims, in_dim, tar
     launch of several weights, 4 rows a program with wide steps (``matvec_rows``, ``matvec_words``), and 64 rows
     asked where they do not divide the outputs (the automatic choice); each output is its reference's
     (poisoned: every element written)."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True, target_programs=target,
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, **MATVEC_EVERYWHERE, target_programs=target,
                                                           matvec_rows=rows, matvec_words=words))
     pairs = [_weights(o, in_dim, seed=o + in_dim)[:2] for o in out_dims]
     x = (jax.random.normal(jax.random.key(in_dim), (1, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
@@ -238,7 +241,7 @@ def test_matvec_rows_are_checked():
 
 def test_matvec_reads_a_layer_of_a_stack_and_every_scale_exponent(monkeypatch, poison):
     """Layer 1 of a 3-layer stack read in place (``LayerSlice``), with scale bytes 0..246 across its blocks."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True))
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, **MATVEC_EVERYWHERE))
     layers = [_weights(64, 256, seed=20 + i)[:2] for i in range(3)]
     scale = jnp.asarray(np.arange(0, 247, 16, dtype=np.uint8)[:16].reshape(2, 8))
     layers[1] = (layers[1][0], scale)
@@ -248,9 +251,24 @@ def test_matvec_reads_a_layer_of_a_stack_and_every_scale_exponent(monkeypatch, p
     assert_close_bf16(got, fl.fp8_linear_reference(x, layers[1][0], scale), x, layers[1][0], scale)
 
 
+@pytest.mark.parametrize("out_dims, in_dim, matvec", [
+    ((5120,), 8192, True), ((25600,), 6144, True), ((2304, 2304), 5120, True),  # wo_b, Engram wkv, shared w1 + w3
+    ((32768,), 1280, False), ((1280, 512), 5120, False), ((5120,), 2304, False)])  # wq_b, wq_a + wkv, shared w2
+def test_matvec_takes_the_launches_it_was_faster_at(lower_for_cuda, monkeypatch, out_dims, in_dim, matvec):
+    """With ``CONFIG.matvec`` on, a one-token launch takes the mat-vec kernel only from ``matvec_min_in`` inputs and
+    ``matvec_min_codes`` codes (the flash-slice shapes: where it measured faster), the dot kernel otherwise."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True))
+    x = jax.ShapeDtypeStruct((1, in_dim), jnp.bfloat16)
+    args = [jax.ShapeDtypeStruct(shape, dtype) for o in out_dims
+            for shape, dtype in (((o, in_dim), jnp.float8_e4m3fn), ((o // 32, in_dim // 32), jnp.uint8))]
+    text = lower_for_cuda(lambda x, *a: fl.fp8_linears_pallas(x, [a[i:i + 2] for i in range(0, len(a), 2)],
+                                                             interpret=False), x, *args)
+    assert ("fp8_matvec" in text) == matvec, text.count("xla.gpu.triton")
+
+
 def test_matvec_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch):
     """wq_a and wkv at one token on the mat-vec kernel: one Triton kernel, its e4m3 pairs converted by PTX."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True))
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, **MATVEC_EVERYWHERE))
     x = jax.ShapeDtypeStruct((1, 5120), jnp.bfloat16)
     args = [jax.ShapeDtypeStruct(shape, dtype) for o in (1280, 512)
             for shape, dtype in (((o, 5120), jnp.float8_e4m3fn), ((o // 32, 160), jnp.uint8))]

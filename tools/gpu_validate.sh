@@ -84,9 +84,6 @@
 #   launch-cuts  (~240 s) the forty-second session's launch cuts (the routed gate-up kernel's fq8 epilogue, the
 #            router's padding mask): their GPU tests beside GPU parity, then the tiny step of a base tree (ab-base/)
 #            and of this one alternating, with profiler traces;
-#   matvec-sweep  (~490 s) the fp8 linears' one-token mat-vec kernel (off: its first tiling lost): kernel times
-#            of wider tilings, flash-slice B=1 with two of them, its GPU tests, parity of a tree copy with it;
-#   small-buckets  (~330 s) decode B=2 / 4 at T = 2 / 4 (MIN_TOKENS 1) against the 8-token bucket;
 #   layouts  (~480 s) the thirty-eighth session's changed kernels (token-major split and router outputs, the
 #            split's prologue) on the GPU: their tests, tiny-nodrop parity, the tiny step's rows and launches;
 #   sampler  (~500 s) the sampler's tests (the thresholds kernel's GPU test among them), its rows at V4.1's
@@ -114,7 +111,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="launch-ab|launch-cuts|matvec-sweep|small-buckets|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -222,39 +219,6 @@ case "$stage" in
     for trace in "$out"/dump-*/decode_*/; do
       run 30 python3 tools/trace_summary.py "$trace" --top 5
     done ;;
-  matvec-sweep)
-    # (~490 s; prepared in the forty-third session) fp8_linear.KernelConfig.matvec, one token's fp8 linears on the
-    # mat-vec kernel, whose first tiling (the defaults) lost to the dot kernel that session: GPU kernel time of the
-    # flash-slice linears at T = 1 for tilings with fewer rows a program and wider steps (more bytes in flight),
-    # then flash-slice decode B=1 with two of them against the default in one process (two rounds), then the
-    # mat-vec's GPU tests beside GPU parity (tiny-nodrop one step and its engine run, whose one-sequence steps run
-    # at T = 1) of a tree copy with it on
-    run 150 python3 tools/bench_kernels.py --only fp8_linear --tokens 1 --timing device --iters 10 --repeats 3 \
-      --variant matvec=True --variant matvec=True,matvec_rows=8,matvec_words=2048 \
-      --variant matvec=True,matvec_rows=8,matvec_words=4096 --variant matvec=True,matvec_rows=4,matvec_words=2048 \
-      --variant matvec=True,matvec_rows=16,matvec_words=4096 --variant matvec=True,matvec_rows=2,matvec_words=1024 \
-      --variant matvec=True,matvec_rows=8,matvec_words=4096,matvec_warps=8
-    run 280 python3 tools/bench.py --model flash-slice --decode-batch 1 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 3 --iters 10 --rounds 2 \
-      --variant "fp8_linear.CONFIG.matvec=True;fp8_linear.CONFIG.matvec_rows=8;fp8_linear.CONFIG.matvec_words=4096" \
-      --variant "fp8_linear.CONFIG.matvec=True;fp8_linear.CONFIG.matvec_rows=4;fp8_linear.CONFIG.matvec_words=2048"
-    tree_with matvec fp8_linear '    matvec: bool = False' '    matvec: bool = True'
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    f=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
-    check parity-tiny-nodrop $sub/tree-matvec 150 $p $f/tiny-nodrop &
-    check parity-engine $sub/tree-matvec 150 $p $f/tiny-nodrop --engine &
-    check tests-matvec . 150 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_fp8_linear_gpu.py -k matvec &
-    wait
-    checked ;;
-  small-buckets)
-    # (~330 s; prepared in the forty-third session) steps of 2-7 tokens pad to 8 (model_runner.MIN_TOKENS); with
-    # MIN_TOKENS = 1 a step of 2 or 4 sequences runs at T = 2 / 4 (the fp8 linears' kernel rows: wq_b 23.5 / 24.7
-    # us at T = 2 / 4 against 27.4 at 8): flash-slice and tiny decode B=2 / 4 with and without in one process, two
-    # rounds (the forty-third session's GPU parity with MIN_TOKENS = 1 ran every 1-, 2- and 4-token bucket)
-    run 280 python3 tools/bench.py --model flash-slice --decode-batch 2,4 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 3 --iters 10 --variant "model_runner.MIN_TOKENS=1" --rounds 2
-    run 100 python3 tools/bench.py --kernels on --decode-batch 2,4 --context 256 --prefill= --block-size 16 \
-      --engine off --warmup 5 --iters 30 --variant "model_runner.MIN_TOKENS=1" --rounds 2 ;;
   layouts)
     # (~500 s; first run in the fortieth session, H100: every test passed, parity as before) the kernels built
     # without a device: the split kernel's token-major output with the affine part and the RMS factor in its

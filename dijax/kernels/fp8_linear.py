@@ -107,21 +107,21 @@ class KernelConfig:
     Engram ``wkv`` 114.1 / 103.8; at one token 1-4 % less. GPU parity with it on: the verdicts without it (only
     the issue-8 prefix rows fail).
 
-    ``matvec``: a one-token step's linears take the mat-vec kernel (``_matvec_kernel``) instead: no tensor-core dot,
-    so no 16-row tile of which 15 rows are padding and no decoded tile passing through shared memory; each program
-    owns a few output rows and all of K (no split, no XLA sum after it), decodes its codes with the hardware's
-    e4m3-pair conversion and accumulates fp32 FMAs, loading each K step's codes a step ahead (``prefetch``).
-    ``matvec_rows``: output rows a program takes (0, or one not dividing every weight's outputs:
-    ``auto_matvec_rows``, the most of 64 / 32 / 16 that still gives ``target_programs`` programs, else 8);
-    ``matvec_words``: uint32 words (4 codes each) a program loads a step, all its rows together; ``matvec_warps``:
-    its Triton warps. Why: at one token XLA's own mat-vec reduction of a standalone weight beat the dot kernel on an
-    H100 (forty-third session, GPU kernel time): wq_a 5.2 / 7.2 us, wo_b 20.7 / 26.0, the shared expert's w1 7.5 /
-    11.1; in the model, where the weights are layers of a stack, XLA dequantises them instead (deviceless: ~90
-    launches more a flash-slice step), so the reduction is written here. Off: its first tiling (the defaults here)
-    passed its GPU tests and GPU parity but lost to the dot kernel (wq_b 30.5 against 22.6 us, wo_b 38.8 against
-    25.3; flash-slice decode B=1 2.99 against 2.74 ms back to back), with too little in flight: a step's 1024 words
-    over 16-64 rows is 4 KB a program, and at wq_b's 16 words a row the activations' fq8 is as much work as the
-    codes. ``gpu_validate.sh matvec-sweep`` times fewer rows with wider steps.
+    ``matvec``: a one-token launch takes the mat-vec kernel (``_matvec_kernel``) where its K is at least
+    ``matvec_min_in`` and its weights hold at least ``matvec_min_codes`` codes: no tensor-core dot, so no 16-row
+    tile of which 15 rows are padding and no decoded tile passing through shared memory; each program owns
+    ``matvec_rows`` output rows and all of K (no split, no XLA sum after it), decodes its codes with the hardware's
+    e4m3-pair conversion and accumulates fp32 FMAs, loading each K step's codes a step ahead. ``matvec_rows``: 0, or
+    one not dividing every weight's outputs, takes ``auto_matvec_rows``; ``matvec_words``: uint32 words (4 codes
+    each) a program loads a step, all its rows together; ``matvec_warps``: its Triton warps. On an H100
+    (forty-fourth session, ``tools/bench_kernels.py --only fp8_linear --tokens 1 --timing device`` with tilings as
+    variants, docs/benchmarks.md: GPU kernel time at T = 1, dot kernel / mat-vec with 8 rows and 2048 words): wo_b
+    26.1 / 20.5 us, the Engram wkv 82.5 / 64.9, the shared w1 11.1 / 9.4, where it lost on short K or few outputs:
+    wq_b (K 1280) 22.9 / 39.6, the shared w2 (K 2304) 8.9 / 14.8, wq_a 7.2 / 8.0, wkv 4.2 / 5.5; hence the two
+    thresholds (wo_b, the Engram wkv, the shared w1 + w3 take it; wq_b, wq_a + wkv, w2 do not). Flash-slice decode
+    B=1 with it (one process, two rounds, another H100): 2.598 / 2.618 ms back to back against 2.732 / 2.657. Every
+    tiling of the sweep lost where every one-token launch took it (B=1 2.82 against 2.65-2.71 ms). GPU parity with
+    it on every launch: the verdicts without it.
 
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
@@ -141,10 +141,12 @@ class KernelConfig:
     mgpu_max_tokens: int = 64
     mgpu_block_scales: bool = False
     take_quantised: bool = True
-    matvec: bool = False
-    matvec_rows: int = 0
-    matvec_words: int = 1024
+    matvec: bool = True
+    matvec_rows: int = 8
+    matvec_words: int = 2048
     matvec_warps: int = 4
+    matvec_min_in: int = 4096
+    matvec_min_codes: int = 1 << 24
     poison: bool = False
 
     def __post_init__(self):
@@ -368,7 +370,7 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]], join
         return fp8_linears_reference(x_TI, pairs, joined, quantised)
     if x_TI.shape[0] == 0:
         return _join([jnp.zeros((0, w.shape[0]), jnp.bfloat16) for w in weights], joined)
-    call = _fp8_matvec_call if CONFIG.matvec and x_TI.shape[0] == 1 else _fp8_linear_call
+    call = _fp8_matvec_call if _matvec_takes(x_TI, weights, CONFIG) else _fp8_linear_call
     y_TO = call(x_TI, tuple(weights), tuple(scale for _, scale in pairs), config=CONFIG,
                 interpret=interpret_mode(interpret), quantise=not (quantised and CONFIG.take_quantised))
     if joined:
@@ -467,6 +469,14 @@ def _matvec_kernel(layer_ref, x_ref, *refs, rows: int, words: int, n_steps: int,
         o_ref[0, pl.ds(n * rows, rows)] = y_R.astype(o_ref.dtype)
 
     _each_weight(tile, n, bounds, w_refs, s_refs, rows)
+
+
+def _matvec_takes(x_TI: jax.Array, weights: list[Weight], config: KernelConfig) -> bool:
+    """Whether a launch runs on the mat-vec kernel: ``config.matvec``, one token, K of at least
+    ``matvec_min_in`` and at least ``matvec_min_codes`` weight codes in the launch (the shapes it was faster at)."""
+    in_dim = x_TI.shape[1]
+    return (config.matvec and x_TI.shape[0] == 1 and in_dim >= config.matvec_min_in
+            and sum(w.shape[0] for w in weights) * in_dim >= config.matvec_min_codes)
 
 
 def auto_matvec_rows(out_dims: list[int], target: int) -> int:
