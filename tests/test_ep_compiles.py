@@ -51,5 +51,5 @@ if __name__ == "__main__":
 
     # decodes in the 8-token bucket at every ep: with attention DP each rank's decode holds one token (the
     # one-token bucket, one compile more) where ep 1's holds two
-    model_runner.ONE_TOKEN_BUCKET = False
+    model_runner.SMALL_TOKEN_BUCKETS = ()
     print(json.dumps({name: _compiles(*run) for name, run in RUNS.items()}))

@@ -12,7 +12,7 @@ one JSON line of results:
     the preemption count, and whether every block and slot of every rank is free at the end. Attention DP changes
     the schedule (per-rank budgets and pools: other batches, no preemption), yet every sampled logits row (debug
     logits) equals ep 1's bit for bit: a token's computation does not depend on its batch neighbours
-    (docs/scaling.md, "Bit-exactness"), with one-token steps in the 8-token bucket (``ONE_TOKEN_BUCKET`` off: a
+    (docs/scaling.md, "Bit-exactness"), with one-token steps in the 8-token bucket (``SMALL_TOKEN_BUCKETS`` empty: a
     rank's step of one token would otherwise take the one-token executable, whose products may round otherwise).
     The engine's sizes keep its bucket plan to one token bucket (8) and two block-table widths (1, 3): each (ep,
     bucket) is a whole-model compile, the bulk of this file's time;
@@ -130,7 +130,7 @@ if __name__ == "__main__":
     assert len(jax.devices()) == DEVICES, jax.devices()
     # every step in the 8-token bucket at every ep: with attention DP a rank's step often holds one token where
     # ep 1's holds several, and the one-token executable's products may round otherwise (model_runner)
-    model_runner.ONE_TOKEN_BUCKET = False
+    model_runner.SMALL_TOKEN_BUCKETS = ()
     engine = {str(ep): workload(ep) for ep in (1, 2, DEVICES)}
     for ep in ("2", str(DEVICES)):
         engine[ep]["logits"] = logits_difference(engine["1"]["logits"], engine[ep]["logits"])

@@ -48,11 +48,17 @@ def test_width_follows_the_context_not_the_capacity():
     assert all(s == min(t, 256) for t, s, _ in plan)
 
 
-def test_one_token_has_a_bucket_of_its_own(monkeypatch):
-    """One sequence's decode step runs at T = 1; from two tokens the steps pad to MIN_TOKENS and powers of two."""
+def test_small_token_buckets(monkeypatch):
+    """By default one sequence's decode step runs at T = 1 and from two tokens the steps pad to MIN_TOKENS and
+    powers of two; ``small`` (the engine's ``small_token_buckets``) adds or removes the buckets below MIN_TOKENS,
+    the module default too."""
     assert [token_bucket(n) for n in (0, 1, 2, 7, 8, 9, 300)] == [8, 1, 8, 8, 8, 16, 512]
-    monkeypatch.setattr(model_runner, "ONE_TOKEN_BUCKET", False)
-    assert token_bucket(1) == 8 and step_buckets(32, 4, 4) == [(8, 4), (16, 4), (32, 4)]
+    assert [token_bucket(n, (4, 1, 2)) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
+    assert step_buckets(32, 4, 4, (1, 2, 4)) == [(1, 4), (2, 4), (4, 4), (8, 4), (16, 4), (32, 4)]
+    assert token_bucket(1, ()) == 8 and step_buckets(32, 4, 4, ()) == [(8, 4), (16, 4), (32, 4)]
+    monkeypatch.setattr(model_runner, "SMALL_TOKEN_BUCKETS", ())
+    assert token_bucket(1) == 8 and engine_buckets(32, 4, 64, 16)[0] == (8, 4, 4)
+    assert engine_buckets(32, 4, 64, 16, (2,))[:2] == [(2, 2, 4), (8, 4, 4)]
 
 
 def test_padding_tokens_reach_no_expert(monkeypatch, tiny):

@@ -337,7 +337,11 @@ def test_engine_arguments_are_checked_by_name():
     for kwargs, match in (({"block_size": 0}, "block_size must be an int >= 1, got 0"),
                           ({"max_num_seqs": 0}, "max_num_seqs must be an int >= 1, got 0"),
                           ({"num_blocks": -2}, "num_blocks must be an int >= 1"),
-                          ({"max_model_len": 4096}, r"max_model_len must be <= the model's max_seq_len \(512\)")):
+                          ({"max_model_len": 4096}, r"max_model_len must be <= the model's max_seq_len \(512\)"),
+                          ({"small_token_buckets": (1, 8)}, r"small_token_buckets must be distinct values from "
+                                                            r"\[1, 2, 4\]"),
+                          ({"small_token_buckets": (2, 2)}, "small_token_buckets must be distinct"),
+                          ({"small_token_buckets": 1}, r"small_token_buckets .* got 1$")):
         with pytest.raises(ValueError, match=match):
             LLM(**kwargs)
     with pytest.raises(TypeError, match="max_num_batched_tokens must be an int"):
@@ -345,6 +349,9 @@ def test_engine_arguments_are_checked_by_name():
     for flag in ("zos", "trace_steps", "warmup"):
         with pytest.raises(TypeError, match=f"{flag} must be a bool, got str 'yes'"):
             LLM(**{flag: "yes"})
+    # the small token buckets reach the runner's plan: the steps of 2-4 tokens at their size, no 1-token bucket
+    runner = LLM(small_token_buckets=[4, 2], max_num_batched_tokens=16).engine.runner
+    assert sorted({t for t, _, _ in runner.buckets()}) == [2, 4, 8, 16]
 
 
 # ------------------------------------------------------------------------------------------------ prompts file

@@ -51,7 +51,8 @@ class LLM:
     ``engine_args`` go to ``LLMEngine`` (max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
     max_model_len, zos, ep, attention_dp: ``LLM(..., ep=N)`` splits the experts over N devices and, by default,
     makes every device an attention rank with its own sequences and pools of the given sizes; trace_steps: a host
-    timeline of every engine step, dijax.runtime.step_timeline; warmup: compile every step bucket first).
+    timeline of every engine step, dijax.runtime.step_timeline; warmup: compile every step bucket first;
+    small_token_buckets: the token buckets below 8, e.g. (1, 2, 4) for steps of 2-4 sequences at their size).
 
     ``generate`` names its requests ``req-0``, ``req-1``, ... in prompt order, counting on over the LLM's life;
     ``abort`` takes those ids. One lock guards the engine, so ``abort`` is safe from any thread while another runs

@@ -19,7 +19,7 @@ from dijax.parallel.mesh import make_mesh, params_mesh, place_params
 from dijax.parallel.ranks import num_ranks
 from dijax.runtime.block_manager import BlockManager
 from dijax.runtime.compile_cache import enable_compile_cache
-from dijax.runtime.model_runner import ModelRunner, StepHandle
+from dijax.runtime.model_runner import ModelRunner, StepHandle, small_buckets
 from dijax.runtime.outputs import RequestOutput
 from dijax.runtime.sampling_params import SamplingParams
 from dijax.runtime.scheduler import Scheduler, SchedulerOutput
@@ -65,6 +65,12 @@ class LLMEngine:
     warmup                  compile every step bucket before the first request (``ModelRunner.warmup``: in
                             parallel threads, with a progress bar), so that no step waits for a compile; off by
                             default (each bucket then compiles on its first use).
+    small_token_buckets     token buckets below 8 (any of 1, 2, 4): a step of at most that many tokens runs at
+                            that size instead of padding to 8; each is one executable more per block-table width.
+                            None (default): (1,), one sequence's decode at T = 1. (1, 2, 4) also speeds up
+                            steps of 2-4 sequences (flash-slice decode B=2 9 % on an H100); () keeps a token's
+                            bits independent of its step's size (the EP equality tests).
+                            (dijax.runtime.model_runner.SMALL_TOKEN_BUCKETS)
     compile_cache_dir       keep compiled steps in this directory and load them from there in later processes
                             (JAX's persistent compilation cache, process-wide: dijax.runtime.compile_cache); None
                             (default) leaves JAX's own setting (JAX_COMPILATION_CACHE_DIR) as it is.
@@ -74,7 +80,8 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int | None = None, max_model_len: int | None = None, ep: int = 1,
                  zos: bool = True, weights_seed: int = 0, loaded: tuple | None = None, debug_logits: bool = False,
                  kernels: str = "auto", attention_dp: bool | None = None, trace_steps: bool = False,
-                 warmup: bool = False, compile_cache_dir: str | None = None):
+                 warmup: bool = False, compile_cache_dir: str | None = None,
+                 small_token_buckets: tuple[int, ...] | None = None):
         from dijax.io.loader import load
 
         # checked before the model is loaded: a bad size fails at once, naming itself
@@ -86,6 +93,7 @@ class LLMEngine:
         if max_model_len is not None:
             max_model_len = _check_size("max_model_len", max_model_len)
         ep = _check_size("ep", ep)
+        small_token_buckets = small_buckets(small_token_buckets)
         if not isinstance(zos, bool):
             raise TypeError(f"zos must be a bool, got {type(zos).__name__} {zos!r}")
         for name, flag in (("trace_steps", trace_steps), ("warmup", warmup)):
@@ -113,7 +121,8 @@ class LLMEngine:
                                    [StateManager(max_num_seqs) for _ in ranks], max_num_seqs,
                                    max_num_batched_tokens, max_model_len, eos_token_id=self.cfg.eos_token_id)
         self.runner = ModelRunner(self.cfg, params, consts, num_blocks, max_num_seqs, block_size, max_model_len,
-                                  max_num_seqs, max_num_batched_tokens, debug_logits, kernels, attention_dp)
+                                  max_num_seqs, max_num_batched_tokens, debug_logits, kernels, attention_dp,
+                                  small_token_buckets)
         # debug: request id -> {output position: logits row that sampled it} (the last computation wins, so a
         # preempted-and-recomputed position keeps the recomputed row)
         self.step_logits: dict[str, dict[int, object]] = {}

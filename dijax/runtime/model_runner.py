@@ -96,19 +96,21 @@ class StepHandle:
 
 
 _COMPILES: dict[ModelConfig, int] = {}  # model-step traces per model
-MIN_TOKENS = 8  # the smallest token bucket of a step of several tokens
-# A step of one token (one sequence's decode) has a bucket of its own, T = 1, rather than 7 padding tokens beside
-# it: every token-level kernel then does an eighth of the rows (the fp8 linears' column programs, e.g., no longer
-# load and dot 8 rows), one executable more per block-table width. On an H100 (forty-third session, one process,
-# two rounds) flash-slice's decode B=1 ran 2.716 / 2.696 ms back to back against 3.457 / 3.231 in the 8-token
-# bucket, the tiny model's 2.108 / 1.419 against 2.810 / 1.797; GPU parity of the engine's decode steps unchanged.
-# The price: a token's bits can depend on whether it ran alone. The one-token executable's products may round
-# otherwise than the 8-token one's (on the CPU, XLA's one-row products: the tiny model's logits for one request
-# moved by up to 0.08 after its first compressed group and 0.5 once the indexer selects, greedy tokens equal; on a
-# GPU the kernels' sums already depend on the token count), so a request decoded alone and later recomputed, or
-# run at ep 1 and on an attention-DP rank, may differ past rounding near ties. The EP bit-exactness tests turn it
-# off (docs/scaling.md).
-ONE_TOKEN_BUCKET = True
+MIN_TOKENS = 8  # the smallest power-of-two token bucket; steps of fewer tokens pad to it unless a small bucket fits
+# Token buckets below MIN_TOKENS (powers of two), each one executable more per block-table width; the engine's
+# ``small_token_buckets`` (None: this default). One sequence's decode step has its own bucket, T = 1, rather than
+# 7 padding tokens beside it: every token-level kernel then does an eighth of the rows. On an H100 (forty-third
+# session, one process, two rounds) flash-slice's decode B=1 ran 2.716 / 2.696 ms back to back against 3.457 /
+# 3.231 in the 8-token bucket, the tiny model's 2.108 / 1.419 against 2.810 / 1.797; GPU parity of the engine's
+# decode steps unchanged. (1, 2, 4) also gives steps of 2-4 sequences their own: flash-slice decode B=2 3.20-3.21
+# against 3.51-3.52 ms, B=4 3.97-3.99 against 4.08-4.09 (forty-fourth session), for two executables more a width.
+# The price of each small bucket: a token's bits can depend on its step's size. A small executable's products may
+# round otherwise than the 8-token one's (on the CPU, XLA's one-row products: the tiny model's logits for one
+# request moved by up to 0.08 after its first compressed group and 0.5 once the indexer selects, greedy tokens
+# equal; on a GPU the kernels' sums already depend on the token count), so a request decoded alone and later
+# recomputed, or run at ep 1 and on an attention-DP rank, may differ past rounding near ties. () keeps every step
+# in the MIN_TOKENS buckets: the EP bit-exactness tests run so (docs/scaling.md).
+SMALL_TOKEN_BUCKETS: tuple[int, ...] = (1,)
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -119,10 +121,22 @@ def bucket(n: int, minimum: int) -> int:
     return size
 
 
-def token_bucket(n: int) -> int:
-    """The token bucket T of a step of ``n`` tokens (on its busiest rank): 1 for one token (``ONE_TOKEN_BUCKET``),
-    else the smallest power of two >= max(n, MIN_TOKENS)."""
-    return 1 if n == 1 and ONE_TOKEN_BUCKET else bucket(n, MIN_TOKENS)
+def small_buckets(value: tuple[int, ...] | list[int] | None) -> tuple[int, ...]:
+    """``value`` checked as small token buckets (distinct powers of two below MIN_TOKENS), sorted; None gives
+    SMALL_TOKEN_BUCKETS. Raises ValueError naming ``small_token_buckets`` and the allowed values."""
+    allowed = [2 ** i for i in range(MIN_TOKENS.bit_length() - 1)]
+    value = SMALL_TOKEN_BUCKETS if value is None else value
+    if (not isinstance(value, (tuple, list)) or len(set(value)) != len(value)
+            or any(type(t) is not int or t not in allowed for t in value)):
+        raise ValueError(f"small_token_buckets must be distinct values from {allowed} (token buckets below "
+                         f"MIN_TOKENS = {MIN_TOKENS}), e.g. (1,), (1, 2, 4) or (), got {value!r}")
+    return tuple(sorted(value))
+
+
+def token_bucket(n: int, small: tuple[int, ...] | None = None) -> int:
+    """The token bucket T of a step of ``n`` tokens (on its busiest rank): the smallest of the ``small`` buckets
+    (``small_buckets``) that holds n, else the smallest power of two >= max(n, MIN_TOKENS)."""
+    return next((t for t in small_buckets(small) if 0 < n <= t), None) or bucket(n, MIN_TOKENS)
 
 
 MIN_CONTEXT = 8192  # positions every step's block tables cover at least (``min_width``)
@@ -145,26 +159,26 @@ def width_bucket(blocks: int, max_blocks: int, minimum: int = 1) -> int:
     return min(width, max_blocks)
 
 
-def step_buckets(max_tokens: int, max_blocks: int, minimum: int = 1) -> list[tuple[int, int]]:
+def step_buckets(max_tokens: int, max_blocks: int, minimum: int = 1,
+                 small: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
     """Every (tokens, block-table width) bucket of a runner whose token bucket is at most ``max_tokens`` (a power of
-    two >= MIN_TOKENS) and whose block tables hold at most ``max_blocks`` blocks: tokens 1 (``ONE_TOKEN_BUCKET``)
-    and the powers of two from MIN_TOKENS, widths ``minimum`` times the powers of four below ``max_blocks``, and
-    ``max_blocks`` itself."""
-    tokens = ([1] if ONE_TOKEN_BUCKET else []) + [MIN_TOKENS * 2 ** i
-                                                  for i in range((max_tokens // MIN_TOKENS).bit_length())]
+    two >= MIN_TOKENS) and whose block tables hold at most ``max_blocks`` blocks: tokens the ``small`` buckets
+    (``small_buckets``) and the powers of two from MIN_TOKENS, widths ``minimum`` times the powers of four below
+    ``max_blocks``, and ``max_blocks`` itself."""
+    tokens = [*small_buckets(small), *(MIN_TOKENS * 2 ** i for i in range((max_tokens // MIN_TOKENS).bit_length()))]
     widths = sorted({width_bucket(minimum * 4 ** i, max_blocks, minimum) for i in range(max_blocks.bit_length())})
     return [(t, w) for t in tokens for w in widths]
 
 
-def engine_buckets(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                   block_size: int) -> list[tuple[int, int, int]]:
+def engine_buckets(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
+                   small: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
     """Every (tokens T, sequence rows S, block-table width W) bucket of the model step of an engine of these sizes
     (per rank): ``step_buckets`` of its token and block capacities with ``min_width``, S = min(T, its row
     capacity). ``ModelRunner.warmup`` compiles these; tools/compile_time.py lowers them from abstract shapes."""
     max_blocks = -(-max_model_len // block_size)
     max_rows = bucket(max_num_seqs, 1)
     return [(t, min(t, max_rows), w) for t, w in step_buckets(bucket(max_num_batched_tokens, MIN_TOKENS),
-                                                              max_blocks, min_width(block_size, max_blocks))]
+                                                              max_blocks, min_width(block_size, max_blocks), small)]
 
 
 def bucket_inputs(num_tokens: int, num_seqs: int, width: int) -> tuple[PackedBatch, np.ndarray]:
@@ -255,12 +269,15 @@ def compiled_step(cfg: ModelConfig, kernels: tuple[tuple[str, str], ...], params
 
 class ModelRunner:
     """Owns the cache and launches the compiled steps. Pool sizes must match the scheduler's block / state
-    managers (per rank with ``attention_dp``: module docstring; it has no effect without a mesh)."""
+    managers (per rank with ``attention_dp``: module docstring; it has no effect without a mesh).
+    ``small_token_buckets``: the token buckets below MIN_TOKENS (``small_buckets``; None: SMALL_TOKEN_BUCKETS)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, consts: dict, num_blocks: int, num_slots: int,
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 debug_logits: bool = False, kernels: str = "auto", attention_dp: bool = False):
+                 debug_logits: bool = False, kernels: str = "auto", attention_dp: bool = False,
+                 small_token_buckets: tuple[int, ...] | None = None):
         self.cfg, self.params, self.consts = cfg, params, consts
+        self.small_buckets = small_buckets(small_token_buckets)  # token buckets below MIN_TOKENS
         self.param_leaves, params_tree = jax.tree.flatten(params)  # what the model step takes (compiled_step)
         # a Pallas kernel whose exact scale range a weight leaves hands its op to the reference (warning)
         self.kernel_options = exact_kernels(kernel_options(kernels, jax.default_backend()), params)
@@ -268,7 +285,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.min_width = min_width(block_size, self.max_blocks)
-        self._buckets = engine_buckets(max_num_batched_tokens, max_num_seqs, max_model_len, block_size)
+        self._buckets = engine_buckets(max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
+                                       self.small_buckets)
         self.max_rows = bucket(max_num_seqs, 1)  # per rank
         self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)  # per rank
         self.debug_logits = debug_logits
@@ -358,7 +376,8 @@ class ModelRunner:
         asking for every position). ``rows_per_chunk``: each chunk's logit rows in the ranks' rows laid end to end
         (rank r's at [r rows, (r + 1) rows)); ``offsets``: each chunk's first token in its rank's part."""
         per_rank = [[i for i, r in enumerate(ranks) if r == k] for k in range(self.num_ranks)]
-        num_tokens = token_bucket(max(sum(len(chunks[i].tokens) for i in idx) for idx in per_rank))
+        num_tokens = token_bucket(max(sum(len(chunks[i].tokens) for i in idx) for idx in per_rank),
+                                  self.small_buckets)
         num_seqs = min(num_tokens, self.max_rows)
         width = width_bucket(max(len(c.block_table) for c in chunks), self.max_blocks, self.min_width)
         num_rows = num_tokens if all_rows else num_seqs
@@ -476,7 +495,7 @@ class ModelRunner:
                                  f"positions up to {c.start + len(c.tokens)}")
         lengths = [len(c.tokens) for c in chunks]
         busiest = max(sum(n for n, r in zip(lengths, ranks) if r == k) for k in range(self.num_ranks))
-        if token_bucket(busiest) > self.max_tokens:
+        if token_bucket(busiest, self.small_buckets) > self.max_tokens:
             raise ValueError(f"step of {busiest} tokens on one rank exceeds max_num_batched_tokens "
                              f"(bucket {self.max_tokens})")
         batch, rows_per_chunk, offsets, num_tokens, _ = self._batch(
