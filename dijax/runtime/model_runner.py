@@ -277,7 +277,7 @@ class ModelRunner:
                  debug_logits: bool = False, kernels: str = "auto", attention_dp: bool = False,
                  small_token_buckets: tuple[int, ...] | None = None):
         self.cfg, self.params, self.consts = cfg, params, consts
-        self.small_buckets = small_buckets(small_token_buckets)  # token buckets below MIN_TOKENS
+        self.small_token_buckets = small_buckets(small_token_buckets)  # token buckets below MIN_TOKENS
         self.param_leaves, params_tree = jax.tree.flatten(params)  # what the model step takes (compiled_step)
         # a Pallas kernel whose exact scale range a weight leaves hands its op to the reference (warning)
         self.kernel_options = exact_kernels(kernel_options(kernels, jax.default_backend()), params)
@@ -286,7 +286,7 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)
         self.min_width = min_width(block_size, self.max_blocks)
         self._buckets = engine_buckets(max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
-                                       self.small_buckets)
+                                       self.small_token_buckets)
         self.max_rows = bucket(max_num_seqs, 1)  # per rank
         self.max_tokens = bucket(max_num_batched_tokens, MIN_TOKENS)  # per rank
         self.debug_logits = debug_logits
@@ -377,7 +377,7 @@ class ModelRunner:
         (rank r's at [r rows, (r + 1) rows)); ``offsets``: each chunk's first token in its rank's part."""
         per_rank = [[i for i, r in enumerate(ranks) if r == k] for k in range(self.num_ranks)]
         num_tokens = token_bucket(max(sum(len(chunks[i].tokens) for i in idx) for idx in per_rank),
-                                  self.small_buckets)
+                                  self.small_token_buckets)
         num_seqs = min(num_tokens, self.max_rows)
         width = width_bucket(max(len(c.block_table) for c in chunks), self.max_blocks, self.min_width)
         num_rows = num_tokens if all_rows else num_seqs
@@ -495,7 +495,7 @@ class ModelRunner:
                                  f"positions up to {c.start + len(c.tokens)}")
         lengths = [len(c.tokens) for c in chunks]
         busiest = max(sum(n for n, r in zip(lengths, ranks) if r == k) for k in range(self.num_ranks))
-        if token_bucket(busiest, self.small_buckets) > self.max_tokens:
+        if token_bucket(busiest, self.small_token_buckets) > self.max_tokens:
             raise ValueError(f"step of {busiest} tokens on one rank exceeds max_num_batched_tokens "
                              f"(bucket {self.max_tokens})")
         batch, rows_per_chunk, offsets, num_tokens, _ = self._batch(
