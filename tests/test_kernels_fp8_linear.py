@@ -213,16 +213,15 @@ def test_several_linears_lower_to_one_kernel(lower_for_cuda, monkeypatch):
         assert text.count("xla.gpu.triton") == kernels
 
 
-@pytest.mark.parametrize("out_dims, in_dim, target, rows, words", [
-    ((64,), 256, 264, 0, 1024), ((96, 32, 64), 160, 264, 0, 1024), ((128,), 1024, 2, 0, 1024),
-    ((1280, 512), 512, 264, 0, 1024), ((64, 32), 512, 264, 4, 2048), ((96,), 256, 264, 64, 4096)])
-def test_matvec_matches_the_reference(monkeypatch, poison, out_dims, in_dim, target, rows, words):
-    """One token on the mat-vec kernel (``CONFIG.matvec``): 8-row programs, 64-row programs (``target`` 2), one
-    launch of several weights, 4 rows a program with wide steps (``matvec_rows``, ``matvec_words``), and 64 rows
-    asked where they do not divide the outputs (the automatic choice); each output is its reference's
-    (poisoned: every element written)."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, **MATVEC_EVERYWHERE, target_programs=target,
-                                                          matvec_rows=rows, matvec_words=words))
+@pytest.mark.parametrize("out_dims, in_dim, rows, words", [
+    ((64,), 256, 8, 1024), ((96, 32, 64), 160, 8, 1024), ((128,), 1024, 32, 1024),
+    ((1280, 512), 512, 8, 1024), ((64, 32), 512, 4, 2048), ((96,), 256, 32, 4096)])
+def test_matvec_matches_the_reference(monkeypatch, poison, out_dims, in_dim, rows, words):
+    """One token on the mat-vec kernel (``CONFIG.matvec``): 8-row programs, 32-row programs, one launch of several
+    weights, 4 rows a program with wide steps (``matvec_rows``, ``matvec_words``), and 32 rows over outputs of 96
+    (three programs); each output is its reference's (poisoned: every element written)."""
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, **MATVEC_EVERYWHERE, matvec_rows=rows,
+                                                          matvec_words=words))
     pairs = [_weights(o, in_dim, seed=o + in_dim)[:2] for o in out_dims]
     x = (jax.random.normal(jax.random.key(in_dim), (1, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
     got = fl.fp8_linears(x, pairs, impl="pallas")
@@ -235,8 +234,9 @@ def test_matvec_matches_the_reference(monkeypatch, poison, out_dims, in_dim, tar
 
 
 def test_matvec_rows_are_checked():
-    with pytest.raises(ValueError, match="matvec_rows must be 0"):
-        dataclasses.replace(fl.CONFIG, matvec_rows=3)
+    for rows in (0, 3, 64):
+        with pytest.raises(ValueError, match=r"matvec_rows must be one of \(1, 2, 4, 8, 16, 32\)"):
+            dataclasses.replace(fl.CONFIG, matvec_rows=rows)
 
 
 def test_matvec_reads_a_layer_of_a_stack_and_every_scale_exponent(monkeypatch, poison):

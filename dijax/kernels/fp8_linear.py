@@ -62,6 +62,9 @@ _F16_BIAS_FIX = 8  # ``decode_e4m3``: a code's float16 is value * 2^-8 (float16 
 SCALE_RANGE = fp8_wgmma.SCALE_RANGE
 
 
+MATVEC_ROWS = (1, 2, 4, 8, 16, 32)  # the mat-vec's output rows a program: each divides FP8_BLOCK
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Tiles and Triton launch parameters. Sizes are powers of two; ``cols`` (``wide_cols``) and ``depth`` are
@@ -111,9 +114,9 @@ class KernelConfig:
     ``matvec_min_in`` and its weights hold at least ``matvec_min_codes`` codes: no tensor-core dot, so no 16-row
     tile of which 15 rows are padding and no decoded tile passing through shared memory; each program owns
     ``matvec_rows`` output rows and all of K (no split, no XLA sum after it), decodes its codes with the hardware's
-    e4m3-pair conversion and accumulates fp32 FMAs, loading each K step's codes a step ahead. ``matvec_rows``: 0, or
-    one not dividing every weight's outputs, takes ``auto_matvec_rows``; ``matvec_words``: uint32 words (4 codes
-    each) a program loads a step, all its rows together; ``matvec_warps``: its Triton warps. On an H100
+    e4m3-pair conversion and accumulates fp32 FMAs, loading each K step's codes a step ahead. ``matvec_rows``: a
+    power of two up to 32 (so it divides every weight's outputs, multiples of 32); ``matvec_words``: uint32 words (4
+    codes each) a program loads a step, all its rows together; ``matvec_warps``: its Triton warps. On an H100
     (forty-fourth session, ``tools/bench_kernels.py --only fp8_linear --tokens 1 --timing device`` with tilings as
     variants, docs/benchmarks.md: GPU kernel time at T = 1, dot kernel / mat-vec with 8 rows and 2048 words): wo_b
     26.1 / 20.5 us, the Engram wkv 82.5 / 64.9, the shared w1 11.1 / 9.4, where it lost on short K or few outputs:
@@ -157,9 +160,9 @@ class KernelConfig:
                              f"got {self.mgpu_warpgroups}")
         if self.mgpu_stages < 1:
             raise ValueError(f"fp8_linear KernelConfig.mgpu_stages must be >= 1, got {self.mgpu_stages}")
-        if self.matvec_rows not in (0, 1, 2, 4, 8, 16, 32, 64):
-            raise ValueError(f"fp8_linear KernelConfig.matvec_rows must be 0 (chosen per launch) or a power of two "
-                             f"up to 64, got {self.matvec_rows}")
+        if self.matvec_rows not in MATVEC_ROWS:
+            raise ValueError(f"fp8_linear KernelConfig.matvec_rows must be one of {MATVEC_ROWS} (powers of two "
+                             f"dividing FP8_BLOCK, so every weight's outputs), got {self.matvec_rows}")
         if not 1 <= self.mgpu_min_tokens <= self.mgpu_max_tokens:
             raise ValueError(f"fp8_linear KernelConfig.mgpu_min_tokens must be in [1, mgpu_max_tokens = "
                              f"{self.mgpu_max_tokens}], got {self.mgpu_min_tokens}")
@@ -479,12 +482,6 @@ def _matvec_takes(x_TI: jax.Array, weights: list[Weight], config: KernelConfig) 
             and sum(w.shape[0] for w in weights) * in_dim >= config.matvec_min_codes)
 
 
-def auto_matvec_rows(out_dims: list[int], target: int) -> int:
-    """Output rows a mat-vec program takes: the most of 64, 32, 16, 8 dividing every weight's outputs that still
-    gives ``target`` programs, else 8 (each program walks all of K: more programs, more loads in flight)."""
-    return next((r for r in (64, 32, 16) if all(o % r == 0 for o in out_dims) and sum(out_dims) // r >= target), 8)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "quantise"))
 def _fp8_matvec_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple[Weight, ...], *,
                      config: KernelConfig, interpret: bool, quantise: bool) -> jax.Array:
@@ -493,8 +490,6 @@ def _fp8_matvec_call(x_TI: jax.Array, weights: tuple[Weight, ...], scales: tuple
     in_dim = x_TI.shape[1]
     out_dims = [w.shape[0] for w in weights]
     rows = config.matvec_rows
-    if not rows or any(o % rows for o in out_dims):
-        rows = auto_matvec_rows(out_dims, config.target_programs)
     words = FP8_BLOCK // CODES_PER_WORD  # a step's words: the most (a power of two) dividing K's, one block at least
     while (words * 2 <= config.matvec_words // rows and (in_dim // CODES_PER_WORD) % (words * 2) == 0):
         words *= 2

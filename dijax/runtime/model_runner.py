@@ -135,8 +135,10 @@ def small_buckets(value: tuple[int, ...] | list[int] | None) -> tuple[int, ...]:
 
 def token_bucket(n: int, small: tuple[int, ...] | None = None) -> int:
     """The token bucket T of a step of ``n`` tokens (on its busiest rank): the smallest of the ``small`` buckets
-    (``small_buckets``) that holds n, else the smallest power of two >= max(n, MIN_TOKENS)."""
-    return next((t for t in small_buckets(small) if 0 < n <= t), None) or bucket(n, MIN_TOKENS)
+    (checked ones, ``small_buckets``; None: SMALL_TOKEN_BUCKETS) that holds n, else the smallest power of two
+    >= max(n, MIN_TOKENS). Every step calls it: nothing is checked again here."""
+    small = SMALL_TOKEN_BUCKETS if small is None else small
+    return min((t for t in small if 0 < n <= t), default=None) or bucket(n, MIN_TOKENS)
 
 
 MIN_CONTEXT = 8192  # positions every step's block tables cover at least (``min_width``)

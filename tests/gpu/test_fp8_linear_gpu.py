@@ -88,9 +88,9 @@ def test_quantised_activations_are_taken_as_they_are(t, out_dims, in_dim, monkey
 
 
 @pytest.mark.parametrize("out_dims, in_dim", [
-    ((32768,), 1280),       # wq_b: 64-row programs
-    ((5120,), 8192),        # wo_b: 16-row programs, long K
-    ((1280, 512), 5120),    # wq_a and wkv in one launch: 8-row programs
+    ((32768,), 1280),       # wq_b: short K (steps of 64 words a row)
+    ((5120,), 8192),        # wo_b: long K
+    ((1280, 512), 5120),    # wq_a and wkv in one launch
     ((2304, 2304), 5120),   # the shared expert's w1 and w3
     ((25600,), 6144),       # the Engram wkv
 ])
