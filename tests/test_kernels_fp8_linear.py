@@ -357,6 +357,35 @@ def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkey
     assert len(fp8_linears) >= 5 and seen == fp8_linears
 
 
+def test_quantised_attention_input_gives_the_same_logits(tiny_nodrop, monkeypatch):
+    """``CONFIG.quantised_attention``: the attention's fp8 linears take the input norm's fq8 (quantised=True), and
+    the step's logits keep their bits."""
+    fixture, params, consts = tiny_nodrop
+    cfg = fixture.cfg
+    chunks = [SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=list(range(3, 20)), logits="all")]
+    batch, _ = build_step(chunks, 32, 2, 2, 32)
+    cache = init_cache(cfg, CacheSpec(num_blocks=4, num_slots=2, block_size=16))
+    given = []
+
+    def record(x_TI, pairs, joined, quantised):
+        given.append(quantised)
+        return fl.fp8_linears_reference(x_TI, pairs, joined, quantised)
+
+    monkeypatch.setitem(fl._IMPLEMENTATIONS, "pallas", record)
+    logits = []
+    for on in (False, True):
+        monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, quantised_attention=on))
+        given.clear()
+        step = jax.jit(functools.partial(forward_step, cfg=cfg, linear_impl="pallas"))
+        logits.append(np.asarray(step(params, cache, batch, consts)[0]))
+        quantised_calls = given.count(True)
+        if on:
+            assert quantised_calls > cfg.n_layers  # the shared experts' w1 / w3 and now the attention's linears
+        else:
+            assert quantised_calls == cfg.n_layers  # the shared experts' w1 / w3 only
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
 @pytest.mark.parametrize("t, out_dim, in_dim", [(1, 512, 5120), (64, 5120, 8192), (8, 96, 160)])
 def test_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch, t, out_dim, in_dim):
     """Both output forms (bf16, and split K's fp32 partial sums), the poisoned output and quantised activations

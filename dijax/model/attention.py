@@ -85,15 +85,17 @@ def _sequence_rows(block_table_SB: jax.Array, rows_per_block: int) -> jax.Array:
 
 
 def compressor(p: dict, role: LayerRole, x_TD: jax.Array, g: Geometry, cache: dict, eps: float,
-               linear_impl: str = "reference"):
+               linear_impl: str = "reference", x_act_TD: jax.Array | None = None):
     """Compress the step's tokens into latents (pre-RoPE) for the groups they complete.
 
     Returns (latent_TK bf16, emit_T bool, group_T int32, new tail (kv, score) or None). A token emits the latent of
     group ``p // r`` when ``(p + 1) % r == 0``; group members before the step come from the slot's tail state.
+    x_act_TD: ``quant.fq8(x_TD)`` where the caller has it (``layers.linear``'s ``x_act``).
     """
     r = role.ratio
     if r == 1:
-        return rms_norm(linear(x_TD, p["wkv"], linear_impl), p["norm"]["weight"], eps), g.valid_T, g.pos_T, None
+        return rms_norm(linear(x_TD, p["wkv"], linear_impl, x_act_TD), p["norm"]["weight"], eps), g.valid_T, g.pos_T, \
+            None
     key = str(role.layer)
     tail_kv, tail_score = cache["tail_kv"][key], cache["tail_score"][key]
     # the reference holds these weights in fp32 (promoted at load); dijax stores bf16 (matmul_promoted)
@@ -286,17 +288,19 @@ def attend_lists(q_THK: jax.Array, ring_RK: jax.Array, kv_TK: jax.Array, pool_NK
 def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Geometry, cache: dict,
               shared: dict, inject_TN: jax.Array | None, *, topk_impl: str = "reference",
               sparse_attn_impl: str = "reference", linear_impl: str = "reference", indexer_impl: str = "reference",
-              latents_impl: str = "reference"):
+              latents_impl: str = "reference", x_act_TD: jax.Array | None = None):
     """One attention sublayer on the ragged step.
 
-    x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
-    returned in the new cache dict); ``shared`` carries what sources publish to later layers in this step:
-    {"topk": {layer: [T, N]}, "candidates": picked blocks [T, Kb]}. ``topk_impl`` ("reference" | "select" |
-    "pallas") and ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and ``indexer_impl`` (the index scores), each
-    "reference" | "pallas", pick the kernel implementations (static): the top-k picks are identical, the attention
-    output, the linears and the index scores agree to bf16 rounding (``kernels.sparse_attn``,
-    ``kernels.fp8_linear``, ``kernels.indexer``); so do ``latents_impl``'s query latent and KV row after the first
-    projections (``kernels.latents``).
+    x_TD: bf16 attention input (after attn_norm); x_act_TD: its ``quant.fq8`` where the caller has it (the norm's
+    kernel writes it beside x_TD: ``dijax.kernels.collapse``), which the quantised ``wq_a``, ``wkv`` and the ratio-1
+    compressor's ``wkv`` then take as they are (``layers.linear``'s ``x_act``: the same bits). ``cache`` holds the
+    layer's arrays (updated copies are returned in the new cache dict); ``shared`` carries what sources publish to
+    later layers in this step: {"topk": {layer: [T, N]}, "candidates": picked blocks [T, Kb]}. ``topk_impl``
+    ("reference" | "select" | "pallas") and ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and
+    ``indexer_impl`` (the index scores), each "reference" | "pallas", pick the kernel implementations (static): the
+    top-k picks are identical, the attention output, the linears and the index scores agree to bf16 rounding
+    (``kernels.sparse_attn``, ``kernels.fp8_linear``, ``kernels.indexer``); so do ``latents_impl``'s query latent
+    and KV row after the first projections (``kernels.latents``).
     Returns (y_TD bf16, cache updates dict, shared).
     """
     t = x_TD.shape[0]
@@ -308,7 +312,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     else:
         freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 0, cfg.rope_factor, cfg.beta_fast,
                                  cfg.beta_slow)
-    [qkva] = linears(x_TD, [p["wq_a"], p["wkv"]], linear_impl, joined=True)  # one launch on the Pallas path
+    [qkva] = linears(x_TD, [p["wq_a"], p["wkv"]], linear_impl, joined=True, x_act=x_act_TD)  # one launch (Pallas)
     qr, kv = latents(qkva, cfg.q_lora_rank, p["q_norm"]["weight"], p["kv_norm"]["weight"], g.pos_T, freqs, eps,
                      impl=latents_impl)
     q = rope(linear(qr, p["wq_b"], linear_impl).reshape(t, cfg.n_heads, cfg.head_dim), g.pos_T, freqs)
@@ -321,7 +325,8 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     if role.compressed:
         r = role.ratio
         if role.kv_source:
-            latent, emit, group, tail = compressor(p["compressor"], role, x_TD, g, cache, eps, linear_impl)
+            latent, emit, group, tail = compressor(p["compressor"], role, x_TD, g, cache, eps, linear_impl,
+                                                      x_act_TD)
             if tail is not None:
                 updates["tail"] = (key, tail)
             if role.owns_index_keys:
@@ -408,6 +413,7 @@ class Attention(nnx.Module):
             self.indexer = Indexer(cfg, role, stack)
 
     def __call__(self, x_TD: jax.Array, g: Geometry, cache: dict, shared: dict, inject_TN: jax.Array | None,
-                 **kernel_options):
+                 x_act_TD: jax.Array | None = None, **kernel_options):
         """See ``attention`` (same arguments after the parameters, same results)."""
-        return attention(values(self), self.role, self.cfg, x_TD, g, cache, shared, inject_TN, **kernel_options)
+        return attention(values(self), self.role, self.cfg, x_TD, g, cache, shared, inject_TN, x_act_TD=x_act_TD,
+                         **kernel_options)
