@@ -133,9 +133,10 @@ class KernelConfig:
     wq_a 5.2 against 7.2 us, wkv 2.6 / 4.2, the index wq_b 4.8 / 5.9, the shared w1 7.4 / 9.4, w2 7.7 / 8.9, and
     lost or tied on the large ones (wq_b 23.7 / 22.9, wo_b 20.7 / 20.5, the Engram wkv 159 / 65).
 
-    ``quantised_attention``: the attention's input norm writes the input's fq8 too (``dijax.kernels.collapse``), which
-    the attention's fp8 ``wq_a``, ``wkv`` and ratio-1 compressor ``wkv`` take as they are (``take_quantised``; the same
-    bits), as the shared expert's w1 / w3 take the MoE norm's.
+    ``quantised_attention``: the kernels that write the attention's fp8 linears' inputs write their fq8 too, which
+    the linears take as they are (``take_quantised``; the same bits), as the shared expert's w1 / w3 take the MoE
+    norm's: the input norm's (``dijax.kernels.collapse``) for ``wq_a``, ``wkv`` and the ratio-1 compressor's
+    ``wkv``, the latents kernel's (``dijax.kernels.latents``) for ``wq_b`` and the indexer's ``wq_b``.
 
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
