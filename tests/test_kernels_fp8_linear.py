@@ -276,35 +276,6 @@ def test_matvec_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch):
     assert text.count("xla.gpu.triton") == 1 and "fp8_matvec" in text
 
 
-@pytest.mark.parametrize("quantised", [False, True])
-def test_xla_matvec_matches_the_reference(quantised):
-    """One token on XLA's mat-vec (``fp8_matvec_xla``): layer 1 of a 3-layer stack, scale bytes across
-    ``SCALE_RANGE`` and beyond (its power of two is exact for 1..254), x as it comes or fq8's values already."""
-    layers = [_weights(96, 256, seed=30 + i, exponents=(1, 247))[:2] for i in range(3)]
-    w_stack, s_stack = (jnp.stack([pair[k] for pair in layers]) for k in range(2))
-    x = (jax.random.normal(jax.random.key(9), (1, 256), jnp.float32) * 3).astype(jnp.bfloat16)
-    x = quant.fq8(x) if quantised else x
-    got = jax.jit(fl.fp8_matvec_xla, static_argnums=3)(x, of_layer(w_stack, 1, 2), of_layer(s_stack, 1, 2),
-                                                       quantised)
-    assert got.shape == (1, 96) and got.dtype == jnp.bfloat16
-    assert_close_bf16(got, fl.fp8_linear_reference(x, *layers[1]), x, *layers[1])
-
-
-@pytest.mark.parametrize("tokens, out_dims, xla", [
-    (1, (1280, 512), True), (1, (2304, 2304), True), (1, (32768,), False), (2, (1280, 512), False)])
-def test_xla_matvec_takes_small_one_token_launches(lower_for_cuda, monkeypatch, tokens, out_dims, xla):
-    """With ``xla_max_codes`` set, a one-token launch whose weights are each at most that many codes is XLA's
-    reduction (no kernel); a larger weight, or two tokens, keeps the kernel."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, xla_max_codes=1 << 24))
-    in_dim = 1280 if out_dims == (32768,) else 5120
-    x = jax.ShapeDtypeStruct((tokens, in_dim), jnp.bfloat16)
-    args = [jax.ShapeDtypeStruct(shape, dtype) for o in out_dims
-            for shape, dtype in (((o, in_dim), jnp.float8_e4m3fn), ((o // 32, in_dim // 32), jnp.uint8))]
-    text = lower_for_cuda(lambda x, *a: fl.fp8_linears_pallas(x, [a[i:i + 2] for i in range(0, len(a), 2)],
-                                                             interpret=False), x, *args)
-    assert ("xla.gpu.triton" not in text) == xla
-
-
 def test_every_scale_exponent_in_range(monkeypatch, poison):
     """Scale exponents 0..246 (the interpreted kernel's exact range; the GPU form's is narrower:
     ``test_pair_decode_is_exact_for_every_code_and_scale_in_range``), several per tile row."""
@@ -355,35 +326,6 @@ def test_every_fp8_linear_of_the_model_goes_through_the_seam(tiny_nodrop, monkey
     fp8_linears = {leaf.shape[-2:] for path, leaf in nnx.to_flat_state(params)
                    if leaf.get_value().dtype == jnp.float8_e4m3fn and "experts" not in path and "embed" not in path}
     assert len(fp8_linears) >= 5 and seen == fp8_linears
-
-
-def test_quantised_attention_input_gives_the_same_logits(tiny_nodrop, monkeypatch):
-    """``CONFIG.quantised_attention``: the attention's fp8 linears take the input norm's fq8 (quantised=True), and
-    the step's logits keep their bits."""
-    fixture, params, consts = tiny_nodrop
-    cfg = fixture.cfg
-    chunks = [SeqChunk(slot=0, block_table=[0, 1], start=0, tokens=list(range(3, 20)), logits="all")]
-    batch, _ = build_step(chunks, 32, 2, 2, 32)
-    cache = init_cache(cfg, CacheSpec(num_blocks=4, num_slots=2, block_size=16))
-    given = []
-
-    def record(x_TI, pairs, joined, quantised):
-        given.append(quantised)
-        return fl.fp8_linears_reference(x_TI, pairs, joined, quantised)
-
-    monkeypatch.setitem(fl._IMPLEMENTATIONS, "pallas", record)
-    logits = []
-    for on in (False, True):
-        monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, quantised_attention=on))
-        given.clear()
-        step = jax.jit(functools.partial(forward_step, cfg=cfg, linear_impl="pallas"))
-        logits.append(np.asarray(step(params, cache, batch, consts)[0]))
-        quantised_calls = given.count(True)
-        if on:
-            assert quantised_calls > cfg.n_layers  # the shared experts' w1 / w3 and now the attention's linears
-        else:
-            assert quantised_calls == cfg.n_layers  # the shared experts' w1 / w3 only
-    np.testing.assert_array_equal(logits[0], logits[1])
 
 
 @pytest.mark.parametrize("t, out_dim, in_dim", [(1, 512, 5120), (64, 5120, 8192), (8, 96, 160)])

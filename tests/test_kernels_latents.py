@@ -50,23 +50,6 @@ def test_kernel_is_the_reference_where_the_sums_are_exact(t, q, k, block):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("t, q, block", [(1, 64, 16), (19, 64, 16), (33, 1280, 16), (5, 96, 2)])
-def test_quantized_writes_the_query_latents_fq8(t, q, block):
-    """``quantized``: a third output, the query latent's fq8, bit for bit the reference's (``quant.fq8`` of its
-    query latent, which the kernel's equals here), across program blocks; outputs start NaN-filled."""
-    qkva, q_width, qw, kvw, pos = _inputs(t, q, 64, seed=t + q + 1, exact=True)
-    config = latents.LatentsConfig(block_tokens=block, poison=True)
-    got = latents.latents_pallas(qkva, q_width, qw, kvw, pos, FREQS, EPS, quantized=True, interpret=True,
-                                 config=config)
-    want = latents.latents_reference(qkva, q_width, qw, kvw, pos, FREQS, EPS, quantized=True)
-    assert len(got) == len(want) == 3
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(quant.fq8(got[0])))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        latents.latents_pallas(qkva[:, 16:], 48, qw[:48], kvw, pos, FREQS, EPS, quantized=True, interpret=True)
-
-
 def test_kernel_agrees_with_the_reference_to_a_rounding_step():
     """Random rows: the sums of squares may round differently, so a latent may differ by one bf16 ulp and a KV
     value by one e4m3 step of its block (its scale over 8 at most); nearly all are equal."""

@@ -94,11 +94,6 @@
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64;
-#   quantised-inputs  (~520 s; forty-fifth session, prepared) fp8_linear.CONFIG.quantised_attention (the attention's
-#            fp8 linears take their inputs' fq8 from the norm and latents kernels that write those inputs) and
-#            xla_max_codes (XLA's own one-token mat-vec for weights of at most that many codes): GPU parity of a tree
-#            copy with both on beside the changed kernels' GPU tests, then the fp8 linears at T = 1 with XLA's
-#            mat-vec (GPU kernel time), then flash-slice decode B=1 with each in one process (two rounds);
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -116,7 +111,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="quantised-inputs|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -493,21 +488,6 @@ case "$stage" in
     run 150 python3 tools/bench.py $flash --decode-batch 1,16,64 --prefill= --kernels on --engine off --warmup 1 \
       --iters 3  # (on an 80 GB card too since the thirty-fourth session's sliced weight draw)
     run 90 python3 tools/deviceless.py --kernels on --target $target $flash --decode 1,16,64 ;;
-  quantised-inputs)
-    tree_with quantised fp8_linear '    xla_max_codes: int = 0' '    xla_max_codes: int = 1 << 24' \
-      fp8_linear '    quantised_attention: bool = False' '    quantised_attention: bool = True'
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    parity_checks $sub/tree-quantised 240
-    check tests-quantised . 240 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_latents_gpu.py \
-      tests/test_kernels_latents.py tests/test_kernels_fp8_linear.py -k "quantized or xla_matvec or quantised" &
-    wait
-    checked
-    unset XLA_PYTHON_CLIENT_PREALLOCATE
-    run 130 python3 tools/bench_kernels.py --only fp8_linear --tokens 1 --timing device --iters 10 --repeats 3 \
-      --variant xla_max_codes=16777216
-    run 300 python3 tools/bench.py --model flash-slice --decode-batch 1 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 3 --iters 10 --rounds 2 --variant "fp8_linear.CONFIG.quantised_attention=True" \
-      --variant "fp8_linear.CONFIG.quantised_attention=True;fp8_linear.CONFIG.xla_max_codes=16777216" ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false

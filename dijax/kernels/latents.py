@@ -51,22 +51,21 @@ class LatentsConfig:
 
 
 def latents_reference(qkva_TX: jax.Array, q_width: int, q_weight_Q: jax.Array, kv_weight_K: jax.Array,
-                      positions_T: jax.Array, freqs: np.ndarray, eps: float, quantized: bool = False) -> tuple:
+                      positions_T: jax.Array, freqs: np.ndarray, eps: float) -> tuple[jax.Array, jax.Array]:
     """qkva_TX bf16: the ``wq_a`` output (its first ``q_width`` = Q columns) and the ``wkv`` output side by side;
     the norms' bf16 weights, positions_T int32, freqs float32 [P] (``rope.rope_frequencies``) -> (qr_TQ, kv_TK),
     bf16: the query latent, and the KV row normed, its last 2P columns rotated, fake-quantised to e4m3 per 32
-    values; with ``quantized`` (static) also ``fq8(qr_TQ)``, the quantised linears' input: (qr_TQ, kv_TK, qr_act_TQ)."""
+    values."""
     qr_TQ = rms_norm(qkva_TX[:, :q_width], q_weight_Q, eps)
     kv_TK = quant.fq8(rope(rms_norm(qkva_TX[:, q_width:], kv_weight_K, eps), positions_T, freqs))
-    return (qr_TQ, kv_TK, quant.fq8(qr_TQ)) if quantized else (qr_TQ, kv_TK)
+    return qr_TQ, kv_TK
 
 
-def _kernel(qkva_ref, qw_ref, kvw_ref, cos_ref, sin_ref, qr_ref, kv_ref, *qr_act_ref, n_tokens: int, block: int,
+def _kernel(qkva_ref, qw_ref, kvw_ref, cos_ref, sin_ref, qr_ref, kv_ref, *, n_tokens: int, block: int,
             chunk: int, eps: float, interpret: bool):
     """Program i: tokens [i * N, (i + 1) * N) (rows past T read token T - 1 and are not written). qkva_ref [T, X]
     bf16 (Q = qr_ref's width, then K); qw_ref [Q], kvw_ref [K] bf16; cos_ref, sin_ref [T, P] float32; qr_ref
-    [T, Q], kv_ref [T, K] bf16; optionally qr_act_ref [T, Q] bf16, the query latent's fq8 (chunks of whole 32-wide
-    blocks)."""
+    [T, Q], kv_ref [T, K] bf16."""
     rows_N = pl.program_id(0) * block + jnp.arange(block)
     rows_N1 = rows_N[:, None]  # masked rows keep their own indices: interpreted, clamped duplicates would overwrite
     safe_N1 = jnp.minimum(rows_N1, n_tokens - 1)
@@ -78,12 +77,8 @@ def _kernel(qkva_ref, qw_ref, kvw_ref, cos_ref, sin_ref, qr_ref, kv_ref, *qr_act
     factor_N1 = rms_factor_rn(sum(jnp.sum(x * x, axis=1, keepdims=True) for x in qa), q, eps, interpret)
     for x_NC, col_1C in zip(qa, columns):
         weight_1C = pltriton.load(qw_ref.at[col_1C]).astype(jnp.float32)
-        qr_NC = (weight_1C * (x_NC * factor_N1)).astype(jnp.bfloat16)
-        live_NC = jnp.broadcast_to(live_N1, x_NC.shape)
-        pltriton.store(qr_ref.at[rows_N1, col_1C], qr_NC, mask=live_NC)
-        for out_ref in qr_act_ref:
-            [act_NC] = quant.fq8_tiles([qr_NC.astype(jnp.float32)])
-            pltriton.store(out_ref.at[rows_N1, col_1C], act_NC, mask=live_NC)
+        pltriton.store(qr_ref.at[rows_N1, col_1C], (weight_1C * (x_NC * factor_N1)).astype(jnp.bfloat16),
+                       mask=jnp.broadcast_to(live_N1, x_NC.shape))
 
     half, pairs = k // 2, cos_ref.shape[1]
     even_1H = 2 * jnp.arange(half)[None, :]
@@ -108,29 +103,26 @@ def _chunk(width: int) -> int:
     return min(MAX_CHUNK, width & -width)
 
 
-def check_shapes(qkva_TX: jax.Array, q_width: int, pairs: int, quantized: bool = False) -> None:
+def check_shapes(qkva_TX: jax.Array, q_width: int, pairs: int) -> None:
     """Raise ValueError unless the kernel takes these widths: K a multiple of ``FP8_BLOCK`` with K / 2 a power of
-    two, 2P <= K, and Q a multiple of 16 (of ``FP8_BLOCK`` with ``quantized``)."""
+    two, 2P <= K, and Q a multiple of 16."""
     q = q_width
     k = qkva_TX.shape[-1] - q
     if k % quant.FP8_BLOCK or (k // 2) & (k // 2 - 1) or not 0 < 2 * pairs <= k:
         raise ValueError(f"latents_pallas: the KV width must be a multiple of {quant.FP8_BLOCK} whose half is a "
                          f"power of two, at least the rope width {2 * pairs}; got {k}")
-    multiple = quant.FP8_BLOCK if quantized else 16
-    if q % multiple:
-        raise ValueError(f"latents_pallas: the query latent width must be a multiple of {multiple}"
-                         f"{' (quantized: whole fp8 blocks)' if quantized else ''}, got {q}")
+    if q % 16:
+        raise ValueError(f"latents_pallas: the query latent width must be a multiple of 16, got {q}")
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "config", "quantized"))
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "config"))
 def _latents_call(qkva_TX, q_weight_Q, kv_weight_K, cos_TP, sin_TP, eps: float, interpret: bool,
-                  config: LatentsConfig, quantized: bool):
+                  config: LatentsConfig):
     t, q = qkva_TX.shape[0], q_weight_Q.shape[0]
     block = min(config.block_tokens, pl.next_power_of_2(t))
     kernel = functools.partial(_kernel, n_tokens=t, block=block, chunk=_chunk(q), eps=eps, interpret=interpret)
     out_shape = (jax.ShapeDtypeStruct((t, q), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((t, kv_weight_K.shape[0]), jnp.bfloat16)) + \
-        ((jax.ShapeDtypeStruct((t, q), jnp.bfloat16),) if quantized else ())
+                 jax.ShapeDtypeStruct((t, kv_weight_K.shape[0]), jnp.bfloat16))
     return poison.pallas_call(kernel, qkva_TX, q_weight_Q, kv_weight_K, cos_TP, sin_TP, out_shape=out_shape,
                               poison=config.poison, grid=(pl.cdiv(t, block),),
                               compiler_params=pltriton.CompilerParams(num_warps=config.warps, num_stages=1),
@@ -138,28 +130,27 @@ def _latents_call(qkva_TX, q_weight_Q, kv_weight_K, cos_TP, sin_TP, eps: float, 
 
 
 def latents_pallas(qkva_TX: jax.Array, q_width: int, q_weight_Q: jax.Array, kv_weight_K: jax.Array,
-                   positions_T: jax.Array, freqs: np.ndarray, eps: float, quantized: bool = False,
-                   interpret: bool | None = None, config: LatentsConfig = LatentsConfig()) -> tuple:
+                   positions_T: jax.Array, freqs: np.ndarray, eps: float, interpret: bool | None = None,
+                   config: LatentsConfig = LatentsConfig()) -> tuple[jax.Array, jax.Array]:
     """Same contract as ``latents_reference``, one kernel launch (the angles' cos and sin are XLA's, as ``rope``
     computes them: one fusion a step for every layer of the same frequencies). ``interpret``: run the kernel
     interpreted (default: off a GPU)."""
-    check_shapes(qkva_TX, q_width, len(freqs), quantized)
+    check_shapes(qkva_TX, q_width, len(freqs))
     t, x = qkva_TX.shape
     if t == 0:
-        empty_Q = jnp.zeros((0, q_width), jnp.bfloat16)
-        return (empty_Q, jnp.zeros((0, x - q_width), jnp.bfloat16)) + ((empty_Q,) if quantized else ())
+        return jnp.zeros((0, q_width), jnp.bfloat16), jnp.zeros((0, x - q_width), jnp.bfloat16)
     cos_TP, sin_TP = angles(positions_T, freqs)
     return _latents_call(qkva_TX, q_weight_Q, kv_weight_K, cos_TP, sin_TP, eps=float(eps),
-                         interpret=interpret_mode(interpret), config=config, quantized=quantized)
+                         interpret=interpret_mode(interpret), config=config)
 
 
 _IMPLEMENTATIONS = {"reference": latents_reference, "pallas": latents_pallas}
 
 
 def latents(qkva_TX: jax.Array, q_width: int, q_weight_Q: jax.Array, kv_weight_K: jax.Array,
-            positions_T: jax.Array, freqs: np.ndarray, eps: float, *, quantized: bool = False,
-            impl: str = "reference") -> tuple:
+            positions_T: jax.Array, freqs: np.ndarray, eps: float, *, impl: str = "reference"
+            ) -> tuple[jax.Array, jax.Array]:
     """The latents seam (``latents_reference``'s contract); ``impl`` in IMPLS (static)."""
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"latents impl must be one of {IMPLS}, got {impl!r}")
-    return _IMPLEMENTATIONS[impl](qkva_TX, q_width, q_weight_Q, kv_weight_K, positions_T, freqs, eps, quantized)
+    return _IMPLEMENTATIONS[impl](qkva_TX, q_width, q_weight_Q, kv_weight_K, positions_T, freqs, eps)

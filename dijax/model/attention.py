@@ -85,17 +85,15 @@ def _sequence_rows(block_table_SB: jax.Array, rows_per_block: int) -> jax.Array:
 
 
 def compressor(p: dict, role: LayerRole, x_TD: jax.Array, g: Geometry, cache: dict, eps: float,
-               linear_impl: str = "reference", x_act_TD: jax.Array | None = None):
+               linear_impl: str = "reference"):
     """Compress the step's tokens into latents (pre-RoPE) for the groups they complete.
 
     Returns (latent_TK bf16, emit_T bool, group_T int32, new tail (kv, score) or None). A token emits the latent of
     group ``p // r`` when ``(p + 1) % r == 0``; group members before the step come from the slot's tail state.
-    x_act_TD: ``quant.fq8(x_TD)`` where the caller has it (``layers.linear``'s ``x_act``).
     """
     r = role.ratio
     if r == 1:
-        kv_TK = linear(x_TD, p["wkv"], linear_impl, x_act_TD)
-        return rms_norm(kv_TK, p["norm"]["weight"], eps), g.valid_T, g.pos_T, None
+        return rms_norm(linear(x_TD, p["wkv"], linear_impl), p["norm"]["weight"], eps), g.valid_T, g.pos_T, None
     key = str(role.layer)
     tail_kv, tail_score = cache["tail_kv"][key], cache["tail_score"][key]
     # the reference holds these weights in fp32 (promoted at load); dijax stores bf16 (matmul_promoted)
@@ -180,8 +178,7 @@ def index_chunk(tokens: int, per_token: int) -> int:
 def index_select(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, qr_TQ: jax.Array,
                  keys_NJ: jax.Array, rows_SP: jax.Array, g: Geometry, visible_T: jax.Array, freqs: np.ndarray,
                  candidates_TK: jax.Array | None, *, linear_impl: str = "reference", indexer_impl: str = "reference",
-                 topk_impl: str = "reference", qr_act_TQ: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array | None]:
+                 topk_impl: str = "reference") -> tuple[jax.Array, jax.Array | None]:
     """An index source's selection: lightning-indexer scores in the reference's bf16 order over the paged key pool
     ``keys_NJ`` (pool row of each sequence position: ``rows_SP``), masked by the candidate blocks for a layer that
     uses them, then the top-k positions (``topk_positions``).
@@ -193,13 +190,12 @@ def index_select(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, qr
     [T, I, P], without it): the selection never takes more memory than that, whatever the context.
 
     candidates_TK: the candidate source's picks (``select_candidate_blocks``), read when ``role.uses_candidates``.
-    qr_act_TQ: ``quant.fq8(qr_TQ)`` where the caller has it (``layers.linear``'s ``x_act``).
     Returns (sel_TN int32 [T, index_topk], ascending, -1 padded; the candidate picks [T, Kb] when
     ``role.candidate_source``, else ``candidates_TK``).
     """
     t = x_TD.shape[0]
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
-    q_TIJ = linear(qr_TQ, p["wq_b"], linear_impl, qr_act_TQ).reshape(t, n_heads, head_dim)
+    q_TIJ = linear(qr_TQ, p["wq_b"], linear_impl).reshape(t, n_heads, head_dim)
     q_TIJ = quant.fq4_pow2(rope(q_TIJ, g.pos_T, freqs), 32)
     w_TI = linear(x_TD, p["weights_proj"]).astype(jnp.float32) * np.float32(head_dim ** -0.5 * n_heads ** -0.5)
     width = rows_SP.shape[1]
@@ -290,18 +286,15 @@ def attend_lists(q_THK: jax.Array, ring_RK: jax.Array, kv_TK: jax.Array, pool_NK
 def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Geometry, cache: dict,
               shared: dict, inject_TN: jax.Array | None, *, topk_impl: str = "reference",
               sparse_attn_impl: str = "reference", linear_impl: str = "reference", indexer_impl: str = "reference",
-              latents_impl: str = "reference", x_act_TD: jax.Array | None = None):
+              latents_impl: str = "reference"):
     """One attention sublayer on the ragged step.
 
-    x_TD: bf16 attention input (after attn_norm); x_act_TD: its ``quant.fq8`` where the caller has it (the norm's
-    kernel writes it beside x_TD: ``dijax.kernels.collapse``), which the quantised ``wq_a``, ``wkv`` and the ratio-1
-    compressor's ``wkv`` then take as they are (``layers.linear``'s ``x_act``: the same bits); the latents then come
-    with the query latent's fq8 too, for ``wq_b`` and the indexer's. ``cache`` holds the layer's arrays (updated
-    copies are returned in the new cache dict); ``shared`` carries what sources publish to later layers in this
-    step: {"topk": {layer: [T, N]}, "candidates": picked blocks [T, Kb]}. ``topk_impl`` ("reference" | "select" |
-    "pallas") and ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and ``indexer_impl`` (the index scores),
-    each "reference" | "pallas", pick the kernel implementations (static): the top-k picks are identical, the
-    attention output, the linears and the index scores agree to bf16 rounding (``kernels.sparse_attn``,
+    x_TD: bf16 attention input (after attn_norm). ``cache`` holds the layer's arrays (updated copies are
+    returned in the new cache dict); ``shared`` carries what sources publish to later layers in this step:
+    {"topk": {layer: [T, N]}, "candidates": picked blocks [T, Kb]}. ``topk_impl`` ("reference" | "select" |
+    "pallas") and ``sparse_attn_impl``, ``linear_impl`` (the fp8 linears) and ``indexer_impl`` (the index scores), each
+    "reference" | "pallas", pick the kernel implementations (static): the top-k picks are identical, the attention
+    output, the linears and the index scores agree to bf16 rounding (``kernels.sparse_attn``,
     ``kernels.fp8_linear``, ``kernels.indexer``); so do ``latents_impl``'s query latent and KV row after the first
     projections (``kernels.latents``).
     Returns (y_TD bf16, cache updates dict, shared).
@@ -315,11 +308,10 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     else:
         freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 0, cfg.rope_factor, cfg.beta_fast,
                                  cfg.beta_slow)
-    [qkva] = linears(x_TD, [p["wq_a"], p["wkv"]], linear_impl, joined=True, x_act=x_act_TD)  # one launch (Pallas)
-    qr, kv, *qr_act = latents(qkva, cfg.q_lora_rank, p["q_norm"]["weight"], p["kv_norm"]["weight"], g.pos_T, freqs,
-                              eps, quantized=x_act_TD is not None, impl=latents_impl)
-    qr_act = qr_act[0] if qr_act else None
-    q = rope(linear(qr, p["wq_b"], linear_impl, qr_act).reshape(t, cfg.n_heads, cfg.head_dim), g.pos_T, freqs)
+    [qkva] = linears(x_TD, [p["wq_a"], p["wkv"]], linear_impl, joined=True)  # one launch on the Pallas path
+    qr, kv = latents(qkva, cfg.q_lora_rank, p["q_norm"]["weight"], p["kv_norm"]["weight"], g.pos_T, freqs, eps,
+                     impl=latents_impl)
+    q = rope(linear(qr, p["wq_b"], linear_impl).reshape(t, cfg.n_heads, cfg.head_dim), g.pos_T, freqs)
 
     ring = cache["window"][role.layer]
     ring_rows = ring.reshape(-1, cfg.head_dim)
@@ -329,8 +321,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
     if role.compressed:
         r = role.ratio
         if role.kv_source:
-            latent, emit, group, tail = compressor(p["compressor"], role, x_TD, g, cache, eps, linear_impl,
-                                                      x_act_TD)
+            latent, emit, group, tail = compressor(p["compressor"], role, x_TD, g, cache, eps, linear_impl)
             if tail is not None:
                 updates["tail"] = (key, tail)
             if role.owns_index_keys:
@@ -353,8 +344,7 @@ def attention(p: dict, role: LayerRole, cfg: ModelConfig, x_TD: jax.Array, g: Ge
                 ik = updates["ik"][1] if role.owns_index_keys else cache["ik"][ik_key]
                 sel, shared["candidates"] = index_select(
                     p["indexer"], role, cfg, x_TD, qr, ik.reshape(-1, ik.shape[-1]), seq_rows_SP, g, visible, freqs,
-                    shared["candidates"], linear_impl=linear_impl, indexer_impl=indexer_impl, topk_impl=topk_impl,
-                    qr_act_TQ=qr_act)
+                    shared["candidates"], linear_impl=linear_impl, indexer_impl=indexer_impl, topk_impl=topk_impl)
             shared["topk"][role.layer] = sel
         sel = shared["topk"][role.topk_from]
         flat = seq_rows_SP[g.seq_T[:, None], jnp.maximum(sel, 0)]  # [T, N] (no [T, P] copy of the rows)
@@ -418,7 +408,6 @@ class Attention(nnx.Module):
             self.indexer = Indexer(cfg, role, stack)
 
     def __call__(self, x_TD: jax.Array, g: Geometry, cache: dict, shared: dict, inject_TN: jax.Array | None,
-                 x_act_TD: jax.Array | None = None, **kernel_options):
+                 **kernel_options):
         """See ``attention`` (same arguments after the parameters, same results)."""
-        return attention(values(self), self.role, self.cfg, x_TD, g, cache, shared, inject_TN, x_act_TD=x_act_TD,
-                         **kernel_options)
+        return attention(values(self), self.role, self.cfg, x_TD, g, cache, shared, inject_TN, **kernel_options)

@@ -111,13 +111,11 @@ def matmul_promoted(x: jax.Array, w_OI: jax.Array) -> jax.Array:
     return matmul_f32(x.astype(jnp.float32), w_OI.astype(jnp.float32))
 
 
-def linear(x: jax.Array, p: dict, impl: str = "reference", x_act: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, p: dict, impl: str = "reference", quantised: bool = False) -> jax.Array:
     """The reference ``linear()``: the GEMM is chosen by the weight's storage dtype.
 
-    x: [..., in] bf16; p: {'weight': [out, in], optional 'scale'}. ``x_act``: ``quant.fq8(x)`` where the caller has
-    it (a norm kernel writes it beside x: ``dijax.kernels.collapse``); a quantised weight then takes it as it is
-    (the fp8 kernel skips its own fake-quantisation, ``fp8_linear.KernelConfig.take_quantised``; the same bits) and a
-    bf16 weight still takes x.
+    x: [..., in] bf16; p: {'weight': [out, in], optional 'scale'}. ``quantised``: x holds ``quant.fq8``'s values
+    already, which the fp8 kernel may take as they are (``fp8_linear.KernelConfig.take_quantised``).
       * fp8 (e4m3 + ue8m0 32x32 tiles): x is fake-quantised to e4m3 per 32, block-scaled GEMM -> bf16, through
         the kernel seam ``dijax.kernels.fp8_linear`` (``impl``: 'reference' or 'pallas', static);
       * MXFP4 (uint8 packed + ue8m0 1x32): x fake-quantised to e4m3 per 32 -> bf16;
@@ -126,22 +124,21 @@ def linear(x: jax.Array, p: dict, impl: str = "reference", x_act: jax.Array | No
     """
     w = p["weight"]
     if w.dtype == jnp.float8_e4m3fn:
-        return fp8_linear(x if x_act is None else x_act, w, p["scale"], impl=impl, quantised=x_act is not None)
+        return fp8_linear(x, w, p["scale"], impl=impl, quantised=quantised)
     if w.dtype == jnp.uint8:
         w_deq = quant.dequant_fp4_weight(w, p["scale"])
-        return matmul_f32(quant.fq8(x) if x_act is None else x_act, w_deq).astype(jnp.bfloat16)
+        return matmul_f32(quant.fq8(x), w_deq).astype(jnp.bfloat16)
     return matmul_f32(x.astype(jnp.bfloat16), w).astype(jnp.bfloat16)
 
 
 def linears(x: jax.Array, ps: list[dict], impl: str = "reference", joined: bool = False,
-            x_act: jax.Array | None = None) -> list[jax.Array]:
+            quantised: bool = False) -> list[jax.Array]:
     """``linear`` of one x by each of ``ps`` (their outputs, in order; with ``joined`` one array of them side by
     side). When every weight is fp8 they go through ``fp8_linears``, whose Pallas implementation runs them as one
-    kernel launch (and writes them side by side). ``x_act``: as ``linear``'s."""
+    kernel launch (and writes them side by side). ``quantised``: as ``linear``'s."""
     if all(p["weight"].dtype == jnp.float8_e4m3fn for p in ps):
-        return fp8_linears(x if x_act is None else x_act, [(p["weight"], p["scale"]) for p in ps], impl=impl,
-                           joined=joined, quantised=x_act is not None)
-    ys = [linear(x, p, impl, x_act) for p in ps]
+        return fp8_linears(x, [(p["weight"], p["scale"]) for p in ps], impl=impl, joined=joined, quantised=quantised)
+    ys = [linear(x, p, impl, quantised) for p in ps]
     return [jnp.concatenate(ys, axis=-1)] if joined else ys
 
 

@@ -33,12 +33,10 @@ def gate(p: dict, x_TD: jax.Array, n_active: int, cfg: ModelConfig, impl: str = 
                         impl=impl)
 
 
-def shared_expert(p: dict, x_TD: jax.Array, x_act_TD: jax.Array, limit: float,
-                  linear_impl: str = "reference") -> jax.Array:
-    """The fp8 shared expert: ``w2(silu(min(w1 x, l)) * clip(w3 x, +-l))``. x_TD: bf16 [T, D]; x_act_TD: its
-    ``quant.fq8``, as w1 and w3 quantise x (the routed experts' activations; their kernel may take them as they
-    are). -> bf16 [T, D]."""
-    gate, up = linears(x_TD, [p["w1"], p["w3"]], linear_impl, x_act=x_act_TD)  # one launch on the Pallas path
+def shared_expert(p: dict, x_act_TD: jax.Array, limit: float, linear_impl: str = "reference") -> jax.Array:
+    """The fp8 shared expert: ``w2(silu(min(w1 x, l)) * clip(w3 x, +-l))``. x_act_TD: ``quant.fq8(x)``, as w1 and
+    w3 quantise x (the routed experts' activations; their kernel may take them as they are). -> bf16 [T, D]."""
+    gate, up = linears(x_act_TD, [p["w1"], p["w3"]], linear_impl, quantised=True)  # one launch on the Pallas path
     h = swiglu(gate.astype(jnp.float32), up.astype(jnp.float32), limit)
     return linear(h.astype(jnp.bfloat16), p["w2"], linear_impl)
 
@@ -57,7 +55,7 @@ def moe(p: dict, x_TD: jax.Array, cfg: ModelConfig, valid_T: jax.Array | None = 
     weights, experts = gate(p["gate"], x_TD, cfg.n_activated_experts, cfg, router_impl, valid_T)
     x_act_TD = quant.fq8(x_TD) if x_act_TD is None else x_act_TD
     y = routed_experts_ep(p["experts"], x_act_TD, weights, experts, cfg.swiglu_limit, impl=impl)
-    y = y + shared_expert(p["shared_experts"], x_TD, x_act_TD, cfg.swiglu_limit, linear_impl).astype(jnp.float32)
+    y = y + shared_expert(p["shared_experts"], x_act_TD, cfg.swiglu_limit, linear_impl).astype(jnp.float32)
     return y.astype(jnp.bfloat16)
 
 

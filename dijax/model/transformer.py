@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dijax.config import LayerRole, ModelConfig
-from dijax.kernels import fp8_linear
 from dijax.kernels.options import REFERENCE
 from dijax.kernels.stacked import of_layer
 from dijax.model import engram as engram_lib
@@ -109,11 +108,9 @@ class Block(nnx.Module):
                                 ctx.kernel_options["linear_impl"])
         residual = x_TCD
         a_pre, a_post, a_comb = self.hc_attn(x_TCD, ctx.kernel_options["sinkhorn_impl"])
-        y, y_act = self.attn_norm.of_streams(x_TCD, pre_TC, ctx.kernel_options["collapse_impl"], quantized=True) \
-            if fp8_linear.CONFIG.quantised_attention else (
-                self.attn_norm.of_streams(x_TCD, pre_TC, ctx.kernel_options["collapse_impl"]), None)
+        y = self.attn_norm.of_streams(x_TCD, pre_TC, ctx.kernel_options["collapse_impl"])
         attn_options = {k: ctx.kernel_options[k] for k in ATTENTION_OPTIONS}
-        y, updates, shared = self.attn(y, ctx.geometry, cache, shared, inject_TN, x_act_TD=y_act, **attn_options)
+        y, updates, shared = self.attn(y, ctx.geometry, cache, shared, inject_TN, **attn_options)
         x_TCD = hc.post(y, residual, a_post, a_comb)
         residual = x_TCD
         f_pre, f_post, f_comb = self.hc_ffn(x_TCD, ctx.kernel_options["sinkhorn_impl"])

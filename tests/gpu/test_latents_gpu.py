@@ -48,17 +48,3 @@ def test_random_rows_within_a_rounding_step(t, config):
     np.testing.assert_allclose(qr, qr_want, rtol=2 ** -7, atol=0)
     assert (np.abs(kv - kv_want) <= fq8_step(kv_want)).all()
     assert (qr == qr_want).mean() > 0.99 and (kv == kv_want).mean() > 0.99
-
-
-@pytest.mark.parametrize("t", [1, 16, 64])
-def test_quantized_writes_the_query_latents_fq8(t):
-    """``quantized``: the third output is ``quant.fq8`` of the kernel's own query latent, bit for bit (the kernel
-    quantises its rounded latent with ``quant.fq8_tiles``), poisoned first; the latents as without it."""
-    qkva, q_width, qw, kvw, pos = _inputs(t, 1280, 512, seed=t, exact=False)
-    config = latents.LatentsConfig(poison=True)
-    run = jax.jit(lambda x, *a: latents.latents_pallas(x, q_width, *a, FREQS, EPS, quantized=True, config=config))
-    qr, kv, qr_act = run(qkva, qw, kvw, pos)
-    plain = jax.jit(lambda x, *a: latents.latents_pallas(x, q_width, *a, FREQS, EPS, config=config))
-    for got, want in zip((qr, kv), plain(qkva, qw, kvw, pos), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    np.testing.assert_array_equal(np.asarray(qr_act), np.asarray(jax.jit(quant.fq8)(qr)))
