@@ -378,7 +378,7 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]], join
                                             warpgroups=CONFIG.mgpu_warpgroups, target_ctas=CONFIG.target_programs,
                                             block_scales=CONFIG.mgpu_block_scales, quantised=quantised)
                       for weight_OI, scale_BB in pairs], joined)
-    if quantised and _xla_takes(x_TI, weights, CONFIG):
+    if _xla_takes(x_TI, weights, quantised, CONFIG):
         return _join([fp8_matvec_xla(x_TI, weight_OI, scale_BB, quantised) for weight_OI, scale_BB in pairs], joined)
     supported = pallas_supports(x_TI, *weights)
     if len(pairs) > 1 and not (CONFIG.fuse and supported):
@@ -497,12 +497,11 @@ def _matvec_takes(x_TI: jax.Array, weights: list[Weight], config: KernelConfig) 
             and sum(w.shape[0] for w in weights) * in_dim >= config.matvec_min_codes)
 
 
-def _xla_takes(x_TI: jax.Array, weights: list[Weight], config: KernelConfig) -> bool:
-    """Whether a launch of fq8'd activations takes XLA's mat-vec (``fp8_matvec_xla``): one token, fp8 weights of
-    whole scale blocks, each of at most ``config.xla_max_codes`` codes."""
-    return x_TI.shape[0] == 1 and all(
-        w.dtype == jnp.float8_e4m3fn and w.shape[0] % FP8_BLOCK == 0 and w.shape[1] % FP8_BLOCK == 0
-        and w.shape[0] * w.shape[1] <= config.xla_max_codes for w in weights)
+def _xla_takes(x_TI: jax.Array, weights: list[Weight], quantised: bool, config: KernelConfig) -> bool:
+    """Whether a launch takes XLA's mat-vec (``fp8_matvec_xla``): one token of fq8'd activations (``quantised``),
+    weights the kernels take (``pallas_supports``), each of at most ``config.xla_max_codes`` codes."""
+    return (quantised and x_TI.shape[0] == 1 and pallas_supports(x_TI, *weights)
+            and all(w.shape[0] * w.shape[1] <= config.xla_max_codes for w in weights))
 
 
 def fp8_matvec_xla(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, quantised: bool = False) -> jax.Array:

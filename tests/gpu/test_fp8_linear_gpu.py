@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from dijax.kernels import fp8_linear as fl, quant
-from tests.test_kernels_fp8_linear import _weights, assert_close_bf16
+from tests.test_kernels_fp8_linear import MATVEC_EVERYWHERE, _weights, assert_close_bf16
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="compiles the Pallas kernel for a GPU (the CPU tests run it interpreted)")
@@ -47,7 +47,7 @@ def test_kernel_matches_reference(t, out_dim, in_dim):
 def test_every_scale_exponent_in_range(monkeypatch, t, matvec):
     """Every byte of ``SCALE_RANGE``, 16 per tile row; both ends included; on the dot kernel and on the one-token
     mat-vec (``CONFIG.matvec``: the hardware's e4m3 conversion)."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=matvec, matvec_min_in=0, matvec_min_codes=0))
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, **{**MATVEC_EVERYWHERE, "matvec": matvec}))
     lo, hi = fl.SCALE_RANGE
     exponents = jnp.arange(lo, hi + 1, dtype=jnp.uint8)
     exponents = jnp.concatenate([exponents, jnp.full((-exponents.size % 16,), hi, jnp.uint8)])
@@ -97,8 +97,7 @@ def test_quantised_activations_are_taken_as_they_are(t, out_dims, in_dim, monkey
 def test_matvec_matches_the_reference(out_dims, in_dim, monkeypatch):
     """One token on the mat-vec kernel (``CONFIG.matvec``), poisoned outputs, the flash-slice shapes; quantised
     activations taken as they are give the same bits."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, matvec=True, matvec_min_in=0,
-                                                          matvec_min_codes=0))
+    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, **MATVEC_EVERYWHERE))
     pairs = [_weights(o, in_dim, seed=o + i)[:2] for i, o in enumerate(out_dims)]
     x = (jax.random.normal(jax.random.key(in_dim), (1, in_dim), jnp.float32) * 3).astype(jnp.bfloat16)
     got = jax.jit(lambda x: fl.fp8_linears(x, pairs, impl="pallas"))(x)
