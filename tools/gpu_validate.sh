@@ -100,9 +100,6 @@
 #            and the forty-fifth session's fp8_linear.CONFIG.xla_max_codes (off): their GPU tests, then flash-slice
 #            decode B=1 and 16 with the parts off, at up to 16 tokens, and the XLA mat-vec on, in one process (two
 #            rounds, the second from a persistent compilation cache);
-#   one-token-check  (~250 s) their GPU tests beside GPU parity of a tree copy whose tiny model takes the parts in
-#            steps of up to 16 tokens (fused_mixes_max_width 0: mixes_pallas takes the tiny model's 1024-wide streams
-#            otherwise);
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -120,7 +117,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="one-token|one-token-check|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="one-token|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -497,12 +494,9 @@ case "$stage" in
     run 150 python3 tools/bench.py $flash --decode-batch 1,16,64 --prefill= --kernels on --engine off --warmup 1 \
       --iters 3  # (on an 80 GB card too since the thirty-fourth session's sliced weight draw)
     run 90 python3 tools/deviceless.py --kernels on --target $target $flash --decode 1,16,64 ;;
-  one-token-check)
-    tree_with parts sinkhorn "    fused_mixes_max_width: int = 4096" "    fused_mixes_max_width: int = 0" \
-      sinkhorn "    parts_max_tokens: int = 1" "    parts_max_tokens: int = 16"
-    XLA_PYTHON_CLIENT_PREALLOCATE=false checks_with $sub/tree-parts 300 tests/gpu/test_sinkhorn_gpu.py \
-      tests/test_kernels_sinkhorn.py tests/test_kernels_fp8_linear.py ;;
   one-token)
+    run 120 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_sinkhorn_gpu.py \
+      tests/test_kernels_sinkhorn.py tests/test_kernels_fp8_linear.py -k "parts or xla"
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-one-token-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     run 470 python3 tools/bench.py --model flash-slice --decode-batch 1,16 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10 --rounds 2 --variant "sinkhorn.CONFIG.parts_max_tokens=0" \
