@@ -191,50 +191,6 @@ def test_model_mixes_take_the_fused_kernel_when_on(monkeypatch):
     assert calls == [(9, 1024)]
 
 
-@pytest.mark.parametrize("config", [EXACT, FAST], ids=["exact", "fast_divide"])
-@pytest.mark.parametrize("t, c, k, parts", [(1, 4, 20480, sk.PROJECTION_PARTS), (3, 4, 1024, 16),
-                                            (sk.PARTS_BLOCK_T + 2, 2, 256, 4)])
-def test_projection_parts_then_the_split_match_reference(t, c, k, parts, config):
-    """projection_parts (the projection and the sums of x^2 as partial sums over ``parts`` slices of K) then the
-    split kernel adding them: against mixes_reference at flash-slice's width, with tokens past one program of
-    PARTS_BLOCK_T and C = 2; the reference split of the parts gives the same within MIXES_RTOL (the parts add in
-    another order than XLA's einsum)."""
-    x, fn, scale, base = stream_inputs(t, c, k, seed=t + k)
-    parts_TRS = sk.projection_parts(x, fn, parts)
-    assert parts_TRS.shape == (t, (2 + c) * c + 1, parts) and parts_TRS.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(parts_TRS[:, -1].sum(-1)),
-                               np.square(np.asarray(x, np.float32)).sum(-1), rtol=1e-5)
-    want = sk.mixes_reference(x, fn, scale, base, c, 20, 1e-6, 1e-6)
-    args = (scale, base, c, 20, 1e-6, None, k, 1e-6)
-    got = split_pallas(parts_TRS, *args, interpret=True, config=config)
-    assert_split_close(got, want, rtol=MIXES_RTOL)
-    assert_split_close(split_reference(parts_TRS, *args), got, rtol=MIXES_RTOL)
-    with pytest.raises(ValueError, match=r"C \* D 1000 must be a multiple of parts 16"):
-        sk.projection_parts(jnp.zeros((1, 1000), jnp.bfloat16), jnp.zeros((24, 1000), jnp.float32), 16)
-
-
-def test_model_mixes_take_the_parts_where_the_config_says(monkeypatch):
-    """hc.mixes with the Sinkhorn kernel takes projection_parts for steps of up to ``parts_max_tokens`` tokens that
-    mixes_pallas does not take (streams wider than its limit), the reference's values either way; the reference
-    impl never does."""
-    x = jax.random.normal(jax.random.key(2), (1, 4, 1024), jnp.float32).astype(jnp.bfloat16)
-    _, fn, scale, base = stream_inputs(1, 4, 4096, seed=6)
-    calls = []
-    parts = sk.projection_parts
-    monkeypatch.setattr(sk, "projection_parts", lambda *a, **k: calls.append(a[0].shape) or parts(*a, **k))
-    want = hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
-    assert calls == [] and sk.takes_parts(1) and not sk.takes_parts(2) and not sk.takes_parts(0)
-    monkeypatch.setattr(sk, "CONFIG", sk.SinkhornConfig(fused_mixes_max_width=1024))
-    assert_split_close(hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6, sinkhorn_impl="pallas"), want,
-                       rtol=MIXES_RTOL)
-    assert calls == [(1, 4096)]
-    monkeypatch.setattr(sk, "CONFIG", sk.SinkhornConfig(fused_mixes_max_width=1024, parts_max_tokens=0))
-    assert_split_close(hc.mixes(x, fn, scale, base, 4, 20, 1e-6, 1e-6, sinkhorn_impl="pallas"), want)
-    assert calls == [(1, 4096)]
-    with pytest.raises(ValueError, match="parts_max_tokens must be >= 0"):
-        sk.SinkhornConfig(parts_max_tokens=-1)
-
-
 def test_fused_mixes_lower_to_triton_without_a_gpu(lower_for_cuda):
     """Both kernels of mixes_pallas lower to Triton IR at flash-slice's width (C * D = 20480: 32 parts of 10
     chunks) and a decode batch of 64."""
@@ -242,12 +198,3 @@ def test_fused_mixes_lower_to_triton_without_a_gpu(lower_for_cuda):
                           jax.ShapeDtypeStruct((64, 20480), jnp.bfloat16), jax.ShapeDtypeStruct((24, 20480), jnp.float32),
                           jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((24,), jnp.float32))
     assert text.count("triton") >= 2
-
-
-def test_the_split_of_projection_parts_lowers_to_triton_without_a_gpu(lower_for_cuda):
-    """The split kernel adding projection_parts' parts lowers at flash-slice's one-token shape."""
-    m = sk.PROJECTION_PARTS
-    text = lower_for_cuda(lambda p, s, b: split_pallas(p, s, b, 4, 20, 1e-6, None, 20480, 1e-6, interpret=False),
-                          jax.ShapeDtypeStruct((1, 25, m), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32),
-                          jax.ShapeDtypeStruct((24,), jnp.float32))
-    assert "triton" in text

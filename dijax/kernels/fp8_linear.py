@@ -135,7 +135,7 @@ class KernelConfig:
     step, a linear whose input is not fq8'd already costs XLA two launches more for that (and a joined output one
     more), and with every small linear on it flash-slice decode B=1 did not gain (2.710 / 2.699 ms back to back
     against 2.737 / 2.699); hence the inputs that come fq8'd only. Off until it runs as a step (``gpu_validate.sh
-    one-token``): in flash-slice B=1 it takes the shared expert's w1 + w3 (one multi-output reduction; the step
+    xla-shared``): in flash-slice B=1 it takes the shared expert's w1 + w3 (one multi-output reduction; the step
     keeps its 337 launches), ~6 us a layer by the kernel rows.
 
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""

@@ -40,9 +40,6 @@ statistic, then the split) run in XLA around the split kernel: 7-8 launches a hy
 programs each take a part of K (fp32 products and sums, the sums of squares in the same pass), then the split
 kernel with a prologue that adds the parts in order and applies the statistic and the affine. It runs where
 it paid on an H100: decode steps of up to 16 tokens of streams up to 4096 values wide (``SinkhornConfig``).
-Wider streams at one token take ``projection_parts``: one XLA reduction leaves S partial sums of the projection
-and of the squares, which the split kernel adds in its prologue (two launches a hyper-connection where XLA's
-projection takes two reductions and the squares one or two more).
 
 Letters: T tokens, C hc copies, M = (2 + C) * C mix entries, P = M rounded up to a power of two (Triton's block),
 K = C * D stream values of a token, S parts of K, N token columns (T rounded up to a power of two, at least 16).
@@ -65,8 +62,6 @@ from dijax.kernels.division import asm_f32, div_rn, rms_factor_rn
 from dijax.kernels.numerics import divide, matmul_f32, rms_factor, sum_in_order
 
 BLOCK_T = 128
-PROJECTION_PARTS = 16  # projection_parts' partial sums (a power of two: the split kernel loads them whole)
-PARTS_BLOCK_T = 16  # tokens a split program where it adds those parts (at 128, sm_90 builds spilled 416 bytes)
 IMPLS = ("reference", "pallas")
 
 
@@ -91,13 +86,9 @@ class SinkhornConfig:
     # us a tiny B=1 step; removed). Fewer parts (8, 2) made the split faster and the projection slower by more.
     fused_mixes_max_tokens: int = 16
     fused_mixes_max_width: int = 4096
-    # Steps of up to parts_max_tokens tokens (0: off) that mixes_pallas does not take: the projection and the sums
-    # of squares as one XLA reduction into PROJECTION_PARTS partial sums, which the split kernel adds
-    # (``projection_parts``). Forty-sixth session, deviceless: flash-slice decode B=1 337 -> 303 launches a step.
-    parts_max_tokens: int = 1
 
     def __post_init__(self):
-        for name in ("fused_mixes_max_tokens", "fused_mixes_max_width", "parts_max_tokens"):
+        for name in ("fused_mixes_max_tokens", "fused_mixes_max_width"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SinkhornConfig.{name} must be >= 0 (0: off), got {getattr(self, name)}")
 
@@ -122,14 +113,10 @@ def split_reference(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, 
     then ``iters - 1`` rounds of (row, column) normalisation, each dividing by (sum + eps); the last operation is
     always a column one. z = ``affine(mixes, scale, base)``; with ``squares_T1`` (float32 [T, 1], each token's sum of
     x^2 over its ``width`` stream values) the raw mixes are ``mixes * rms_factor(squares_T1, width, norm_eps)``
-    (``mixes_projection``'s bare product: the kernel applies the factor in its prologue). Mixes [T, M + 1, S] are
-    ``projection_parts``' partial sums, the sums of squares as their last row."""
-    c = hc_mult
-    if mixes_TM.ndim == 3:  # ``projection_parts``: the parts added, the sums of squares their last row
-        sums_TR = jnp.sum(mixes_TM, axis=-1)
-        mixes_TM, squares_T1 = sums_TR[:, :-1], sums_TR[:, -1:]
+    (``mixes_projection``'s bare product: the kernel applies the factor in its prologue)."""
     if squares_T1 is not None:
         mixes_TM = mixes_TM * rms_factor(squares_T1, width, norm_eps)
+    c = hc_mult
     z_TM = affine(mixes_TM, scale_3, base_M, c)
     eps = np.float32(eps)
     pre = jax.nn.sigmoid(z_TM[..., :c]) + eps
@@ -238,23 +225,13 @@ def _split_kernel(mixes_ref, *refs, width: int, norm_eps: float, **split):
     """Program i: the BLOCK_T tokens [i * BLOCK_T, ...) of mixes_ref [T, M] (rows past T read token T - 1 and are
     not written: a duplicate leaves the block's fast-range check as it was). refs: the sums of squares [T] where the
     mixes are a bare projection (``split_pallas``' squares_T1), then scale [3], base [M] and the outputs
-    (``_split_block``). Given ``projection_parts``' mixes_ref [T, M + 1, S] instead, a program adds the S parts of
-    each of its PARTS_BLOCK_T tokens' entries, the last entry the sums of squares."""
+    (``_split_block``)."""
     *squares, scale_ref, base_ref, pre_ref, out_ref = refs
     c, t = split["c"], mixes_ref.shape[0]
-    m, parts = (2 + c) * c, mixes_ref.ndim == 3
-    block = PARTS_BLOCK_T if parts else BLOCK_T
-    safe_N = jnp.minimum(pl.program_id(0) * block + jnp.arange(block), t - 1)
-    if parts:
-        safe_N1, part_1S = safe_N[:, None], jnp.arange(mixes_ref.shape[2])[None, :]
-        raw = [jnp.sum(pltriton.load(mixes_ref.at[safe_N1, jnp.full_like(part_1S, e), part_1S]), axis=1)
-               for e in range(m + 1)]
-        squares_N = raw.pop()
-    else:
-        raw = [pltriton.load(mixes_ref.at[safe_N, jnp.full((block,), e)]) for e in range(m)]
-        squares_N = pltriton.load(squares[0].at[safe_N]) if squares else None
-    if squares_N is not None:
-        rsqrt_N = rms_factor_rn(squares_N, width, norm_eps, split["interpret"])
+    safe_N = jnp.minimum(pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T), t - 1)
+    raw = [pltriton.load(mixes_ref.at[safe_N, jnp.full((BLOCK_T,), e)]) for e in range((2 + c) * c)]
+    if squares:
+        rsqrt_N = rms_factor_rn(pltriton.load(squares[0].at[safe_N]), width, norm_eps, split["interpret"])
         raw = [v * rsqrt_N for v in raw]
     _split_block(_affine_entries(raw, scale_ref, base_ref, c), pre_ref, out_ref, pl.program_id(0), **split)
 
@@ -322,14 +299,13 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
     """Same contract as ``split_reference``, one kernel launch (the affine part in the kernel; the thirty-seventh
     session's form ran it, transposed and padded, as an XLA fusion of its own: one launch more a hyper-connection).
     ``interpret``: run the kernel interpreted (default: off a GPU); ``config``: default ``CONFIG`` (read when a
-    shape is first traced). With ``squares_T1`` (or ``projection_parts``' mixes, whose parts it adds) the kernel
-    applies the RMS factor to the mixes first (``split_reference``): in XLA the mean, rsqrt and product after the
-    reduction were a launch of their own.
+    shape is first traced). With ``squares_T1`` the kernel applies the RMS factor to the mixes first
+    (``split_reference``): in XLA the mean, rsqrt and product after the reduction were a launch of their own.
     Jitted, as every kernel's entry point: a step makes this call twice per layer with one shape, and the jit cache
     traces and lowers the kernel once per step shape."""
     interpret = interpret_mode(interpret)
     c = hc_mult
-    t, m = mixes_TM.shape[0], (2 + c) * c
+    t, m = mixes_TM.shape
     if t == 0:  # no program to launch
         return _parts(jnp.zeros((0, c), jnp.float32), jnp.zeros((0, m - c), jnp.float32), c)
     token_major = not entry_major(t)
@@ -338,8 +314,7 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
                                token_major=token_major)
     out_shape = (jax.ShapeDtypeStruct((t, c), jnp.float32),
                  jax.ShapeDtypeStruct((t, m - c) if token_major else (m - c, t), jnp.float32))
-    block = PARTS_BLOCK_T if mixes_TM.ndim == 3 else BLOCK_T
-    pre_TC, out = pl.pallas_call(kernel, grid=(-(-t // block),), out_shape=out_shape, interpret=interpret,
+    pre_TC, out = pl.pallas_call(kernel, grid=(-(-t // BLOCK_T),), out_shape=out_shape, interpret=interpret,
                                  compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
         mixes_TM.astype(jnp.float32), *([] if squares_T1 is None else [squares_T1.reshape(t).astype(jnp.float32)]),
         scale_3.astype(jnp.float32), base_M.astype(jnp.float32))
@@ -349,20 +324,6 @@ def split_pallas(mixes_TM: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_
 def sum_squares(x_TK: jax.Array) -> jax.Array:
     """Each token's sum of x^2 over its C * D stream values, float32 [T, 1]."""
     return jnp.sum(jnp.square(x_TK.astype(jnp.float32)), axis=-1, keepdims=True)
-
-
-def projection_parts(x_TK: jax.Array, fn_MK: jax.Array, parts: int = PROJECTION_PARTS) -> jax.Array:
-    """``mixes_projection`` and ``sum_squares`` as one XLA reduction that leaves ``parts`` partial sums of each: x
-    times each of fn's M rows and times itself, summed over each of ``parts`` equal slices of the C * D values.
-    x_TK bf16 [T, C * D], fn_MK float32 [M, C * D] -> float32 [T, M + 1, parts], the squares' row last; ``split``
-    adds the parts. (XLA sums a one-token row of 20480 values in two launches, a partial and a final reduction,
-    and the squares in a third: the parts leave one; the split kernel adds them in its prologue.)"""
-    (t, k), m = x_TK.shape, fn_MK.shape[0]
-    if k % parts:
-        raise ValueError(f"projection_parts: C * D {k} must be a multiple of parts {parts}")
-    xf = x_TK.astype(jnp.float32)
-    rows_TRK = jnp.concatenate([jnp.broadcast_to(fn_MK, (t, m, k)), xf[:, None, :]], axis=1)
-    return jnp.sum((xf[:, None, :] * rows_TRK).reshape(t, m + 1, parts, k // parts), axis=-1)
 
 
 def mixes_projection(x_TK: jax.Array, fn_MK: jax.Array) -> jax.Array:
@@ -391,12 +352,6 @@ def fused_mixes(tokens: int, width: int, config: SinkhornConfig | None = None) -
     config = config or CONFIG
     return (0 < tokens <= min(config.fused_mixes_max_tokens, MIXES_MAX_TOKENS)
             and width <= config.fused_mixes_max_width)
-
-
-def takes_parts(tokens: int, config: SinkhornConfig | None = None) -> bool:
-    """Whether a step of ``tokens`` tokens that ``mixes_pallas`` does not take runs ``projection_parts`` before
-    the split kernel (``SinkhornConfig.parts_max_tokens``)."""
-    return 0 < tokens <= (config or CONFIG).parts_max_tokens
 
 
 def project_tiling(n: int) -> tuple[int, int]:

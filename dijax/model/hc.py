@@ -20,19 +20,15 @@ def mixes(x_TCD: jax.Array, fn_MX: jax.Array, scale_3: jax.Array, base_M: jax.Ar
     ``matmul_f32_weight`` of the bf16 streams, equal up to fp32 rounding; else the fp32 GEMM, whose copy is small
     and which needs no kernels to split the weight), then the split into
     (pre [T, C], post [T, C], comb [T, C, C]) float32 (``dijax.kernels.sinkhorn.split``, by ``sinkhorn_impl``).
-    With the Sinkhorn kernel, a step ``sinkhorn.fused_mixes`` takes runs all of it as ``sinkhorn.mixes_pallas``,
-    and one ``sinkhorn.takes_parts`` takes leaves the projection and the statistic's sum as partial sums
-    (``sinkhorn.projection_parts``) that the split kernel adds."""
+    With the Sinkhorn kernel, a step ``sinkhorn.fused_mixes`` takes runs all of it as ``sinkhorn.mixes_pallas``."""
     flat = x_TCD.reshape(x_TCD.shape[0], -1)
     if sinkhorn_impl == "pallas" and sinkhorn.fused_mixes(*flat.shape):
         return sinkhorn.mixes_pallas(flat, fn_MX, scale_3, base_M, hc_mult, iters, hc_eps, norm_eps)
-    if sinkhorn_impl == "pallas" and sinkhorn.takes_parts(flat.shape[0]):
-        projection, squares = sinkhorn.projection_parts(flat, fn_MX), None
-    elif flat.dtype == jnp.bfloat16 and large_step(flat.shape[0]):
-        projection, squares = matmul_f32_weight(flat, fn_MX), sinkhorn.sum_squares(flat)
+    if flat.dtype == jnp.bfloat16 and large_step(flat.shape[0]):
+        projection = matmul_f32_weight(flat, fn_MX)
     else:
-        projection, squares = sinkhorn.mixes_projection(flat, fn_MX), sinkhorn.sum_squares(flat)
-    return sinkhorn.split(projection, scale_3, base_M, hc_mult, iters, hc_eps, squares,
+        projection = sinkhorn.mixes_projection(flat, fn_MX)
+    return sinkhorn.split(projection, scale_3, base_M, hc_mult, iters, hc_eps, sinkhorn.sum_squares(flat),
                           flat.shape[1], norm_eps, impl=sinkhorn_impl)
 
 

@@ -86,17 +86,3 @@ def test_fused_mixes_match_the_reference(t, k):
         got = jax.jit(lambda *a, config=config: sk.mixes_pallas(*a, 4, ITERS, EPS, 1e-6, config=config))(*args)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=MIXES_RTOL, atol=0)
-
-
-@pytest.mark.parametrize("t, k", [(1, 20480), (3, 1024)])
-def test_projection_parts_then_the_split_match_the_reference(t, k):
-    """projection_parts compiled by XLA for the GPU, then the split kernel adding its parts (both division forms),
-    against mixes_reference compiled by XLA, within the CPU test's MIXES_RTOL."""
-    args = stream_inputs(t, 4, k, seed=t + 1)
-    want = jax.jit(lambda *a: sk.mixes_reference(*a, 4, ITERS, EPS, 1e-6))(*args)
-    for config in (FAST, EXACT):
-        got = jax.jit(lambda x, f, s, b, config=config: split_pallas(
-            sk.projection_parts(x, f), s, b, 4, ITERS, EPS, None, k, 1e-6, config=config))(*args)
-        for g, w in zip(got, want, strict=True):
-            assert np.isfinite(np.asarray(g)).all()
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=MIXES_RTOL, atol=0)
