@@ -276,36 +276,6 @@ def test_matvec_lowers_to_triton_without_a_gpu(lower_for_cuda, monkeypatch):
     assert text.count("xla.gpu.triton") == 1 and "fp8_matvec" in text
 
 
-@pytest.mark.parametrize("quantised", [False, True])
-def test_xla_matvec_matches_the_reference(quantised):
-    """One token on XLA's mat-vec (``fp8_matvec_xla``): layer 1 of a 3-layer stack, scale bytes across
-    ``SCALE_RANGE`` and beyond (its power of two is exact for 1..254), x as it comes or fq8's values already."""
-    layers = [_weights(96, 256, seed=30 + i, exponents=(1, 247))[:2] for i in range(3)]
-    w_stack, s_stack = (jnp.stack([pair[k] for pair in layers]) for k in range(2))
-    x = (jax.random.normal(jax.random.key(9), (1, 256), jnp.float32) * 3).astype(jnp.bfloat16)
-    x = quant.fq8(x) if quantised else x
-    got = jax.jit(fl.fp8_matvec_xla, static_argnums=3)(x, of_layer(w_stack, 1, 2), of_layer(s_stack, 1, 2),
-                                                       quantised)
-    assert got.shape == (1, 96) and got.dtype == jnp.bfloat16
-    assert_close_bf16(got, fl.fp8_linear_reference(x, *layers[1]), x, *layers[1])
-
-
-@pytest.mark.parametrize("tokens, out_dims, quantised, xla", [
-    (1, (2304, 2304), True, True), (1, (1280, 512), True, True), (1, (1280, 512), False, False),
-    (1, (32768,), True, False), (2, (2304, 2304), True, False)])
-def test_xla_matvec_takes_small_one_token_launches(lower_for_cuda, monkeypatch, tokens, out_dims, quantised, xla):
-    """With ``xla_max_codes`` set, a one-token launch of fq8'd activations whose weights are each at most that many
-    codes is XLA's reduction (no kernel); activations to quantise, a larger weight, or two tokens keep the kernel."""
-    monkeypatch.setattr(fl, "CONFIG", dataclasses.replace(fl.CONFIG, xla_max_codes=1 << 24))
-    in_dim = 1280 if out_dims == (32768,) else 5120
-    x = jax.ShapeDtypeStruct((tokens, in_dim), jnp.bfloat16)
-    args = [jax.ShapeDtypeStruct(shape, dtype) for o in out_dims
-            for shape, dtype in (((o, in_dim), jnp.float8_e4m3fn), ((o // 32, in_dim // 32), jnp.uint8))]
-    text = lower_for_cuda(lambda x, *a: fl.fp8_linears_pallas(x, [a[i:i + 2] for i in range(0, len(a), 2)],
-                                                             interpret=False, quantised=quantised), x, *args)
-    assert ("xla.gpu.triton" not in text) == xla
-
-
 def test_every_scale_exponent_in_range(monkeypatch, poison):
     """Scale exponents 0..246 (the interpreted kernel's exact range; the GPU form's is narrower:
     ``test_pair_decode_is_exact_for_every_code_and_scale_in_range``), several per tile row."""

@@ -94,10 +94,6 @@
 #   launch-check  launches per step from the device's own compile (bench.py) against tools/deviceless.py's compile
 #            for this card on the CPU side of the same machine: tiny decode B=1 / 64 and prefill 256, flash-slice
 #            decode B=1 / 16 / 64;
-#   xla-shared  (~300 s; forty-fifth session, prepared) fp8_linear.CONFIG.xla_max_codes: one-token linears of fq8'd
-#            inputs (the shared expert's w1 / w3) on XLA's own mat-vec (one multi-output reduction, the same launch
-#            count): its numerics test on the GPU, then flash-slice and tiny decode B=1 with it in one process (two
-#            rounds);
 #   parity   `dijax parity --kernels on` on tiny-nodrop (one-step and --chunk 7 prefill), its engine run and tiny
 #            (both tiers), side by side (since the twentieth session a fixture's cases share one runner: tiny
 #            compiles 4 executables, not 16; twenty-first session: the four runs took 96 s side by side).
@@ -115,7 +111,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="xla-shared|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -492,12 +488,6 @@ case "$stage" in
     run 150 python3 tools/bench.py $flash --decode-batch 1,16,64 --prefill= --kernels on --engine off --warmup 1 \
       --iters 3  # (on an 80 GB card too since the thirty-fourth session's sliced weight draw)
     run 90 python3 tools/deviceless.py --kernels on --target $target $flash --decode 1,16,64 ;;
-  xla-shared)
-    run 60 python3 -m pytest -q -ra -p no:cacheprovider tests/test_kernels_fp8_linear.py -k xla
-    run 200 python3 tools/bench.py --model flash-slice --decode-batch 1 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 3 --iters 10 --rounds 2 --variant "fp8_linear.CONFIG.xla_max_codes=16777216"
-    run 100 python3 tools/bench.py --kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 \
-      --engine off --warmup 10 --iters 50 --rounds 2 --variant "fp8_linear.CONFIG.xla_max_codes=16777216" ;;
   parity)
     # side by side: no preallocation, so the processes share the GPU's memory
     export XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -126,18 +126,6 @@ class KernelConfig:
     tiling of the sweep lost where every one-token launch took it (B=1 2.82 against 2.65-2.71 ms). GPU parity with
     it on every launch: the verdicts without it.
 
-    ``xla_max_codes``: a one-token launch whose input comes fq8'd (``quantised``: the shared expert's w1 / w3 take the
-    MoE norm's fq8) and whose weights each hold at most this many codes takes XLA's own mat-vec instead of a kernel
-    (``fp8_matvec_xla``: the codes, sliced out of their stack, dequantised, multiplied by x and summed in one
-    reduction fusion a weight); 0 turns it off. On an H100 (forty-fifth session, GPU kernel time at T = 1,
-    standalone weights, x fake-quantised by XLA first) XLA's reduction beat the kernels on every small linear: wq_a
-    4.2 against 7.2 us, wkv 1.6 / 4.2, the index wq_b 3.2 / 5.7, the shared w1 6.4 / 10.9, w2 5.5 / 8.7. In the
-    step, a linear whose input is not fq8'd already costs XLA two launches more for that (and a joined output one
-    more), and with every small linear on it flash-slice decode B=1 did not gain (2.710 / 2.699 ms back to back
-    against 2.737 / 2.699); hence the inputs that come fq8'd only. Off until it runs as a step (``gpu_validate.sh
-    xla-shared``): in flash-slice B=1 it takes the shared expert's w1 + w3 (one multi-output reduction; the step
-    keeps its 337 launches), ~6 us a layer by the kernel rows.
-
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64
     cols: int = 64
@@ -162,7 +150,6 @@ class KernelConfig:
     matvec_warps: int = 4
     matvec_min_in: int = 4096
     matvec_min_codes: int = 1 << 24
-    xla_max_codes: int = 0
     poison: bool = False
 
     def __post_init__(self):
@@ -378,8 +365,6 @@ def fp8_linears_pallas(x_TI: jax.Array, pairs: list[tuple[Weight, Weight]], join
                                             warpgroups=CONFIG.mgpu_warpgroups, target_ctas=CONFIG.target_programs,
                                             block_scales=CONFIG.mgpu_block_scales, quantised=quantised)
                       for weight_OI, scale_BB in pairs], joined)
-    if _xla_takes(x_TI, weights, quantised, CONFIG):
-        return _join([fp8_matvec_xla(x_TI, weight_OI, scale_BB, quantised) for weight_OI, scale_BB in pairs], joined)
     supported = pallas_supports(x_TI, *weights)
     if len(pairs) > 1 and not (CONFIG.fuse and supported):
         return _join([fp8_linear_pallas(x_TI, weight_OI, scale_BB, interpret, quantised)
@@ -495,31 +480,6 @@ def _matvec_takes(x_TI: jax.Array, weights: list[Weight], config: KernelConfig) 
     in_dim = x_TI.shape[1]
     return (config.matvec and x_TI.shape[0] == 1 and in_dim >= config.matvec_min_in
             and sum(w.shape[0] for w in weights) * in_dim >= config.matvec_min_codes)
-
-
-def _xla_takes(x_TI: jax.Array, weights: list[Weight], quantised: bool, config: KernelConfig) -> bool:
-    """Whether a launch takes XLA's mat-vec (``fp8_matvec_xla``): one token of fq8'd activations (``quantised``),
-    weights the kernels take (``pallas_supports``), each of at most ``config.xla_max_codes`` codes."""
-    return (quantised and x_TI.shape[0] == 1 and pallas_supports(x_TI, *weights)
-            and all(w.shape[0] * w.shape[1] <= config.xla_max_codes for w in weights))
-
-
-def fp8_matvec_xla(x_TI: jax.Array, weight_OI: Weight, scale_BB: Weight, quantised: bool = False) -> jax.Array:
-    """``fp8_linear_reference`` of one token as XLA's own mat-vec: x bf16 [1, I], weight [O, I] e4m3 (or a
-    ``LayerSlice``: the dynamic slice fuses into the reduction's loads), scale uint8 [O/32, I/32] -> bf16 [1, O].
-
-    Each weight code times its tile's power of two (from the scale byte's bits: exact for bytes 1..254, inside
-    ``SCALE_RANGE``, the range an engine serves to the kernels) times x's fq8 value is an exact float32 product, summed
-    over I in float32: the reference's products and accumulation type, in XLA's summation order. Written as an
-    elementwise product and a sum (not a dot, which XLA would hand a dequantised bf16 copy of the weight), so the
-    whole weight side is one reduction fusion reading the codes once."""
-    w_OI, s_BB = materialize(weight_OI), materialize(scale_BB)
-    o, i = w_OI.shape
-    x_I = (x_TI if quantised else quant.fq8(x_TI))[0].astype(jnp.float32)
-    scale_OI = jnp.broadcast_to(quant.ue8m0_pow2(s_BB)[:, None, :, None],
-                                (o // FP8_BLOCK, FP8_BLOCK, i // FP8_BLOCK, FP8_BLOCK)).reshape(o, i)
-    y_O = jnp.sum(w_OI.astype(jnp.float32) * scale_OI * x_I[None, :], axis=-1)
-    return y_O[None].astype(jnp.bfloat16)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "quantise"))
