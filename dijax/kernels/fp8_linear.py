@@ -124,7 +124,10 @@ class KernelConfig:
     thresholds (wo_b, the Engram wkv, the shared w1 + w3 take it; wq_b, wq_a + wkv, w2 do not). Flash-slice decode
     B=1 with it (one process, two rounds, another H100): 2.598 / 2.618 ms back to back against 2.732 / 2.657. Every
     tiling of the sweep lost where every one-token launch took it (B=1 2.82 against 2.65-2.71 ms). GPU parity with
-    it on every launch: the verdicts without it.
+    it on every launch: the verdicts without it. XLA's own one-token mat-vec (the codes, their scales and x as an
+    elementwise product and one sum a weight) beat both kernels on the small linears alone (wq_a 4.2 against 7.2
+    us), but not as a step, on every small linear or only on the inputs that come fq8'd (forty-fifth and
+    forty-sixth sessions, H100: B=1 2.652 / 2.633 ms against 2.647 / 2.619); removed.
 
     poison: outputs start NaN-filled (tests: an element no program writes shows)."""
     rows_max: int = 64

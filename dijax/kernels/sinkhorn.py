@@ -39,7 +39,10 @@ statistic, then the split) run in XLA around the split kernel: 7-8 launches a hy
 ``mixes_pallas`` takes a decode step's (up to ``MIXES_MAX_TOKENS`` tokens) in two: a projection kernel whose
 programs each take a part of K (fp32 products and sums, the sums of squares in the same pass), then the split
 kernel with a prologue that adds the parts in order and applies the statistic and the affine. It runs where
-it paid on an H100: decode steps of up to 16 tokens of streams up to 4096 values wide (``SinkhornConfig``).
+it paid on an H100: decode steps of up to 16 tokens of streams up to 4096 values wide (``SinkhornConfig``). At
+flash-slice's width a one-token step's projection and squares as one XLA reduction into 16 partial sums, added by
+this kernel, took 34 launches off the step but no device time (forty-sixth session, H100: the split kernel and
+the hyper-connection outputs' own converts gained what the reductions lost); removed.
 
 Letters: T tokens, C hc copies, M = (2 + C) * C mix entries, P = M rounded up to a power of two (Triton's block),
 K = C * D stream values of a token, S parts of K, N token columns (T rounded up to a power of two, at least 16).
