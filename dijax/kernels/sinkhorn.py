@@ -338,8 +338,8 @@ def mixes_projection(x_TK: jax.Array, fn_MK: jax.Array) -> jax.Array:
 def mixes_reference(x_TK: jax.Array, fn_MK: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_mult: int,
                     iters: int, hc_eps: float, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A hyper-connection's mixes (v41_spec §8, ``dijax.model.hc.mixes``): ``mixes_projection`` and
-    ``sum_squares``, then ``split_reference`` (the projection times the RMS factor, then the split). x_TK bf16 [T, C * D], fn_MK float32 [M, C * D] -> (pre [T, C], post [T, C], comb
-    [T, C, C]) float32."""
+    ``sum_squares``, then ``split_reference`` (the projection times the RMS factor, then the split). x_TK bf16
+    [T, C * D], fn_MK float32 [M, C * D] -> (pre [T, C], post [T, C], comb [T, C, C]) float32."""
     return split_reference(mixes_projection(x_TK, fn_MK), scale_3, base_M, hc_mult, iters, hc_eps, sum_squares(x_TK),
                            x_TK.shape[-1], norm_eps)
 
