@@ -210,6 +210,27 @@ def _topk_stage_rows(score, k: int, **timing) -> list[dict]:
             for name, (fn, arg) in stages.items()]
 
 
+def sparse_attn_inputs(batch: int, window: int = 128, topk: int = 512, heads: int = 64, dim: int = 512,
+                       pool_rows_per_seq: int = 4096, reps: int = 1):
+    """Decode sparse attention's inputs: (sources (ring bf16 [B window, K], new rows [B, K], pool [B pool, K]),
+    sink float32 [H], ``reps`` steps' queries bf16 [B, H, K] and index lists int32 [B, window + topk]). Token b
+    lists its ring's ``window - 1`` rows, its new row and ``topk`` sorted random rows of its own pool."""
+    keys = jax.random.split(jax.random.key(batch), 4 + 2 * reps)
+    ring = jax.random.normal(keys[0], (batch * window, dim), jnp.bfloat16)
+    new = jax.random.normal(keys[1], (batch, dim), jnp.bfloat16)
+    pool = jax.random.normal(keys[2], (batch * pool_rows_per_seq, dim), jnp.bfloat16)
+    sink = jax.random.normal(keys[3], (heads,), jnp.float32)
+    seq = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    ring_idx = seq * window + jnp.arange(window - 1, dtype=jnp.int32)[None, :]
+    qs, idxs = [], []
+    for r in range(reps):  # each step its own queries and compressed rows
+        qs.append(jax.random.normal(keys[4 + 2 * r], (batch, heads, dim), jnp.bfloat16))
+        comp = jnp.sort(jax.random.randint(keys[5 + 2 * r], (batch, topk), 0, pool_rows_per_seq), axis=1)
+        idxs.append(jnp.concatenate([ring_idx, batch * window + seq, batch * window + batch
+                                     + seq * pool_rows_per_seq + comp], axis=1).astype(jnp.int32))
+    return (ring, new, pool), sink, qs, idxs
+
+
 def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, heads: int = 64, dim: int = 512,
                      pool_rows_per_seq: int = 4096, sweep: bool = False, reps: int = 4, names: tuple[str, ...] = (),
                      **timing) -> list[dict]:
@@ -250,20 +271,7 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     scale = dim ** -0.5
     out = []
     for batch in batches:
-        keys = jax.random.split(jax.random.key(batch), 4 + 2 * reps)
-        ring = jax.random.normal(keys[0], (batch * window, dim), jnp.bfloat16)
-        new = jax.random.normal(keys[1], (batch, dim), jnp.bfloat16)
-        pool = jax.random.normal(keys[2], (batch * pool_rows_per_seq, dim), jnp.bfloat16)
-        sink = jax.random.normal(keys[3], (heads,), jnp.float32)
-        seq = jnp.arange(batch, dtype=jnp.int32)[:, None]
-        ring_idx = seq * window + jnp.arange(window - 1, dtype=jnp.int32)[None, :]
-        qs, idxs = [], []
-        for r in range(reps):  # each step its own queries and compressed rows
-            qs.append(jax.random.normal(keys[4 + 2 * r], (batch, heads, dim), jnp.bfloat16))
-            comp = jnp.sort(jax.random.randint(keys[5 + 2 * r], (batch, topk), 0, pool_rows_per_seq), axis=1)
-            idxs.append(jnp.concatenate([ring_idx, batch * window + seq, batch * window + batch
-                                         + seq * pool_rows_per_seq + comp], axis=1).astype(jnp.int32))
-        sources = (ring, new, pool)
+        sources, sink, qs, idxs = sparse_attn_inputs(batch, window, topk, heads, dim, pool_rows_per_seq, reps)
         floor_bytes = batch * (window + topk) * dim * 2
         shape = f"B={batch}, {window + topk} rows x {dim}, {heads} heads"
         ref_fn = repeated(lambda x, q, i: sa.sparse_attn_reference(q, x[0], i, x[1], scale))
@@ -275,7 +283,7 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
             if "1 source" in name:
                 srcs = (jnp.concatenate(sources),)
             elif "window + pool" in name:
-                srcs, first = (jnp.concatenate(sources[:2]), pool), jnp.full((batch,), window, jnp.int32)
+                srcs, first = (jnp.concatenate(sources[:2]), sources[2]), jnp.full((batch,), window, jnp.int32)
             try:
                 fn = repeated(lambda x, q, i, c=config, f=first: sa.sparse_attn_pallas(q, x[0], i, x[1], scale,
                                                                                         config=c, first_T=f))

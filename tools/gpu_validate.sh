@@ -78,6 +78,11 @@
 #            then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches (sinkhorn.mixes_pallas: on
 #            by default since the thirty-sixth session up to 16 tokens and width 4096), off, and on up to 128 tokens,
 #            alternating over two rounds;
+#   attn-profile  (~240 s; first after a machine start) Nsight Compute of sparse attention's Mosaic GPU kernel at
+#            decode B=64 and 256 (tools/profile_attn.py, the model's window + pool layout; issue 13's 70 %: it runs
+#            at ~4.5 us a 64-row block against ~1.7 us of tensor work and ~2.6 us of its bytes on an H100) and of the
+#            routed mat-vecs at T = 1 and 16: stall reasons per SASS instruction (SourceCounters) besides the
+#            details page, both back as files ($out/ncu-*.txt, ncu-*-sass.csv);
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
 #            session: wall time could not rank their launch cuts);
@@ -111,7 +116,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="attn-profile|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -170,6 +175,21 @@ parity_summary() {  # the parity outputs named, each one's header and its tier /
   done >> "$log"
 }
 case "$stage" in
+  attn-profile)
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+      --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section SourceCounters"
+    run 200 ncu --clock-control none $sections -k regex:^kernel_mosaic_gpu -c 2 -o "$out/ncu-attn" \
+      python3 tools/profile_attn.py 64 256
+    run 200 ncu --clock-control none $sections -k regex:routed_ -c 4 -o "$out/ncu-matvec" \
+      python3 tools/profile_routed.py 1:gathered 16:gathered
+    for name in attn matvec; do
+      ncu --import "$out/ncu-$name.ncu-rep" --page details > "$out/ncu-$name.txt" 2>&1
+      ncu --import "$out/ncu-$name.ncu-rep" --page source --csv --print-source sass > "$out/ncu-$name-sass.csv" 2>&1
+      rm -f "$out/ncu-$name.ncu-rep"
+      grep -E "^  [A-Za-z_]|Duration|Throughput|Registers Per|Achieved Occupancy|Cycles Per Issued|Stall|Issued" \
+        "$out/ncu-$name.txt" | head -120 >> "$log"
+    done ;;
   stream-probe)
     run 150 python3 tools/stream_probe.py ;;
   mixes-ab)
