@@ -266,7 +266,6 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         configs += [("mgpu", mgpu()), ("mgpu window + pool", mgpu())]
         if sweep:
             configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 5)]
-            configs += [("mgpu split scores", mgpu(mgpu_split_scores=True))]
     configs = kept(configs, names)
     scale = dim ** -0.5
     out = []

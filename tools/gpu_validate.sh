@@ -485,7 +485,7 @@ case "$stage" in
       "$out/ncu-mgpu.txt" | head -150 >> "$log" ;;
   mgpu-attn-time)
     # (~300 s) sparse attention by GPU kernel time (the kernels of a call summed: launches and gaps left out),
-    # every variant (the splits, split_scores), then by wall time: issue 13's 70 % at batch >= 64 needs to know how
+    # every variant (the splits), then by wall time: issue 13's 70 % at batch >= 64 needs to know how
     # much of the 41 us wall time at batch 64 (thirty-first session) is launches and gaps
     for timing in device wall; do
       run 140 python3 tools/bench_kernels.py --only sparse_attn --sweep --timing $timing --iters 10 --repeats 3

@@ -70,23 +70,20 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
-# (T, H, K, source rows, L, splits[, split_scores]): a small shape over two sources, decode at 64 tokens (two
-# splits, one source; three sources, one split; the split scores), two head groups at K = 256, the tiny model's 4
-# heads of 64 (one warpgroup)
+# (T, H, K, source rows, L, splits): a small shape over two sources, decode at 64 tokens (two splits, one source;
+# three sources, one split), two head groups at K = 256, the tiny model's 4 heads of 64 (one warpgroup)
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
-               (64, 64, 512, (4096, 64, 20000), 640, 1), (64, 64, 512, (8192,), 640, 2, True),
+               (64, 64, 512, (4096, 64, 20000), 640, 1),
                (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2)]
 
 
-def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
-                    split_scores: bool = False) -> int:
+def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int) -> int:
     """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands; -> the StableHLO text's
     length."""
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
               tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
-    fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits,
-                           split_scores=split_scores)
+    fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
@@ -149,7 +146,7 @@ def kernels() -> list[tuple[str, str, object, list]]:
     (tools/mgpu_build.py builds the same list)."""
     return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
             ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
-            ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/split_scores]", lower_attention, ATTN_SHAPES),
+            ("sparse_attn_mgpu", "T/H/K/sources/L/splits", lower_attention, ATTN_SHAPES),
             ("indexer_mgpu", "T/I/J/S/P/blocks", lower_indexer, INDEXER_SHAPES),
             ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]
 

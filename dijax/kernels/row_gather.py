@@ -86,7 +86,7 @@ def read_only_ref(transforms: tuple = ()) -> plgpu.RefType:
 
 def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int) -> None:
     """Start the ``cp.async`` copies of one block of ``ROWS`` rows: row r of the block is row ``idx_ref[r]`` (GMEM
-    int32 [R]) of the sources' concatenation (``refs[:-1]``, GMEM bf16 [``sizes``[i], K]), copied into the tile
+    or SMEM int32 [R]) of the sources' concatenation (``refs[:-1]``, GMEM bf16 [``sizes``[i], K]), copied into the tile
     ``refs[-1]`` (SMEM bf16 [P, R, K / P] or [R, K], ``TILED``; part p holds the columns [p K / P, (p + 1) K / P)).
 
     ``threads``: the threads that share the block, each running this: the CTA's 128 P compute threads, or 128 for
@@ -118,12 +118,16 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int) -> None:
         sixteenth = arith.remui(arith.divui(col_in, c32(8)), c32(8))
         tile_base = arith.addi(arith.muli(arith.divui(col, c32(part)), c32(ROWS * part * 2)),
                                arith.muli(arith.divui(col_in, c32(64)), c32(1024)))
-        idx_ptr = _global(mgpu_utils.memref_ptr(idx))
+        idx_ptr = mgpu_utils.memref_ptr(idx)  # shared memory's own address space, or generic: made global
+        if not mgpu_utils.is_smem_ref(idx):
+            idx_ptr = _global(idx_ptr)
         src_ptrs = [_global(mgpu_utils.memref_ptr(src)) for src in srcs]
         dst_ptr = mgpu_utils.memref_ptr(dst)
-        for r in range(0, ROWS, step):
-            row = arith.addi(first, c32(r))
-            index = llvm.load(i32, mgpu_utils.getelementptr(idx_ptr, [row], i32))
+        rows = [arith.addi(first, c32(r)) for r in range(0, ROWS, step)]
+        # every index loaded before the first copy: a copy's shared-memory writes could alias an index in shared
+        # memory, so a load after it would wait for it (a load's latency a copy)
+        indices = [llvm.load(i32, mgpu_utils.getelementptr(idx_ptr, [row], i32)) for row in rows]
+        for row, index in zip(rows, indices):
             valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, index, c32(0)),
                                arith.cmpi(arith.CmpIPredicate.slt, index, c32(bases[-1])))
             # the source the row lives in and its row there; outside them, row 0 of the first (nothing is read)

@@ -122,7 +122,6 @@ class SparseAttnConfig:
     below ``mgpu_min_tokens`` tokens. On the H200 (thirty-first session; 640 rows x 512, 64 heads, the model's
     window + pool sources) it took batch 64 in 41.2 us against 53.1 (23.7 % of the gathered-bytes floor) and 256 in
     96.6 against 147.3 (40.4 %), and lost at batch 1 (27.1 against 22.4 us).
-    ``mgpu_split_scores``: its ``split_scores`` variant (each warpgroup the scores of its own K-half).
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
@@ -137,7 +136,6 @@ class SparseAttnConfig:
     num_stages: int | None = None
     engine: str = "mgpu"
     mgpu_min_tokens: int = 64
-    mgpu_split_scores: bool = False
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -282,8 +280,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     splits = _num_splits(config, t * groups, blocks)
     interpret = interpret_mode(interpret)
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
-        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
-                                                 split_scores=config.mgpu_split_scores)
+        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

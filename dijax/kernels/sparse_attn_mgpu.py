@@ -70,7 +70,11 @@ from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 HEADS = 64  # heads a CTA: wgmma's M (ROWS, the rows a block, is the reference's block and the scores' wgmma N)
 MAX_PART = 256  # output dims a warpgroup: a 64 x 256 fp32 accumulator is 128 registers a thread (and wgmma's N)
 SLOTS = 2
+# index blocks in shared memory: b - 1's (free once block b's meeting is passed), b's (its mask) and b + 1's (its
+# gather); block b + 2's is copied by TMA while block b runs
+IDX_SLOTS = 3
 MAX_SOURCES = 3
+GATHER_FIRST = True
 
 
 def shape_error(h: int, k: int, n_sources: int) -> str | None:
@@ -94,7 +98,7 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
-                     softmax_scale: float, *, splits: int = 1, split_scores: bool = False,
+                     softmax_scale: float, *, splits: int = 1,
                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits, their merge in XLA.
@@ -102,9 +106,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
     [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
     one CTA each. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded with zero queries.
-    ``split_scores`` (two warpgroups): each warpgroup computes the scores over its own K-part only and the two
-    parts are added through shared memory (32 KB more of it, one more meeting a block), instead of each computing
-    the whole tile: half the score products and their shared-memory reads, for a variant to time. ``interpret``:
+    ``interpret``:
     run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default parameters or the
     ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector). -> bf16 [T, H, K].
     """
@@ -126,14 +128,14 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
         gathered = (jnp.where(((idx_TL >= 0) & (idx_TL < rows))[..., None], rows_TLK, 0).astype(jnp.bfloat16),)
     sink_H = jnp.pad(sink_H.astype(jnp.float32), (0, heads - h))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
-                scale=float(np.float32(softmax_scale)), split_scores=split_scores, interpret=interpret)
+                scale=float(np.float32(softmax_scale)), interpret=interpret)
     if splits == 1:
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "split_scores", "interpret"))
-def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, split_scores: bool,
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "interpret"))
+def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float,
           interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
@@ -155,15 +157,25 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         wg = lax.axis_index("wg")
         start = ti * list_len + si * split_len  # this split's first index in idx_X
 
-        def fetch(b, slot, kv_smem):
-            """Start block b's row copies into ``slot`` (interpret mode: each warpgroup stores its K-part of the
-            gathered rows at once, the threads' copies done early)."""
+        def load_indices(b, idx_smem, idx_bar):
+            """Start the TMA copy of block b's indices into their slot (by warpgroup 0; nothing past the list)."""
+            @pl.when((wg == 0) & (b < blocks))
+            def _():
+                slot = lax.rem(b, IDX_SLOTS)
+                plgpu.copy_gmem_to_smem(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], idx_smem.at[slot],
+                                        idx_bar.at[slot])
+
+        def fetch(b, slot, kv_smem, idx_smem, idx_bar):
+            """Wait for block b's indices, then start its row copies into ``slot`` (interpret mode: each warpgroup
+            stores its K-part of the gathered rows at once, the threads' copies done early)."""
+            idx_slot = lax.rem(b, IDX_SLOTS)
+            plgpu.barrier_wait(idx_bar.at[idx_slot])
             if interpret:
                 rows = pl.ds(si * split_len + b * ROWS, ROWS)
                 kv_smem.at[slot, wg][...] = gathered_gmem.at[ti, rows, pl.ds(wg * half, half)][...]
             else:
-                row_gather.gather_rows(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], *src_gmems, kv_smem.at[slot],
-                                       sizes=sizes, threads=wgs * WARPGROUP)
+                row_gather.gather_rows(idx_smem.at[idx_slot], *src_gmems, kv_smem.at[slot], sizes=sizes,
+                                       threads=wgs * WARPGROUP)
 
         def landed(cta_bar):
             """The block's one meeting: every thread's copies of it are in shared memory, seen by wgmma (each
@@ -173,13 +185,16 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
             _cta_sync(cta_bar)
 
-        def walk(q_smem, kv_smem, p_smem, s_smem, q_bar, cta_bar):
+        def walk(q_smem, kv_smem, idx_smem, p_smem, q_bar, idx_bar, cta_bar):
+            load_indices(0, idx_smem, idx_bar)
+            load_indices(1, idx_smem, idx_bar)
+
             @pl.when(wg == 0)
             def _():
                 for part in range(wgs):
                     plgpu.copy_gmem_to_smem(q_gmem.at[ti, pl.ds(gi * HEADS, HEADS), pl.ds(part * half, half)],
                                             q_smem.at[part], q_bar)
-            fetch(0, 0, kv_smem)
+            fetch(0, 0, kv_smem, idx_smem, idx_bar)
             row_gather.commit_group(interpret)
             plgpu.barrier_wait(q_bar)
 
@@ -187,26 +202,26 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 acc, max_h, den_h = carry
                 slot = lax.rem(b, SLOTS)
                 landed(cta_bar)
-                # the block's mask indices, loaded before the products so that their latency hides under them
-                idx = plgpu.load(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], layout=COL_LAYOUT, optimized=False)
+                load_indices(b + 2, idx_smem, idx_bar)  # into block b - 1's slot, which every thread is done with
+                if GATHER_FIRST:
+                    @pl.when(b + 1 < blocks)
+                    def _():
+                        fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
+                    row_gather.commit_group(interpret)
+                idx = plgpu.load(idx_smem.at[lax.rem(b, IDX_SLOTS)], layout=COL_LAYOUT, optimized=False)
 
-                def scores(s_ref, parts):
-                    for part in parts:
+                def scores(s_ref):  # every warpgroup the whole score tile
+                    for part in range(wgs):
                         plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
 
-                    @pl.when(b + 1 < blocks)  # the next block's gather (index loads, then copies) under the products
-                    def _():
-                        fetch(b + 1, 1 - slot, kv_smem)
-                    row_gather.commit_group(interpret)
+                    if not GATHER_FIRST:
+                        @pl.when(b + 1 < blocks)  # the next block's gather under the products
+                        def _():
+                            fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
+                        row_gather.commit_group(interpret)
                     return s_ref[...]
 
-                if s_smem is None:  # every warpgroup the whole score tile
-                    s = pl.run_scoped(lambda s_ref: scores(s_ref, range(wgs)), plgpu.ACC((HEADS, ROWS), jnp.float32))
-                else:  # each its K-part's, the parts added through shared memory
-                    own = pl.run_scoped(lambda s_ref: scores(s_ref, [wg]), plgpu.ACC((HEADS, ROWS), jnp.float32))
-                    s_smem.at[wg][...] = own
-                    _cta_sync(cta_bar)
-                    s = own + plgpu.load(s_smem.at[1 - wg], layout=plgpu.Layout.WGMMA)
+                s = pl.run_scoped(scores, plgpu.ACC((HEADS, ROWS), jnp.float32))
                 valid = lax.broadcast_in_dim(idx >= 0, (HEADS, ROWS), [1])
                 s = jnp.where(valid, s, -jnp.inf) * np.float32(scale)
                 new_max = jnp.maximum(max_h, s.max(axis=1))
@@ -244,9 +259,10 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             walk,
             q_smem=plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16, transforms=TILED),
             kv_smem=plgpu.SMEM((SLOTS, wgs, ROWS, half), jnp.bfloat16, transforms=TILED),
+            idx_smem=plgpu.SMEM((IDX_SLOTS, ROWS), jnp.int32),
             p_smem=(plgpu.SMEM((wgs, HEADS, ROWS), jnp.bfloat16, transforms=TILED) if interpret else None),
-            s_smem=plgpu.SMEM((wgs, HEADS, ROWS), jnp.float32) if split_scores and wgs > 1 else None,
             q_bar=plgpu.Barrier(num_arrivals=wgs),  # a copy a K-half
+            idx_bar=plgpu.Barrier(num_barriers=IDX_SLOTS),
             cta_bar=plgpu.Barrier(num_arrivals=wgs),
             collective_axes="wg")
 
