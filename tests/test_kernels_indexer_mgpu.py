@@ -44,6 +44,14 @@ def test_ragged_sequences(heads, dim, blocks):
     check(seq, rng.integers(0, 150, 30), 130, heads=heads, dim=dim, blocks=blocks, seed=heads)
 
 
+def test_slots_refilled_over_a_long_chunk():
+    # 10 blocks a chunk: each warpgroup walks 5 blocks through its im.SLOTS key slots, so slots are refilled while
+    # later gathers are in flight (the race detector checks the refill order); positions seen up to 700 of 640 + 60
+    assert 10 // im.WARPGROUPS > im.SLOTS
+    rng = np.random.default_rng(5)
+    check(np.sort(rng.integers(0, 2, 12)), rng.integers(300, 720, 12), 700, heads=8, dim=64, blocks=10, seed=5)
+
+
 def test_tiles():
     # an engine step's order: one chunk a sequence, end to end, then padding tokens of sequence row 0 (5 runs)
     seq = np.array([1] * 11 + [2] * 3 + [0] * 17 + [3] + [0] * 2, np.int32)
