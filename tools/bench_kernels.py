@@ -261,8 +261,8 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
                     ("pallas 1 source 1 stage", triton(num_stages=1)),
                     ("pallas window + pool 1 stage", triton(num_stages=1))]
     configs += [("pallas window + pool", triton())]
-    if sparse_attn_mgpu.available():  # the Mosaic GPU kernel at every batch (by default it starts at 64 tokens)
-        mgpu = functools.partial(sa.SparseAttnConfig, engine="mgpu", mgpu_min_tokens=1)
+    if sparse_attn_mgpu.available():  # the Mosaic GPU kernel (the default on such a GPU)
+        mgpu = functools.partial(sa.SparseAttnConfig, engine="mgpu")
         configs += [("mgpu", mgpu()), ("mgpu window + pool", mgpu())]
         if sweep:
             configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 5)]

@@ -446,11 +446,12 @@ case "$stage" in
     fi ;;
   mgpu-ab)
     # (~550 s) a sparse-attention / indexer kernel change against ab-base (export it as for `ab`): the two kernels'
-    # GPU tests and GPU parity with sparse attention on Mosaic GPU at every step (mgpu_min_tokens=1), side by side;
+    # GPU tests and GPU parity (sparse attention on Mosaic GPU at every step, the default since the forty-seventh
+    # session), side by side;
     # then their Mosaic GPU rows by GPU kernel time, ab-base's tree, then this one's
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    tree_with every sparse_attn "    mgpu_min_tokens: int = 64" "    mgpu_min_tokens: int = 1"
-    checks_with $sub/tree-every 270 tests/gpu/test_attention_gpu.py tests/gpu/test_indexer_gpu.py
+    rm -rf $sub; mkdir -p $sub
+    checks_with . 270 tests/gpu/test_attention_gpu.py tests/gpu/test_indexer_gpu.py
     for tree in ab-base .; do
       (cd $tree && run 140 python3 tools/bench_kernels.py --only sparse_attn,indexer --rows mgpu --sweep --timing device \
         --iters 10 --repeats 3)

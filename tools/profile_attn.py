@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.batches) < 1:
         parser.error(f"batches must be >= 1, got {args.batches}")
-    config = sa.SparseAttnConfig(**{"mgpu_min_tokens": 1, **ast.literal_eval(args.config)})
+    config = sa.SparseAttnConfig(**ast.literal_eval(args.config))
     for batch in args.batches:
         (ring, new, pool), sink, [q], [idx] = sparse_attn_inputs(batch, window=args.window)
         first = jnp.full((batch,), args.window, jnp.int32)

@@ -14,11 +14,12 @@ block serves them all, as wgmma's A operand (64 positions, swapped so that the t
   * the reference's rounding chain in registers: bf16, ReLU, times the head weight, bf16;
   * the head sum as a second product: that bf16 tile (registers) x a 0/1 matrix [8 I, 8] that adds each token's I
     columns -> fp32 [64, 8], one column a token; then bf16, and a zero made +0.0;
-  * two compute warpgroups take alternate blocks of the CTA's positions, each with its own ``SLOTS`` key slots (the
-    next ``SLOTS`` - 1 blocks' gathers in flight during this one's products: a block is 16 KB, and with one in
-    flight a multiprocessor's share of the bandwidth waited on each gather's latency), so neither waits for the
-    other; a block's scores are issued before a later block's gather (its index loads, then copies), so that the
-    index loads' latency lies under the products rather than before them (thirty-fourth session).
+  * two compute warpgroups take alternate blocks of the CTA's positions, each with its own two key slots (the next
+    block's gather in flight during this one's products), so neither waits for the other; a block's scores are
+    issued before the next block's gather (its index loads, then copies), so that the index loads' latency lies
+    under the products rather than before them (thirty-fourth session). Four slots a warpgroup (three blocks'
+    gathers in flight) did not pay: 403.8 against 405.5 us at prefill 8192 x 2048 on an H100 (forty-seventh
+    session), so the gathers' latency is not what bounds it.
 Each tile writes its own [P, 8] columns (``out_IPG``); the scores [T, P] are picked from them in XLA, where the
 -inf mask (p >= visible_T[t]) is applied, so the kernel skips every chunk of positions no token of its tile sees.
 
@@ -52,7 +53,7 @@ from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 
 TOKENS = 8  # tokens a tile: the head sum's wgmma N
 WARPGROUPS = 2  # compute warpgroups, alternate blocks of positions
-SLOTS = 4  # key slots a warpgroup: block jb's, and the next SLOTS - 1 blocks' gathers in flight
+SLOTS = 2  # key slots a warpgroup
 MAX_N = 256  # wgmma's N: TOKENS x heads
 
 
@@ -164,25 +165,23 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
             w_col = plgpu.load(w_gmem.at[pl.ds(first * heads, n)], layout=COL_LAYOUT, optimized=False)
             w_col = lax.broadcast_in_dim(w_col.astype(jnp.float32), (ROWS, n), [1])
             mine = (blocks - wg + WARPGROUPS - 1) // WARPGROUPS  # this warpgroup's blocks: wg, wg + 2, ...
-            for ahead in range(SLOTS - 1):  # one group of copies a block, empty past this warpgroup's blocks
-                @pl.when(ahead < mine)  # (with one block a chunk, the second warpgroup has none)
-                def _():
-                    fetch(ahead, k_smem)
-                row_gather.commit_group(interpret)
+            @pl.when(mine > 0)  # (with one block a chunk, the second warpgroup has none)
+            def _():
+                fetch(0, k_smem)
+            row_gather.commit_group(interpret)
             plgpu.barrier_wait(bar)
 
             def block(jb, _):
-                # this thread's copies of block jb (blocks jb + 1 ... jb + SLOTS - 2 may stay in flight)
-                row_gather.wait_group(SLOTS - 2, interpret)
+                row_gather.wait_group(0, interpret)  # this thread's copies of block jb (the only ones in flight)
                 plgpu.commit_smem()  # the warpgroup's copies, seen by wgmma; the warpgroup done with block jb - 1
                 slot = lax.rem(jb, SLOTS)
 
                 def scores(s_ref):
                     plgpu.wgmma(s_ref, k_smem.at[wg, slot], q_smem.T)
 
-                    @pl.when(jb + SLOTS - 1 < mine)  # a later block's gather into block jb - 1's slot, under the
-                    def _():  # products (its index loads' latency too)
-                        fetch(jb + SLOTS - 1, k_smem)
+                    @pl.when(jb + 1 < mine)  # the next block's gather (index loads, then copies) under the products
+                    def _():
+                        fetch(jb + 1, k_smem)
                     row_gather.commit_group(interpret)
                     return s_ref[...]
 

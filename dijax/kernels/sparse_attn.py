@@ -119,9 +119,12 @@ class SparseAttnConfig:
     ``cp.async`` into wgmma's shared-memory layout, one or two warpgroups each its part of the output dims, block
     b + 1's gathers in flight during block b's products; the same splits). 'mgpu' falls back to 'triton' off a
     compute-capability-9 GPU, when interpreted, for shapes it does not take (``sparse_attn_mgpu.shape_error``), and
-    below ``mgpu_min_tokens`` tokens. On the H200 (thirty-first session; 640 rows x 512, 64 heads, the model's
-    window + pool sources) it took batch 64 in 41.2 us against 53.1 (23.7 % of the gathered-bytes floor) and 256 in
-    96.6 against 147.3 (40.4 %), and lost at batch 1 (27.1 against 22.4 us).
+    below ``mgpu_min_tokens`` tokens. By GPU kernel time on an H100 (forty-seventh session; 640 rows x 512, 64
+    heads, the model's window + pool sources) it takes batch 1 / 64 / 256 in 10.0 / 38.3 / 81.9 us against the
+    Triton kernel's 12.6 / 54.3 / 143.5, so it runs from one token on. (The thirty-first session had set 64 from
+    wall time, 27.1 against 22.4 us at batch 1, which counts the standalone call's dispatch; in a step, flash-slice
+    decode ran 2.56 ms back to back at batch 1 against 2.58 with the Triton kernel there, and 7.94 against 7.92 at
+    batch 16.)
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
@@ -135,7 +138,7 @@ class SparseAttnConfig:
     num_warps: int = 8
     num_stages: int | None = None
     engine: str = "mgpu"
-    mgpu_min_tokens: int = 64
+    mgpu_min_tokens: int = 1
 
     def __post_init__(self):
         if self.engine not in ENGINES:

@@ -3,10 +3,11 @@
 Status (thirty-first session, on the H200): its GPU tests pass (the first run found a row past the second source
 read from the wrong one: ``row_gather.locate`` now, tested on the CPU). GPU parity with it as the engine at every
 step: tiny-nodrop's statistics within 2e-5 of the Triton kernel's, tokens and index sets the same; tiny's tier 2
-0.669 (>= 0.6). At 640 rows x 512 and 64 heads it takes batch 64
-in 41.2 us against the Triton kernel's 53.1 (23.7 % of the gathered-bytes floor) and 256 in 96.6 against 147.3
-(40.4 %); at batch 1 it loses (27.1 against 22.4 us). ``sparse_attn.SparseAttnConfig`` runs it from
-``mgpu_min_tokens`` (64) tokens on, by default.
+0.669 (>= 0.6). At 640 rows x 512 and 64 heads it took batch 64 in 41.2 us against the Triton kernel's 53.1 (23.7 %
+of the gathered-bytes floor) and 256 in 96.6 against 147.3 (40.4 %). Since the forty-seventh session the indices
+come from shared memory (below): GPU kernel time on an H100, the model's window + pool layout, 10.0 / 38.3 / 81.9 us
+at batch 1 / 64 / 256 against the Triton kernel's 12.6 / 54.3 / 143.5 (36.5 % / 68.3 % of the H100's bytes floor at
+64 / 256), so ``sparse_attn.SparseAttnConfig`` runs it at every token count (``mgpu_min_tokens`` 1).
 
 Why: at decode the Triton kernel (``sparse_attn``) runs at 18-28 % of its gathered-bytes floor (docs/benchmarks.md,
 twenty-sixth session; issue 13 asks 70 %). It holds one program a multiprocessor, its 64 x 512 fp32 accumulator in
@@ -20,10 +21,15 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     of a swizzled tile, but an address computed per thread can (``row_gather``);
   * two row slots: block b + 1's copies are in flight while block b's products run. A 64 x 512 row block is 64 KB;
     q (64 KB) and the two slots fill 192 KB of shared memory, one CTA a multiprocessor;
-  * a block's order: one meeting (its rows landed, the block before done with), its mask indices' load, the score
-    products issued, then the next block's gather (its index loads and copies) issued while they run, so that no
-    load's latency lies on the block's path (the thirty-second session's SASS had the next block's index loads
-    and copies, then a second meeting, before the products, and the mask indices' load after them);
+  * each block's 64 indices are copied by TMA into shared memory two blocks ahead (``IDX_SLOTS``: block b - 1's
+    slot, free once block b's meeting has passed, takes block b + 2's), so a block's gather reads its row indices
+    from shared memory instead of waiting a global load's latency before its first copy;
+  * a block's order: one meeting (its rows landed, the block before done with), block b + 2's index copy started,
+    then the next block's gather (16 index reads from shared memory, then 16 copies a thread), so that its copies
+    are in flight during all of this block's work; then its mask indices, the score products, the softmax and the
+    PV product. On an H100 (forty-seventh session, GPU kernel time) this took batch 256 from 88.5 to 81.9 us and
+    64 from 40.8 to 38.3; the same index slots with the gather after the score products (the thirty-fourth
+    session's order, which hid the global index loads under the products) gave 84.0 and 40.0;
   * an index of -1 copies nothing (``cp.async``'s source size 0 fills the row with zeros) and its score is masked;
   * with one split the kernel adds the sink, divides and writes the bf16 output; several splits of a list
     (flash-decoding) write fp32 partial sums, merged in XLA with the sink (``flash_merge``), as the Triton kernel's.
@@ -74,7 +80,6 @@ SLOTS = 2
 # gather); block b + 2's is copied by TMA while block b runs
 IDX_SLOTS = 3
 MAX_SOURCES = 3
-GATHER_FIRST = True
 
 
 def shape_error(h: int, k: int, n_sources: int) -> str | None:
@@ -203,22 +208,16 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 slot = lax.rem(b, SLOTS)
                 landed(cta_bar)
                 load_indices(b + 2, idx_smem, idx_bar)  # into block b - 1's slot, which every thread is done with
-                if GATHER_FIRST:
-                    @pl.when(b + 1 < blocks)
-                    def _():
-                        fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
-                    row_gather.commit_group(interpret)
+
+                @pl.when(b + 1 < blocks)  # the next block's gather, in flight during all of this block's work
+                def _():
+                    fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
+                row_gather.commit_group(interpret)
                 idx = plgpu.load(idx_smem.at[lax.rem(b, IDX_SLOTS)], layout=COL_LAYOUT, optimized=False)
 
                 def scores(s_ref):  # every warpgroup the whole score tile
                     for part in range(wgs):
                         plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
-
-                    if not GATHER_FIRST:
-                        @pl.when(b + 1 < blocks)  # the next block's gather under the products
-                        def _():
-                            fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
-                        row_gather.commit_group(interpret)
                     return s_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((HEADS, ROWS), jnp.float32))
