@@ -777,10 +777,10 @@ def mixes_rows(tokens=(1, 16, 64), widths=(1024, 20480), c: int = 4, rounds: int
                calls: int = 14, rtol: float = 1e-4, **timing) -> list[dict]:
     """A hyper-connection's mixes at the tiny model's stream width (C * D = 1024) and flash-slice's (20480): XLA's
     projection and sums of squares with the split kernel (``hc.mixes``' split path, the RMS factor in the kernel's
-    prologue: what ``SinkhornConfig`` leaves outside its range) against ``mixes_pallas``' two launches. One jitted call runs
-    ``calls`` of them on one token block, each with its own weight (a step's 14 hyper-connections at flash-slice's
-    7 layers). A row further than ``rtol`` (tests' MIXES_RTOL) from the XLA path is marked MISMATCH. Floor: the
-    streams and the weight read once."""
+    prologue: what ``SinkhornConfig`` leaves outside its range) against ``mixes_pallas``' two launches. One jitted
+    call runs ``calls`` of them on one token block, each with its own weight (a step's 14 hyper-connections at
+    flash-slice's 7 layers). A row further than ``rtol`` (tests' MIXES_RTOL) from the XLA path is marked MISMATCH.
+    Floor: the streams and the weight read once."""
     from dijax.kernels import sinkhorn as sk
 
     out = []

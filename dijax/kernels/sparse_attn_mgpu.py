@@ -15,7 +15,8 @@ one program's registers, and its row gathers do not overlap its products. Here, 
   * a CTA is one (token, split of its list, group of 64 heads) with one compute warpgroup up to K = 256 and two
     above (``warpgroups``); each warpgroup owns its part of the K output dims (a 64 x K/2 fp32 accumulator, 128
     registers a thread at K = 512), and each computes the whole 64 x 64 score tile (at two warpgroups its FLOPs are
-    a third of a block's; the duplicate keeps the warpgroups independent);
+    a third of a block's; the duplicate keeps the warpgroups independent: each warpgroup its own K-half's scores,
+    added through shared memory behind one more meeting, was measured twice and never paid, so it is gone);
   * the rows are gathered by the warpgroups' threads themselves with ``cp.async`` (16 bytes a copy), straight into
     wgmma's 128-byte-swizzled shared-memory layout: Mosaic GPU has no gather and a TMA copy cannot address one row
     of a swizzled tile, but an address computed per thread can (``row_gather``);
@@ -111,9 +112,9 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
     [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
     one CTA each. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded with zero queries.
-    ``interpret``:
-    run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default parameters or the
-    ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector). -> bf16 [T, H, K].
+    ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default
+    parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector).
+    -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
     error = shape_error(h, k, len(kv_sources))
