@@ -231,6 +231,13 @@ def sparse_attn_inputs(batch: int, window: int = 128, topk: int = 512, heads: in
     return (ring, new, pool), sink, qs, idxs
 
 
+def window_and_pool(sources: tuple[jax.Array, ...], window: int) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """``sparse_attn_inputs``' three sources in the model's layout (``attention.attend_lists``): the ring and new
+    rows as one source, the pool as the second from lane ``window`` -> ((window rows, pool), first_T int32 [B])."""
+    ring, new, pool = sources
+    return (jnp.concatenate([ring, new]), pool), jnp.full((new.shape[0],), window, jnp.int32)
+
+
 def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, heads: int = 64, dim: int = 512,
                      pool_rows_per_seq: int = 4096, sweep: bool = False, reps: int = 4, names: tuple[str, ...] = (),
                      **timing) -> list[dict]:
@@ -282,7 +289,7 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
             if "1 source" in name:
                 srcs = (jnp.concatenate(sources),)
             elif "window + pool" in name:
-                srcs, first = (jnp.concatenate(sources[:2]), sources[2]), jnp.full((batch,), window, jnp.int32)
+                srcs, first = window_and_pool(sources, window)
             try:
                 fn = repeated(lambda x, q, i, c=config, f=first: sa.sparse_attn_pallas(q, x[0], i, x[1], scale,
                                                                                         config=c, first_T=f))

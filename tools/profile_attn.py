@@ -20,10 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dijax  # noqa: E402,F401  (sets XLA flags before JAX starts)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from dijax.kernels import sparse_attn as sa  # noqa: E402
-from tools.bench_kernels import sparse_attn_inputs  # noqa: E402
+from tools.bench_kernels import sparse_attn_inputs, window_and_pool  # noqa: E402
 
 
 def main() -> None:
@@ -36,11 +35,11 @@ def main() -> None:
         parser.error(f"batches must be >= 1, got {args.batches}")
     config = sa.SparseAttnConfig(**ast.literal_eval(args.config))
     for batch in args.batches:
-        (ring, new, pool), sink, [q], [idx] = sparse_attn_inputs(batch, window=args.window)
-        first = jnp.full((batch,), args.window, jnp.int32)
-        fn = jax.jit(lambda q, w, p, i, s: sa.sparse_attn_pallas(q, (w, p), i, s, q.shape[-1] ** -0.5,
-                                                                 config=config, first_T=first))
-        fn(q, jnp.concatenate([ring, new]), pool, idx, sink).block_until_ready()
+        sources, sink, [q], [idx] = sparse_attn_inputs(batch, window=args.window)
+        srcs, first = window_and_pool(sources, args.window)
+        fn = jax.jit(lambda q, srcs, i, s, f: sa.sparse_attn_pallas(q, srcs, i, s, q.shape[-1] ** -0.5,
+                                                                    config=config, first_T=f))
+        fn(q, srcs, idx, sink, first).block_until_ready()
         print(f"sparse attention: B={batch}, {idx.shape[1]} rows x {q.shape[-1]}, {q.shape[1]} heads")
     print(config)
 
