@@ -272,7 +272,7 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         mgpu = functools.partial(sa.SparseAttnConfig, engine="mgpu")
         configs += [("mgpu", mgpu()), ("mgpu window + pool", mgpu())]
         if sweep:
-            configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 5)]
+            configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 4, 5, 8)]
     configs = kept(configs, names)
     scale = dim ** -0.5
     out = []
@@ -1008,7 +1008,7 @@ def main() -> None:
                     help="wall: wall time of back-to-back calls; device: their GPU kernel time from a profiler trace "
                          "(a GPU only)")
     ap.add_argument("--tokens", help="routed_experts and fp8_linear: comma-separated token counts (default "
-                                     "1,16,64,256,1024)")
+                                     "1,16,64,256,1024); sparse_attn: its decode batches (default 1,64,256)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="routed_experts and fp8_linear: one more KernelConfig change to time (repeatable), e.g. "
                          "gemm_cols=64 or cols=32")
@@ -1045,6 +1045,8 @@ def main() -> None:
                 extra["tokens"] = tuple(int(t) for t in args.tokens.split(","))
         if name in ("sparse_attn", "indexer"):
             extra["names"] = tuple(n for n in args.rows.split(",") if n)
+        if name == "sparse_attn" and args.tokens:  # a decode step's tokens are its batch
+            extra["batches"] = tuple(int(t) for t in args.tokens.split(","))
         if name == "fp8_linear":
             extra["linears"] = tuple(n.strip() for n in args.linears.split(",") if n.strip())
             extra["quantised"] = args.quantised

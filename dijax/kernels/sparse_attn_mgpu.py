@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dijax.kernels import flash_merge, row_gather
+from dijax.kernels import cluster, flash_merge, row_gather
 from dijax.kernels.fp4_wgmma import COL_LAYOUT, ROW_LAYOUT, available
 from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 
@@ -81,6 +81,9 @@ SLOTS = 2
 # gather); block b + 2's is copied by TMA while block b runs
 IDX_SLOTS = 3
 MAX_SOURCES = 3
+# splits merged in the kernel, across a cluster of CTAs (each writes its 1 / S of every warpgroup's output dims); a
+# cluster holds at most 8 CTAs, and a slice must stay a whole number of 8-column WGMMA tiles
+CLUSTER_SPLITS = (2, 4, 8)
 
 
 def shape_error(h: int, k: int, n_sources: int) -> str | None:
@@ -92,6 +95,12 @@ def shape_error(h: int, k: int, n_sources: int) -> str | None:
     if h > HEADS and h % HEADS:
         return f"sparse_attn_mgpu: H must be at most {HEADS} or a multiple of it, got {h}"
     return None
+
+
+def merges_in_cluster(splits: int, interpret: bool | plgpu.InterpretGPUParams) -> bool:
+    """Whether ``splits`` splits of a list are merged in the kernel, across a cluster (module docstring); the
+    interpreter has no distributed shared memory, so there they go through XLA (``flash_merge``)."""
+    return not interpret and splits in CLUSTER_SPLITS
 
 
 def warpgroups(k: int) -> int:
@@ -135,7 +144,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     sink_H = jnp.pad(sink_H.astype(jnp.float32), (0, heads - h))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), interpret=interpret)
-    if splits == 1:
+    if splits == 1 or merges_in_cluster(splits, interpret):
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
@@ -153,6 +162,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     wgs = warpgroups(k)
     half = k // wgs  # a warpgroup's part of the output dims
     blocks = split_len // ROWS
+    in_cluster = splits > 1 and merges_in_cluster(splits, interpret)
     sizes = tuple(src.shape[0] for src in sources)
     n_src = len(sources)
 
@@ -292,19 +302,58 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[ti, rows, cols])
             plgpu.wait_smem_to_gmem(0)
 
+        def merge_in_cluster(o_smem, max_smem, den_smem, out_smem):
+            """Each CTA's partials into its own shared memory (``cluster``: o as S tiles of its warpgroup's output
+            dims); after the cluster's meeting, CTA s reads tile s of every CTA (in split order), merges them as
+            ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims."""
+            [out_gmem] = refs
+            cluster.store_tiles(acc, o_smem.at[wg])
+
+            @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
+            def _():
+                max_smem[...] = max_h
+                den_smem[...] = den_h
+            cluster.sync()
+            width = half // splits
+            maxes = [plgpu.load(plgpu.cluster_ref(max_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
+                     for p in range(splits)]
+            running = functools.reduce(jnp.maximum, maxes)
+            sink_h = plgpu.load(sink_gmem.at[rows], layout=ROW_LAYOUT, optimized=False)
+            den = jnp.exp(sink_h - running)
+            merged = None
+            for p, max_p in enumerate(maxes):
+                weight = jnp.exp(max_p - running)
+                part = cluster.load_peer_tile(o_smem.at[wg], p) * lax.broadcast_in_dim(weight, (HEADS, width), [0])
+                merged = part if merged is None else merged + part
+                den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
+                den = den + den_p * weight
+            out_smem.at[wg][...] = (merged / lax.broadcast_in_dim(den, merged.shape, [0])).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[ti, rows, pl.ds(wg * half + si * width, width)])
+            plgpu.wait_smem_to_gmem(0)
+            cluster.sync()  # no CTA leaves while another still reads its shared memory
+
         if splits == 1:
             pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16), collective_axes="wg")
+        elif in_cluster:
+            pl.run_scoped(merge_in_cluster, o_smem=plgpu.SMEM((wgs, splits, HEADS, half // splits), jnp.float32),
+                          max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
+                          out_smem=plgpu.SMEM((wgs, HEADS, half // splits), jnp.bfloat16), collective_axes="wg")
         else:
             pl.run_scoped(store_partials, o_smem=plgpu.SMEM((wgs, HEADS, half), jnp.float32),
                           stats_smem=plgpu.SMEM((2, HEADS), jnp.float32), collective_axes="wg")
 
-    out_type = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16) if splits == 1 else
+    out_type = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16) if splits == 1 or in_cluster else
                 (jax.ShapeDtypeStruct((t, splits, h, k), jnp.float32),
                  jax.ShapeDtypeStruct((t, splits, h), jnp.float32), jax.ShapeDtypeStruct((t, splits, h), jnp.float32)))
     run = plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(t, splits, h // HEADS), grid_names=("t", "s", "g"), num_threads=wgs, thread_name="wg",
+        # in a cluster, the splits are its CTAs ("s" their index in it)
+        grid=(t, h // HEADS) if in_cluster else (t, splits, h // HEADS),
+        grid_names=("t", "g") if in_cluster else ("t", "s", "g"),
+        cluster=(splits,) if in_cluster else (), cluster_names=("s",) if in_cluster else (),
+        num_threads=wgs, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
@@ -314,3 +363,4 @@ def _cta_sync(cta_bar) -> None:
     """The CTA's compute warpgroups meet (an mbarrier of one arrival a warpgroup)."""
     plgpu.barrier_arrive(cta_bar)
     plgpu.barrier_wait(cta_bar)
+

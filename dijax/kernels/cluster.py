@@ -1,0 +1,71 @@
+"""The CTAs of a thread-block cluster (sm_90) in Mosaic GPU: their meeting, and WGMMA-layout tiles that one CTA
+writes to its own shared memory and another reads (distributed shared memory).
+
+A kernel launched with ``plgpu.kernel(cluster=(n,), cluster_names=(name,))`` runs its CTAs in groups of n on
+neighbouring multiprocessors, each able to read the others' shared memory. The tiles here are laid out [S, R, W]:
+tile s holds columns [s W, (s + 1) W) of an R x (S W) array, row-major, so that CTA s of the cluster reads tile s of
+every CTA (``load_peer_tile``): each CTA reduces its 1 / S of the columns over all S CTAs, in CTA order.
+
+Why raw pointers: ``plgpu.cluster_ref`` maps a reference to a peer's shared memory, but in jax 0.11.2 its Warpgroup
+lowering fails on any reference at a nonzero offset (the mapped memref drops the offset its type still carries), so
+only whole allocations can be read that way (a kernel's [R] row statistics: ``plgpu.load(plgpu.cluster_ref(ref,
+...))``). Here the mapping is done on the raw memrefs in ``inline_mgpu`` (``mosaic.gpu.utils.get_cluster_ref``), and
+the slices are taken after it.
+
+The cluster is one-dimensional (its CTAs along CUDA's x). GPU only: the Mosaic GPU interpreter has no distributed
+shared memory and runs no ``inline_mgpu``. Letters: R rows (a multiple of 64), S tiles (CTAs of the cluster), W
+columns a tile (a multiple of 8).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, gpu, llvm
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+@plgpu.inline_mgpu()
+def sync(ctx) -> None:
+    """Every thread of every CTA of the cluster meets here: each thread's shared-memory writes before it are seen
+    by every thread's reads after it, in any CTA (``barrier.cluster`` arrive with release, wait with acquire). All
+    threads of all CTAs must reach it."""
+    del ctx
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
+                    "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;", "",
+                    has_side_effects=True)
+
+
+def store_tiles(x_RC: jax.Array, tiles_ref) -> None:
+    """Write the fp32 WGMMA-layout array ``x_RC`` (R x S W) into this CTA's ``tiles_ref`` (SMEM fp32 [S, R, W],
+    row-major tiles: module docstring)."""
+    s, r, w = tiles_ref.shape
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(ctx, x, ref):
+        del ctx
+        for tile in range(s):
+            x[:, tile * w:(tile + 1) * w].store_untiled(mgpu_utils.memref_slice(ref, tile), optimized=False)
+
+    store(x_RC, tiles_ref)
+
+
+def load_peer_tile(tiles_ref, peer: int) -> jax.Array:
+    """The tile of CTA ``peer`` (its index in the cluster) that this CTA reduces: tile ``c`` of that CTA's
+    ``tiles_ref`` (SMEM fp32 [S, R, W], written there by ``store_tiles`` before a ``sync``), c this CTA's index.
+    -> fp32 [R, W], WGMMA layout."""
+    s, r, w = tiles_ref.shape
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((r, w), jnp.float32, layout=plgpu.Layout.WGMMA))
+    def load(ctx, ref):
+        del ctx
+        index = ir.IndexType.get()
+        remote = mgpu_utils.get_cluster_ref(ref, gpu.Dimension.x, arith.constant(index, peer), generic=False)
+        tile = mgpu_utils.memref_slice(remote, gpu.cluster_block_id(gpu.Dimension.x))
+        return mgpu.FragmentedArray.load_untiled(tile, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+
+    return load(tiles_ref)
