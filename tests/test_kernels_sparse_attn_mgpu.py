@@ -89,6 +89,15 @@ def test_shape_errors_name_the_field():
         sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 96), 0.1, interpret=True)
 
 
+def test_which_splits_merge_in_a_cluster():
+    # pairs of splits merge in the kernel on the GPU; other counts, and every count in the interpreter (no
+    # distributed shared memory there), go through flash_merge in XLA
+    assert sm.merges_in_cluster(2, interpret=False)
+    assert not any(sm.merges_in_cluster(s, interpret=False) for s in (1, 3, 5, 10))
+    assert not sm.merges_in_cluster(2, interpret=True)
+    assert not sm.merges_in_cluster(2, interpret=plgpu.InterpretGPUParams())
+
+
 def test_engine_is_validated_and_falls_back_off_the_gpu(monkeypatch):
     with pytest.raises(ValueError, match="engine must be one of"):
         sa.SparseAttnConfig(engine="cuda")

@@ -32,8 +32,15 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     64 from 40.8 to 38.3; the same index slots with the gather after the score products (the thirty-fourth
     session's order, which hid the global index loads under the products) gave 84.0 and 40.0;
   * an index of -1 copies nothing (``cp.async``'s source size 0 fills the row with zeros) and its score is masked;
-  * with one split the kernel adds the sink, divides and writes the bf16 output; several splits of a list
-    (flash-decoding) write fp32 partial sums, merged in XLA with the sink (``flash_merge``), as the Triton kernel's.
+  * with one split the kernel adds the sink, divides and writes the bf16 output. Several splits of a list
+    (flash-decoding): with 2, 4 or 8 (``CLUSTER_SPLITS``) a token's splits are one thread-block cluster, and each
+    CTA leaves its fp32 partial sums in its own shared memory; after the cluster's meeting, CTA s reads its 1 / S
+    of every warpgroup's output dims from every CTA's shared memory (``cluster``), merges them in split order with
+    the sink as ``flash_merge.merge_splits`` does, and writes that part of the bf16 output. Before, at batch 64 the
+    two splits' partials (16.8 MB of fp32) went through memory to two XLA fusions, ~11 of 38.3 us on an H100
+    (Nsight Compute, forty-seventh session); on the H200 batch 64 now takes 27.7 us against 31.3 (GPU kernel
+    time, forty-eighth session). Other split counts (and interpret mode, which has no distributed shared memory)
+    write the partials and merge them in XLA (``flash_merge``), as the Triton kernel does.
 
 Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
 online softmax from a running max of -1e30, P cast to bf16 for the PV product, the sink in the denominator only.
@@ -81,9 +88,10 @@ SLOTS = 2
 # gather); block b + 2's is copied by TMA while block b runs
 IDX_SLOTS = 3
 MAX_SOURCES = 3
-# splits merged in the kernel, across a cluster of CTAs (each writes its 1 / S of every warpgroup's output dims); a
-# cluster holds at most 8 CTAs, and a slice must stay a whole number of 8-column WGMMA tiles
-CLUSTER_SPLITS = (2, 4, 8)
+# splits merged in the kernel, across a cluster of CTAs (each writes its 1 / S of every warpgroup's output dims).
+# 4 works too but lost on the H200 (forty-eighth session, GPU kernel time, 640 rows x 512: batch 32 47.3 us with 4
+# splits in clusters of 4 against 27.0 with 3 merged in XLA, batch 1 23.2 against 18.7), so only pairs
+CLUSTER_SPLITS = (2,)
 
 
 def shape_error(h: int, k: int, n_sources: int) -> str | None:

@@ -144,8 +144,8 @@ def test_sparse_attn_pallas_tiny_model_heads():
                                           (1, 8), (3, 4)])
 def test_sparse_attn_mgpu_matches_reference(batch, splits):
     # the Mosaic GPU kernel itself (cp.async row gathers into the swizzled slots), over the three decode sources;
-    # 2, 4 and 8 splits merge in the kernel across a cluster (8 of the 10 blocks' lists leave 3 splits empty), 3
-    # and 5 in XLA
+    # splits in CLUSTER_SPLITS merge in the kernel across a cluster, the others in XLA (8 of the 10 blocks' lists
+    # leave 3 splits empty)
     assert sparse_attn_mgpu.available()
     q, sources, idx, sink = decode_problem(batch, seed=batch + splits)
     scale = DIM ** -0.5
