@@ -93,9 +93,17 @@ def test_which_splits_merge_in_a_cluster():
     # pairs of splits merge in the kernel on the GPU; other counts, and every count in the interpreter (no
     # distributed shared memory there), go through flash_merge in XLA
     assert sm.merges_in_cluster(2, interpret=False)
-    assert not any(sm.merges_in_cluster(s, interpret=False) for s in (1, 3, 5, 10))
+    assert not any(sm.merges_in_cluster(s, interpret=False) for s in (1, 3, 4, 5, 10))
+    assert sm.merges_in_cluster(4, interpret=False, cluster_splits=(2, 4))
+    assert not sm.merges_in_cluster(2, interpret=False, cluster_splits=())
     assert not sm.merges_in_cluster(2, interpret=True)
     assert not sm.merges_in_cluster(2, interpret=plgpu.InterpretGPUParams())
+    # sizes a cluster cannot take are refused by name, in the config and in the kernel's call
+    assert sa.SparseAttnConfig(cluster_splits=[2, 4]).cluster_splits == (2, 4)
+    with pytest.raises(ValueError, match="cluster_splits must hold split counts from"):
+        sa.SparseAttnConfig(cluster_splits=(3,))
+    with pytest.raises(ValueError, match="cluster_splits"):
+        sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 64), 0.1, splits=2, cluster_splits=(16,), interpret=True)
 
 
 def test_engine_is_validated_and_falls_back_off_the_gpu(monkeypatch):

@@ -272,7 +272,10 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
         mgpu = functools.partial(sa.SparseAttnConfig, engine="mgpu")
         configs += [("mgpu", mgpu()), ("mgpu window + pool", mgpu())]
         if sweep:
-            configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 4, 5, 8)]
+            configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 4, 5)]
+            # the in-kernel merge against XLA's: pairs merged in XLA, and 4 splits in clusters of 4
+            configs += [("mgpu 2 splits merged in XLA", mgpu(num_splits=2, cluster_splits=())),
+                        ("mgpu 4 splits in clusters of 4", mgpu(num_splits=4, cluster_splits=(2, 4)))]
     configs = kept(configs, names)
     scale = dim ** -0.5
     out = []

@@ -117,7 +117,8 @@ class SparseAttnConfig:
 
     engine: 'triton' (this module's kernel) or 'mgpu' (dijax.kernels.sparse_attn_mgpu: the rows gathered by
     ``cp.async`` into wgmma's shared-memory layout, one or two warpgroups each its part of the output dims, block
-    b + 1's gathers in flight during block b's products; the same splits). 'mgpu' falls back to 'triton' off a
+    b + 1's gathers in flight during block b's products; the same splits, those in ``cluster_splits`` merged in the
+    kernel across a thread-block cluster, the default pairs only). 'mgpu' falls back to 'triton' off a
     compute-capability-9 GPU, when interpreted, for shapes it does not take (``sparse_attn_mgpu.shape_error``), and
     below ``mgpu_min_tokens`` tokens. By GPU kernel time on an H100 (forty-seventh session; 640 rows x 512, 64
     heads, the model's window + pool sources) it takes batch 1 / 64 / 256 in 10.0 / 38.3 / 81.9 us against the
@@ -139,12 +140,17 @@ class SparseAttnConfig:
     num_stages: int | None = None
     engine: str = "mgpu"
     mgpu_min_tokens: int = 1
+    cluster_splits: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS
 
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"sparse_attn SparseAttnConfig.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.mgpu_min_tokens < 1:
             raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_min_tokens must be >= 1, got {self.mgpu_min_tokens}")
+        object.__setattr__(self, "cluster_splits", tuple(self.cluster_splits))  # hashable: configs are jit statics
+        error = sparse_attn_mgpu.cluster_splits_error(self.cluster_splits)
+        if error:
+            raise ValueError(f"sparse_attn SparseAttnConfig.{error}")
 
 
 CONFIG = SparseAttnConfig()
@@ -283,7 +289,8 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     splits = _num_splits(config, t * groups, blocks)
     interpret = interpret_mode(interpret)
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
-        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits)
+        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
+                                                 cluster_splits=config.cluster_splits)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

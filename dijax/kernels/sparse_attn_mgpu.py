@@ -88,9 +88,11 @@ SLOTS = 2
 # gather); block b + 2's is copied by TMA while block b runs
 IDX_SLOTS = 3
 MAX_SOURCES = 3
-# splits merged in the kernel, across a cluster of CTAs (each writes its 1 / S of every warpgroup's output dims).
-# 4 works too but lost on the H200 (forty-eighth session, GPU kernel time, 640 rows x 512: batch 32 47.3 us with 4
-# splits in clusters of 4 against 27.0 with 3 merged in XLA, batch 1 23.2 against 18.7), so only pairs
+# split counts that can merge in the kernel, across a cluster of CTAs (each writes its 1 / S of every warpgroup's
+# output dims: a cluster holds at most 8 CTAs, and a slice stays a whole number of 8-column WGMMA tiles), and those
+# that do by default: 4 works too but lost on the H200 (forty-eighth session, GPU kernel time, 640 rows x 512: batch
+# 32 47.3 us with 4 splits in clusters of 4 against 27.0 with 3 merged in XLA, batch 1 23.2 against 18.7)
+CLUSTER_SIZES = (2, 4, 8)
 CLUSTER_SPLITS = (2,)
 
 
@@ -105,10 +107,19 @@ def shape_error(h: int, k: int, n_sources: int) -> str | None:
     return None
 
 
-def merges_in_cluster(splits: int, interpret: bool | plgpu.InterpretGPUParams) -> bool:
-    """Whether ``splits`` splits of a list are merged in the kernel, across a cluster (module docstring); the
-    interpreter has no distributed shared memory, so there they go through XLA (``flash_merge``)."""
-    return not interpret and splits in CLUSTER_SPLITS
+def merges_in_cluster(splits: int, interpret: bool | plgpu.InterpretGPUParams,
+                      cluster_splits: tuple[int, ...] = CLUSTER_SPLITS) -> bool:
+    """Whether ``splits`` splits of a list are merged in the kernel, across a cluster (module docstring): when they
+    are one of ``cluster_splits``, not interpreted (the interpreter has no distributed shared memory, so there they
+    go through XLA, ``flash_merge``)."""
+    return not interpret and splits in cluster_splits
+
+
+def cluster_splits_error(cluster_splits: tuple[int, ...]) -> str | None:
+    """Why ``cluster_splits`` cannot be merged across clusters (None when it can)."""
+    if not set(cluster_splits) <= set(CLUSTER_SIZES):
+        return f"cluster_splits must hold split counts from {CLUSTER_SIZES}, got {tuple(cluster_splits)}"
+    return None
 
 
 def warpgroups(k: int) -> int:
@@ -121,20 +132,22 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
-                     softmax_scale: float, *, splits: int = 1,
+                     softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits, their merge in XLA.
 
     q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
     [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
-    one CTA each. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded with zero queries.
+    one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
+    ``CLUSTER_SIZES``), the others in XLA. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded
+    with zero queries.
     ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default
     parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector).
     -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
-    error = shape_error(h, k, len(kv_sources))
+    error = shape_error(h, k, len(kv_sources)) or cluster_splits_error(cluster_splits)
     if error:
         raise ValueError(error)
     heads = -(-h // HEADS) * HEADS
@@ -150,27 +163,27 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
         rows_TLK = jnp.concatenate(kv_sources)[jnp.clip(idx_TL, 0, rows - 1)]
         gathered = (jnp.where(((idx_TL >= 0) & (idx_TL < rows))[..., None], rows_TLK, 0).astype(jnp.bfloat16),)
     sink_H = jnp.pad(sink_H.astype(jnp.float32), (0, heads - h))
+    in_cluster = splits > 1 and merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
-                scale=float(np.float32(softmax_scale)), interpret=interpret)
-    if splits == 1 or merges_in_cluster(splits, interpret):
+                scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, interpret=interpret)
+    if splits == 1 or in_cluster:
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "interpret"))
-def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float,
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "interpret"))
+def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
           interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
-    One: the output itself, bf16 [T, H, K] (the sink added to the denominator and the division in the kernel, as
-    ``flash_merge.merge_splits`` does them: no partials go through memory)."""
+    One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
+    the division in the kernel, as ``flash_merge.merge_splits`` does them: no partials go through memory)."""
     t, h, k = q_THK.shape
     splits = idx_X.shape[0] // t // split_len
     list_len = splits * split_len
     wgs = warpgroups(k)
     half = k // wgs  # a warpgroup's part of the output dims
     blocks = split_len // ROWS
-    in_cluster = splits > 1 and merges_in_cluster(splits, interpret)
     sizes = tuple(src.shape[0] for src in sources)
     n_src = len(sources)
 

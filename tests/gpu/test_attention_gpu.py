@@ -140,17 +140,21 @@ def test_sparse_attn_pallas_tiny_model_heads():
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
 
 
-@pytest.mark.parametrize("batch,splits", [(1, 1), (1, 5), (64, 1), (64, 2), (5, 3), (5, 1), (16, 8), (32, 4),
-                                          (1, 8), (3, 4)])
-def test_sparse_attn_mgpu_matches_reference(batch, splits):
+ALL_CLUSTERS = sparse_attn_mgpu.CLUSTER_SIZES
+
+
+@pytest.mark.parametrize("batch,splits,clusters", [(1, 1, ()), (1, 5, ()), (64, 1, ()), (64, 2, (2,)), (64, 2, ()),
+                                                   (5, 3, ()), (5, 1, ()), (16, 8, ALL_CLUSTERS),
+                                                   (32, 4, ALL_CLUSTERS), (1, 8, ALL_CLUSTERS), (3, 4, ALL_CLUSTERS)])
+def test_sparse_attn_mgpu_matches_reference(batch, splits, clusters):
     # the Mosaic GPU kernel itself (cp.async row gathers into the swizzled slots), over the three decode sources;
-    # splits in CLUSTER_SPLITS merge in the kernel across a cluster, the others in XLA (8 of the 10 blocks' lists
+    # splits in ``clusters`` merge in the kernel across a cluster, the others in XLA (8 of the 10 blocks' lists
     # leave 3 splits empty)
     assert sparse_attn_mgpu.available()
     q, sources, idx, sink = decode_problem(batch, seed=batch + splits)
     scale = DIM ** -0.5
     want = np.asarray(jax.jit(sparse_attn_reference, static_argnums=4)(q, sources, idx, sink, scale), np.float32)
-    kernel = jax.jit(lambda *a: sparse_attn_mgpu.sparse_attn_mgpu(*a, scale, splits=splits))
+    kernel = jax.jit(lambda *a: sparse_attn_mgpu.sparse_attn_mgpu(*a, scale, splits=splits, cluster_splits=clusters))
     poison(batch * splits * HEADS * DIM * 4 * 4)
     got = np.asarray(kernel(q, sources, idx, sink), np.float32)
     assert np.isfinite(got).all()
