@@ -33,10 +33,11 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     session's order, which hid the global index loads under the products) gave 84.0 and 40.0;
   * an index of -1 copies nothing (``cp.async``'s source size 0 fills the row with zeros) and its score is masked;
   * with one split the kernel adds the sink, divides and writes the bf16 output. Several splits of a list
-    (flash-decoding): with 2, 4 or 8 (``CLUSTER_SPLITS``) a token's splits are one thread-block cluster, and each
-    CTA leaves its fp32 partial sums in its own shared memory; after the cluster's meeting, CTA s reads its 1 / S
-    of every warpgroup's output dims from every CTA's shared memory (``cluster``), merges them in split order with
-    the sink as ``flash_merge.merge_splits`` does, and writes that part of the bf16 output. Before, at batch 64 the
+    (flash-decoding): with a count in ``cluster_splits`` (2, 4 or 8: ``CLUSTER_SIZES``; by default 2 only,
+    ``CLUSTER_SPLITS``) a token's splits are one thread-block cluster, and each CTA leaves its fp32 partial sums in
+    its own shared memory; after the cluster's meeting, CTA s reads its 1 / S of every warpgroup's output dims from
+    every CTA's shared memory (``cluster``), merges them in split order with the sink as
+    ``flash_merge.merge_splits`` does, and writes that part of the bf16 output. Before, at batch 64 the
     two splits' partials (16.8 MB of fp32) went through memory to two XLA fusions, ~11 of 38.3 us on an H100
     (Nsight Compute, forty-seventh session); on the H200 batch 64 now takes 27.7 us against 31.3 (GPU kernel
     time, forty-eighth session). Other split counts (and interpret mode, which has no distributed shared memory)
@@ -135,7 +136,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
-    docstring); with several splits, their merge in XLA.
+    docstring); with several splits not merged in the kernel, their merge in XLA.
 
     q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
     [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
@@ -163,7 +164,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
         rows_TLK = jnp.concatenate(kv_sources)[jnp.clip(idx_TL, 0, rows - 1)]
         gathered = (jnp.where(((idx_TL >= 0) & (idx_TL < rows))[..., None], rows_TLK, 0).astype(jnp.bfloat16),)
     sink_H = jnp.pad(sink_H.astype(jnp.float32), (0, heads - h))
-    in_cluster = splits > 1 and merges_in_cluster(splits, interpret, tuple(cluster_splits))
+    in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, interpret=interpret)
     if splits == 1 or in_cluster:
@@ -384,4 +385,3 @@ def _cta_sync(cta_bar) -> None:
     """The CTA's compute warpgroups meet (an mbarrier of one arrival a warpgroup)."""
     plgpu.barrier_arrive(cta_bar)
     plgpu.barrier_wait(cta_bar)
-
