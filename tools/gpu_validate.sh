@@ -83,6 +83,9 @@
 #            at ~4.5 us a 64-row block against ~1.7 us of tensor work and ~2.6 us of its bytes on an H100) and of the
 #            routed mat-vecs at T = 1 and 16: stall reasons per SASS instruction (SourceCounters) besides the
 #            details page, both back as files ($out/ncu-*.txt, ncu-*-sass.csv);
+#   cluster-probe  (~300 s) sparse attention's splits merged across clusters of 2 and 4 against XLA's merge, by GPU
+#            kernel time, then Nsight Compute's launch and occupancy sections of both cluster sizes (forty-eighth
+#            session: clusters of 4 lost by up to 1.7x, unexplained);
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
 #            session: wall time could not rank their launch cuts);
@@ -116,7 +119,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="attn-profile|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="attn-profile|cluster-probe|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -190,6 +193,20 @@ case "$stage" in
       grep -E "^  [A-Za-z_]|Duration|Throughput|Registers Per|Achieved Occupancy|Cycles Per Issued|Stall|Issued" \
         "$out/ncu-$name.txt" | head -120 >> "$log"
     done ;;
+  cluster-probe)
+    # (~300 s) why 4 splits in clusters of 4 lost (forty-eighth session, H200: batch 32 47.3 us against 27.0 for 3
+    # splits merged in XLA, batch 1 23.2 against 18.7): sparse attention's splits rows by GPU kernel time (pairs in a
+    # cluster and in XLA, 4 in clusters of 4 and in XLA), then Nsight Compute's launch, occupancy and throughput
+    # sections (Max Active Clusters among them) of 4 splits in clusters of 4 and of pairs, at batch 1 and 32
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    run 150 python3 tools/bench_kernels.py --only sparse_attn --rows "mgpu 2,mgpu 3,mgpu 4" --sweep --tokens 1,16,32,64 \
+      --timing device --iters 10 --repeats 3
+    sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
+    for config in "{'num_splits': 4, 'cluster_splits': (2, 4)}" "{'num_splits': 2}"; do
+      run 120 ncu --clock-control none $sections -k regex:^kernel_mosaic_gpu -c 2 \
+        python3 tools/profile_attn.py 1 32 --config "$config"
+    done
+    grep -E "^  [A-Za-z_]|Duration|Cluster|Occupancy|Throughput|Waves" "$log" | head -100 ;;  # the ncu lines, shown
   stream-probe)
     run 150 python3 tools/stream_probe.py ;;
   mixes-ab)
