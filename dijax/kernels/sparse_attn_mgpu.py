@@ -315,20 +315,25 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 plgpu.copy_smem_to_gmem(stats_smem.at[1], den_gmem.at[ti, si, rows])
             plgpu.wait_smem_to_gmem(0)
 
-        def store_output(o_smem):
+        def sink_term(running_max):
+            """The sink's part of the denominator, exp(sink - running max), for this CTA's heads."""
+            return jnp.exp(plgpu.load(sink_gmem.at[rows], layout=ROW_LAYOUT, optimized=False) - running_max)
+
+        def write_output(o_smem, acc_sums, den, out_cols):
+            """acc_sums / den as bf16, through this warpgroup's ``o_smem`` tile, into the output's ``out_cols``."""
             [out_gmem] = refs
-            sink_h = plgpu.load(sink_gmem.at[rows], layout=ROW_LAYOUT, optimized=False)
-            den = den_h + jnp.exp(sink_h - max_h)
-            o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(den, acc.shape, [0])).astype(jnp.bfloat16)
+            o_smem.at[wg][...] = (acc_sums / lax.broadcast_in_dim(den, acc_sums.shape, [0])).astype(jnp.bfloat16)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[ti, rows, cols])
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[ti, rows, out_cols])
             plgpu.wait_smem_to_gmem(0)
+
+        def store_output(o_smem):
+            write_output(o_smem, acc, den_h + sink_term(max_h), cols)
 
         def merge_in_cluster(o_smem, max_smem, den_smem, out_smem):
             """Each CTA's partials into its own shared memory (``cluster``: o as S tiles of its warpgroup's output
             dims); after the cluster's meeting, CTA s reads tile s of every CTA (in split order), merges them as
             ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims."""
-            [out_gmem] = refs
             cluster.store_tiles(acc, o_smem.at[wg])
 
             @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
@@ -340,8 +345,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             maxes = [plgpu.load(plgpu.cluster_ref(max_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                      for p in range(splits)]
             running = functools.reduce(jnp.maximum, maxes)
-            sink_h = plgpu.load(sink_gmem.at[rows], layout=ROW_LAYOUT, optimized=False)
-            den = jnp.exp(sink_h - running)
+            den = sink_term(running)
             merged = None
             for p, max_p in enumerate(maxes):
                 weight = jnp.exp(max_p - running)
@@ -349,10 +353,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 merged = part if merged is None else merged + part
                 den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                 den = den + den_p * weight
-            out_smem.at[wg][...] = (merged / lax.broadcast_in_dim(den, merged.shape, [0])).astype(jnp.bfloat16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[ti, rows, pl.ds(wg * half + si * width, width)])
-            plgpu.wait_smem_to_gmem(0)
+            write_output(out_smem, merged, den, pl.ds(wg * half + si * width, width))
             cluster.sync()  # no CTA leaves while another still reads its shared memory
 
         if splits == 1:
