@@ -75,6 +75,10 @@ SM90 = {"core_count": 132, "clock_rate_ghz": 1.98, "l2_cache_size": 52_428_800, 
         "threads_per_core_limit": 2048, "threads_per_warp": 32, "registers_per_core_limit": 65_536,
         "registers_per_block_limit": 65_536, "fpus_per_core": 128, "block_dim_limit_x": 2_147_483_647,
         "block_dim_limit_y": 65_535, "block_dim_limit_z": 65_535}
+# The CUDA driver and runtime the compile assumes. Without them XLA takes version 0 and its command-buffer pass drops
+# the command types that need stream capture (custom calls, cuBLAS: 12.3 and up), so every Mosaic GPU kernel would
+# split the step's CUDA graph here, which the GPU's own compile does not do.
+CUDA = "13.0.0"
 
 
 def target_config(target: str) -> str:
@@ -82,9 +86,10 @@ def target_config(target: str) -> str:
     card = TARGETS[target]
     fields = dict(SM90, device_memory_size=card["memory"], memory_bandwidth=card["bandwidth"])
     info = "\n".join(f"  {k}: {v}" for k, v in fields.items())
-    return (f"gpu_device_info {{\n{info}\n  cuda_compute_capability {{ major: 9 minor: 0 }}\n}}\n"
+    return (f"gpu_device_info {{\n{info}\n  cuda_compute_capability {{ major: 9 minor: 0 }}\n"
+            f'  driver_version: "{CUDA}"\n  runtime_version: "{CUDA}"\n}}\n'
             f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 10 }}\n'
-            f'device_description_str: "{card["name"]}"\n')
+            f'runtime_version {{ major: 13 minor: 0 patch: 0 }}\ndevice_description_str: "{card["name"]}"\n')
 
 
 def compile_only_device(target: str) -> jax.Device:
