@@ -70,24 +70,26 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
-# (T, H, K, source rows, L, splits[, split counts merged in clusters]): a small shape over two sources, decode at
-# 64 tokens (two splits, one source; three sources, one split), two head groups at K = 256, the tiny model's 4 heads
-# of 64 (one warpgroup); two splits merge across a cluster (the default), four in clusters of four, five in XLA
+# (T, H, K, source rows, L, splits[, split counts merged in clusters[, programmatic dependent launch]]): a small
+# shape over two sources, decode at 64 tokens (two splits, one source; three sources, one split), two head groups at
+# K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a cluster (the default), four in
+# clusters of four, five in XLA; one launched as a programmatic dependent
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1),
                (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2), (1, 64, 512, (8192,), 640, 5),
-               (32, 64, 512, (8192,), 640, 4, sparse_attn_mgpu.CLUSTER_SIZES)]
+               (32, 64, 512, (8192,), 640, 4, sparse_attn_mgpu.CLUSTER_SIZES),
+               (1, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, True)]
 
 
 def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
-                    clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS) -> int:
+                    clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS, pdl: bool = False) -> int:
     """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (``clusters``: its
-    ``cluster_splits``); -> the StableHLO text's length."""
+    ``cluster_splits``; ``pdl`` its programmatic dependent launch); -> the StableHLO text's length."""
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
               tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
     fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits,
-                           cluster_splits=clusters)
+                           cluster_splits=clusters, pdl=pdl)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 

@@ -126,6 +126,9 @@ class SparseAttnConfig:
     wall time, 27.1 against 22.4 us at batch 1, which counts the standalone call's dispatch; in a step, flash-slice
     decode ran 2.56 ms back to back at batch 1 against 2.58 with the Triton kernel there, and 7.94 against 7.92 at
     batch 16.)
+    pdl: 'mgpu' launches as a programmatic dependent (``sparse_attn_mgpu.pdl_wait``: its CTAs start while the
+    kernel before it still runs and wait for it in the kernel), as XLA launches its own kernels on Hopper. Off until
+    a device run times it.
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
@@ -141,6 +144,7 @@ class SparseAttnConfig:
     engine: str = "mgpu"
     mgpu_min_tokens: int = 1
     cluster_splits: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS
+    pdl: bool = False
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -290,7 +294,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     interpret = interpret_mode(interpret)
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
         return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
-                                                 cluster_splits=config.cluster_splits)
+                                                 cluster_splits=config.cluster_splits, pdl=config.pdl)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

@@ -134,7 +134,7 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+                     pdl: bool = False, interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
 
@@ -142,7 +142,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
     ``CLUSTER_SIZES``), the others in XLA. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded
-    with zero queries.
+    with zero queries. ``pdl``: launch as a programmatic dependent (``pdl_wait``; not when interpreted).
     ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default
     parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector).
     -> bf16 [T, H, K].
@@ -166,15 +166,16 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     sink_H = jnp.pad(sink_H.astype(jnp.float32), (0, heads - h))
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
-                scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, interpret=interpret)
+                scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, pdl=pdl and not interpret,
+                interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "interpret"))
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          interpret: bool | plgpu.InterpretGPUParams):
+          pdl: bool, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -189,6 +190,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     n_src = len(sources)
 
     def kernel(q_gmem, idx_gmem, *refs):
+        if pdl:
+            pdl_wait()
         src_gmems, (sink_gmem, *refs) = refs[:n_src], refs[n_src:]
         gathered_gmem = refs.pop(0) if interpret else None
         ti, si, gi = lax.axis_index("t"), lax.axis_index("s"), lax.axis_index("g")
@@ -380,6 +383,15 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
+
+
+def pdl_wait() -> None:
+    """The first statement of a kernel launched as a programmatic dependent: with programmatic dependent launch
+    (Hopper; XLA launches its own kernels so by default, ``xla_gpu_enable_pdl``) the kernel's CTAs may start while
+    the kernel before it in the stream still runs, and this waits until that one has finished and its writes are
+    visible. Mosaic GPU marks a kernel that calls it ``uses_pdl`` and launches it so; what it gains is the launch
+    latency between the two kernels."""
+    plgpu.griddepcontrol_wait()
 
 
 def _cta_sync(cta_bar) -> None:

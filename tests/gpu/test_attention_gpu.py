@@ -143,18 +143,21 @@ def test_sparse_attn_pallas_tiny_model_heads():
 ALL_CLUSTERS = sparse_attn_mgpu.CLUSTER_SIZES
 
 
-@pytest.mark.parametrize("batch,splits,clusters", [(1, 1, ()), (1, 5, ()), (64, 1, ()), (64, 2, (2,)), (64, 2, ()),
-                                                   (5, 3, ()), (5, 1, ()), (16, 8, ALL_CLUSTERS),
-                                                   (32, 4, ALL_CLUSTERS), (1, 8, ALL_CLUSTERS), (3, 4, ALL_CLUSTERS)])
-def test_sparse_attn_mgpu_matches_reference(batch, splits, clusters):
+@pytest.mark.parametrize("batch,splits,clusters,pdl", [
+    (1, 1, (), False), (1, 5, (), False), (64, 1, (), False), (64, 2, (2,), False), (64, 2, (), False),
+    (5, 3, (), False), (5, 1, (), False), (16, 8, ALL_CLUSTERS, False), (32, 4, ALL_CLUSTERS, False),
+    (1, 8, ALL_CLUSTERS, False), (3, 4, ALL_CLUSTERS, False), (1, 1, (), True), (64, 2, (2,), True)])
+def test_sparse_attn_mgpu_matches_reference(batch, splits, clusters, pdl):
     # the Mosaic GPU kernel itself (cp.async row gathers into the swizzled slots), over the three decode sources;
     # splits in ``clusters`` merge in the kernel across a cluster, the others in XLA (8 of the 10 blocks' lists
-    # leave 3 splits empty)
+    # leave 3 splits empty); ``pdl``: launched as a programmatic dependent of the XLA kernel before it that writes
+    # its queries (2 q, with half the scale: the same products)
     assert sparse_attn_mgpu.available()
     q, sources, idx, sink = decode_problem(batch, seed=batch + splits)
     scale = DIM ** -0.5
     want = np.asarray(jax.jit(sparse_attn_reference, static_argnums=4)(q, sources, idx, sink, scale), np.float32)
-    kernel = jax.jit(lambda *a: sparse_attn_mgpu.sparse_attn_mgpu(*a, scale, splits=splits, cluster_splits=clusters))
+    kernel = jax.jit(lambda q, *a: sparse_attn_mgpu.sparse_attn_mgpu(
+        (q * 2).astype(q.dtype), *a, scale / 2, splits=splits, cluster_splits=clusters, pdl=pdl))
     poison(batch * splits * HEADS * DIM * 4 * 4)
     got = np.asarray(kernel(q, sources, idx, sink), np.float32)
     assert np.isfinite(got).all()
