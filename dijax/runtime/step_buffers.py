@@ -12,9 +12,11 @@ their addresses, and the cache does too (donated, it comes back in place). What 
   all three, in one small executable of their own, into one int32 buffer per bucket that is donated to that
   executable and so overwritten in place; the model step reads only that buffer (``StagedInputs``).
 * the sampling arguments (``StepSampling.packed_7R``, a host array). The same executable writes them into a
-  uint32 buffer per row count, in place, and the step's sampler reads that one. When they came as host arrays, the
-  (then separate) sampler's graph was updated before every replay and, under ZOS, the tiny default's decode step
-  took 2.18 ms a step against 1.36 ms with them placed (H200, tools/dispatch_probe.py, fifteenth session).
+  uint32 buffer per row count, in place, and the step's sampler reads that one. The host joins them to the packed
+  batch and the remap, so that one transfer carries all three (each host array is a transfer of its own: a copy
+  into a staging buffer, a dispatch, a completion callback). When they came as host arrays to the (then separate)
+  sampler, its graph was updated before every replay and, under ZOS, the tiny default's decode step took 2.18 ms a
+  step against 1.36 ms with them placed (H200, tools/dispatch_probe.py, fifteenth session).
 * the step's outputs, the logits and the sampled tokens. ``StepBuffers.logits`` and ``StepBuffers.tokens`` hand
   the step the arrays the previous step of the same shape returned, donated: the step writes into them. The host
   and the next step read the tokens from a copy (``StepBuffers.copy``, one small launch, too small for a graph)
@@ -33,6 +35,7 @@ Letters: N packed batch elements, T tokens, M previous-token rows, R logit rows 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
@@ -65,20 +68,30 @@ class StagedInputs:
         return PackedBatch(self.values_N[:a], self.shapes), self.values_N[a:b], self.values_N[b:]
 
 
-def _host_part(packed_N, remap_T):
-    """packed_N ++ remap_T along the last axis: joined on the host when both are host arrays, so that the step's
-    call transfers one array."""
-    if isinstance(packed_N, np.ndarray) and isinstance(remap_T, np.ndarray):
-        return np.concatenate([packed_N, remap_T.astype(np.int32)], axis=-1)
-    return jnp.concatenate([packed_N, remap_T], axis=-1)
+def _host_part(packed_N, remap_T, packed_7R):
+    """packed_N ++ remap_T ++ packed_7R's bits (int32, its rows one after another, on every rank's row) along the
+    last axis: joined on the host when all three are host arrays, so that the staging call makes one transfer (each
+    host array a call takes costs a transfer of its own, with the host's copy into a staging buffer); a
+    ``jax.ShapeDtypeStruct`` of the joined array when any of them is one (``StepBuffers.compile``)."""
+    lead, width = packed_N.shape[:-1], packed_N.shape[-1] + remap_T.shape[-1] + math.prod(packed_7R.shape)
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in (packed_N, remap_T, packed_7R)):
+        return jax.ShapeDtypeStruct(lead + (width,), jnp.int32)
+    if all(isinstance(a, np.ndarray) for a in (packed_N, remap_T, packed_7R)):
+        bits = np.broadcast_to(packed_7R.view(np.int32).reshape(-1), lead + (packed_7R.size,))
+        return np.concatenate([packed_N, remap_T.astype(np.int32), bits], axis=-1)
+    bits = jnp.broadcast_to(lax.bitcast_convert_type(packed_7R, jnp.int32).reshape(-1), lead + (packed_7R.size,))
+    return jnp.concatenate([packed_N, remap_T, bits], axis=-1)
 
 
-def _write(buffer_N, sampling_buffer_7R, head_N, prev_tokens_R, sampling_7R):
+def _write(buffer_N, sampling_buffer_7R, head_N, prev_tokens_R):
     """(the staged values, the sampling arguments) written over ``buffer_N`` and ``sampling_buffer_7R`` (both
-    donated: that is where they land): head_N (``_host_part``) ++ prev_tokens_R along the last axis, the tokens
-    repeated on every rank's row; sampling_7R as it is."""
-    prev = jnp.broadcast_to(prev_tokens_R, head_N.shape[:-1] + prev_tokens_R.shape)
-    values = jnp.concatenate([head_N, prev], axis=-1).astype(buffer_N.dtype)
+    donated: that is where they land), from head_N (``_host_part``): its packed batch and remap ++ prev_tokens_R
+    along the last axis, the tokens repeated on every rank's row; its sampling bits as ``sampling_buffer_7R``."""
+    split = buffer_N.shape[-1] - prev_tokens_R.shape[-1]
+    head, bits = head_N[..., :split], head_N[(0,) * (head_N.ndim - 1)][split:]
+    prev = jnp.broadcast_to(prev_tokens_R, head.shape[:-1] + prev_tokens_R.shape)
+    values = jnp.concatenate([head, prev], axis=-1).astype(buffer_N.dtype)
+    sampling_7R = lax.bitcast_convert_type(bits.reshape(sampling_buffer_7R.shape), sampling_buffer_7R.dtype)
     # updates of the whole buffers, not the values alone: jit drops an argument the result does not use, and a
     # dropped argument cannot give the result its memory
     return (lax.dynamic_update_slice(buffer_N, values, (0,) * values.ndim),
@@ -153,7 +166,7 @@ class StepBuffers:
         fill and the tokens' copy."""
         staged, logits, tokens, sampling = self.abstract(batch, remap_T, prev_tokens_R, num_rows, vocab)
         _writer(self.sharding, self.sampling_sharding).lower(
-            staged.values_N, sampling, _host_part(batch.packed_N, remap_T), prev_tokens_R, sampling).compile()
+            staged.values_N, sampling, _host_part(batch.packed_N, remap_T, sampling), prev_tokens_R).compile()
         _filler(staged.values_N.shape, "int32", self.sharding).lower().compile()
         _filler(sampling.shape, "uint32", self.sampling_sharding).lower().compile()
         _filler(logits.shape, "float32", self.sharding).lower().compile()
@@ -163,14 +176,14 @@ class StepBuffers:
     def stage(self, batch: PackedBatch, remap_T, prev_tokens_R, sampling: StepSampling
               ) -> tuple[StagedInputs, StepSampling]:
         """(the step's inputs, ``sampling`` with its ``packed_7R``) written into this size's buffers (created on
-        first use), in place: one small launch, host -> device copies of the host arrays (``batch`` and ``remap_T``
-        joined into one), no host read. ``prev_tokens_R``: the previous step's tokens (``copy``)."""
+        first use), in place: one small launch, one host -> device copy (``batch``, ``remap_T`` and the sampling
+        arguments joined on the host), no host read. ``prev_tokens_R``: the previous step's tokens (``copy``)."""
         shape = self.staged_shape(batch, remap_T, prev_tokens_R)
         sampling_shape = tuple(sampling.packed_7R.shape)
         buffer = _take(self._inputs, shape, "int32", self.sharding)
         sampling_buffer = _take(self._sampling, sampling_shape, "uint32", self.sampling_sharding)
         values, packed_7R = _writer(self.sharding, self.sampling_sharding)(
-            buffer, sampling_buffer, _host_part(batch.packed_N, remap_T), prev_tokens_R, sampling.packed_7R)
+            buffer, sampling_buffer, _host_part(batch.packed_N, remap_T, sampling.packed_7R), prev_tokens_R)
         self._inputs[shape] = values
         self._sampling[sampling_shape] = packed_7R
         return self._staged(values, batch, remap_T), StepSampling(packed_7R, sampling.mode)
