@@ -79,8 +79,14 @@ def _host_part(packed_N, remap_T, packed_7R):
     if all(isinstance(a, np.ndarray) for a in (packed_N, remap_T, packed_7R)):
         bits = np.broadcast_to(packed_7R.view(np.int32).reshape(-1), lead + (packed_7R.size,))
         return np.concatenate([packed_N, remap_T.astype(np.int32), bits], axis=-1)
-    bits = jnp.broadcast_to(lax.bitcast_convert_type(packed_7R, jnp.int32).reshape(-1), lead + (packed_7R.size,))
-    return jnp.concatenate([packed_N, remap_T, bits], axis=-1)
+    return _join(packed_N, remap_T, packed_7R)
+
+
+@jax.jit
+def _join(packed_N, remap_T, packed_7R):
+    """``_host_part`` of device arrays, in one dispatch."""
+    bits = lax.bitcast_convert_type(packed_7R, jnp.int32).reshape(-1)
+    return jnp.concatenate([packed_N, remap_T, jnp.broadcast_to(bits, packed_N.shape[:-1] + bits.shape)], axis=-1)
 
 
 def _write(buffer_N, sampling_buffer_7R, head_N, prev_tokens_R):
