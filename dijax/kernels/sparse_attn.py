@@ -127,8 +127,9 @@ class SparseAttnConfig:
     decode ran 2.56 ms back to back at batch 1 against 2.58 with the Triton kernel there, and 7.94 against 7.92 at
     batch 16.)
     pdl: 'mgpu' launches as a programmatic dependent (``sparse_attn_mgpu.pdl_wait``: its CTAs start while the
-    kernel before it still runs and wait for it in the kernel), as XLA launches its own kernels on Hopper. Off until
-    a device run times it.
+    kernel before it still runs and wait for it in the kernel), as XLA launches its own kernels on Hopper. Off: in
+    the tiny decode step, which the host bounds, it showed no difference (H100, forty-ninth session); a step the
+    device bounds (flash-slice at one token) has not run with it.
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the

@@ -92,7 +92,9 @@ MAX_SOURCES = 3
 # split counts that can merge in the kernel, across a cluster of CTAs (each writes its 1 / S of every warpgroup's
 # output dims: a cluster holds at most 8 CTAs, and a slice stays a whole number of 8-column WGMMA tiles), and those
 # that do by default: 4 works too but lost on the H200 (forty-eighth session, GPU kernel time, 640 rows x 512: batch
-# 32 47.3 us with 4 splits in clusters of 4 against 27.0 with 3 merged in XLA, batch 1 23.2 against 18.7)
+# 32 47.3 us with 4 splits in clusters of 4 against 27.0 with 3 merged in XLA, batch 1 23.2 against 18.7). At batch
+# 32 the 32 clusters of 4 do not fit at once: Nsight Compute gives 30 active clusters of 4 at most (66 pairs; H100,
+# forty-ninth session), so two run in a second round (docs/mosaic_gpu.md)
 CLUSTER_SIZES = (2, 4, 8)
 CLUSTER_SPLITS = (2,)
 
