@@ -85,7 +85,11 @@
 #            details page, both back as files ($out/ncu-*.txt, ncu-*-sass.csv);
 #   cluster-probe  (~300 s) sparse attention's splits merged across clusters of 2 and 4 against XLA's merge, by GPU
 #            kernel time, then Nsight Compute's launch and occupancy sections of both cluster sizes (forty-eighth
-#            session: clusters of 4 lost by up to 1.7x, unexplained);
+#            session: clusters of 4 lost by up to 1.7x; forty-ninth, H100: at most 30 clusters of 4 are resident);
+#   host-ab  (~300 s) the tiny step's host work of a base tree (ab-base/, exported as for `ab`) against this one:
+#            tools/dispatch_probe.py at B=1, alternating over three rounds (the host's spread needs them: the same
+#            executable ran 0.91-1.52 ms back to back on one H100 in the forty-ninth session), then the staging
+#            change's GPU tests;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
 #            session: wall time could not rank their launch cuts);
@@ -119,7 +123,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="attn-profile|cluster-probe|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -207,6 +211,17 @@ case "$stage" in
         python3 tools/profile_attn.py 1 32 --config "$config"
     done
     grep -E "^  [A-Za-z_]|Duration|Cluster|Occupancy|Throughput|Waves" "$log" | head -100 ;;  # the ncu lines, shown
+  host-ab)
+    [ -d ab-base/dijax ] || { echo "host-ab: export the base tree into ab-base/ first (see ab)" >&2; exit 2; }
+    for round in 1 2 3; do
+      for tree in ab-base .; do
+        name=$([ "$tree" = . ] && echo this || echo base)
+        echo "== $name, round $round" | tee -a "$log"
+        (cd "$tree" && PYTHONPATH=. timeout 80 python3 tools/dispatch_probe.py --batch 1 --context 256) 2>&1 \
+          | grep -E "^\| (engine|stage|model step|tokens|no-op|ZOS)" >> "$log"
+      done
+    done
+    run 150 python3 -m pytest -q -ra tests/test_step_buffers.py tests/test_step_timeline.py ;;
   stream-probe)
     run 150 python3 tools/stream_probe.py ;;
   mixes-ab)
