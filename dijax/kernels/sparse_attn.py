@@ -126,8 +126,8 @@ class SparseAttnConfig:
     wall time, 27.1 against 22.4 us at batch 1, which counts the standalone call's dispatch; in a step, flash-slice
     decode ran 2.56 ms back to back at batch 1 against 2.58 with the Triton kernel there, and 7.94 against 7.92 at
     batch 16.)
-    pdl: 'mgpu' launches as a programmatic dependent (``sparse_attn_mgpu.pdl_wait``: its CTAs start while the
-    kernel before it still runs and wait for it in the kernel), as XLA launches its own kernels on Hopper. Off: in
+    pdl: 'mgpu' launches as a programmatic dependent (its CTAs start while the kernel before it still runs and
+    wait for it in the kernel: ``plgpu.griddepcontrol_wait``), as XLA launches its own kernels on Hopper. Off: in
     the tiny decode step, which the host bounds, it showed no difference (H100, forty-ninth session); a step the
     device bounds (flash-slice at one token) has not run with it.
 

@@ -144,7 +144,8 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
     ``CLUSTER_SIZES``), the others in XLA. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded
-    with zero queries. ``pdl``: launch as a programmatic dependent (``pdl_wait``; not when interpreted).
+    with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while the kernel before it
+    still runs (not when interpreted).
     ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default
     parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector).
     -> bf16 [T, H, K].
@@ -192,8 +193,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     n_src = len(sources)
 
     def kernel(q_gmem, idx_gmem, *refs):
-        if pdl:
-            pdl_wait()
+        if pdl:  # launched as a programmatic dependent: wait here until the kernel before it has finished and its
+            plgpu.griddepcontrol_wait()  # writes are visible (Mosaic GPU then marks the kernel ``uses_pdl``)
         src_gmems, (sink_gmem, *refs) = refs[:n_src], refs[n_src:]
         gathered_gmem = refs.pop(0) if interpret else None
         ti, si, gi = lax.axis_index("t"), lax.axis_index("s"), lax.axis_index("g")
@@ -385,15 +386,6 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
-
-
-def pdl_wait() -> None:
-    """The first statement of a kernel launched as a programmatic dependent: with programmatic dependent launch
-    (Hopper; XLA launches its own kernels so by default, ``xla_gpu_enable_pdl``) the kernel's CTAs may start while
-    the kernel before it in the stream still runs, and this waits until that one has finished and its writes are
-    visible. Mosaic GPU marks a kernel that calls it ``uses_pdl`` and launches it so; what it gains is the launch
-    latency between the two kernels."""
-    plgpu.griddepcontrol_wait()
 
 
 def _cta_sync(cta_bar) -> None:
