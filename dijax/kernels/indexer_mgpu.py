@@ -11,7 +11,12 @@ Here a CTA takes a tile of up to ``TOKENS`` consecutive tokens of one sequence (
 block serves them all, as wgmma's A operand (64 positions, swapped so that the tokens' heads are its N = 8 I):
   * the scores' product: keys [64, J] (gathered by ``row_gather`` into a swizzled tile) x queries [J, 8 I] (the
     tile's query rows, by TMA) -> fp32 [64, 8 I];
-  * the reference's rounding chain in registers: bf16, ReLU, times the head weight, bf16;
+  * the reference's rounding chain in registers, on bf16 pairs: the scores rounded to bf16 (one packed convert a
+    pair), ReLU and the head weight's product (one ``max`` and one ``mul`` of bf16x2 a pair: the product of two
+    bf16 values is exact in fp32, so rounding it once to bf16 gives the reference's fp32 product rounded to bf16).
+    In fp32 the chain was single converts, a shift back to fp32, a max and a multiply per element: 1232 SASS
+    instructions, the epilogue's conversions more issue slots than the products' tensor time; on pairs 752, 196
+    registers instead of 232 (tools/mgpu_build.py, fiftieth session);
   * the head sum as a second product: that bf16 tile (registers) x a 0/1 matrix [8 I, 8] that adds each token's I
     columns -> fp32 [64, 8], one column a token; then bf16, and a zero made +0.0;
   * two compute warpgroups take alternate blocks of the CTA's positions, each with its own two key slots (the next
@@ -163,7 +168,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                 plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first * heads, n)], q_smem, bar)
                 plgpu.copy_gmem_to_smem(sum_gmem, e_smem, bar)
             w_col = plgpu.load(w_gmem.at[pl.ds(first * heads, n)], layout=COL_LAYOUT, optimized=False)
-            w_col = lax.broadcast_in_dim(w_col.astype(jnp.float32), (ROWS, n), [1])
+            w_col = lax.broadcast_in_dim(w_col, (ROWS, n), [1])
             mine = (blocks - wg + WARPGROUPS - 1) // WARPGROUPS  # this warpgroup's blocks: wg, wg + 2, ...
             @pl.when(mine > 0)  # (with one block a chunk, the second warpgroup has none)
             def _():
@@ -186,8 +191,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                     return s_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((ROWS, n), jnp.float32))
-                s = jnp.maximum(s.astype(jnp.bfloat16).astype(jnp.float32), 0.0)
-                terms = (s * w_col).astype(jnp.bfloat16)
+                terms = jnp.maximum(s.astype(jnp.bfloat16), jnp.bfloat16(0)) * w_col
                 if interpret:  # the interpreter takes A from shared memory only
                     t_smem.at[wg][...] = terms
                     plgpu.commit_smem()
