@@ -33,6 +33,9 @@ from tools.ceilings import FALLBACK, MEASURED, ceilings  # noqa: E402
 
 # the floors' ceilings: the H200's until main() sets the device's (tools/ceilings.py)
 BANDWIDTH, MATRIX_RATE = MEASURED[FALLBACK][:2]
+# --kernel-split: each device-timed row's kernels by name (``device_seconds`` keeps its last trace's, per call)
+KERNEL_SPLIT = False
+_last_split: dict[str, float] = {}
 
 
 def time_call(fn, *args, iters: int = 20, repeats: int = 5, device: bool = False) -> float:
@@ -68,6 +71,9 @@ def device_seconds(fn, *args, calls: int) -> float:
         stream = trace_summary.busiest_stream(*trace_summary.load_events(folder))
     if not stream:
         raise RuntimeError("device timing: the profiler trace has no GPU kernels (it needs a GPU backend)")
+    _last_split.clear()
+    for e in stream:
+        _last_split[e["name"]] = _last_split.get(e["name"], 0.0) + e["dur"] * 1e-6 / calls
     return sum(e["dur"] for e in stream) * 1e-6 / calls
 
 
@@ -77,7 +83,12 @@ def _row(kernel: str, shape: str, impl: str, seconds: float, floor_bytes: float,
 
 
 def _timed_row(kernel: str, shape: str, impl: str, seconds: float, floor: float, base: float | None) -> dict:
-    """A row against a floor in seconds; ``base``: the reference's seconds (None for the reference itself)."""
+    """A row against a floor in seconds; ``base``: the reference's seconds (None for the reference itself). With
+    ``KERNEL_SPLIT`` it prints the row's kernels by name (device time per call, the last device-timed trace's)."""
+    if KERNEL_SPLIT and _last_split:
+        parts = sorted(_last_split.items(), key=lambda kv: -kv[1])
+        print(f"kernels of {kernel}, {shape}, {impl}: " + "; ".join(f"{n[:60]} {t * 1e6:.1f} us" for n, t in parts))
+        _last_split.clear()
     return {"kernel": kernel, "shape": shape, "impl": impl, "us": seconds * 1e6, "floor_us": floor * 1e6,
             "floor_pct": 100 * floor / seconds, "speedup": (base / seconds) if base else 1.0}
 
@@ -1015,6 +1026,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="routed_experts and fp8_linear: one more KernelConfig change to time (repeatable), e.g. "
                          "gemm_cols=64 or cols=32")
+    ap.add_argument("--kernel-split", action="store_true",
+                    help="with --timing device: print each row's GPU kernels by name and their time per call")
     ap.add_argument("--rows", default="", help="sparse_attn and indexer: only the kernel rows whose name contains "
                                                "one of these comma-separated strings (e.g. 'mgpu')")
     ap.add_argument("--quantised", action="store_true",
@@ -1030,7 +1043,8 @@ def main() -> None:
     if args.timing == "device" and jax.default_backend() != "gpu":
         raise SystemExit(f"--timing device reads GPU kernels from a profiler trace; the backend is "
                          f"{jax.default_backend()} (use --timing wall)")
-    global BANDWIDTH, MATRIX_RATE
+    global BANDWIDTH, MATRIX_RATE, KERNEL_SPLIT
+    KERNEL_SPLIT = args.kernel_split
     measured = ceilings(jax.devices()[0].device_kind)
     BANDWIDTH, MATRIX_RATE = measured.bandwidth, measured.flops
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, timing: {args.timing}, ceilings "
