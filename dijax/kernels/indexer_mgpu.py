@@ -25,8 +25,10 @@ block serves them all, as wgmma's A operand (64 positions, swapped so that the t
     under the products rather than before them (thirty-fourth session). Four slots a warpgroup (three blocks'
     gathers in flight) did not pay: 403.8 against 405.5 us at prefill 8192 x 2048 on an H100 (forty-seventh
     session), so the gathers' latency is not what bounds it.
-Each tile writes its own [P, 8] columns (``out_IPG``); the scores [T, P] are picked from them in XLA, where the
--inf mask (p >= visible_T[t]) is applied, so the kernel skips every chunk of positions no token of its tile sees.
+Each tile writes its own [P, 8] columns (``out_XPG``); the scores [T, P] are picked from them in XLA, where the
+-inf mask (p >= visible_T[t]) is applied, so the kernel skips every block of positions no token of its tile sees
+(before the fiftieth session every chunk: at prefill a tile then computed up to ``blocks`` - 1 blocks past its
+tokens' last position).
 
 Numerics: the reference's chain (``indexer`` module docstring): each dot of bf16 values in fp32 rounded to bf16,
 ReLU, times the weight in fp32 rounded to bf16, the heads summed in fp32 (here by the second product, whose terms
@@ -169,8 +171,11 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                 plgpu.copy_gmem_to_smem(sum_gmem, e_smem, bar)
             w_col = plgpu.load(w_gmem.at[pl.ds(first * heads, n)], layout=COL_LAYOUT, optimized=False)
             w_col = lax.broadcast_in_dim(w_col, (ROWS, n), [1])
-            mine = (blocks - wg + WARPGROUPS - 1) // WARPGROUPS  # this warpgroup's blocks: wg, wg + 2, ...
-            @pl.when(mine > 0)  # (with one block a chunk, the second warpgroup has none)
+            # the chunk's blocks some token of the tile sees (the rest stay unwritten: the pick masks them), and
+            # this warpgroup's of them: wg, wg + 2, ...
+            live = jnp.minimum(blocks, (seen - c * chunk + ROWS - 1) // ROWS)
+            mine = (live - wg + WARPGROUPS - 1) // WARPGROUPS
+            @pl.when(mine > 0)  # (with one live block, the second warpgroup has none)
             def _():
                 fetch(0, k_smem)
             row_gather.commit_group(interpret)
