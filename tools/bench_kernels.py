@@ -329,7 +329,7 @@ def _bf16_order(x: np.ndarray) -> np.ndarray:
 
 def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: int = 32, dim: int = 128,
                  pool_rows: int = 1 << 22, reference_max_bytes: float = 32e9, sweep: bool = False,
-                 names: tuple[str, ...] = (), **timing) -> list[dict]:
+                 names: tuple[str, ...] = (), changes: tuple[dict, ...] = (), **timing) -> list[dict]:
     """Decode lightning-indexer scores: the jnp reference against the Pallas kernel.
 
     ``batch`` tokens, one sequence each, every one seeing its whole context of P compressed positions (the
@@ -383,7 +383,7 @@ def indexer_rows(batches=(1, 64, 256), contexts=(4096, 65_536, 262_144), heads: 
                 except Exception as exc:  # one failing tiling must not hide the others' rows
                     print(f"indexer {name} at {shape} failed: {type(exc).__name__}: {str(exc)[:400]}")
             del args, pool, rows, want
-    out += _indexer_prefill_rows(heads, dim, names=names, **timing)
+    out += _indexer_prefill_rows(heads, dim, names=names, changes=changes, **timing)
     return out
 
 
@@ -407,18 +407,21 @@ def _ulp_note(got: np.ndarray, want: np.ndarray) -> str:
 
 
 def _indexer_prefill_rows(heads: int, dim: int, tokens: int = 8192, width: int = 2048, names: tuple[str, ...] = (),
-                          **timing) -> list[dict]:
+                          changes: tuple[dict, ...] = (), **timing) -> list[dict]:
     """Prefill lightning-indexer scores (issue 13: 50 % of the tensor cores' peak): ``tokens`` tokens of one
     sequence over ``width`` compressed positions, token t seeing t // 4 + 1 of them (an index layer of a
     ``tokens``-token prefill at compression 4), fq4-quantised inputs. Floor: the larger of the visible scores'
     FLOPs (the dots and the head sums) at the bf16 peak, and the keys, queries and scores through memory. The Triton
-    kernel, and the Mosaic GPU one (``IndexerConfig(engine='mgpu')``) where it runs."""
+    kernel, and the Mosaic GPU one (``IndexerConfig(engine='mgpu')``) where it runs, also with each of ``changes``
+    (IndexerConfig fields, e.g. ``mgpu_blocks=4``)."""
     from dijax.kernels import indexer as ix
     from dijax.kernels import indexer_mgpu
 
     configs = [("pallas", ix.IndexerConfig(engine="triton"))]
     if indexer_mgpu.available():
         configs.append(("mgpu", ix.IndexerConfig(engine="mgpu")))
+        configs += [("mgpu " + " ".join(f"{k}={v}" for k, v in change.items()),
+                     ix.IndexerConfig(engine="mgpu", **change)) for change in changes]
     configs = kept(configs, names)
     if not configs:
         return []
@@ -1024,8 +1027,8 @@ def main() -> None:
     ap.add_argument("--tokens", help="routed_experts and fp8_linear: comma-separated token counts (default "
                                      "1,16,64,256,1024); sparse_attn: its decode batches (default 1,64,256)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
-                    help="routed_experts and fp8_linear: one more KernelConfig change to time (repeatable), e.g. "
-                         "gemm_cols=64 or cols=32")
+                    help="routed_experts, fp8_linear and the indexer's prefill row: one more config change to time "
+                         "(repeatable), e.g. gemm_cols=64, cols=32 or mgpu_blocks=4")
     ap.add_argument("--kernel-split", action="store_true",
                     help="with --timing device: print each row's GPU kernels by name and their time per call")
     ap.add_argument("--rows", default="", help="sparse_attn and indexer: only the kernel rows whose name contains "
@@ -1055,7 +1058,7 @@ def main() -> None:
     rows = []
     for name in names:
         extra = {}
-        if name in ("routed_experts", "fp8_linear"):
+        if name in ("routed_experts", "fp8_linear", "indexer"):
             extra["changes"] = tuple(parse_change(v) for v in args.variant)
         if name in ("routed_experts", "fp8_linear", "fp8_linears", "fp4_wgmma"):
             if args.tokens:

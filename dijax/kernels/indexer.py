@@ -95,7 +95,9 @@ class IndexerConfig:
     (``indexer_mgpu.shape_error``); otherwise 'triton'. It needs an engine step's token order (at most S + 1 runs
     of one sequence's consecutive tokens: ``indexer_mgpu.tiles``), which the Triton kernel does not. On the H200
     (thirty-first session) it took prefill 8192 x 2048 (32 heads x 128) in 433 us against 496 (20.2 % of the
-    tensor-core floor against 17.7 %), its outputs within 1 ulp of the reference.
+    tensor-core floor against 17.7 %), its outputs within 1 ulp of the reference. mgpu_blocks: the Mosaic GPU
+    kernel's blocks of 64 positions a CTA (``index_scores_mgpu``'s ``blocks``: each CTA loads its tile's queries
+    once for that many blocks).
     """
 
     block_p: int = 128
@@ -107,10 +109,13 @@ class IndexerConfig:
     poison: bool = False
     engine: str = "mgpu"
     mgpu_min_tokens_per_seq: int = 4
+    mgpu_blocks: int = 8
 
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"indexer IndexerConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.mgpu_blocks < 1:
+            raise ValueError(f"indexer IndexerConfig.mgpu_blocks must be >= 1, got {self.mgpu_blocks}")
 
 
 CONFIG = IndexerConfig()
@@ -202,7 +207,8 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
     interpret = interpret_mode(interpret)
     if (config.engine == "mgpu" and not interpret and t >= config.mgpu_min_tokens_per_seq * s
             and indexer_mgpu.available() and indexer_mgpu.shape_error(i, j) is None):
-        return indexer_mgpu.index_scores_mgpu(q_TIJ, w_TI, keys_NJ, rows_SP, seq_T, visible_T)
+        return indexer_mgpu.index_scores_mgpu(q_TIJ, w_TI, keys_NJ, rows_SP, seq_T, visible_T,
+                                              blocks=config.mgpu_blocks)
     if not _power_of_two(j) or j < MIN_DOT:
         raise ValueError(f"index_scores_pallas: the index head dim J={j} must be a power of two >= {MIN_DOT}")
     if not _power_of_two(config.block_p) or config.block_p < MIN_DOT:
