@@ -131,7 +131,10 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     out_XPG = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, *gathered, heads=i,
                     blocks=blocks, interpret=interpret)
     col_T = jnp.arange(t, dtype=jnp.int32) - tiles_X4[tile_T, 1]  # each token's column in its tile
-    score_TP = out_XPG[tile_T[:, None], jnp.arange(width)[None, :], col_T[:, None]]
+    # a transpose, then whole rows gathered: a gather of each token's column straight from [X, P, G] read its
+    # positions 32 bytes apart (H100, prefill 8192 x 2048: 143.7 us against 100.1, fiftieth session)
+    out_YP = jnp.swapaxes(out_XPG[:, :width], 1, 2).reshape(-1, width)  # Y = X x G: row x G + g, tile x's token g
+    score_TP = out_YP[tile_T * TOKENS + col_T]
     visible = jnp.arange(width, dtype=jnp.int32)[None, :] < visible_T[:, None]
     return jnp.where(visible, score_TP, -jnp.inf)
 
