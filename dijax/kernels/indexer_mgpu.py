@@ -1,8 +1,10 @@
 """Lightning-indexer scores on Hopper's tensor cores (Mosaic GPU): ``index_scores_mgpu``.
 
-Status (thirty-first session, on the H200): its GPU tests pass (within 1 ulp of the reference at the real 32 heads
-x 128), and at prefill 8192 x 2048 it takes 433 us against the Triton kernel's 496 (20.2 % of the tensor-core floor;
-issue 13 asks 50 %). ``indexer.IndexerConfig.engine='mgpu'`` is the default; it takes prefill-shaped steps only.
+Status: its GPU tests pass (within 1 ulp of the reference at the real 32 heads x 128). At prefill 8192 x 2048 it
+took 433 us on the H200 against the Triton kernel's 496 (thirty-first session); on an H100 in the fiftieth session
+408.4 us (21.3 % of the tensor-core floor), of it the kernel 239.6 and the XLA pick 141.2, and after that session's
+changes (the rounding chain on bf16 pairs, dead blocks skipped) 326.9 us (26.6 %), the kernel 158.1 (issue 13 asks
+50 %). ``indexer.IndexerConfig.engine='mgpu'`` is the default; it takes prefill-shaped steps only.
 The parity fixtures' 32-wide index heads are below its smallest J (64), so GPU parity does not reach it.
 
 Why: issue 13 asks the indexer at prefill for 50 % of the tensor cores' peak. The Triton kernel (``indexer``) runs
