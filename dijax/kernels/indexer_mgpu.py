@@ -17,8 +17,7 @@ block serves them all, as wgmma's A operand (64 positions, swapped so that the t
     pair), ReLU and the head weight's product (one ``max`` and one ``mul`` of bf16x2 a pair: the product of two
     bf16 values is exact in fp32, so rounding it once to bf16 gives the reference's fp32 product rounded to bf16).
     In fp32 the chain was single converts, a shift back to fp32, a max and a multiply per element: 1232 SASS
-    instructions, the epilogue's conversions more issue slots than the products' tensor time; on pairs 752, 196
-    registers instead of 232 (tools/mgpu_build.py, fiftieth session);
+    instructions; on pairs 752, 196 registers instead of 232 (tools/mgpu_build.py, fiftieth session);
   * the head sum as a second product: that bf16 tile (registers) x a 0/1 matrix [8 I, 8] that adds each token's I
     columns -> fp32 [64, 8], one column a token; then bf16, and a zero made +0.0;
   * two compute warpgroups take alternate blocks of the CTA's positions, each with its own two key slots (the next
