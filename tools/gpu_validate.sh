@@ -90,6 +90,10 @@
 #            tools/dispatch_probe.py at B=1, alternating over three rounds (the host's spread needs them: the same
 #            executable ran 0.91-1.52 ms back to back on one H100 in the forty-ninth session), then the staging
 #            change's GPU tests;
+#   indexer-rows  (~150 s) the indexer's GPU tests, then its prefill row (8192 x 2048) by GPU kernel time with each
+#            kernel apart (bench_kernels --kernel-split: the Mosaic GPU kernel and the XLA pick), at 8 (the default),
+#            16 and 32 blocks a CTA (fiftieth session, H100: 16 took the kernel 158.1 -> 146.3 us; the pick's row
+#            gather, 8422130, had not run in the row);
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
 #            session: wall time could not rank their launch cuts);
@@ -123,7 +127,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="indexer-rows|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -224,6 +228,10 @@ case "$stage" in
     run 150 python3 -m pytest -q -ra tests/test_step_buffers.py tests/test_step_timeline.py ;;
   stream-probe)
     run 150 python3 tools/stream_probe.py ;;
+  indexer-rows)
+    run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
+    run 200 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
+      --repeats 3 --variant mgpu_blocks=16 --variant mgpu_blocks=32 ;;
   mixes-ab)
     # (~250 s) the hyper-connection mixes alone at both widths by GPU kernel time (bench_kernels: 14 a jitted call, as
     # in a flash-slice step), then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches as by
@@ -552,4 +560,4 @@ case "$stage" in
     parity_summary "$out"/parity-*.txt ;;
   *) echo "unknown stage $stage (one of $stages)" >&2; exit 2 ;;
 esac
-grep -E "^(==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |.*device busy|  (decode|prefill|engine|device))" "$log" | tail -120
+grep -E "^(kernels of|==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |.*device busy|  (decode|prefill|engine|device))" "$log" | tail -120
