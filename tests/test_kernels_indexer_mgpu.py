@@ -73,6 +73,8 @@ def test_shape_errors_and_engine():
     assert "J must be" in im.shape_error(32, 32)
     with pytest.raises(ValueError, match="engine must be one of"):
         ix.IndexerConfig(engine="cuda")
+    with pytest.raises(ValueError, match="mgpu_blocks must be >= 1"):
+        ix.IndexerConfig(mgpu_blocks=0)
     # off a GPU (interpret mode) the 'mgpu' engine takes the Triton kernel: the same values as the Triton engine
     args = problem([0] * 12, np.arange(12) * 3, 64, heads=8, dim=64, seed=1)
     np.testing.assert_array_equal(np.asarray(ix.index_scores_pallas(*args, config=ix.IndexerConfig(engine="mgpu"))),

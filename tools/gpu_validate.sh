@@ -90,10 +90,11 @@
 #            tools/dispatch_probe.py at B=1, alternating over three rounds (the host's spread needs them: the same
 #            executable ran 0.91-1.52 ms back to back on one H100 in the forty-ninth session), then the staging
 #            change's GPU tests;
-#   indexer-rows  (~150 s) the indexer's GPU tests, then its prefill row (8192 x 2048) by GPU kernel time with each
-#            kernel apart (bench_kernels --kernel-split: the Mosaic GPU kernel and the XLA pick), at 8 (the default),
-#            16 and 32 blocks a CTA (fiftieth session, H100: 16 took the kernel 158.1 -> 146.3 us; the pick's row
-#            gather, 8422130, had not run in the row);
+#   indexer-rows  (~180 s) the indexer's GPU tests (the kernel writing its rows itself, `rows`, among them: not yet
+#            run on a GPU), then its prefill row (8192 x 2048) by GPU kernel time with each kernel apart
+#            (bench_kernels --kernel-split: the Mosaic GPU kernel and the XLA pick), at 8 (the default), 16 and 32
+#            blocks a CTA and with `mgpu_rows` (fiftieth session, H100: 16 took the kernel 158.1 -> 146.3 us; the
+#            pick's row gather, 8422130, had not run in the row);
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
 #            session: wall time could not rank their launch cuts);
@@ -231,7 +232,8 @@ case "$stage" in
   indexer-rows)
     run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
     run 200 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
-      --repeats 3 --variant mgpu_blocks=16 --variant mgpu_blocks=32 ;;
+      --repeats 3 --variant mgpu_blocks=16 --variant mgpu_blocks=32 --variant mgpu_rows=True \
+      --variant mgpu_rows=True,mgpu_blocks=16 ;;
   mixes-ab)
     # (~250 s) the hyper-connection mixes alone at both widths by GPU kernel time (bench_kernels: 14 a jitted call, as
     # in a flash-slice step), then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches as by

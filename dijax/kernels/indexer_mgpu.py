@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.lib.mlir.dialects import memref
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -97,16 +98,18 @@ def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Arra
 
 
 def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array, seq_T: jax.Array,
-                      visible_T: jax.Array, *, blocks: int = 8,
+                      visible_T: jax.Array, *, blocks: int = 8, rows: bool = False,
                       interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``indexer.index_scores_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring), with the tiles' layout and the scores' pick and mask in XLA. -> float32 [T, P].
 
     Arguments as the reference's: q_TIJ bf16 [T, I, J], w_TI bf16 [T, I], keys_NJ bf16 [N, J], rows_SP int32 [S, P],
     seq_T int32 [T] (at most S + 1 runs of one sequence's consecutive tokens, as an engine step's: ``tiles``),
-    visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``shape_error`` lists the shapes it
-    takes. ``interpret``: run in the Mosaic GPU interpreter (keys gathered in XLA: module docstring), with its
-    default parameters or the ``InterpretGPUParams`` given."""
+    visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``rows``: the kernel writes each
+    tile's scores as 8 rows of [X x 8, P] itself (``_call``), so XLA only gathers whole rows; else as [X, P, 8],
+    transposed in XLA (the default until timed on a GPU; ignored in the interpreter, which runs no ``inline_mgpu``).
+    ``shape_error`` lists the shapes it takes. ``interpret``: run in the Mosaic GPU interpreter (keys gathered in
+    XLA: module docstring), with its default parameters or the ``InterpretGPUParams`` given."""
     t, i, j = q_TIJ.shape
     s, width = rows_SP.shape
     error = shape_error(i, j)
@@ -129,22 +132,38 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
         n = keys_NJ.shape[0]
         keys_SPJ = keys_NJ.astype(jnp.bfloat16)[jnp.clip(rows_SP, 0, n - 1)]
         gathered = (jnp.where(((rows_SP >= 0) & (rows_SP < n))[..., None], keys_SPJ, 0),)
-    out_XPG = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, *gathered, heads=i,
-                    blocks=blocks, interpret=interpret)
+    rows = rows and not interpret
+    out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, *gathered, heads=i,
+                blocks=blocks, rows=rows, interpret=interpret)
     col_T = jnp.arange(t, dtype=jnp.int32) - tiles_X4[tile_T, 1]  # each token's column in its tile
-    # a transpose, then whole rows gathered: a gather of each token's column straight from [X, P, G] read its
-    # positions 32 bytes apart (H100, prefill 8192 x 2048: 143.7 us against 100.1, fiftieth session)
-    out_YP = jnp.swapaxes(out_XPG[:, :width], 1, 2).reshape(-1, width)  # Y = X x G: row x G + g, tile x's token g
+    # Y = X x G: row x G + g, tile x's token g. Whole rows gathered: a gather of each token's column straight from
+    # [X, P, G] read its positions 32 bytes apart (H100, prefill 8192 x 2048: 143.7 us against 100.1 with the
+    # transpose, fiftieth session)
+    out_YP = out[:, :width] if rows else jnp.swapaxes(out[:, :width], 1, 2).reshape(-1, width)
     score_TP = out_YP[tile_T * TOKENS + col_T]
     visible = jnp.arange(width, dtype=jnp.int32)[None, :] < visible_T[:, None]
     return jnp.where(visible, score_TP, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "blocks", "interpret"))
+def store_transposed(x_RC: jax.Array, ref) -> None:
+    """Write the fp32 WGMMA-layout array ``x_RC`` transposed into ``ref`` (SMEM fp32 [C, R]): each thread stores
+    its own elements one by one (Warpgroup semantics has no ``transpose`` in jax 0.11.2, and a store through a
+    transposed reference fails its layout inference). GPU only: the interpreter runs no ``inline_mgpu``."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(ctx, x, out):
+        del ctx
+        x.foreach(lambda value, idx: memref.store(value, out, [idx[1], idx[0]]))
+
+    store(x_RC, ref)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "blocks", "rows", "interpret"))
 def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None, *, heads: int, blocks: int,
-          interpret: bool | plgpu.InterpretGPUParams):
-    """The kernel: float32 [X, P, G], tile x's scores of its tokens (column g: its token g) at every position of
-    a chunk some token of the tile sees (other chunks left unwritten)."""
+          rows: bool, interpret: bool | plgpu.InterpretGPUParams):
+    """The kernel: tile x's scores of its tokens at every position of a block some token of the tile sees (other
+    blocks left unwritten), float32 [X, P, G] (column g: its token g), or with ``rows`` [X x G, P] (row x G + g:
+    its token g; the rows of a part-filled tile's missing tokens hold whatever its last columns computed)."""
     n_tiles = tiles_X4.shape[0]
     j = keys_NJ.shape[1]
     width = rows_SP.shape[1]
@@ -215,10 +234,15 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                 r = r.astype(jnp.bfloat16).astype(jnp.float32)
                 r = jnp.where(r == 0, 0.0, r)  # +0.0 (the indexer module docstring)
                 plgpu.wait_smem_to_gmem(0)  # the last block's store has read o_smem
-                o_smem.at[wg][...] = r
-                plgpu.commit_smem()
                 p0 = c * chunk + (WARPGROUPS * jb + wg) * ROWS
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[x, pl.ds(p0, ROWS)])
+                if rows:
+                    store_transposed(r, o_smem.at[wg])
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[pl.ds(x * TOKENS, TOKENS), pl.ds(p0, ROWS)])
+                else:
+                    o_smem.at[wg][...] = r
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[x, pl.ds(p0, ROWS)])
                 return _
 
             lax.fori_loop(0, mine, block, None)
@@ -231,13 +255,14 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                 q_smem=plgpu.SMEM((n, j), jnp.bfloat16, transforms=TILED),
                 e_smem=plgpu.SMEM((TOKENS, n), jnp.bfloat16, transforms=TILED),
                 k_smem=plgpu.SMEM((WARPGROUPS, SLOTS, ROWS, j), jnp.bfloat16, transforms=TILED),
-                o_smem=plgpu.SMEM((WARPGROUPS, ROWS, TOKENS), jnp.float32),
+                o_smem=plgpu.SMEM((WARPGROUPS, *((TOKENS, ROWS) if rows else (ROWS, TOKENS))), jnp.float32),
                 t_smem=plgpu.SMEM((WARPGROUPS, ROWS, n), jnp.bfloat16, transforms=TILED) if interpret else None,
                 bar=plgpu.Barrier(num_arrivals=2),
                 collective_axes="wg")
 
     run = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((n_tiles, width, TOKENS), jnp.float32),
+        kernel, out_type=jax.ShapeDtypeStruct((n_tiles * TOKENS, width) if rows else (n_tiles, width, TOKENS),
+                                              jnp.float32),
         grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=WARPGROUPS, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))

@@ -138,24 +138,26 @@ def engine_order(args, runs):
     return (*args[:4], jnp.asarray(seq), args[5])
 
 
-def test_mgpu_prefill_of_one_sequence():
+@pytest.mark.parametrize("rows", [False, True])
+def test_mgpu_prefill_of_one_sequence(rows):
     # the Mosaic GPU kernel at prefill: 8192 tokens of one sequence over 2048 compressed positions, each seeing a
-    # growing prefix (t // 4 + 1), as an index layer's chunk does
+    # growing prefix (t // 4 + 1), as an index layer's chunk does; with ``rows`` the kernel writes its rows itself
     assert indexer_mgpu.available()
     t, width = 8192, 2048
     args = problem(t, width, np.arange(t) // 4 + 1, seqs=1, seed=11)
-    check(args, IndexerConfig(), max_fraction=1e-3, kernel=indexer_mgpu.index_scores_mgpu)
+    check(args, IndexerConfig(), max_fraction=1e-3,
+          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, rows=rows))
 
 
-@pytest.mark.parametrize("blocks", [8, 1, 3])
-def test_mgpu_ragged_runs_and_padding(blocks):
+@pytest.mark.parametrize("blocks,rows", [(8, False), (1, False), (3, False), (8, True), (3, True)])
+def test_mgpu_ragged_runs_and_padding(blocks, rows):
     # three sequences' chunks of ragged lengths (tiles cut at each), then padding tokens of sequence row 0 that
     # see nothing; one block a chunk leaves the second warpgroup idle
     runs = [(0, 37), (1, 5), (2, 100), (0, 18)]
     visible = np.concatenate([np.arange(37) * 40 + 1, [0, 1, 63, 64, 65], 3000 - np.arange(100), np.zeros(18)])
     args = engine_order(problem(160, 3000, visible, seqs=3, seed=blocks), runs)
     check(args, IndexerConfig(), max_fraction=1e-3,
-          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=blocks))
+          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=blocks, rows=rows))
 
 
 def test_mgpu_random_bf16_and_seam():
@@ -164,3 +166,4 @@ def test_mgpu_random_bf16_and_seam():
                         [(0, 256), (1, 256)])
     check(args, IndexerConfig(), max_fraction=0.02, kernel=indexer_mgpu.index_scores_mgpu)
     check(args, IndexerConfig(engine="mgpu"), max_fraction=0.02)
+    check(args, IndexerConfig(engine="mgpu", mgpu_rows=True), max_fraction=0.02)
