@@ -78,7 +78,7 @@ SM90 = {"core_count": 132, "clock_rate_ghz": 1.98, "l2_cache_size": 52_428_800, 
 # The CUDA driver and runtime the compile assumes. Without them XLA takes version 0 and its command-buffer pass drops
 # the command types that need stream capture (custom calls, cuBLAS: 12.3 and up), so every Mosaic GPU kernel would
 # split the step's CUDA graph here, which the GPU's own compile does not do.
-CUDA = "13.0.0"
+CUDA = (13, 0, 0)
 
 
 def target_config(target: str) -> str:
@@ -86,10 +86,13 @@ def target_config(target: str) -> str:
     card = TARGETS[target]
     fields = dict(SM90, device_memory_size=card["memory"], memory_bandwidth=card["bandwidth"])
     info = "\n".join(f"  {k}: {v}" for k, v in fields.items())
+    version = ".".join(map(str, CUDA))
+    major, minor, patch = CUDA
     return (f"gpu_device_info {{\n{info}\n  cuda_compute_capability {{ major: 9 minor: 0 }}\n"
-            f'  driver_version: "{CUDA}"\n  runtime_version: "{CUDA}"\n}}\n'
+            f'  driver_version: "{version}"\n  runtime_version: "{version}"\n}}\n'
             f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 10 }}\n'
-            f'runtime_version {{ major: 13 minor: 0 patch: 0 }}\ndevice_description_str: "{card["name"]}"\n')
+            f'runtime_version {{ major: {major} minor: {minor} patch: {patch} }}\n'
+            f'device_description_str: "{card["name"]}"\n')
 
 
 def compile_only_device(target: str) -> jax.Device:
