@@ -33,19 +33,25 @@ from tools.ceilings import FALLBACK, MEASURED, ceilings  # noqa: E402
 
 # the floors' ceilings: the H200's until main() sets the device's (tools/ceilings.py)
 BANDWIDTH, MATRIX_RATE = MEASURED[FALLBACK][:2]
-# --kernel-split: each device-timed row's kernels by name (``device_seconds`` keeps its last trace's, per call)
+# --kernel-split: each device-timed row's kernels by name, seconds per call (``device_seconds`` keeps its trace's,
+# ``time_call`` its best repeat's)
 KERNEL_SPLIT = False
 _last_split: dict[str, float] = {}
 
 
 def time_call(fn, *args, iters: int = 20, repeats: int = 5, device: bool = False) -> float:
     """Seconds per call of ``fn(*args)``: the best over ``repeats`` of the mean of ``iters`` back-to-back calls;
-    ``device``: of their GPU kernel time instead (``device_seconds``)."""
+    ``device``: of their GPU kernel time instead (``device_seconds``; the best repeat's kernels by name are left
+    for ``--kernel-split``)."""
     jax.block_until_ready(fn(*args))
-    best = float("inf")
+    best, split = float("inf"), {}
     for _ in range(repeats):
         if device:
-            best = min(best, device_seconds(fn, *args, calls=iters))
+            seconds = device_seconds(fn, *args, calls=iters)
+            if seconds < best:
+                best, split = seconds, dict(_last_split)
+            _last_split.clear()
+            _last_split.update(split)
             continue
         start = time.perf_counter()
         out = None
@@ -84,7 +90,8 @@ def _row(kernel: str, shape: str, impl: str, seconds: float, floor_bytes: float,
 
 def _timed_row(kernel: str, shape: str, impl: str, seconds: float, floor: float, base: float | None) -> dict:
     """A row against a floor in seconds; ``base``: the reference's seconds (None for the reference itself). With
-    ``KERNEL_SPLIT`` it prints the row's kernels by name (device time per call, the last device-timed trace's)."""
+    ``KERNEL_SPLIT`` it prints the row's kernels by name (device time per call, from the best repeat of the last
+    device-timed call)."""
     if KERNEL_SPLIT and _last_split:
         parts = sorted(_last_split.items(), key=lambda kv: -kv[1])
         print(f"kernels of {kernel}, {shape}, {impl}: " + "; ".join(f"{n[:60]} {t * 1e6:.1f} us" for n, t in parts))
