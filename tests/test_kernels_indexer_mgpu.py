@@ -21,35 +21,41 @@ pytestmark = pytest.mark.cost(30)
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
 
-def check(seq, visible, width, *, heads, dim, blocks, fq4=False, seed=0):
+def check(seq, visible, width, *, heads, dim, blocks, rows=False, fq4=False, seed=0):
     args = problem(seq, visible, width, heads=heads, dim=dim, fq4=fq4, seed=seed)
     want = np.asarray(jax.jit(ix.index_scores_reference)(*args))
-    got = np.asarray(im.index_scores_mgpu(*args, blocks=blocks, interpret=RACES))
+    got = np.asarray(im.index_scores_mgpu(*args, blocks=blocks, rows=rows, interpret=RACES))
     assert_agree(got, want, np.minimum(np.asarray(visible), width))
     return got, want
 
 
-def test_prefill_tiles_and_causal_visibility():
+@pytest.mark.parametrize("rows", [False, True])
+def test_prefill_tiles_and_causal_visibility(rows):
     # one sequence's 21 tokens (tiles of 8, 8 and 5) seeing a growing prefix: chunks no token of a tile sees are
-    # skipped, the rest masked in XLA; fq4 inputs (the model's) make every sum exact: bit for bit
-    got, want = check([0] * 21, np.arange(21) * 6 + 1, 128, heads=32, dim=128, blocks=1, fq4=True)
+    # skipped, the rest masked in XLA (with ``rows``: -inf written by the kernel, row by row for the tile of 5);
+    # fq4 inputs (the model's) make every sum exact: bit for bit
+    got, want = check([0] * 21, np.arange(21) * 6 + 1, 128, heads=32, dim=128, blocks=1, rows=rows, fq4=True)
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("heads,dim,blocks", [(32, 128, 2), (8, 64, 1), (16, 256, 3)])
-def test_ragged_sequences(heads, dim, blocks):
+@pytest.mark.parametrize("heads,dim,blocks,rows", [(32, 128, 2, False), (8, 64, 1, False), (16, 256, 3, False),
+                                                   (32, 128, 2, True), (8, 64, 1, True)])
+def test_ragged_sequences(heads, dim, blocks, rows):
     # four sequences of ragged lengths (tiles cut at every sequence), visible lengths from 0 past the width
     rng = np.random.default_rng(heads)
     seq = np.sort(rng.integers(0, 4, 30))
-    check(seq, rng.integers(0, 150, 30), 130, heads=heads, dim=dim, blocks=blocks, seed=heads)
+    check(seq, rng.integers(0, 150, 30), 130, heads=heads, dim=dim, blocks=blocks, rows=rows, seed=heads)
 
 
-def test_slots_refilled_over_a_long_chunk():
+@pytest.mark.parametrize("rows", [False, True])
+def test_slots_refilled_over_a_long_chunk(rows):
     # 10 blocks a chunk: each warpgroup walks 5 blocks through its im.SLOTS key slots, so slots are refilled while
     # later gathers are in flight (the race detector checks the refill order); positions seen up to 700 of 640 + 60
+    # (with ``rows``: blocks unseen past a tile's last position written -inf by the warpgroup that owns them)
     assert 10 // im.WARPGROUPS > im.SLOTS
     rng = np.random.default_rng(5)
-    check(np.sort(rng.integers(0, 2, 12)), rng.integers(300, 720, 12), 700, heads=8, dim=64, blocks=10, seed=5)
+    check(np.sort(rng.integers(0, 2, 12)), rng.integers(300, 720, 12), 700, heads=8, dim=64, blocks=10, rows=rows,
+          seed=5)
 
 
 def test_tiles():

@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dijax.kernels import row_gather
-from dijax.kernels.fp4_wgmma import COL_LAYOUT, available
+from dijax.kernels.fp4_wgmma import COL_LAYOUT, ROW_LAYOUT, available
 from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 
 TOKENS = 8  # tokens a tile: the head sum's wgmma N
@@ -105,11 +105,12 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
 
     Arguments as the reference's: q_TIJ bf16 [T, I, J], w_TI bf16 [T, I], keys_NJ bf16 [N, J], rows_SP int32 [S, P],
     seq_T int32 [T] (at most S + 1 runs of one sequence's consecutive tokens, as an engine step's: ``tiles``),
-    visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``rows``: the kernel writes each
-    tile's scores as 8 rows of [X x 8, P] itself (``_call``), so XLA only gathers whole rows; else as [X, P, 8],
-    transposed in XLA (the default until timed on a GPU; ignored in the interpreter, which runs no ``inline_mgpu``).
-    ``shape_error`` lists the shapes it takes. ``interpret``: run in the Mosaic GPU interpreter (keys gathered in
-    XLA: module docstring), with its default parameters or the ``InterpretGPUParams`` given."""
+    visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``rows``: the kernel writes the scores
+    [T, P] itself, each tile its tokens' rows, masked (-inf at p >= visible_T[t], also over the blocks it skips), so
+    nothing is left to XLA; else it writes each tile's [P, 8] columns and XLA transposes them, picks each token's row
+    and masks it (the default until timed on a GPU). ``shape_error`` lists the shapes it takes. ``interpret``: run
+    in the Mosaic GPU interpreter (keys gathered in XLA: module docstring), with its default parameters or the
+    ``InterpretGPUParams`` given."""
     t, i, j = q_TIJ.shape
     s, width = rows_SP.shape
     error = shape_error(i, j)
@@ -132,23 +133,30 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
         n = keys_NJ.shape[0]
         keys_SPJ = keys_NJ.astype(jnp.bfloat16)[jnp.clip(rows_SP, 0, n - 1)]
         gathered = (jnp.where(((rows_SP >= 0) & (rows_SP < n))[..., None], keys_SPJ, 0),)
-    rows = rows and not interpret
-    out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, *gathered, heads=i,
-                blocks=blocks, rows=rows, interpret=interpret)
+    # with ``rows`` a TMA store's rows must start 16 bytes apart (P a multiple of 4 floats); on the GPU it drops
+    # what falls past P, the interpreter raises there, so it writes the padded width
+    out_width = padded if interpret else -(-width // 4) * 4
+    visible_T = jnp.pad(jnp.minimum(visible_T, width).astype(jnp.int32), (0, TOKENS))  # (read like w)
+    out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_T, *gathered,
+                heads=i, blocks=blocks, rows=rows, out_width=out_width, interpret=interpret)
+    if rows:
+        return out[:, :width]
     col_T = jnp.arange(t, dtype=jnp.int32) - tiles_X4[tile_T, 1]  # each token's column in its tile
     # Y = X x G: row x G + g, tile x's token g. Whole rows gathered: a gather of each token's column straight from
     # [X, P, G] read its positions 32 bytes apart (H100, prefill 8192 x 2048: 143.7 us against 100.1 with the
     # transpose, fiftieth session)
-    out_YP = out[:, :width] if rows else jnp.swapaxes(out[:, :width], 1, 2).reshape(-1, width)
-    score_TP = out_YP[tile_T * TOKENS + col_T]
-    visible = jnp.arange(width, dtype=jnp.int32)[None, :] < visible_T[:, None]
+    score_TP = jnp.swapaxes(out[:, :width], 1, 2).reshape(-1, width)[tile_T * TOKENS + col_T]
+    visible = jnp.arange(width, dtype=jnp.int32)[None, :] < visible_T[:t, None]
     return jnp.where(visible, score_TP, -jnp.inf)
 
-
-def store_transposed(x_RC: jax.Array, ref) -> None:
-    """Write the fp32 WGMMA-layout array ``x_RC`` transposed into ``ref`` (SMEM fp32 [C, R]): each thread stores
-    its own elements one by one (Warpgroup semantics has no ``transpose`` in jax 0.11.2, and a store through a
-    transposed reference fails its layout inference). GPU only: the interpreter runs no ``inline_mgpu``."""
+def store_transposed(x_RC: jax.Array, ref, interpret) -> None:
+    """Write the fp32 WGMMA-layout array ``x_RC`` transposed into ``ref`` (SMEM fp32 [C, R]): on the GPU each
+    thread stores its own elements one by one (Warpgroup semantics has no ``transpose`` in jax 0.11.2, and a store
+    through a transposed reference fails its layout inference); the interpreter, which runs no ``inline_mgpu``,
+    transposes."""
+    if interpret:
+        ref[...] = x_RC.T
+        return
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def store(ctx, x, out):
@@ -158,19 +166,22 @@ def store_transposed(x_RC: jax.Array, ref) -> None:
     store(x_RC, ref)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "blocks", "rows", "interpret"))
-def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None, *, heads: int, blocks: int,
-          rows: bool, interpret: bool | plgpu.InterpretGPUParams):
+@functools.partial(jax.jit, static_argnames=("heads", "blocks", "rows", "out_width", "interpret"))
+def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathered_SPJ=None, *, heads: int,
+          blocks: int, rows: bool, out_width: int, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel: tile x's scores of its tokens at every position of a block some token of the tile sees (other
-    blocks left unwritten), float32 [X, P, G] (column g: its token g), or with ``rows`` [X x G, P] (row x G + g:
-    its token g; the rows of a part-filled tile's missing tokens hold whatever its last columns computed)."""
+    blocks left unwritten), float32 [X, P, G] (column g: its token g); or with ``rows`` the scores [T, out_width]
+    (token t's row: -inf at p >= visible_T[t], its tile's unseen blocks included; columns past P unwritten)."""
     n_tiles = tiles_X4.shape[0]
     j = keys_NJ.shape[1]
     width = rows_SP.shape[1]
     n = TOKENS * heads  # the scores' wgmma N
     chunk = blocks * ROWS
+    real_width = min(out_width, width)  # (rows) the positions a store may write: P, or the interpreter's padded P
+    pos_R = jnp.arange(ROWS, dtype=jnp.int32)
+    ninf_GR = jnp.full((TOKENS, ROWS), -jnp.inf, jnp.float32)
 
-    def kernel(tiles_ref, q_gmem, w_gmem, keys_gmem, rows_gmem, sum_gmem, *refs):
+    def kernel(tiles_ref, q_gmem, w_gmem, keys_gmem, rows_gmem, sum_gmem, visible_gmem, pos_gmem, ninf_gmem, *refs):
         gathered_gmem = refs[0] if interpret else None
         out_gmem = refs[-1]
         x, c = lax.axis_index("x"), lax.axis_index("c")
@@ -187,20 +198,61 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                 row_gather.gather_rows(rows_gmem.at[seq, pl.ds(p0, ROWS)], keys_gmem, k_smem.at[wg, slot],
                                        sizes=(keys_gmem.shape[0],), threads=WARPGROUP)
 
-        def body(q_smem, e_smem, k_smem, o_smem, t_smem, bar):
-            @pl.when(wg == 0)
+        def store_rows(o_smem, p0):
+            """(rows) Start the stores of the tile's tokens' rows at positions p0 + [0, 64) from ``o_smem``
+            (SMEM fp32 [G, 64]): one copy for a full tile, else a copy a token."""
+            @pl.when(count == TOKENS)
             def _():
-                plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first * heads, n)], q_smem, bar)
-                plgpu.copy_gmem_to_smem(sum_gmem, e_smem, bar)
-            w_col = plgpu.load(w_gmem.at[pl.ds(first * heads, n)], layout=COL_LAYOUT, optimized=False)
-            w_col = lax.broadcast_in_dim(w_col, (ROWS, n), [1])
-            # the chunk's blocks some token of the tile sees (the rest stay unwritten: the pick masks them), and
-            # this warpgroup's of them: wg, wg + 2, ...
+                plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(first, TOKENS), pl.ds(p0, ROWS)])
+
+            for g in range(TOKENS - 1):
+                @pl.when((g < count) & (count < TOKENS))
+                def _():
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(g, 1)], out_gmem.at[pl.ds(first + g, 1), pl.ds(p0, ROWS)])
+
+        def body(q_smem, e_smem, k_smem, o_smem, n_smem, t_smem, bar, n_bar):
+            # the chunk's blocks some token of the tile sees (without ``rows`` the rest stay unwritten: the pick
+            # masks them), and this warpgroup's of them: wg, wg + 2, ...
             live = jnp.minimum(blocks, (seen - c * chunk + ROWS - 1) // ROWS)
             mine = (live - wg + WARPGROUPS - 1) // WARPGROUPS
+
+            @pl.when(wg == 0)
+            def _():
+                @pl.when(live > 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first * heads, n)], q_smem, bar)
+                    plgpu.copy_gmem_to_smem(sum_gmem, e_smem, bar)
+                if rows:
+                    plgpu.copy_gmem_to_smem(ninf_gmem, n_smem, n_bar)
+
             @pl.when(mine > 0)  # (with one live block, the second warpgroup has none)
             def _():
-                fetch(0, k_smem)
+                compute(q_smem, e_smem, k_smem, o_smem, t_smem, bar, mine)
+
+            if rows:  # -inf over this warpgroup's blocks no token of the tile sees
+                plgpu.barrier_wait(n_bar)
+
+                def unseen(jb, _):
+                    p0 = c * chunk + (WARPGROUPS * jb + wg) * ROWS
+
+                    @pl.when(p0 < real_width)
+                    def _():
+                        store_rows(n_smem, p0)
+                    return _
+
+                lax.fori_loop(jnp.maximum(mine, 0), (blocks - wg + WARPGROUPS - 1) // WARPGROUPS, unseen, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        def compute(q_smem, e_smem, k_smem, o_smem, t_smem, bar, mine):
+            """This warpgroup's ``mine`` blocks of the chunk: gathers, both products, the rounding chain, stores."""
+            w_col = plgpu.load(w_gmem.at[pl.ds(first * heads, n)], layout=COL_LAYOUT, optimized=False)
+            w_col = lax.broadcast_in_dim(w_col, (ROWS, n), [1])
+            if rows:
+                visible_RG = lax.broadcast_in_dim(
+                    plgpu.load(visible_gmem.at[pl.ds(first, TOKENS)], layout=COL_LAYOUT, optimized=False),
+                    (ROWS, TOKENS), [1])
+                pos_R = plgpu.load(pos_gmem, layout=ROW_LAYOUT, optimized=False)
+            fetch(0, k_smem)
             row_gather.commit_group(interpret)
             plgpu.barrier_wait(bar)
 
@@ -236,9 +288,10 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                 plgpu.wait_smem_to_gmem(0)  # the last block's store has read o_smem
                 p0 = c * chunk + (WARPGROUPS * jb + wg) * ROWS
                 if rows:
-                    store_transposed(r, o_smem.at[wg])
+                    seen_RG = lax.broadcast_in_dim(pos_R + p0, (ROWS, TOKENS), [0]) < visible_RG
+                    store_transposed(jnp.where(seen_RG, r, -jnp.inf), o_smem.at[wg], interpret)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[pl.ds(x * TOKENS, TOKENS), pl.ds(p0, ROWS)])
+                    store_rows(o_smem.at[wg], p0)
                 else:
                     o_smem.at[wg][...] = r
                     plgpu.commit_smem()
@@ -246,9 +299,9 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                 return _
 
             lax.fori_loop(0, mine, block, None)
-            plgpu.wait_smem_to_gmem(0)
 
-        @pl.when((count > 0) & (c * chunk < seen))  # a chunk some token of the tile sees
+        # without ``rows`` only a chunk some token of the tile sees; with it every chunk (its unseen blocks -inf)
+        @pl.when((count > 0) & (c * chunk < seen) if not rows else count > 0)
         def _():
             pl.run_scoped(
                 body,
@@ -256,14 +309,17 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, gathered_SPJ=None,
                 e_smem=plgpu.SMEM((TOKENS, n), jnp.bfloat16, transforms=TILED),
                 k_smem=plgpu.SMEM((WARPGROUPS, SLOTS, ROWS, j), jnp.bfloat16, transforms=TILED),
                 o_smem=plgpu.SMEM((WARPGROUPS, *((TOKENS, ROWS) if rows else (ROWS, TOKENS))), jnp.float32),
+                n_smem=plgpu.SMEM((TOKENS, ROWS), jnp.float32) if rows else None,
                 t_smem=plgpu.SMEM((WARPGROUPS, ROWS, n), jnp.bfloat16, transforms=TILED) if interpret else None,
                 bar=plgpu.Barrier(num_arrivals=2),
+                n_bar=plgpu.Barrier(num_arrivals=1) if rows else None,
                 collective_axes="wg")
 
     run = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((n_tiles * TOKENS, width) if rows else (n_tiles, width, TOKENS),
-                                              jnp.float32),
+        kernel, out_type=jax.ShapeDtypeStruct((visible_T.shape[0] - TOKENS, out_width) if rows
+                                              else (n_tiles, width, TOKENS), jnp.float32),
         grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=WARPGROUPS, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))
-    return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, *(() if gathered_SPJ is None else (gathered_SPJ,)))
+    return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, pos_R, ninf_GR,
+               *(() if gathered_SPJ is None else (gathered_SPJ,)))
