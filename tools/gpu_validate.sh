@@ -95,6 +95,7 @@
 #            (bench_kernels --kernel-split: the Mosaic GPU kernel and the XLA pick), at 8 (the default), 16 and 32
 #            blocks a CTA and with `mgpu_rows` (fiftieth session, H100: 16 took the kernel 158.1 -> 146.3 us; the
 #            pick's row gather, 8422130, had not run in the row);
+#   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
 #            session: wall time could not rank their launch cuts);
@@ -128,7 +129,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="indexer-rows|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="indexer-rows|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -234,6 +235,18 @@ case "$stage" in
     run 200 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
       --repeats 3 --variant mgpu_blocks=16 --variant mgpu_blocks=32 --variant mgpu_rows=True \
       --variant mgpu_rows=True,mgpu_blocks=16 ;;
+  indexer-profile)
+    # (~200 s; first after a machine start, as `profile` says) hardware counters of the Mosaic GPU indexer at
+    # prefill 8192 x 2048 (146-158 us of kernel time against an 86.8 us tensor-core floor on an H100, fiftieth
+    # session): tensor-pipe use, L2 traffic of the key gathers, stall reasons. The details page comes back whole.
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    run 250 ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
+      -k regex:^kernel_mosaic_gpu -c 2 -o "$out/ncu-indexer" \
+      python3 tools/bench_kernels.py --only indexer --rows mgpu --iters 1 --repeats 1 --variant mgpu_rows=True
+    ncu --import "$out/ncu-indexer.ncu-rep" --page details > "$out/ncu-indexer.txt" 2>&1
+    grep -E "^  [A-Za-z_]|Duration|Throughput|Registers Per|Achieved Occupancy|Cycles Per Issued|Stall|Pipe|L2" \
+      "$out/ncu-indexer.txt" | head -150 >> "$log" ;;
   mixes-ab)
     # (~250 s) the hyper-connection mixes alone at both widths by GPU kernel time (bench_kernels: 14 a jitted call, as
     # in a flash-slice step), then the tiny decode rows at batch 1, 16 and 64 with the mixes in two launches as by
