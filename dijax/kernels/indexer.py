@@ -97,8 +97,8 @@ class IndexerConfig:
     (thirty-first session) it took prefill 8192 x 2048 (32 heads x 128) in 433 us against 496 (20.2 % of the
     tensor-core floor against 17.7 %), its outputs within 1 ulp of the reference. mgpu_blocks: the Mosaic GPU
     kernel's blocks of 64 positions a CTA (``index_scores_mgpu``'s ``blocks``: each CTA loads its tile's queries
-    once for that many blocks). mgpu_rows: the Mosaic GPU kernel writes each tile's 8 rows of scores itself, so
-    that XLA only gathers rows (``index_scores_mgpu``'s ``rows``; off until timed and tested on a GPU).
+    once for that many blocks). mgpu_rows: the Mosaic GPU kernel writes the scores [T, P] itself, masked, so
+    that nothing is left to XLA (``index_scores_mgpu``'s ``rows``; off until timed and tested on a GPU).
     """
 
     block_p: int = 128
