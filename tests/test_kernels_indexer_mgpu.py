@@ -21,10 +21,10 @@ pytestmark = pytest.mark.cost(30)
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
 
-def check(seq, visible, width, *, heads, dim, blocks, rows=False, fq4=False, seed=0):
+def check(seq, visible, width, *, heads, dim, blocks, rows=False, warpgroups=im.WARPGROUPS, fq4=False, seed=0):
     args = problem(seq, visible, width, heads=heads, dim=dim, fq4=fq4, seed=seed)
     want = np.asarray(jax.jit(ix.index_scores_reference)(*args))
-    got = np.asarray(im.index_scores_mgpu(*args, blocks=blocks, rows=rows, interpret=RACES))
+    got = np.asarray(im.index_scores_mgpu(*args, blocks=blocks, warpgroups=warpgroups, rows=rows, interpret=RACES))
     assert_agree(got, want, np.minimum(np.asarray(visible), width))
     return got, want
 
@@ -47,15 +47,16 @@ def test_ragged_sequences(heads, dim, blocks, rows):
     check(seq, rng.integers(0, 150, 30), 130, heads=heads, dim=dim, blocks=blocks, rows=rows, seed=heads)
 
 
-@pytest.mark.parametrize("rows", [False, True])
-def test_slots_refilled_over_a_long_chunk(rows):
-    # 10 blocks a chunk: each warpgroup walks 5 blocks through its im.SLOTS key slots, so slots are refilled while
-    # later gathers are in flight (the race detector checks the refill order); positions seen up to 700 of 640 + 60
-    # (with ``rows``: blocks unseen past a tile's last position written -inf by the warpgroup that owns them)
+@pytest.mark.parametrize("rows,warpgroups", [(False, 2), (True, 2), (True, 1)])
+def test_slots_refilled_over_a_long_chunk(rows, warpgroups):
+    # 10 blocks a chunk: each warpgroup walks 5 (or the one warpgroup 10) blocks through its im.SLOTS key slots, so
+    # slots are refilled while later gathers are in flight (the race detector checks the refill order); positions
+    # seen up to 700 of 640 + 60 (with ``rows``: blocks unseen past a tile's last position written -inf by the
+    # warpgroup that owns them)
     assert 10 // im.WARPGROUPS > im.SLOTS
     rng = np.random.default_rng(5)
     check(np.sort(rng.integers(0, 2, 12)), rng.integers(300, 720, 12), 700, heads=8, dim=64, blocks=10, rows=rows,
-          seed=5)
+          warpgroups=warpgroups, seed=5)
 
 
 def test_tiles():
@@ -81,6 +82,8 @@ def test_shape_errors_and_engine():
         ix.IndexerConfig(engine="cuda")
     with pytest.raises(ValueError, match="mgpu_blocks must be >= 1"):
         ix.IndexerConfig(mgpu_blocks=0)
+    with pytest.raises(ValueError, match="mgpu_warpgroups must be 1 or 2"):
+        ix.IndexerConfig(mgpu_warpgroups=3)
     # off a GPU (interpret mode) the 'mgpu' engine takes the Triton kernel: the same values as the Triton engine
     args = problem([0] * 12, np.arange(12) * 3, 64, heads=8, dim=64, seed=1)
     np.testing.assert_array_equal(np.asarray(ix.index_scores_pallas(*args, config=ix.IndexerConfig(engine="mgpu"))),

@@ -90,11 +90,11 @@
 #            tools/dispatch_probe.py at B=1, alternating over three rounds (the host's spread needs them: the same
 #            executable ran 0.91-1.52 ms back to back on one H100 in the forty-ninth session), then the staging
 #            change's GPU tests;
-#   indexer-rows  (~180 s) the indexer's GPU tests (the kernel writing its rows itself, `rows`, among them: not yet
-#            run on a GPU), then its prefill row (8192 x 2048) by GPU kernel time with each kernel apart
-#            (bench_kernels --kernel-split: the Mosaic GPU kernel and the XLA pick), at 8 (the default), 16 and 32
-#            blocks a CTA and with `mgpu_rows` (fiftieth session, H100: 16 took the kernel 158.1 -> 146.3 us; the
-#            pick's row gather, 8422130, had not run in the row);
+#   indexer-rows  (~250 s) the indexer's GPU tests (the kernel writing the scores [T, P] itself, `rows`, and one
+#            compute warpgroup a CTA among them: not yet run on a GPU), then its prefill row (8192 x 2048) by GPU
+#            kernel time with each kernel apart (bench_kernels --kernel-split: the Mosaic GPU kernel and the XLA
+#            pick), at 8 (the default) and 16 blocks a CTA, and with `mgpu_rows` at 8, 16 and 32 and with one
+#            warpgroup (fiftieth session, H100: 16 took the kernel 158.1 -> 146.3 us; the pick 141 us);
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -232,9 +232,10 @@ case "$stage" in
     run 150 python3 tools/stream_probe.py ;;
   indexer-rows)
     run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
-    run 200 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
-      --repeats 3 --variant mgpu_blocks=16 --variant mgpu_blocks=32 --variant mgpu_rows=True \
-      --variant mgpu_rows=True,mgpu_blocks=16 ;;
+    run 240 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
+      --repeats 3 --variant mgpu_blocks=16 --variant mgpu_rows=True --variant mgpu_rows=True,mgpu_blocks=16 \
+      --variant mgpu_rows=True,mgpu_blocks=32 --variant mgpu_rows=True,mgpu_warpgroups=1 \
+      --variant mgpu_rows=True,mgpu_warpgroups=1,mgpu_blocks=16 ;;
   indexer-profile)
     # (~200 s; first after a machine start, as `profile` says) hardware counters of the Mosaic GPU indexer at
     # prefill 8192 x 2048 (146-158 us of kernel time against an 86.8 us tensor-core floor on an H100, fiftieth

@@ -97,7 +97,8 @@ class IndexerConfig:
     (thirty-first session) it took prefill 8192 x 2048 (32 heads x 128) in 433 us against 496 (20.2 % of the
     tensor-core floor against 17.7 %), its outputs within 1 ulp of the reference. mgpu_blocks: the Mosaic GPU
     kernel's blocks of 64 positions a CTA (``index_scores_mgpu``'s ``blocks``: each CTA loads its tile's queries
-    once for that many blocks). mgpu_rows: the Mosaic GPU kernel writes the scores [T, P] itself, masked, so
+    once for that many blocks). mgpu_warpgroups: its compute warpgroups a CTA (``warpgroups``: 1 lets two CTAs
+    share an SM). mgpu_rows: the Mosaic GPU kernel writes the scores [T, P] itself, masked, so
     that nothing is left to XLA (``index_scores_mgpu``'s ``rows``; off until timed and tested on a GPU).
     """
 
@@ -111,6 +112,7 @@ class IndexerConfig:
     engine: str = "mgpu"
     mgpu_min_tokens_per_seq: int = 4
     mgpu_blocks: int = 8
+    mgpu_warpgroups: int = 2
     mgpu_rows: bool = False
 
     def __post_init__(self):
@@ -118,6 +120,8 @@ class IndexerConfig:
             raise ValueError(f"indexer IndexerConfig.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.mgpu_blocks < 1:
             raise ValueError(f"indexer IndexerConfig.mgpu_blocks must be >= 1, got {self.mgpu_blocks}")
+        if self.mgpu_warpgroups not in (1, 2):
+            raise ValueError(f"indexer IndexerConfig.mgpu_warpgroups must be 1 or 2, got {self.mgpu_warpgroups}")
 
 
 CONFIG = IndexerConfig()
@@ -210,7 +214,8 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
     if (config.engine == "mgpu" and not interpret and t >= config.mgpu_min_tokens_per_seq * s
             and indexer_mgpu.available() and indexer_mgpu.shape_error(i, j) is None):
         return indexer_mgpu.index_scores_mgpu(q_TIJ, w_TI, keys_NJ, rows_SP, seq_T, visible_T,
-                                              blocks=config.mgpu_blocks, rows=config.mgpu_rows)
+                                              blocks=config.mgpu_blocks, warpgroups=config.mgpu_warpgroups,
+                                              rows=config.mgpu_rows)
     if not _power_of_two(j) or j < MIN_DOT:
         raise ValueError(f"index_scores_pallas: the index head dim J={j} must be a power of two >= {MIN_DOT}")
     if not _power_of_two(config.block_p) or config.block_p < MIN_DOT:

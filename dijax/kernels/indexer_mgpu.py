@@ -65,7 +65,7 @@ from dijax.kernels.fp4_wgmma import COL_LAYOUT, ROW_LAYOUT, available
 from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 
 TOKENS = 8  # tokens a tile: the head sum's wgmma N
-WARPGROUPS = 2  # compute warpgroups, alternate blocks of positions
+WARPGROUPS = 2  # compute warpgroups by default (``warpgroups``), alternate blocks of positions
 SLOTS = 2  # key slots a warpgroup
 MAX_N = 256  # wgmma's N: TOKENS x heads
 
@@ -102,14 +102,16 @@ def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Arra
 
 
 def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array, seq_T: jax.Array,
-                      visible_T: jax.Array, *, blocks: int = 8, rows: bool = False,
+                      visible_T: jax.Array, *, blocks: int = 8, warpgroups: int = WARPGROUPS, rows: bool = False,
                       interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``indexer.index_scores_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring), with the tiles' layout and the scores' pick and mask in XLA. -> float32 [T, P].
 
     Arguments as the reference's: q_TIJ bf16 [T, I, J], w_TI bf16 [T, I], keys_NJ bf16 [N, J], rows_SP int32 [S, P],
     seq_T int32 [T] (at most S + 1 runs of one sequence's consecutive tokens, as an engine step's: ``tiles``),
-    visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``rows``: the kernel writes the scores
+    visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``warpgroups``: compute warpgroups a
+    CTA, 1 or 2 (with one, a CTA needs ~104 KB of shared memory and under half an SM's registers, so two CTAs share
+    an SM and one's start, its queries' copy and first gather, lies under the other's products). ``rows``: the kernel writes the scores
     [T, P] itself, each tile its tokens' rows, masked (-inf at p >= visible_T[t], also over the blocks it skips), so
     nothing is left to XLA; else it writes each tile's [P, 8] columns and XLA transposes them, picks each token's row
     and masks it (the default until timed on a GPU). ``shape_error`` lists the shapes it takes. ``interpret``: run
@@ -120,6 +122,8 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     error = shape_error(i, j)
     if error:
         raise ValueError(error)
+    if warpgroups not in (1, 2):
+        raise ValueError(f"indexer_mgpu: warpgroups must be 1 or 2, got {warpgroups}")
     chunk = blocks * ROWS
     padded = -(-width // chunk) * chunk
     tiles_X4, tile_T = tiles(seq_T.astype(jnp.int32), jnp.minimum(visible_T, width), s)
@@ -142,7 +146,7 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     out_width = padded if interpret else -(-width // 4) * 4
     visible_T = jnp.pad(jnp.minimum(visible_T, width).astype(jnp.int32), (0, TOKENS))  # (read like w)
     out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_T, *gathered,
-                heads=i, blocks=blocks, rows=rows, out_width=out_width, interpret=interpret)
+                heads=i, blocks=blocks, warpgroups=warpgroups, rows=rows, out_width=out_width, interpret=interpret)
     if rows:
         return out[:, :width]
     col_T = jnp.arange(t, dtype=jnp.int32) - tiles_X4[tile_T, 1]  # each token's column in its tile
@@ -170,9 +174,9 @@ def store_transposed(x_RC: jax.Array, ref, interpret) -> None:
     store(x_RC, ref)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "blocks", "rows", "out_width", "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "blocks", "warpgroups", "rows", "out_width", "interpret"))
 def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathered_SPJ=None, *, heads: int,
-          blocks: int, rows: bool, out_width: int, interpret: bool | plgpu.InterpretGPUParams):
+          blocks: int, warpgroups: int, rows: bool, out_width: int, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel: tile x's scores of its tokens at every position of a block some token of the tile sees (other
     blocks left unwritten), float32 [X, P, G] (column g: its token g); or with ``rows`` the scores [T, out_width]
     (token t's row: -inf at p >= visible_T[t], its tile's unseen blocks included; columns past P unwritten)."""
@@ -194,7 +198,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
 
         def fetch(jb, k_smem):
             """Start the gather of this warpgroup's jb-th block into slot jb % 2."""
-            p0 = c * chunk + (WARPGROUPS * jb + wg) * ROWS
+            p0 = c * chunk + (warpgroups * jb + wg) * ROWS
             slot = lax.rem(jb, SLOTS)
             if interpret:
                 k_smem.at[wg, slot][...] = gathered_gmem.at[seq, pl.ds(p0, ROWS)][...]
@@ -218,7 +222,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
             # the chunk's blocks some token of the tile sees (without ``rows`` the rest stay unwritten: the pick
             # masks them), and this warpgroup's of them: wg, wg + 2, ...
             live = jnp.minimum(blocks, (seen - c * chunk + ROWS - 1) // ROWS)
-            mine = (live - wg + WARPGROUPS - 1) // WARPGROUPS
+            mine = (live - wg + warpgroups - 1) // warpgroups
 
             @pl.when(wg == 0)
             def _():
@@ -237,14 +241,14 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
                 plgpu.barrier_wait(n_bar)
 
                 def unseen(jb, _):
-                    p0 = c * chunk + (WARPGROUPS * jb + wg) * ROWS
+                    p0 = c * chunk + (warpgroups * jb + wg) * ROWS
 
                     @pl.when(p0 < real_width)
                     def _():
                         store_rows(n_smem, p0)
                     return _
 
-                lax.fori_loop(jnp.maximum(mine, 0), (blocks - wg + WARPGROUPS - 1) // WARPGROUPS, unseen, None)
+                lax.fori_loop(jnp.maximum(mine, 0), (blocks - wg + warpgroups - 1) // warpgroups, unseen, None)
             plgpu.wait_smem_to_gmem(0)
 
         def compute(q_smem, e_smem, k_smem, o_smem, t_smem, bar, mine):
@@ -290,7 +294,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
                 r = r.astype(jnp.bfloat16).astype(jnp.float32)
                 r = jnp.where(r == 0, 0.0, r)  # +0.0 (the indexer module docstring)
                 plgpu.wait_smem_to_gmem(0)  # the last block's store has read o_smem
-                p0 = c * chunk + (WARPGROUPS * jb + wg) * ROWS
+                p0 = c * chunk + (warpgroups * jb + wg) * ROWS
                 if rows:
                     seen_RG = lax.broadcast_in_dim(pos_R + p0, (ROWS, TOKENS), [0]) < visible_RG
                     store_transposed(jnp.where(seen_RG, r, -jnp.inf), o_smem.at[wg], interpret)
@@ -311,10 +315,10 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
                 body,
                 q_smem=plgpu.SMEM((n, j), jnp.bfloat16, transforms=TILED),
                 e_smem=plgpu.SMEM((TOKENS, n), jnp.bfloat16, transforms=TILED),
-                k_smem=plgpu.SMEM((WARPGROUPS, SLOTS, ROWS, j), jnp.bfloat16, transforms=TILED),
-                o_smem=plgpu.SMEM((WARPGROUPS, *((TOKENS, ROWS) if rows else (ROWS, TOKENS))), jnp.float32),
+                k_smem=plgpu.SMEM((warpgroups, SLOTS, ROWS, j), jnp.bfloat16, transforms=TILED),
+                o_smem=plgpu.SMEM((warpgroups, *((TOKENS, ROWS) if rows else (ROWS, TOKENS))), jnp.float32),
                 n_smem=plgpu.SMEM((TOKENS, ROWS), jnp.float32) if rows else None,
-                t_smem=plgpu.SMEM((WARPGROUPS, ROWS, n), jnp.bfloat16, transforms=TILED) if interpret else None,
+                t_smem=plgpu.SMEM((warpgroups, ROWS, n), jnp.bfloat16, transforms=TILED) if interpret else None,
                 bar=plgpu.Barrier(num_arrivals=2),
                 n_bar=plgpu.Barrier(num_arrivals=1) if rows else None,
                 collective_axes="wg")
@@ -322,7 +326,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
     run = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((visible_T.shape[0] - TOKENS, out_width) if rows
                                               else (n_tiles, width, TOKENS), jnp.float32),
-        grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=WARPGROUPS, thread_name="wg",
+        grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=warpgroups, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))
     return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, pos_R, ninf_GR,
