@@ -142,13 +142,14 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
         keys_SPJ = keys_NJ.astype(jnp.bfloat16)[jnp.clip(rows_SP, 0, n - 1)]
         gathered = (jnp.where(((rows_SP >= 0) & (rows_SP < n))[..., None], keys_SPJ, 0),)
     # with ``rows`` a TMA store's rows must start 16 bytes apart (P a multiple of 4 floats); on the GPU it drops
-    # what falls past P, the interpreter raises there, so it writes the padded width
-    out_width = padded if interpret else -(-width // 4) * 4
+    # what falls past P, the interpreter raises there, so it writes the padded width; and as for q, a store's box
+    # is kept within the array (at least a tile's rows and a block's positions: tiny shapes sliced after)
+    out_width = padded if interpret else max(-(-width // 4) * 4, ROWS)
     visible_T = jnp.pad(jnp.minimum(visible_T, width).astype(jnp.int32), (0, TOKENS))  # (read like w)
     out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_T, *gathered,
                 heads=i, blocks=blocks, warpgroups=warpgroups, rows=rows, out_width=out_width, interpret=interpret)
     if rows:
-        return out[:, :width]
+        return out[:t, :width]
     col_T = jnp.arange(t, dtype=jnp.int32) - tiles_X4[tile_T, 1]  # each token's column in its tile
     # Y = X x G: row x G + g, tile x's token g. Whole rows gathered: a gather of each token's column straight from
     # [X, P, G] read its positions 32 bytes apart (H100, prefill 8192 x 2048: 143.7 us against 100.1 with the
@@ -178,8 +179,9 @@ def store_transposed(x_RC: jax.Array, ref, interpret) -> None:
 def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathered_SPJ=None, *, heads: int,
           blocks: int, warpgroups: int, rows: bool, out_width: int, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel: tile x's scores of its tokens at every position of a block some token of the tile sees (other
-    blocks left unwritten), float32 [X, P, G] (column g: its token g); or with ``rows`` the scores [T, out_width]
-    (token t's row: -inf at p >= visible_T[t], its tile's unseen blocks included; columns past P unwritten)."""
+    blocks left unwritten), float32 [X, P, G] (column g: its token g); or with ``rows`` the scores [max(T, G),
+    out_width] (token t's row: -inf at p >= visible_T[t], its tile's unseen blocks included; columns past P and
+    rows past T unwritten)."""
     n_tiles = tiles_X4.shape[0]
     j = keys_NJ.shape[1]
     width = rows_SP.shape[1]
@@ -324,7 +326,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
                 collective_axes="wg")
 
     run = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((visible_T.shape[0] - TOKENS, out_width) if rows
+        kernel, out_type=jax.ShapeDtypeStruct((max(visible_T.shape[0] - TOKENS, TOKENS), out_width) if rows
                                               else (n_tiles, width, TOKENS), jnp.float32),
         grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=warpgroups, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

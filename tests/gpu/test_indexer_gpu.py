@@ -163,6 +163,15 @@ def test_mgpu_ragged_runs_and_padding(blocks, rows, width, warpgroups):
           kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=blocks, warpgroups=warpgroups, rows=rows))
 
 
+@pytest.mark.parametrize("t,width", [(3, 40), (20, 61)])
+def test_mgpu_rows_small_shapes(t, width):
+    # ``rows`` where the scores are smaller than a store's box: fewer tokens than a tile, fewer positions than a
+    # block, a width that is no multiple of 4 (written wider, then sliced)
+    args = problem(t, width, np.arange(t) * 3 + 1, seqs=1, seed=t)
+    check(args, IndexerConfig(), max_fraction=1e-3,
+          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=2, rows=True))
+
+
 def test_mgpu_random_bf16_and_seam():
     # unquantised inputs within one ulp; then the seam: IndexerConfig(engine='mgpu') takes a prefill-shaped call
     args = engine_order(problem(512, 4096, np.linspace(0, 4096, 512).astype(int), seqs=2, seed=3, fq4=False),
