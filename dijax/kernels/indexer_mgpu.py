@@ -111,10 +111,10 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     seq_T int32 [T] (at most S + 1 runs of one sequence's consecutive tokens, as an engine step's: ``tiles``),
     visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``warpgroups``: compute warpgroups a
     CTA, 1 or 2 (with one, a CTA needs ~104 KB of shared memory and under half an SM's registers, so two CTAs share
-    an SM and one's start, its queries' copy and first gather, lies under the other's products). ``rows``: the kernel writes the scores
-    [T, P] itself, each tile its tokens' rows, masked (-inf at p >= visible_T[t], also over the blocks it skips), so
-    nothing is left to XLA; else it writes each tile's [P, 8] columns and XLA transposes them, picks each token's row
-    and masks it (the default until timed on a GPU). ``shape_error`` lists the shapes it takes. ``interpret``: run
+    an SM and one's start, its queries' copy and first gather, lies under the other's products). ``rows``: the
+    kernel writes the scores [T, P] itself, each tile its tokens' rows, masked (-inf at p >= visible_T[t], also
+    over the blocks it skips), so nothing is left to XLA; else it writes each tile's [P, 8] columns and XLA
+    transposes them, picks each token's row and masks it (the default until timed on a GPU). ``shape_error`` lists the shapes it takes. ``interpret``: run
     in the Mosaic GPU interpreter (keys gathered in XLA: module docstring), with its default parameters or the
     ``InterpretGPUParams`` given."""
     t, i, j = q_TIJ.shape

@@ -160,7 +160,8 @@ def test_mgpu_ragged_runs_and_padding(blocks, rows, width, warpgroups):
     visible = np.concatenate([np.arange(37) * 40 + 1, [0, 1, 63, 64, 65], 3000 - np.arange(100), np.zeros(18)])
     args = engine_order(problem(160, width, visible, seqs=3, seed=blocks), runs)
     check(args, IndexerConfig(), max_fraction=1e-3,
-          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=blocks, warpgroups=warpgroups, rows=rows))
+          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=blocks, warpgroups=warpgroups,
+                                                           rows=rows))
 
 
 @pytest.mark.parametrize("t,width", [(3, 40), (20, 61)])
