@@ -95,6 +95,7 @@
 #            kernel time with each kernel apart (bench_kernels --kernel-split: the Mosaic GPU kernel and the XLA
 #            pick), at 8 (the default) and 16 blocks a CTA, and with `mgpu_rows` at 8, 16 and 32 and with one
 #            warpgroup (fiftieth session, H100: 16 took the kernel 158.1 -> 146.3 us; the pick 141 us);
+#   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's `mgpu_rows` against the defaults;
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -129,7 +130,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="indexer-rows|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -236,6 +237,12 @@ case "$stage" in
       --repeats 3 --variant mgpu_blocks=16 --variant mgpu_rows=True --variant mgpu_rows=True,mgpu_blocks=16 \
       --variant mgpu_rows=True,mgpu_blocks=32 --variant mgpu_rows=True,mgpu_warpgroups=1 \
       --variant mgpu_rows=True,mgpu_warpgroups=1,mgpu_blocks=16 ;;
+  indexer-e2e)
+    # (~400 s) flash-slice prefill 8192 with the indexer's scores written by its kernel (`mgpu_rows`, 16 blocks a
+    # CTA) against the defaults, alternating over two rounds in one process (the model loaded once)
+    run 560 python3 tools/bench.py --model flash-slice --decode-batch 1 --context 255 --prefill 8192 --kernels on \
+      --engine off --warmup 2 --iters 5 --rounds 2 \
+      --variant "indexer.CONFIG.mgpu_rows=True;indexer.CONFIG.mgpu_blocks=16" ;;
   indexer-profile)
     # (~200 s; first after a machine start, as `profile` says) hardware counters of the Mosaic GPU indexer at
     # prefill 8192 x 2048 (146-158 us of kernel time against an 86.8 us tensor-core floor on an H100, fiftieth
