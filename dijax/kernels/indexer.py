@@ -95,11 +95,12 @@ class IndexerConfig:
     (``indexer_mgpu.shape_error``); otherwise 'triton'. It needs an engine step's token order (at most S + 1 runs
     of one sequence's consecutive tokens: ``indexer_mgpu.tiles``), which the Triton kernel does not. On the H200
     (thirty-first session) it took prefill 8192 x 2048 (32 heads x 128) in 433 us against 496 (20.2 % of the
-    tensor-core floor against 17.7 %), its outputs within 1 ulp of the reference. mgpu_blocks: the Mosaic GPU
-    kernel's blocks of 64 positions a CTA (``index_scores_mgpu``'s ``blocks``: each CTA loads its tile's queries
-    once for that many blocks). mgpu_warpgroups: its compute warpgroups a CTA (``warpgroups``: 1 lets two CTAs
-    share an SM). mgpu_rows: the Mosaic GPU kernel writes the scores [T, P] itself, masked, so
-    that nothing is left to XLA (``index_scores_mgpu``'s ``rows``; off until timed and tested on a GPU).
+    tensor-core floor against 17.7 %), its outputs within 1 ulp of the reference. mgpu_blocks: the Mosaic GPU kernel's
+    blocks of 64 positions a CTA (``index_scores_mgpu``'s ``blocks``: each CTA loads its tile's queries once for that
+    many blocks). mgpu_warpgroups: its compute warpgroups a CTA (``warpgroups``: 1 lets two CTAs share an SM).
+    mgpu_heavy_first: its CTAs take the tiles last to first (``heavy_first``). mgpu_rows: the Mosaic GPU kernel writes
+    the scores [T, P] itself, masked, so that nothing is left to XLA (``index_scores_mgpu``'s ``rows``; off until timed
+    and tested on a GPU).
     """
 
     block_p: int = 128
@@ -113,6 +114,7 @@ class IndexerConfig:
     mgpu_min_tokens_per_seq: int = 4
     mgpu_blocks: int = 8
     mgpu_warpgroups: int = 2
+    mgpu_heavy_first: bool = False
     mgpu_rows: bool = False
 
     def __post_init__(self):
@@ -215,7 +217,7 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
             and indexer_mgpu.available() and indexer_mgpu.shape_error(i, j) is None):
         return indexer_mgpu.index_scores_mgpu(q_TIJ, w_TI, keys_NJ, rows_SP, seq_T, visible_T,
                                               blocks=config.mgpu_blocks, warpgroups=config.mgpu_warpgroups,
-                                              rows=config.mgpu_rows)
+                                              heavy_first=config.mgpu_heavy_first, rows=config.mgpu_rows)
     if not _power_of_two(j) or j < MIN_DOT:
         raise ValueError(f"index_scores_pallas: the index head dim J={j} must be a power of two >= {MIN_DOT}")
     if not _power_of_two(config.block_p) or config.block_p < MIN_DOT:

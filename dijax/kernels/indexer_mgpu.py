@@ -102,7 +102,8 @@ def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Arra
 
 
 def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array, seq_T: jax.Array,
-                      visible_T: jax.Array, *, blocks: int = 8, warpgroups: int = WARPGROUPS, rows: bool = False,
+                      visible_T: jax.Array, *, blocks: int = 8, warpgroups: int = WARPGROUPS,
+                      heavy_first: bool = False, rows: bool = False,
                       interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``indexer.index_scores_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring), with the tiles' layout and the scores' pick and mask in XLA. -> float32 [T, P].
@@ -111,12 +112,13 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     seq_T int32 [T] (at most S + 1 runs of one sequence's consecutive tokens, as an engine step's: ``tiles``),
     visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``warpgroups``: compute warpgroups a
     CTA, 1 or 2 (with one, a CTA needs ~104 KB of shared memory and under half an SM's registers, so two CTAs share
-    an SM and one's start, its queries' copy and first gather, lies under the other's products). ``rows``: the
-    kernel writes the scores [T, P] itself, each tile its tokens' rows, masked (-inf at p >= visible_T[t], also
-    over the blocks it skips), so nothing is left to XLA; else it writes each tile's [P, 8] columns and XLA
-    transposes them, picks each token's row and masks it (the default until timed on a GPU). ``shape_error`` lists the shapes it takes. ``interpret``: run
-    in the Mosaic GPU interpreter (keys gathered in XLA: module docstring), with its default parameters or the
-    ``InterpretGPUParams`` given."""
+    an SM and one's start, its queries' copy and first gather, lies under the other's products). ``heavy_first``:
+    the CTAs take the tiles last to first (at prefill a sequence's later tokens see the most positions, so the longest
+    CTAs start first and the last wave is short ones). ``rows``: the kernel writes the scores [T, P] itself, each tile
+    its tokens' rows, masked (-inf at p >= visible_T[t], also over the blocks it skips), so nothing is left to XLA; else
+    it writes each tile's [P, 8] columns and XLA transposes them, picks each token's row and masks it (the default until
+    timed on a GPU). ``shape_error`` lists the shapes it takes. ``interpret``: run in the Mosaic GPU interpreter (keys
+    gathered in XLA: module docstring), with its default parameters or the ``InterpretGPUParams`` given."""
     t, i, j = q_TIJ.shape
     s, width = rows_SP.shape
     error = shape_error(i, j)
@@ -147,7 +149,8 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     out_width = padded if interpret else max(-(-width // 4) * 4, ROWS)
     visible_T = jnp.pad(jnp.minimum(visible_T, width).astype(jnp.int32), (0, TOKENS))  # (read like w)
     out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_T, *gathered,
-                heads=i, blocks=blocks, warpgroups=warpgroups, rows=rows, out_width=out_width, interpret=interpret)
+                heads=i, blocks=blocks, warpgroups=warpgroups, heavy_first=heavy_first, rows=rows,
+                out_width=out_width, interpret=interpret)
     if rows:
         return out[:t, :width]
     col_T = jnp.arange(t, dtype=jnp.int32) - tiles_X4[tile_T, 1]  # each token's column in its tile
@@ -175,9 +178,11 @@ def store_transposed(x_RC: jax.Array, ref, interpret) -> None:
     store(x_RC, ref)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "blocks", "warpgroups", "rows", "out_width", "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "blocks", "warpgroups", "heavy_first", "rows", "out_width",
+                                             "interpret"))
 def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathered_SPJ=None, *, heads: int,
-          blocks: int, warpgroups: int, rows: bool, out_width: int, interpret: bool | plgpu.InterpretGPUParams):
+          blocks: int, warpgroups: int, heavy_first: bool, rows: bool, out_width: int,
+          interpret: bool | plgpu.InterpretGPUParams):
     """The kernel: tile x's scores of its tokens at every position of a block some token of the tile sees (other
     blocks left unwritten), float32 [X, P, G] (column g: its token g); or with ``rows`` the scores [max(T, G),
     out_width] (token t's row: -inf at p >= visible_T[t], its tile's unseen blocks included; columns past P and
@@ -194,7 +199,9 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
     def kernel(tiles_ref, q_gmem, w_gmem, keys_gmem, rows_gmem, sum_gmem, visible_gmem, pos_gmem, ninf_gmem, *refs):
         gathered_gmem = refs[0] if interpret else None
         out_gmem = refs[-1]
-        x, c = lax.axis_index("x"), lax.axis_index("c")
+        x, c = lax.axis_index("x"), lax.axis_index("c")  # (c varies fastest: a tile's chunks run side by side)
+        if heavy_first:  # the last tiles first: at prefill a sequence's later tokens see the most positions
+            x = n_tiles - 1 - x
         seq, first, count, seen = (tiles_ref[x, f] for f in range(4))
         wg = lax.axis_index("wg")
 
