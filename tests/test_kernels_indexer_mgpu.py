@@ -64,6 +64,15 @@ def test_slots_refilled_over_a_long_chunk(rows, warpgroups):
           warpgroups=warpgroups, seed=5)
 
 
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_rows_unseen_chunks(warpgroups):
+    # with ``rows`` the chunks past a tile's last seen position get no CTA: the last seen chunk's CTA writes their
+    # -inf rows; a tile none of whose tokens sees a position (sequence 0's) writes all of them from chunk 0
+    seq = [0] * 5 + [1] * 9 + [2] * 8
+    visible = [0] * 5 + [1, 2, 3, 64, 65, 129, 130, 200, 1] + [300] * 8
+    check(seq, visible, 300, heads=8, dim=64, blocks=1, rows=True, warpgroups=warpgroups, seed=7)
+
+
 def test_tiles():
     # an engine step's order: one chunk a sequence, end to end, then padding tokens of sequence row 0 (5 runs)
     seq = np.array([1] * 11 + [2] * 3 + [0] * 17 + [3] + [0] * 2, np.int32)

@@ -232,6 +232,9 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
             # masks them), and this warpgroup's of them: wg, wg + 2, ...
             live = jnp.minimum(blocks, (seen - c * chunk + ROWS - 1) // ROWS)
             mine = (live - wg + warpgroups - 1) // warpgroups
+            # (rows) the tile's last chunk with a seen position (chunk 0 if none) writes -inf over every block
+            # past it, so that the chunks past it need no CTA
+            last = c == jnp.maximum(seen - 1, 0) // chunk
 
             @pl.when(wg == 0)
             def _():
@@ -239,25 +242,28 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
                 def _():
                     plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first * heads, n)], q_smem, bar)
                     plgpu.copy_gmem_to_smem(sum_gmem, e_smem, bar)
+
                 if rows:
-                    plgpu.copy_gmem_to_smem(ninf_gmem, n_smem, n_bar)
+                    @pl.when(last)
+                    def _():
+                        plgpu.copy_gmem_to_smem(ninf_gmem, n_smem, n_bar)
 
             @pl.when(mine > 0)  # (with one live block, the second warpgroup has none)
             def _():
                 compute(q_smem, e_smem, k_smem, o_smem, t_smem, bar, mine)
 
-            if rows:  # -inf over this warpgroup's blocks no token of the tile sees
-                plgpu.barrier_wait(n_bar)
+            if rows:
+                @pl.when(last)
+                def _():
+                    plgpu.barrier_wait(n_bar)
+                    unseen = c * blocks + jnp.maximum(live, 0)  # the first block no token of the tile sees
+                    todo = (-(-real_width // ROWS) - unseen - wg + warpgroups - 1) // warpgroups  # this warpgroup's
 
-                def unseen(jb, _):
-                    p0 = c * chunk + (warpgroups * jb + wg) * ROWS
+                    def store_unseen(k, _):
+                        store_rows(n_smem, (unseen + warpgroups * k + wg) * ROWS)
+                        return _
 
-                    @pl.when(p0 < real_width)
-                    def _():
-                        store_rows(n_smem, p0)
-                    return _
-
-                lax.fori_loop(jnp.maximum(mine, 0), (blocks - wg + warpgroups - 1) // warpgroups, unseen, None)
+                    lax.fori_loop(0, todo, store_unseen, None)
             plgpu.wait_smem_to_gmem(0)
 
         def compute(q_smem, e_smem, k_smem, o_smem, t_smem, bar, mine):
@@ -317,8 +323,9 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
 
             lax.fori_loop(0, mine, block, None)
 
-        # without ``rows`` only a chunk some token of the tile sees; with it every chunk (its unseen blocks -inf)
-        @pl.when((count > 0) & (c * chunk < seen) if not rows else count > 0)
+        # a chunk some token of the tile sees (and chunk 0 of a tile none of whose tokens sees a position: with
+        # ``rows`` it writes the -inf rows)
+        @pl.when((count > 0) & (c * chunk < jnp.maximum(seen, 1)))
         def _():
             pl.run_scoped(
                 body,
