@@ -33,8 +33,8 @@ no token of its tile sees (before the fiftieth session every chunk: at prefill a
 [64, 8] result masked in registers, stored transposed (``store_transposed``) and copied out as the tile's 8 rows
 (one TMA copy for a full tile, one a token for a part-filled one), and the blocks no token of the tile sees as -inf
 rows from a constant tile (by the CTA of the tile's last chunk with a seen position, so the chunks past it take no
-CTA), so XLA has nothing left to do (the pick took 141 us of the 315 at prefill 8192 x 2048 on
-an H100, fiftieth session).
+CTA), so XLA has nothing left to do (the pick took 141 us of the 315 at prefill 8192 x 2048 on an H100, fiftieth
+session).
 
 Numerics: the reference's chain (``indexer`` module docstring): each dot of bf16 values in fp32 rounded to bf16,
 ReLU, times the weight in fp32 rounded to bf16, the heads summed in fp32 (here by the second product, whose terms
@@ -107,7 +107,7 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
                       heavy_first: bool = False, rows: bool = False,
                       interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``indexer.index_scores_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
-    docstring), with the tiles' layout and the scores' pick and mask in XLA. -> float32 [T, P].
+    docstring), with the tiles' layout (and without ``rows`` the scores' pick and mask) in XLA. -> float32 [T, P].
 
     Arguments as the reference's: q_TIJ bf16 [T, I, J], w_TI bf16 [T, I], keys_NJ bf16 [N, J], rows_SP int32 [S, P],
     seq_T int32 [T] (at most S + 1 runs of one sequence's consecutive tokens, as an engine step's: ``tiles``),
@@ -161,6 +161,7 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     score_TP = jnp.swapaxes(out[:, :width], 1, 2).reshape(-1, width)[tile_T * TOKENS + col_T]
     visible = jnp.arange(width, dtype=jnp.int32)[None, :] < visible_T[:t, None]
     return jnp.where(visible, score_TP, -jnp.inf)
+
 
 def store_transposed(x_RC: jax.Array, ref, interpret) -> None:
     """Write the fp32 WGMMA-layout array ``x_RC`` transposed into ``ref`` (SMEM fp32 [C, R]): on the GPU each
