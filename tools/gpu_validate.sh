@@ -93,7 +93,7 @@
 #   indexer-rows  (~250 s) the indexer's GPU tests (the kernel writing the scores [T, P] itself, `rows`, and one
 #            compute warpgroup a CTA among them: not yet run on a GPU), then its prefill row (8192 x 2048) by GPU
 #            kernel time with each kernel apart (bench_kernels --kernel-split: the Mosaic GPU kernel and the XLA
-#            pick), at 8 (the default) and 16 blocks a CTA, and with `mgpu_rows` at 8, 16 and 32 (last tiles
+#            pick), at 8 blocks a CTA (the default), and with `mgpu_rows` at 8, 16 and 32 (last tiles
 #            first too) and with one warpgroup (fiftieth session, H100: 16 took the kernel 158.1 -> 146.3 us;
 #            the pick 141 us);
 #   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's `mgpu_rows` against the defaults;
@@ -235,7 +235,7 @@ case "$stage" in
   indexer-rows)
     run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
     run 240 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
-      --repeats 3 --variant mgpu_blocks=16 --variant mgpu_rows=True --variant mgpu_rows=True,mgpu_blocks=16 \
+      --repeats 3 --variant mgpu_rows=True --variant mgpu_rows=True,mgpu_blocks=16 \
       --variant mgpu_rows=True,mgpu_blocks=32 --variant mgpu_rows=True,mgpu_blocks=32,mgpu_heavy_first=True \
       --variant mgpu_rows=True,mgpu_warpgroups=1 --variant mgpu_rows=True,mgpu_warpgroups=1,mgpu_blocks=16 ;;
   indexer-e2e)
