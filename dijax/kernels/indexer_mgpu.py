@@ -148,10 +148,13 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     # what falls past P, the interpreter raises there, so it writes the padded width; and as for q, a store's box
     # is kept within the array (at least a tile's rows and a block's positions: tiny shapes sliced after)
     out_width = padded if interpret else max(-(-width // 4) * 4, ROWS)
-    visible_T = jnp.pad(jnp.minimum(visible_T, width).astype(jnp.int32), (0, TOKENS))  # (read like w)
-    out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_T, *gathered,
+    visible_T = jnp.minimum(visible_T, width).astype(jnp.int32)
+    # each tile's tokens' visible lengths, a row a tile (a vector load of a tile's 8 from [T] would start at any
+    # token: misaligned on the GPU); past a tile's tokens whatever follows, never used
+    visible_XG = jnp.pad(visible_T, (0, TOKENS))[tiles_X4[:, 1:2] + jnp.arange(TOKENS)]
+    out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_XG, *gathered,
                 heads=i, blocks=blocks, warpgroups=warpgroups, heavy_first=heavy_first, rows=rows,
-                out_width=out_width, interpret=interpret)
+                out_rows=max(t, TOKENS), out_width=out_width, interpret=interpret)
     if rows:
         return out[:t, :width]
     col_T = jnp.arange(t, dtype=jnp.int32) - tiles_X4[tile_T, 1]  # each token's column in its tile
@@ -159,7 +162,7 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     # [X, P, G] read its positions 32 bytes apart (H100, prefill 8192 x 2048: 143.7 us against 100.1 with the
     # transpose, fiftieth session)
     score_TP = jnp.swapaxes(out[:, :width], 1, 2).reshape(-1, width)[tile_T * TOKENS + col_T]
-    visible = jnp.arange(width, dtype=jnp.int32)[None, :] < visible_T[:t, None]
+    visible = jnp.arange(width, dtype=jnp.int32)[None, :] < visible_T[:, None]
     return jnp.where(visible, score_TP, -jnp.inf)
 
 
@@ -180,15 +183,15 @@ def store_transposed(x_RC: jax.Array, ref, interpret) -> None:
     store(x_RC, ref)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "blocks", "warpgroups", "heavy_first", "rows", "out_width",
-                                             "interpret"))
-def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathered_SPJ=None, *, heads: int,
-          blocks: int, warpgroups: int, heavy_first: bool, rows: bool, out_width: int,
+@functools.partial(jax.jit, static_argnames=("heads", "blocks", "warpgroups", "heavy_first", "rows", "out_rows",
+                                             "out_width", "interpret"))
+def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gathered_SPJ=None, *, heads: int,
+          blocks: int, warpgroups: int, heavy_first: bool, rows: bool, out_rows: int, out_width: int,
           interpret: bool | plgpu.InterpretGPUParams):
     """The kernel: tile x's scores of its tokens at every position of a block some token of the tile sees (other
     blocks left unwritten), float32 [X, P, G] (column g: its token g); or with ``rows`` the scores [max(T, G),
-    out_width] (token t's row: -inf at p >= visible_T[t], its tile's unseen blocks included; columns past P and
-    rows past T unwritten)."""
+    out_width] (token t's row: -inf at p >= visible_XG[its tile, its column], its tile's unseen blocks included;
+    columns past P and rows past T unwritten)."""
     n_tiles = tiles_X4.shape[0]
     j = keys_NJ.shape[1]
     width = rows_SP.shape[1]
@@ -274,7 +277,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
             w_col = lax.broadcast_in_dim(w_col, (ROWS, n), [1])
             if rows:
                 visible_RG = lax.broadcast_in_dim(
-                    plgpu.load(visible_gmem.at[pl.ds(first, TOKENS)], layout=COL_LAYOUT, optimized=False),
+                    plgpu.load(visible_gmem.at[x], layout=COL_LAYOUT, optimized=False),
                     (ROWS, TOKENS), [1])
                 pos_R = plgpu.load(pos_gmem, layout=ROW_LAYOUT, optimized=False)
             fetch(0, k_smem)
@@ -342,10 +345,10 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, gathere
                 collective_axes="wg")
 
     run = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((max(visible_T.shape[0] - TOKENS, TOKENS), out_width) if rows
+        kernel, out_type=jax.ShapeDtypeStruct((out_rows, out_width) if rows
                                               else (n_tiles, width, TOKENS), jnp.float32),
         grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=warpgroups, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))
-    return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_T, pos_R, ninf_GR,
+    return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, pos_R, ninf_GR,
                *(() if gathered_SPJ is None else (gathered_SPJ,)))
