@@ -113,9 +113,9 @@ class IndexerConfig:
     engine: str = "mgpu"
     mgpu_min_tokens_per_seq: int = 4
     mgpu_blocks: int = 8
-    mgpu_warpgroups: int = 1
+    mgpu_warpgroups: int = 2
     mgpu_heavy_first: bool = False
-    mgpu_rows: bool = True
+    mgpu_rows: bool = False
 
     def __post_init__(self):
         if self.engine not in ENGINES:
