@@ -4,7 +4,12 @@ Status: its GPU tests pass (within 1 ulp of the reference at the real 32 heads x
 took 433 us on the H200 against the Triton kernel's 496 (thirty-first session); on an H100 in the fiftieth session
 408.4 us (21.3 % of the tensor-core floor), of it the kernel 239.6 and the XLA pick 141.2, and after that session's
 changes (the rounding chain on bf16 pairs, dead blocks skipped) 326.9 us (26.6 %), the kernel 158.1 (issue 13 asks
-50 %). ``indexer.IndexerConfig.engine='mgpu'`` is the default; it takes prefill-shaped steps only.
+50 %). In the fifty-first session (H100, one run, GPU kernel time): 349.1 us as by default (the kernel 161.8, the XLA
+pick and transpose 157.2), 207.2 with ``rows`` (the kernel 177.5 and nothing to pick), 184.7 with ``rows`` and one
+compute warpgroup a CTA (47.0 % of the floor; the kernel 154.9), every score within 1 ulp. ``rows`` is off by
+default until its GPU tests pass: that run's ragged cases raised a misaligned address (each tile's 8 visible
+lengths were loaded as a vector from [T] at the tile's first token; now a row of [X, 8], not yet run on a GPU).
+``indexer.IndexerConfig.engine='mgpu'`` is the default; it takes prefill-shaped steps only.
 The parity fixtures' 32-wide index heads are below its smallest J (64), so GPU parity does not reach it.
 
 Why: issue 13 asks the indexer at prefill for 50 % of the tensor cores' peak. The Triton kernel (``indexer``) runs
