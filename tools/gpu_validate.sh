@@ -90,12 +90,12 @@
 #            tools/dispatch_probe.py at B=1, alternating over three rounds (the host's spread needs them: the same
 #            executable ran 0.91-1.52 ms back to back on one H100 in the forty-ninth session), then the staging
 #            change's GPU tests;
-#   indexer-rows  (~250 s) the indexer's GPU tests (the kernel writing the scores [T, P] itself, `rows`, and one
-#            compute warpgroup a CTA among them: not yet run on a GPU), then its prefill row (8192 x 2048) by GPU
-#            kernel time with each kernel apart (bench_kernels --kernel-split: the Mosaic GPU kernel and the XLA
-#            pick), at 8 blocks a CTA (the default), and with `mgpu_rows` at 8, 16 and 32 (last tiles
-#            first too) and with one warpgroup (fiftieth session, H100: 16 took the kernel 158.1 -> 146.3 us;
-#            the pick 141 us);
+#   indexer-rows  (~200 s) the indexer's GPU tests (the kernel writing the scores [T, P] itself, `rows`, with one
+#            compute warpgroup a CTA and the tiles last to first among them), then its prefill row (8192 x 2048) by
+#            GPU kernel time with each kernel apart (bench_kernels --kernel-split) as by default and with `rows` at
+#            one and two warpgroups (fifty-first session, H100: 349.1 us by default, 184.7 with `rows` and one
+#            warpgroup; the `rows` cases of ragged tiles raised a misaligned address, fixed by 846d764 and not yet
+#            run: if the tests pass, make `mgpu_rows` and `mgpu_warpgroups=1` the defaults);
 #   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's `mgpu_rows` against the defaults;
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
@@ -234,16 +234,15 @@ case "$stage" in
     run 150 python3 tools/stream_probe.py ;;
   indexer-rows)
     run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
-    run 240 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
-      --repeats 3 --variant mgpu_rows=True --variant mgpu_rows=True,mgpu_blocks=16 \
-      --variant mgpu_rows=True,mgpu_blocks=32 --variant mgpu_rows=True,mgpu_blocks=32,mgpu_heavy_first=True \
-      --variant mgpu_rows=True,mgpu_warpgroups=1 --variant mgpu_rows=True,mgpu_warpgroups=1,mgpu_blocks=16 ;;
+    run 200 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
+      --repeats 3 --variant mgpu_rows=True --variant mgpu_rows=True,mgpu_warpgroups=1 \
+      --variant mgpu_rows=True,mgpu_warpgroups=1,mgpu_blocks=16 ;;
   indexer-e2e)
-    # (~400 s) flash-slice prefill 8192 with the indexer's scores written by its kernel (`mgpu_rows`, 16 blocks a
-    # CTA) against the defaults, alternating over two rounds in one process (the model loaded once)
+    # (~400 s) flash-slice prefill 8192 with the indexer's scores written by its kernel (`mgpu_rows`, one compute
+    # warpgroup a CTA) against the defaults, alternating over two rounds in one process (the model loaded once)
     run 560 python3 tools/bench.py --model flash-slice --decode-batch 1 --context 255 --prefill 8192 --kernels on \
       --engine off --warmup 2 --iters 5 --rounds 2 \
-      --variant "indexer.CONFIG.mgpu_rows=True;indexer.CONFIG.mgpu_blocks=16" ;;
+      --variant "indexer.CONFIG.mgpu_rows=True;indexer.CONFIG.mgpu_warpgroups=1" ;;
   indexer-profile)
     # (~200 s; first after a machine start, as `profile` says) hardware counters of the Mosaic GPU indexer at
     # prefill 8192 x 2048 (146-158 us of kernel time against an 86.8 us tensor-core floor on an H100, fiftieth
