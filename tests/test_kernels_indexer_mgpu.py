@@ -21,12 +21,10 @@ pytestmark = pytest.mark.cost(30)
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
 
-def check(seq, visible, width, *, heads, dim, blocks, rows=False, warpgroups=im.WARPGROUPS, heavy_first=False,
-          fq4=False, seed=0):
+def check(seq, visible, width, *, heads, dim, blocks, rows=False, warpgroups=im.WARPGROUPS, fq4=False, seed=0):
     args = problem(seq, visible, width, heads=heads, dim=dim, fq4=fq4, seed=seed)
     want = np.asarray(jax.jit(ix.index_scores_reference)(*args))
-    got = np.asarray(im.index_scores_mgpu(*args, blocks=blocks, warpgroups=warpgroups, heavy_first=heavy_first,
-                                          rows=rows, interpret=RACES))
+    got = np.asarray(im.index_scores_mgpu(*args, blocks=blocks, warpgroups=warpgroups, rows=rows, interpret=RACES))
     assert_agree(got, want, np.minimum(np.asarray(visible), width))
     return got, want
 
@@ -40,16 +38,13 @@ def test_prefill_tiles_and_causal_visibility(rows):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("heads,dim,blocks,rows,heavy_first", [
-    (32, 128, 2, False, False), (8, 64, 1, False, True), (16, 256, 3, False, False), (32, 128, 2, True, True),
-    (8, 64, 1, True, False)])
-def test_ragged_sequences(heads, dim, blocks, rows, heavy_first):
-    # four sequences of ragged lengths (tiles cut at every sequence), visible lengths from 0 past the width; the
-    # tiles taken first to last or last to first
+@pytest.mark.parametrize("heads,dim,blocks,rows", [(32, 128, 2, False), (8, 64, 1, False), (16, 256, 3, False),
+                                                   (32, 128, 2, True), (8, 64, 1, True)])
+def test_ragged_sequences(heads, dim, blocks, rows):
+    # four sequences of ragged lengths (tiles cut at every sequence), visible lengths from 0 past the width
     rng = np.random.default_rng(heads)
     seq = np.sort(rng.integers(0, 4, 30))
-    check(seq, rng.integers(0, 150, 30), 130, heads=heads, dim=dim, blocks=blocks, rows=rows,
-          heavy_first=heavy_first, seed=heads)
+    check(seq, rng.integers(0, 150, 30), 130, heads=heads, dim=dim, blocks=blocks, rows=rows, seed=heads)
 
 
 @pytest.mark.parametrize("rows,warpgroups", [(False, 2), (True, 2), (True, 1)])

@@ -91,7 +91,7 @@
 #            executable ran 0.91-1.52 ms back to back on one H100 in the forty-ninth session), then the staging
 #            change's GPU tests;
 #   indexer-rows  (~200 s) the indexer's GPU tests (the kernel writing the scores [T, P] itself, `rows`, with one
-#            compute warpgroup a CTA and the tiles last to first among them), then its prefill row (8192 x 2048) by
+#            compute warpgroup a CTA among them), then its prefill row (8192 x 2048) by
 #            GPU kernel time with each kernel apart (bench_kernels --kernel-split) as by default and with `rows` at
 #            one and two warpgroups (fifty-first session, H100: 349.1 us by default, 184.7 with `rows` and one
 #            warpgroup; the `rows` cases of ragged tiles raised a misaligned address, fixed by 846d764 and not yet

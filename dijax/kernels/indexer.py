@@ -98,9 +98,9 @@ class IndexerConfig:
     tensor-core floor against 17.7 %), its outputs within 1 ulp of the reference. mgpu_blocks: the Mosaic GPU kernel's
     blocks of 64 positions a CTA (``index_scores_mgpu``'s ``blocks``: each CTA loads its tile's queries once for that
     many blocks). mgpu_warpgroups: its compute warpgroups a CTA (``warpgroups``: 1 lets two CTAs share an SM).
-    mgpu_heavy_first: its CTAs take the tiles last to first (``heavy_first``). mgpu_rows: the Mosaic GPU kernel writes
-    the scores [T, P] itself, masked, so that nothing is left to XLA (``index_scores_mgpu``'s ``rows``: with one
-    warpgroup 1.9x faster at prefill 8192 x 2048 on an H100, fifty-first session; off until its GPU tests pass).
+    mgpu_rows: the Mosaic GPU kernel writes the scores [T, P] itself, masked, so that nothing is left to XLA
+    (``index_scores_mgpu``'s ``rows``: with one warpgroup 1.9x faster at prefill 8192 x 2048 on an H100, fifty-first
+    session; off until its GPU tests pass).
     """
 
     block_p: int = 128
@@ -114,7 +114,6 @@ class IndexerConfig:
     mgpu_min_tokens_per_seq: int = 4
     mgpu_blocks: int = 8
     mgpu_warpgroups: int = 2
-    mgpu_heavy_first: bool = False
     mgpu_rows: bool = False
 
     def __post_init__(self):
@@ -217,7 +216,7 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
             and indexer_mgpu.available() and indexer_mgpu.shape_error(i, j) is None):
         return indexer_mgpu.index_scores_mgpu(q_TIJ, w_TI, keys_NJ, rows_SP, seq_T, visible_T,
                                               blocks=config.mgpu_blocks, warpgroups=config.mgpu_warpgroups,
-                                              heavy_first=config.mgpu_heavy_first, rows=config.mgpu_rows)
+                                              rows=config.mgpu_rows)
     if not _power_of_two(j) or j < MIN_DOT:
         raise ValueError(f"index_scores_pallas: the index head dim J={j} must be a power of two >= {MIN_DOT}")
     if not _power_of_two(config.block_p) or config.block_p < MIN_DOT:

@@ -108,23 +108,21 @@ def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Arra
 
 
 def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array, seq_T: jax.Array,
-                      visible_T: jax.Array, *, blocks: int = 8, warpgroups: int = WARPGROUPS,
-                      heavy_first: bool = False, rows: bool = False,
+                      visible_T: jax.Array, *, blocks: int = 8, warpgroups: int = WARPGROUPS, rows: bool = False,
                       interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``indexer.index_scores_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring), with the tiles' layout (and without ``rows`` the scores' pick and mask) in XLA. -> float32 [T, P].
 
     Arguments as the reference's: q_TIJ bf16 [T, I, J], w_TI bf16 [T, I], keys_NJ bf16 [N, J], rows_SP int32 [S, P],
     seq_T int32 [T] (at most S + 1 runs of one sequence's consecutive tokens, as an engine step's: ``tiles``),
-    visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``warpgroups``: compute warpgroups a
-    CTA, 1 or 2 (with one, a CTA needs ~104 KB of shared memory and under half an SM's registers, so two CTAs share
-    an SM and one's start, its queries' copy and first gather, lies under the other's products). ``heavy_first``:
-    the CTAs take the tiles last to first (at prefill a sequence's later tokens see the most positions, so the longest
-    CTAs start first and the last wave is short ones). ``rows``: the kernel writes the scores [T, P] itself, each tile
-    its tokens' rows, masked (-inf at p >= visible_T[t], also over the blocks it skips), so nothing is left to XLA; else
-    it writes each tile's [P, 8] columns and XLA transposes them, picks each token's row and masks it (the default until
-    timed on a GPU). ``shape_error`` lists the shapes it takes. ``interpret``: run in the Mosaic GPU interpreter (keys
-    gathered in XLA: module docstring), with its default parameters or the ``InterpretGPUParams`` given."""
+    visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``warpgroups``: compute warpgroups a CTA, 1
+    or 2 (with one, a CTA needs ~104 KB of shared memory and under half an SM's registers, so two CTAs share an SM and
+    one's start, its queries' copy and first gather, lies under the other's products). ``rows``: the kernel writes the
+    scores [T, P] itself, each tile its tokens' rows, masked (-inf at p >= visible_T[t], also over the blocks it skips),
+    so nothing is left to XLA; else it writes each tile's [P, 8] columns and XLA transposes them, picks each token's row
+    and masks it (the default until the rows' GPU tests pass). ``shape_error`` lists the shapes it takes. ``interpret``:
+    run in the Mosaic GPU interpreter (keys gathered in XLA: module docstring), with its default parameters or the
+    ``InterpretGPUParams`` given."""
     t, i, j = q_TIJ.shape
     s, width = rows_SP.shape
     error = shape_error(i, j)
@@ -158,7 +156,7 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     # token: misaligned on the GPU); past a tile's tokens whatever follows, never used
     visible_XG = jnp.pad(visible_T, (0, TOKENS))[tiles_X4[:, 1:2] + jnp.arange(TOKENS)]
     out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_XG, *gathered,
-                heads=i, blocks=blocks, warpgroups=warpgroups, heavy_first=heavy_first, rows=rows,
+                heads=i, blocks=blocks, warpgroups=warpgroups, rows=rows,
                 out_rows=max(t, TOKENS), out_width=out_width, interpret=interpret)
     if rows:
         return out[:t, :width]
@@ -188,10 +186,10 @@ def store_transposed(x_RC: jax.Array, ref, interpret) -> None:
     store(x_RC, ref)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "blocks", "warpgroups", "heavy_first", "rows", "out_rows",
-                                             "out_width", "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "blocks", "warpgroups", "rows", "out_rows", "out_width",
+                                             "interpret"))
 def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gathered_SPJ=None, *, heads: int,
-          blocks: int, warpgroups: int, heavy_first: bool, rows: bool, out_rows: int, out_width: int,
+          blocks: int, warpgroups: int, rows: bool, out_rows: int, out_width: int,
           interpret: bool | plgpu.InterpretGPUParams):
     """The kernel: tile x's scores of its tokens at every position of a block some token of the tile sees (other
     blocks left unwritten), float32 [X, P, G] (column g: its token g); or with ``rows`` the scores [max(T, G),
@@ -210,8 +208,6 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
         gathered_gmem = refs[0] if interpret else None
         out_gmem = refs[-1]
         x, c = lax.axis_index("x"), lax.axis_index("c")  # (c varies fastest: a tile's chunks run side by side)
-        if heavy_first:  # the last tiles first: at prefill a sequence's later tokens see the most positions
-            x = n_tiles - 1 - x
         seq, first, count, seen = (tiles_ref[x, f] for f in range(4))
         wg = lax.axis_index("wg")
 

@@ -149,20 +149,19 @@ def test_mgpu_prefill_of_one_sequence(rows):
           kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, rows=rows))
 
 
-@pytest.mark.parametrize("blocks,rows,width,warpgroups,heavy_first", [
-    (8, False, 3000, 2, False), (1, False, 3000, 2, False), (3, False, 3000, 2, True), (8, True, 3000, 2, False),
-    (3, True, 3001, 2, False), (8, True, 3000, 1, False), (32, True, 3000, 2, True)])
-def test_mgpu_ragged_runs_and_padding(blocks, rows, width, warpgroups, heavy_first):
+@pytest.mark.parametrize("blocks,rows,width,warpgroups", [
+    (8, False, 3000, 2), (1, False, 3000, 2), (3, False, 3000, 2), (8, True, 3000, 2), (3, True, 3001, 2),
+    (8, True, 3000, 1), (32, True, 3000, 1)])
+def test_mgpu_ragged_runs_and_padding(blocks, rows, width, warpgroups):
     # three sequences' chunks of ragged lengths (tiles cut at each), then padding tokens of sequence row 0 that
     # see nothing; one block a chunk leaves the second warpgroup idle (or one warpgroup a CTA); with ``rows`` the
-    # last block's stores cross P (3000: dropped by the TMA unit; 3001: the rows written 3004 wide, then sliced);
-    # the tiles taken first to last or last to first
+    # last block's stores cross P (3000: dropped by the TMA unit; 3001: the rows written 3004 wide, then sliced)
     runs = [(0, 37), (1, 5), (2, 100), (0, 18)]
     visible = np.concatenate([np.arange(37) * 40 + 1, [0, 1, 63, 64, 65], 3000 - np.arange(100), np.zeros(18)])
     args = engine_order(problem(160, width, visible, seqs=3, seed=blocks), runs)
     check(args, IndexerConfig(), max_fraction=1e-3,
           kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=blocks, warpgroups=warpgroups,
-                                                           heavy_first=heavy_first, rows=rows))
+                                                           rows=rows))
 
 
 @pytest.mark.parametrize("t,width", [(3, 40), (20, 61)])
