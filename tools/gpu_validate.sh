@@ -251,7 +251,8 @@ case "$stage" in
     run 250 ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
       -k regex:^kernel_mosaic_gpu -c 2 -o "$out/ncu-indexer" \
-      python3 tools/bench_kernels.py --only indexer --rows mgpu --iters 1 --repeats 1 --variant mgpu_rows=True
+      python3 tools/bench_kernels.py --only indexer --rows mgpu --iters 1 --repeats 1 \
+      --variant mgpu_rows=True,mgpu_warpgroups=1
     ncu --import "$out/ncu-indexer.ncu-rep" --page details > "$out/ncu-indexer.txt" 2>&1
     grep -E "^  [A-Za-z_]|Duration|Throughput|Registers Per|Achieved Occupancy|Cycles Per Issued|Stall|Pipe|L2" \
       "$out/ncu-indexer.txt" | head -150 >> "$log" ;;
