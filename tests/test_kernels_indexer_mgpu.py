@@ -2,8 +2,9 @@
 
 The kernel needs a Hopper GPU (tests/gpu/test_indexer_gpu.py runs it). Interpreted, its keys are gathered in XLA
 (the interpreter runs no ``inline_mgpu``: the module docstring); the rest is the kernel's own: the tiles of tokens,
-the two warpgroups' alternate blocks and their slots, both products, the rounding chain, the stores, and the pick
-and mask in XLA. The interpreter's race detector runs over every case.
+the warpgroups' alternate blocks and their slots, both products, the rounding chain, the stores, and the pick and
+mask in XLA, or with ``rows`` the kernel's own masked rows and -inf blocks. The interpreter's race detector runs over
+every case; it does not check alignment (a misaligned vector load of the GPU's passed here: the module's history).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def test_ragged_sequences(heads, dim, blocks, rows):
 def test_slots_refilled_over_a_long_chunk(rows, warpgroups):
     # 10 blocks a chunk: each warpgroup walks 5 (or the one warpgroup 10) blocks through its im.SLOTS key slots, so
     # slots are refilled while later gathers are in flight (the race detector checks the refill order); positions
-    # seen up to 700 of 640 + 60 (with ``rows``: blocks unseen past a tile's last position written -inf by the
-    # warpgroup that owns them)
+    # seen up to 700 of 640 + 60 (with ``rows``: the blocks past a tile's last seen position written -inf, split
+    # between the warpgroups)
     assert 10 // im.WARPGROUPS > im.SLOTS
     rng = np.random.default_rng(5)
     check(np.sort(rng.integers(0, 2, 12)), rng.integers(300, 720, 12), 700, heads=8, dim=64, blocks=10, rows=rows,
