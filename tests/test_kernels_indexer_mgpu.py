@@ -4,7 +4,8 @@ The kernel needs a Hopper GPU (tests/gpu/test_indexer_gpu.py runs it). Interpret
 (the interpreter runs no ``inline_mgpu``: the module docstring); the rest is the kernel's own: the tiles of tokens,
 the warpgroups' alternate blocks and their slots, both products, the rounding chain, the stores, and the pick and
 mask in XLA, or with ``rows`` the kernel's own masked rows and -inf blocks. The interpreter's race detector runs over
-every case; it does not check alignment (a misaligned vector load of the GPU's passed here: the module's history).
+every case; it does not check alignment (a vector load misaligned on the GPU passed here: docs/benchmarks.md,
+fifty-first session).
 """
 
 from __future__ import annotations
