@@ -132,7 +132,8 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
         raise ValueError(f"indexer_mgpu: warpgroups must be 1 or 2, got {warpgroups}")
     chunk = blocks * ROWS
     padded = -(-width // chunk) * chunk
-    tiles_X4, tile_T = tiles(seq_T.astype(jnp.int32), jnp.minimum(visible_T, width), s)
+    visible_T = jnp.minimum(visible_T, width).astype(jnp.int32)
+    tiles_X4, tile_T = tiles(seq_T.astype(jnp.int32), visible_T, s)
     # a tile's query rows and weights read past the last token: its TMA copy of q fills them with zeros on the
     # GPU, no copy of q needed (a padded copy where the interpreter, which raises there, runs it, or where q has
     # fewer rows than the copy's box); w is read by plain loads, so TOKENS more zeros
@@ -151,10 +152,9 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     # what falls past P, the interpreter raises there, so it writes the padded width; and as for q, a store's box
     # is kept within the array (at least a tile's rows and a block's positions: tiny shapes sliced after)
     out_width = padded if interpret else max(-(-width // 4) * 4, ROWS)
-    visible_T = jnp.minimum(visible_T, width).astype(jnp.int32)
-    # each tile's tokens' visible lengths, a row a tile (a vector load of a tile's 8 from [T] would start at any
-    # token: misaligned on the GPU); past a tile's tokens whatever follows, never used
-    visible_XG = jnp.pad(visible_T, (0, TOKENS))[tiles_X4[:, 1:2] + jnp.arange(TOKENS)]
+    # (rows) each tile's tokens' visible lengths, a row a tile (a vector load of a tile's 8 from [T] would start at
+    # any token: misaligned on the GPU); past a tile's tokens whatever follows, never used
+    visible_XG = jnp.pad(visible_T, (0, TOKENS))[tiles_X4[:, 1:2] + jnp.arange(TOKENS)] if rows else None
     out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_XG, *gathered,
                 heads=i, blocks=blocks, warpgroups=warpgroups, rows=rows,
                 out_rows=max(t, TOKENS), out_width=out_width, interpret=interpret)
@@ -192,20 +192,21 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
           blocks: int, warpgroups: int, rows: bool, out_rows: int, out_width: int,
           interpret: bool | plgpu.InterpretGPUParams):
     """The kernel: tile x's scores of its tokens at every position of a block some token of the tile sees (other
-    blocks left unwritten), float32 [X, P, G] (column g: its token g); or with ``rows`` the scores [max(T, G),
-    out_width] (token t's row: -inf at p >= visible_XG[its tile, its column], its tile's unseen blocks included;
-    columns past P and rows past T unwritten)."""
+    blocks left unwritten), float32 [X, P, G] (column g: its token g; ``visible_XG`` None); or with ``rows`` the
+    scores [max(T, G), out_width] (token t's row: -inf at p >= visible_XG[its tile, its column], its tile's unseen
+    blocks included; columns past P and rows past T unwritten)."""
     n_tiles = tiles_X4.shape[0]
     j = keys_NJ.shape[1]
     width = rows_SP.shape[1]
     n = TOKENS * heads  # the scores' wgmma N
     chunk = blocks * ROWS
-    real_width = min(out_width, width)  # (rows) the positions a store may write: P, or the interpreter's padded P
-    pos_R = jnp.arange(ROWS, dtype=jnp.int32)
-    ninf_GR = jnp.full((TOKENS, ROWS), -jnp.inf, jnp.float32)
+    # (rows) the tiles' visible lengths, a block's positions as a vector, a tile of -inf
+    masks = ((visible_XG, jnp.arange(ROWS, dtype=jnp.int32), jnp.full((TOKENS, ROWS), -jnp.inf, jnp.float32))
+             if rows else ())
 
-    def kernel(tiles_ref, q_gmem, w_gmem, keys_gmem, rows_gmem, sum_gmem, visible_gmem, pos_gmem, ninf_gmem, *refs):
-        gathered_gmem = refs[0] if interpret else None
+    def kernel(tiles_ref, q_gmem, w_gmem, keys_gmem, rows_gmem, sum_gmem, *refs):
+        visible_gmem, pos_gmem, ninf_gmem = refs[:3] if rows else (None,) * 3
+        gathered_gmem = refs[3 if rows else 0] if interpret else None
         out_gmem = refs[-1]
         x, c = lax.axis_index("x"), lax.axis_index("c")  # (c varies fastest: a tile's chunks run side by side)
         seq, first, count, seen = (tiles_ref[x, f] for f in range(4))
@@ -263,7 +264,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
                 def _():
                     plgpu.barrier_wait(n_bar)
                     unseen = c * blocks + jnp.maximum(live, 0)  # the first block no token of the tile sees
-                    todo = (-(-real_width // ROWS) - unseen - wg + warpgroups - 1) // warpgroups  # this warpgroup's
+                    todo = (-(-out_width // ROWS) - unseen - wg + warpgroups - 1) // warpgroups  # this warpgroup's
 
                     def store_unseen(k, _):
                         store_rows(n_smem, (unseen + warpgroups * k + wg) * ROWS)
@@ -351,5 +352,5 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
         grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=warpgroups, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))
-    return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, pos_R, ninf_GR,
+    return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, *masks,
                *(() if gathered_SPJ is None else (gathered_SPJ,)))
