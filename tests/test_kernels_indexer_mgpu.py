@@ -70,18 +70,31 @@ def test_rows_unseen_chunks(warpgroups):
     check(seq, visible, 300, heads=8, dim=64, blocks=1, rows=True, warpgroups=warpgroups, seed=7)
 
 
+def test_prefix_count():
+    rng = np.random.default_rng(3)
+    for t in (1, 127, 128, 1000, 20000):
+        x = rng.random(t) < 0.7
+        np.testing.assert_array_equal(np.asarray(im.prefix_count(jax.numpy.asarray(x))), np.cumsum(x))
+
+
 def test_tiles():
     # an engine step's order: one chunk a sequence, end to end, then padding tokens of sequence row 0 (5 runs)
     seq = np.array([1] * 11 + [2] * 3 + [0] * 17 + [3] + [0] * 2, np.int32)
     visible = np.arange(len(seq), dtype=np.int32) % 13
-    tiles_X4, tile_T = (np.asarray(a) for a in im.tiles(jax.numpy.asarray(seq), jax.numpy.asarray(visible), 4))
-    assert tiles_X4.shape == (-(-len(seq) // im.TOKENS) + 4 + 1, 4)
+    tiles_X4, tile_T, visible_XG = (np.asarray(a) for a in im.tiles(jax.numpy.asarray(seq),
+                                                                     jax.numpy.asarray(visible), 4))
+    assert tiles_X4.shape == (-(-len(seq) // im.TOKENS) + 4 + 1, 4) and visible_XG.shape == (len(tiles_X4), 8)
     used = tiles_X4[tiles_X4[:, 2] > 0]
-    np.testing.assert_array_equal(used[:, 2], [8, 3, 3, 8, 8, 1, 1, 2])  # runs of 11, 3, 17, 1 and 2 tokens
+    # runs of 11, 3, 17, 1 and 2 tokens, split at their starts and at multiples of 8
+    np.testing.assert_array_equal(used[:, 1], [0, 8, 11, 14, 16, 24, 31, 32])
+    np.testing.assert_array_equal(used[:, 2], [8, 3, 3, 2, 8, 7, 1, 2])
     for x, (s, first, count, seen) in enumerate(tiles_X4):
         if count:
             tokens = np.arange(first, first + count)
             assert (seq[tokens] == s).all() and (tile_T[tokens] == x).all() and seen == visible[tokens].max()
+            np.testing.assert_array_equal(visible_XG[x], np.pad(visible[tokens], (0, 8 - count)))
+        else:
+            assert seen == 0 and not visible_XG[x].any()
     assert np.bincount(tile_T, minlength=len(tiles_X4)).tolist() == tiles_X4[:, 2].tolist()
 
 

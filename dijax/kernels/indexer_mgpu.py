@@ -86,25 +86,48 @@ def shape_error(i: int, j: int) -> str | None:
     return None
 
 
-def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Array, jax.Array]:
-    """Tiles of at most ``TOKENS`` consecutive tokens of one sequence: (int32 [X, 4] rows (sequence, first token,
-    tokens, the most positions one of them sees), each token's tile int32 [T]); unused rows have 0 tokens.
+def prefix_count(x_T: jax.Array) -> jax.Array:
+    """Inclusive prefix sums of 0/1 flags x_T [T] -> int32 [T], by two matrix products instead of XLA's cumulative
+    sum (on the GPU a chain of ``reduce_window`` kernels): the flags as rows of 128, each row's prefix sums as a
+    product with an upper-triangular ones matrix, then the rows' totals summed over the rows before. Exact: the
+    operands (0 / 1, row totals <= 128) are bf16 integers and the sums, in fp32, stay below 2^24."""
+    t = x_T.shape[0]
+    r = -(-t // 128)
+    x_RW = jnp.pad(x_T.astype(jnp.bfloat16), (0, r * 128 - t)).reshape(r, 128)
+    upper_WW = jnp.asarray(np.triu(np.ones((128, 128))), jnp.bfloat16)
+    within_RW = jnp.dot(x_RW, upper_WW, preferred_element_type=jnp.float32)
+    lower_RR = jnp.asarray(np.tril(np.ones((r, r)), -1), jnp.bfloat16)
+    before_R = jnp.dot(lower_RR, within_RW[:, -1].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return (within_RW + before_R[:, None]).reshape(-1)[:t].astype(jnp.int32)
 
-    X = ceil(T / TOKENS) + ``n_seqs`` + 1: each run of one sequence's consecutive tokens adds at most one
-    part-filled tile, and an engine step has at most ``n_seqs`` + 1 runs (a chunk a sequence, laid end to end,
-    then the padding tokens, whose sequence row is 0). Tokens of more runs than that would fall in no tile."""
+
+def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Tiles of up to ``TOKENS`` consecutive tokens of one sequence: a run of one sequence's tokens split at its
+    start and at every multiple of ``TOKENS``. -> (int32 [X, 4] rows (sequence, first token, tokens, the most
+    positions one of them sees), each token's tile int32 [T], each tile's tokens' visible lengths int32 [X, G] (0
+    past its tokens: a row a tile, since a vector load of a tile's lengths from [T] would start at any token,
+    misaligned on the GPU)); unused rows have 0 tokens.
+
+    X = ceil(T / TOKENS) + ``n_seqs`` + 1: a tile opens at each multiple of ``TOKENS`` and at each run's start, and an
+    engine step has at most ``n_seqs`` + 1 runs (a chunk a sequence, laid end to end, then the padding tokens, whose
+    sequence row is 0). Tokens of more runs than that would fall in no tile. No cumulative sum or scatter-reduce
+    (the former layout's, whose ``reduce_window`` kernels took ~15 us at 8192 tokens on an H100): one prefix count
+    (``prefix_count``), one scatter of each tile's first token, gathers."""
     t = seq_T.shape[0]
     n_tiles = -(-t // TOKENS) + n_seqs + 1
     token_T = jnp.arange(t, dtype=jnp.int32)
     run_start = jnp.concatenate([jnp.ones((1,), bool), seq_T[1:] != seq_T[:-1]])
-    first_of_run = lax.cummax(jnp.where(run_start, token_T, 0))
-    opens = (token_T - first_of_run) % TOKENS == 0  # a token that starts a tile
-    tile_T = jnp.cumsum(opens.astype(jnp.int32)) - 1
-    count_X = jnp.zeros((n_tiles,), jnp.int32).at[tile_T].add(1)
-    first_X = jnp.zeros((n_tiles,), jnp.int32).at[jnp.where(opens, tile_T, n_tiles)].set(token_T, mode="drop")
-    seq_X = seq_T[first_X]
-    seen_X = jnp.zeros((n_tiles,), jnp.int32).at[tile_T].max(visible_T.astype(jnp.int32))
-    return jnp.stack([seq_X, first_X, count_X, seen_X], axis=1), tile_T
+    opens = run_start | (token_T % TOKENS == 0)  # a token that starts a tile
+    tile_T = prefix_count(opens) - 1
+    # each tile's first token (T past the used tiles), so a tile's tokens run to the next one's first
+    first_X = jnp.full((n_tiles + 1,), t, jnp.int32).at[jnp.where(opens, tile_T, n_tiles + 1)].set(token_T,
+                                                                                                   mode="drop")
+    count_X = first_X[1:] - first_X[:-1]
+    first_X = jnp.minimum(first_X[:-1], t - 1)
+    g_G = jnp.arange(TOKENS, dtype=jnp.int32)
+    visible_XG = jnp.where(g_G < count_X[:, None], jnp.pad(visible_T, (0, TOKENS))[first_X[:, None] + g_G], 0)
+    tiles_X4 = jnp.stack([seq_T[first_X], first_X, count_X, visible_XG.max(axis=1)], axis=1)
+    return tiles_X4, tile_T, visible_XG
 
 
 def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array, seq_T: jax.Array,
@@ -133,7 +156,7 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     chunk = blocks * ROWS
     padded = -(-width // chunk) * chunk
     visible_T = jnp.minimum(visible_T, width).astype(jnp.int32)
-    tiles_X4, tile_T = tiles(seq_T.astype(jnp.int32), visible_T, s)
+    tiles_X4, tile_T, visible_XG = tiles(seq_T.astype(jnp.int32), visible_T, s)
     # a tile's query rows and weights read past the last token: its TMA copy of q fills them with zeros on the
     # GPU, no copy of q needed (a padded copy where the interpreter, which raises there, runs it, or where q has
     # fewer rows than the copy's box); w is read by plain loads, so TOKENS more zeros
@@ -152,10 +175,8 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     # what falls past P, the interpreter raises there, so it writes the padded width; and as for q, a store's box
     # is kept within the array (at least a tile's rows and a block's positions: tiny shapes sliced after)
     out_width = padded if interpret else max(-(-width // 4) * 4, ROWS)
-    # (rows) each tile's tokens' visible lengths, a row a tile (a vector load of a tile's 8 from [T] would start at
-    # any token: misaligned on the GPU); past a tile's tokens whatever follows, never used
-    visible_XG = jnp.pad(visible_T, (0, TOKENS))[tiles_X4[:, 1:2] + jnp.arange(TOKENS)] if rows else None
-    out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_XG, *gathered,
+    out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC,
+                visible_XG if rows else None, *gathered,
                 heads=i, blocks=blocks, warpgroups=warpgroups, rows=rows,
                 out_rows=max(t, TOKENS), out_width=out_width, interpret=interpret)
     if rows:
