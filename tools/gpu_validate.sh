@@ -90,13 +90,10 @@
 #            tools/dispatch_probe.py at B=1, alternating over three rounds (the host's spread needs them: the same
 #            executable ran 0.91-1.52 ms back to back on one H100 in the forty-ninth session), then the staging
 #            change's GPU tests;
-#   indexer-rows  (~200 s) the indexer's GPU tests (the kernel writing the scores [T, P] itself, `rows`, with one
-#            compute warpgroup a CTA among them), then its prefill row (8192 x 2048) by
-#            GPU kernel time with each kernel apart (bench_kernels --kernel-split) as by default and with `rows` at
-#            one and two warpgroups (fifty-first session, H100: 349.1 us by default, 184.7 with `rows` and one
-#            warpgroup; the `rows` cases of ragged tiles raised a misaligned address, fixed by 846d764 and not yet
-#            run: if the tests pass, make `mgpu_rows` and `mgpu_warpgroups=1` the defaults);
-#   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's `mgpu_rows` against the defaults;
+#   indexer-rows  (~200 s) the indexer's GPU tests, then its prefill row (8192 x 2048) by GPU kernel time with each
+#            kernel apart (bench_kernels --kernel-split) at one (the default) and two compute warpgroups a CTA and
+#            16 blocks a CTA (fifty-first session, H100: 184.7 us with one warpgroup, 207.2 with two);
+#   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's two warpgroups a CTA against one (the default);
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -235,14 +232,13 @@ case "$stage" in
   indexer-rows)
     run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
     run 200 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
-      --repeats 3 --variant mgpu_rows=True --variant mgpu_rows=True,mgpu_warpgroups=1 \
-      --variant mgpu_rows=True,mgpu_warpgroups=1,mgpu_blocks=16 ;;
+      --repeats 3 --variant mgpu_warpgroups=2 --variant mgpu_blocks=16 ;;
   indexer-e2e)
-    # (~400 s) flash-slice prefill 8192 with the indexer's scores written by its kernel (`mgpu_rows`, one compute
-    # warpgroup a CTA) against the defaults, alternating over two rounds in one process (the model loaded once)
+    # (~400 s) flash-slice prefill 8192 with the indexer's two compute warpgroups a CTA against one (the default),
+    # alternating over two rounds in one process (the model loaded once)
     run 560 python3 tools/bench.py --model flash-slice --decode-batch 1 --context 255 --prefill 8192 --kernels on \
       --engine off --warmup 2 --iters 5 --rounds 2 \
-      --variant "indexer.CONFIG.mgpu_rows=True;indexer.CONFIG.mgpu_warpgroups=1" ;;
+      --variant "indexer.CONFIG.mgpu_warpgroups=2" ;;
   indexer-profile)
     # (~200 s; first after a machine start, as `profile` says) hardware counters of the Mosaic GPU indexer at
     # prefill 8192 x 2048 (146-158 us of kernel time against an 86.8 us tensor-core floor on an H100, fiftieth
@@ -251,8 +247,7 @@ case "$stage" in
     run 250 ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
       -k regex:^kernel_mosaic_gpu -c 2 -o "$out/ncu-indexer" \
-      python3 tools/bench_kernels.py --only indexer --rows mgpu --iters 1 --repeats 1 \
-      --variant mgpu_rows=True,mgpu_warpgroups=1
+      python3 tools/bench_kernels.py --only indexer --rows mgpu --iters 1 --repeats 1
     ncu --import "$out/ncu-indexer.ncu-rep" --page details > "$out/ncu-indexer.txt" 2>&1
     grep -E "^  [A-Za-z_]|Duration|Throughput|Registers Per|Achieved Occupancy|Cycles Per Issued|Stall|Pipe|L2" \
       "$out/ncu-indexer.txt" | head -150 >> "$log" ;;

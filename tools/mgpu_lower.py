@@ -104,23 +104,21 @@ def lower_gather(k: int, sizes: tuple[int, ...], parts: int) -> int:
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
-# (T, I, J, sequences, P, blocks[, rows[, warpgroups]]): a prefill of 8192 tokens over 2048 positions, 64 decode
-# rows over 4096, a small shape with one block a chunk (the second warpgroup idle), fewer tokens than a tile; the
-# prefill and the small shape again with the kernel writing its rows itself (``rows``), the prefill so with one
-# warpgroup a CTA
+# (T, I, J, sequences, P, blocks[, warpgroups]): a prefill of 8192 tokens over 2048 positions, 64 decode rows over
+# 4096, a small shape with one block a chunk, fewer tokens than a tile; the prefill and the small shape again with
+# two warpgroups a CTA (the second idle in the small one)
 INDEXER_SHAPES = [(8192, 32, 128, 1, 2048, 8), (64, 32, 128, 64, 4096, 8), (30, 8, 64, 4, 130, 1),
-                  (3, 32, 128, 1, 256, 2), (8192, 32, 128, 1, 2048, 8, True), (30, 8, 64, 4, 130, 1, True),
-                  (8192, 32, 128, 1, 2048, 8, True, 1)]
+                  (3, 32, 128, 1, 256, 2), (8192, 32, 128, 1, 2048, 8, 2), (30, 8, 64, 4, 130, 1, 2)]
 
 
-def lower_indexer(t: int, i: int, j: int, s: int, p: int, blocks: int, rows: bool = False,
+def lower_indexer(t: int, i: int, j: int, s: int, p: int, blocks: int,
                   warpgroups: int = indexer_mgpu.WARPGROUPS) -> int:
     """Lower one ``indexer_mgpu.index_scores_mgpu`` for CUDA from abstract operands; -> the StableHLO text's
     length."""
     shapes = (jax.ShapeDtypeStruct((t, i, j), jnp.bfloat16), jax.ShapeDtypeStruct((t, i), jnp.bfloat16),
               jax.ShapeDtypeStruct((s * p, j), jnp.bfloat16), jax.ShapeDtypeStruct((s, p), jnp.int32),
               jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((t,), jnp.int32))
-    fn = functools.partial(indexer_mgpu.index_scores_mgpu, blocks=blocks, warpgroups=warpgroups, rows=rows)
+    fn = functools.partial(indexer_mgpu.index_scores_mgpu, blocks=blocks, warpgroups=warpgroups)
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
@@ -157,7 +155,7 @@ def kernels() -> list[tuple[str, str, object, list]]:
     return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
             ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
             ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/clusters[/pdl]]", lower_attention, ATTN_SHAPES),
-            ("indexer_mgpu", "T/I/J/S/P/blocks[/rows[/warpgroups]]", lower_indexer, INDEXER_SHAPES),
+            ("indexer_mgpu", "T/I/J/S/P/blocks[/warpgroups]", lower_indexer, INDEXER_SHAPES),
             ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]
 
 

@@ -97,10 +97,8 @@ class IndexerConfig:
     (thirty-first session) it took prefill 8192 x 2048 (32 heads x 128) in 433 us against 496 (20.2 % of the
     tensor-core floor against 17.7 %), its outputs within 1 ulp of the reference. mgpu_blocks: the Mosaic GPU kernel's
     blocks of 64 positions a CTA (``index_scores_mgpu``'s ``blocks``: each CTA loads its tile's queries once for that
-    many blocks). mgpu_warpgroups: its compute warpgroups a CTA (``warpgroups``: 1 lets two CTAs share an SM).
-    mgpu_rows: the Mosaic GPU kernel writes the scores [T, P] itself, masked, so that nothing is left to XLA
-    (``index_scores_mgpu``'s ``rows``: with one warpgroup 1.9x faster at prefill 8192 x 2048 on an H100, fifty-first
-    session; off until its GPU tests pass).
+    many blocks). mgpu_warpgroups: its compute warpgroups a CTA (``warpgroups``: with 1, two CTAs share an SM; at
+    prefill 8192 x 2048 on an H100 its kernel took 154.9 us against 177.5 with 2, fifty-first session).
     """
 
     block_p: int = 128
@@ -113,8 +111,7 @@ class IndexerConfig:
     engine: str = "mgpu"
     mgpu_min_tokens_per_seq: int = 4
     mgpu_blocks: int = 8
-    mgpu_warpgroups: int = 2
-    mgpu_rows: bool = False
+    mgpu_warpgroups: int = 1
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -215,8 +212,7 @@ def index_scores_pallas(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, r
     if (config.engine == "mgpu" and not interpret and t >= config.mgpu_min_tokens_per_seq * s
             and indexer_mgpu.available() and indexer_mgpu.shape_error(i, j) is None):
         return indexer_mgpu.index_scores_mgpu(q_TIJ, w_TI, keys_NJ, rows_SP, seq_T, visible_T,
-                                              blocks=config.mgpu_blocks, warpgroups=config.mgpu_warpgroups,
-                                              rows=config.mgpu_rows)
+                                              blocks=config.mgpu_blocks, warpgroups=config.mgpu_warpgroups)
     if not _power_of_two(j) or j < MIN_DOT:
         raise ValueError(f"index_scores_pallas: the index head dim J={j} must be a power of two >= {MIN_DOT}")
     if not _power_of_two(config.block_p) or config.block_p < MIN_DOT:

@@ -6,9 +6,8 @@ took 433 us on the H200 against the Triton kernel's 496 (thirty-first session); 
 changes (the rounding chain on bf16 pairs, dead blocks skipped) 326.9 us (26.6 %), the kernel 158.1 (issue 13 asks
 50 %). In the fifty-first session (H100, one run, GPU kernel time): 349.1 us as by default (the kernel 161.8, the XLA
 pick and transpose 157.2), 207.2 with ``rows`` (the kernel 177.5 and nothing to pick), 184.7 with ``rows`` and one
-compute warpgroup a CTA (47.0 % of the floor; the kernel 154.9), every score within 1 ulp. ``rows`` is off by
-default until its GPU tests pass: that run's ragged cases raised a misaligned address (each tile's 8 visible
-lengths were loaded as a vector from [T] at the tile's first token; now a row of [X, 8], not yet run on a GPU).
+compute warpgroup a CTA (47.0 % of the floor; the kernel 154.9), every score within 1 ulp; both are now its only
+form and the default (fifty-second session: GPU_RESULT).
 ``indexer.IndexerConfig.engine='mgpu'`` is the default; it takes prefill-shaped steps only.
 The parity fixtures' 32-wide index heads are below its smallest J (64), so GPU parity does not reach it.
 
@@ -31,15 +30,13 @@ block serves them all, as wgmma's A operand (64 positions, swapped so that the t
     under the products rather than before them (thirty-fourth session). Four slots a warpgroup (three blocks'
     gathers in flight) did not pay: 403.8 against 405.5 us at prefill 8192 x 2048 on an H100 (forty-seventh
     session), so the gathers' latency is not what bounds it.
-Each tile writes its own [P, 8] columns; the scores [T, P] are picked from them in XLA (a transpose to [X x 8, P],
-then a row gather), where the -inf mask (p >= visible_T[t]) is applied, so the kernel skips every block of positions
-no token of its tile sees (before the fiftieth session every chunk: at prefill a tile then computed up to
-``blocks`` - 1 blocks past its tokens' last position). With ``rows`` the kernel writes [T, P] itself: each block's
-[64, 8] result masked in registers, stored transposed (``store_transposed``) and copied out as the tile's 8 rows
-(one TMA copy for a full tile, one a token for a part-filled one), and the blocks no token of the tile sees as -inf
-rows from a constant tile (by the CTA of the tile's last chunk with a seen position, so the chunks past it take no
-CTA), so XLA has nothing left to do (the pick took 141 us of the 315 at prefill 8192 x 2048 on an H100, fiftieth
-session).
+The kernel writes the scores [T, P] itself: each block's [64, 8] result is masked in registers (-inf at p >=
+visible_T[t]), stored transposed (``store_transposed``) and copied out as the tile's rows (one TMA copy for a full
+tile, one a token for a part-filled one, so tiles never write each other's rows); the blocks no token of the tile
+sees are -inf rows from a constant tile, written by the CTA of the tile's last chunk with a seen position, so the
+chunks past it take no CTA. Until the fifty-second session each tile wrote its [P, 8] columns and XLA picked each
+token's row out of them (a transpose and a row gather: 157.2 us of the 349.1 at prefill 8192 x 2048 on an H100,
+fifty-first session). What XLA still does is the tiles' table (``tiles``) and the pads of w and the index rows.
 
 Numerics: the reference's chain (``indexer`` module docstring): each dot of bf16 values in fp32 rounded to bf16,
 ReLU, times the weight in fp32 rounded to bf16, the heads summed in fp32 (here by the second product, whose terms
@@ -71,7 +68,7 @@ from dijax.kernels.fp4_wgmma import COL_LAYOUT, ROW_LAYOUT, available
 from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 
 TOKENS = 8  # tokens a tile: the head sum's wgmma N
-WARPGROUPS = 2  # compute warpgroups by default (``warpgroups``), alternate blocks of positions
+WARPGROUPS = 1  # compute warpgroups by default (``warpgroups``: with 2, alternate blocks of positions)
 SLOTS = 2  # key slots a warpgroup
 MAX_N = 256  # wgmma's N: TOKENS x heads
 
@@ -101,10 +98,10 @@ def prefix_count(x_T: jax.Array) -> jax.Array:
     return (within_RW + before_R[:, None]).reshape(-1)[:t].astype(jnp.int32)
 
 
-def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Array, jax.Array]:
     """Tiles of up to ``TOKENS`` consecutive tokens of one sequence: a run of one sequence's tokens split at its
     start and at every multiple of ``TOKENS``. -> (int32 [X, 4] rows (sequence, first token, tokens, the most
-    positions one of them sees), each token's tile int32 [T], each tile's tokens' visible lengths int32 [X, G] (0
+    positions one of them sees), each tile's tokens' visible lengths int32 [X, G] (0
     past its tokens: a row a tile, since a vector load of a tile's lengths from [T] would start at any token,
     misaligned on the GPU)); unused rows have 0 tokens.
 
@@ -127,25 +124,22 @@ def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Arra
     g_G = jnp.arange(TOKENS, dtype=jnp.int32)
     visible_XG = jnp.where(g_G < count_X[:, None], jnp.pad(visible_T, (0, TOKENS))[first_X[:, None] + g_G], 0)
     tiles_X4 = jnp.stack([seq_T[first_X], first_X, count_X, visible_XG.max(axis=1)], axis=1)
-    return tiles_X4, tile_T, visible_XG
+    return tiles_X4, visible_XG
 
 
 def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, rows_SP: jax.Array, seq_T: jax.Array,
-                      visible_T: jax.Array, *, blocks: int = 8, warpgroups: int = WARPGROUPS, rows: bool = False,
+                      visible_T: jax.Array, *, blocks: int = 8, warpgroups: int = WARPGROUPS,
                       interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``indexer.index_scores_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
-    docstring), with the tiles' layout (and without ``rows`` the scores' pick and mask) in XLA. -> float32 [T, P].
+    docstring), with the tiles' table in XLA. -> float32 [T, P], -inf at p >= visible_T[t].
 
     Arguments as the reference's: q_TIJ bf16 [T, I, J], w_TI bf16 [T, I], keys_NJ bf16 [N, J], rows_SP int32 [S, P],
     seq_T int32 [T] (at most S + 1 runs of one sequence's consecutive tokens, as an engine step's: ``tiles``),
     visible_T int32 [T]. ``blocks``: blocks of 64 positions a CTA (a chunk). ``warpgroups``: compute warpgroups a CTA, 1
     or 2 (with one, a CTA needs ~104 KB of shared memory and under half an SM's registers, so two CTAs share an SM and
-    one's start, its queries' copy and first gather, lies under the other's products). ``rows``: the kernel writes the
-    scores [T, P] itself, each tile its tokens' rows, masked (-inf at p >= visible_T[t], also over the blocks it skips),
-    so nothing is left to XLA; else it writes each tile's [P, 8] columns and XLA transposes them, picks each token's row
-    and masks it (the default until the rows' GPU tests pass). ``shape_error`` lists the shapes it takes. ``interpret``:
-    run in the Mosaic GPU interpreter (keys gathered in XLA: module docstring), with its default parameters or the
-    ``InterpretGPUParams`` given."""
+    one's start, its queries' copy and first gather, lies under the other's products). ``shape_error`` lists the
+    shapes it takes. ``interpret``: run in the Mosaic GPU interpreter (keys gathered in XLA: module docstring), with
+    its default parameters or the ``InterpretGPUParams`` given."""
     t, i, j = q_TIJ.shape
     s, width = rows_SP.shape
     error = shape_error(i, j)
@@ -156,7 +150,7 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     chunk = blocks * ROWS
     padded = -(-width // chunk) * chunk
     visible_T = jnp.minimum(visible_T, width).astype(jnp.int32)
-    tiles_X4, tile_T, visible_XG = tiles(seq_T.astype(jnp.int32), visible_T, s)
+    tiles_X4, visible_XG = tiles(seq_T.astype(jnp.int32), visible_T, s)
     # a tile's query rows and weights read past the last token: its TMA copy of q fills them with zeros on the
     # GPU, no copy of q needed (a padded copy where the interpreter, which raises there, runs it, or where q has
     # fewer rows than the copy's box); w is read by plain loads, so TOKENS more zeros
@@ -171,23 +165,14 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
         n = keys_NJ.shape[0]
         keys_SPJ = keys_NJ.astype(jnp.bfloat16)[jnp.clip(rows_SP, 0, n - 1)]
         gathered = (jnp.where(((rows_SP >= 0) & (rows_SP < n))[..., None], keys_SPJ, 0),)
-    # with ``rows`` a TMA store's rows must start 16 bytes apart (P a multiple of 4 floats); on the GPU it drops
+    # a TMA store's rows must start 16 bytes apart (P a multiple of 4 floats); on the GPU it drops
     # what falls past P, the interpreter raises there, so it writes the padded width; and as for q, a store's box
     # is kept within the array (at least a tile's rows and a block's positions: tiny shapes sliced after)
     out_width = padded if interpret else max(-(-width // 4) * 4, ROWS)
-    out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC,
-                visible_XG if rows else None, *gathered,
-                heads=i, blocks=blocks, warpgroups=warpgroups, rows=rows,
-                out_rows=max(t, TOKENS), out_width=out_width, interpret=interpret)
-    if rows:
-        return out[:t, :width]
-    col_T = jnp.arange(t, dtype=jnp.int32) - tiles_X4[tile_T, 1]  # each token's column in its tile
-    # Y = X x G: row x G + g, tile x's token g. Whole rows gathered: a gather of each token's column straight from
-    # [X, P, G] read its positions 32 bytes apart (H100, prefill 8192 x 2048: 143.7 us against 100.1 with the
-    # transpose, fiftieth session)
-    score_TP = jnp.swapaxes(out[:, :width], 1, 2).reshape(-1, width)[tile_T * TOKENS + col_T]
-    visible = jnp.arange(width, dtype=jnp.int32)[None, :] < visible_T[:, None]
-    return jnp.where(visible, score_TP, -jnp.inf)
+    out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_XG, *gathered,
+                heads=i, blocks=blocks, warpgroups=warpgroups, out_rows=max(t, TOKENS), out_width=out_width,
+                interpret=interpret)
+    return out[:t, :width]
 
 
 def store_transposed(x_RC: jax.Array, ref, interpret) -> None:
@@ -207,27 +192,24 @@ def store_transposed(x_RC: jax.Array, ref, interpret) -> None:
     store(x_RC, ref)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "blocks", "warpgroups", "rows", "out_rows", "out_width",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "blocks", "warpgroups", "out_rows", "out_width", "interpret"))
 def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gathered_SPJ=None, *, heads: int,
-          blocks: int, warpgroups: int, rows: bool, out_rows: int, out_width: int,
+          blocks: int, warpgroups: int, out_rows: int, out_width: int,
           interpret: bool | plgpu.InterpretGPUParams):
-    """The kernel: tile x's scores of its tokens at every position of a block some token of the tile sees (other
-    blocks left unwritten), float32 [X, P, G] (column g: its token g; ``visible_XG`` None); or with ``rows`` the
-    scores [max(T, G), out_width] (token t's row: -inf at p >= visible_XG[its tile, its column], its tile's unseen
-    blocks included; columns past P and rows past T unwritten)."""
+    """The kernel: the scores [max(T, G), out_width], token t's row written by its tile (-inf at p >=
+    visible_XG[its tile, its column], over the blocks no token of the tile sees too; columns past P and rows past T
+    unwritten)."""
     n_tiles = tiles_X4.shape[0]
     j = keys_NJ.shape[1]
     width = rows_SP.shape[1]
     n = TOKENS * heads  # the scores' wgmma N
     chunk = blocks * ROWS
-    # (rows) the tiles' visible lengths, a block's positions as a vector, a tile of -inf
-    masks = ((visible_XG, jnp.arange(ROWS, dtype=jnp.int32), jnp.full((TOKENS, ROWS), -jnp.inf, jnp.float32))
-             if rows else ())
+    # the tiles' visible lengths, a block's positions as a vector, a tile of -inf
+    masks = (visible_XG, jnp.arange(ROWS, dtype=jnp.int32), jnp.full((TOKENS, ROWS), -jnp.inf, jnp.float32))
 
     def kernel(tiles_ref, q_gmem, w_gmem, keys_gmem, rows_gmem, sum_gmem, *refs):
-        visible_gmem, pos_gmem, ninf_gmem = refs[:3] if rows else (None,) * 3
-        gathered_gmem = refs[3 if rows else 0] if interpret else None
+        visible_gmem, pos_gmem, ninf_gmem = refs[:3]
+        gathered_gmem = refs[3] if interpret else None
         out_gmem = refs[-1]
         x, c = lax.axis_index("x"), lax.axis_index("c")  # (c varies fastest: a tile's chunks run side by side)
         seq, first, count, seen = (tiles_ref[x, f] for f in range(4))
@@ -244,7 +226,7 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
                                        sizes=(keys_gmem.shape[0],), threads=WARPGROUP)
 
         def store_rows(o_smem, p0):
-            """(rows) Start the stores of the tile's tokens' rows at positions p0 + [0, 64) from ``o_smem``
+            """Start the stores of the tile's tokens' rows at positions p0 + [0, 64) from ``o_smem``
             (SMEM fp32 [G, 64]): one copy for a full tile, else a copy a token."""
             @pl.when(count == TOKENS)
             def _():
@@ -256,12 +238,11 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
                     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(g, 1)], out_gmem.at[pl.ds(first + g, 1), pl.ds(p0, ROWS)])
 
         def body(q_smem, e_smem, k_smem, o_smem, n_smem, t_smem, bar, n_bar):
-            # the chunk's blocks some token of the tile sees (without ``rows`` the rest stay unwritten: the pick
-            # masks them), and this warpgroup's of them: wg, wg + 2, ...
+            # the chunk's blocks some token of the tile sees, and this warpgroup's of them: wg, wg + warpgroups, ...
             live = jnp.minimum(blocks, (seen - c * chunk + ROWS - 1) // ROWS)
             mine = (live - wg + warpgroups - 1) // warpgroups
-            # (rows) the tile's last chunk with a seen position (chunk 0 if none) writes -inf over every block
-            # past it, so that the chunks past it need no CTA
+            # the tile's last chunk with a seen position (chunk 0 if none) writes -inf over every block past it, so
+            # that the chunks past it need no CTA
             last = c == jnp.maximum(seen - 1, 0) // chunk
 
             @pl.when(wg == 0)
@@ -271,38 +252,34 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
                     plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first * heads, n)], q_smem, bar)
                     plgpu.copy_gmem_to_smem(sum_gmem, e_smem, bar)
 
-                if rows:
-                    @pl.when(last)
-                    def _():
-                        plgpu.copy_gmem_to_smem(ninf_gmem, n_smem, n_bar)
+                @pl.when(last)
+                def _():
+                    plgpu.copy_gmem_to_smem(ninf_gmem, n_smem, n_bar)
 
             @pl.when(mine > 0)  # (with one live block, the second warpgroup has none)
             def _():
                 compute(q_smem, e_smem, k_smem, o_smem, t_smem, bar, mine)
 
-            if rows:
-                @pl.when(last)
-                def _():
-                    plgpu.barrier_wait(n_bar)
-                    unseen = c * blocks + jnp.maximum(live, 0)  # the first block no token of the tile sees
-                    todo = (-(-out_width // ROWS) - unseen - wg + warpgroups - 1) // warpgroups  # this warpgroup's
+            @pl.when(last)
+            def _():
+                plgpu.barrier_wait(n_bar)
+                unseen = c * blocks + jnp.maximum(live, 0)  # the first block no token of the tile sees
+                todo = (-(-out_width // ROWS) - unseen - wg + warpgroups - 1) // warpgroups  # this warpgroup's
 
-                    def store_unseen(k, _):
-                        store_rows(n_smem, (unseen + warpgroups * k + wg) * ROWS)
-                        return _
+                def store_unseen(k, _):
+                    store_rows(n_smem, (unseen + warpgroups * k + wg) * ROWS)
+                    return _
 
-                    lax.fori_loop(0, todo, store_unseen, None)
+                lax.fori_loop(0, todo, store_unseen, None)
             plgpu.wait_smem_to_gmem(0)
 
         def compute(q_smem, e_smem, k_smem, o_smem, t_smem, bar, mine):
             """This warpgroup's ``mine`` blocks of the chunk: gathers, both products, the rounding chain, stores."""
             w_col = plgpu.load(w_gmem.at[pl.ds(first * heads, n)], layout=COL_LAYOUT, optimized=False)
             w_col = lax.broadcast_in_dim(w_col, (ROWS, n), [1])
-            if rows:
-                visible_RG = lax.broadcast_in_dim(
-                    plgpu.load(visible_gmem.at[x], layout=COL_LAYOUT, optimized=False),
-                    (ROWS, TOKENS), [1])
-                pos_R = plgpu.load(pos_gmem, layout=ROW_LAYOUT, optimized=False)
+            visible_RG = lax.broadcast_in_dim(plgpu.load(visible_gmem.at[x], layout=COL_LAYOUT, optimized=False),
+                                              (ROWS, TOKENS), [1])
+            pos_R = plgpu.load(pos_gmem, layout=ROW_LAYOUT, optimized=False)
             fetch(0, k_smem)
             row_gather.commit_group(interpret)
             plgpu.barrier_wait(bar)
@@ -338,21 +315,16 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
                 r = jnp.where(r == 0, 0.0, r)  # +0.0 (the indexer module docstring)
                 plgpu.wait_smem_to_gmem(0)  # the last block's store has read o_smem
                 p0 = c * chunk + (warpgroups * jb + wg) * ROWS
-                if rows:
-                    seen_RG = lax.broadcast_in_dim(pos_R + p0, (ROWS, TOKENS), [0]) < visible_RG
-                    store_transposed(jnp.where(seen_RG, r, -jnp.inf), o_smem.at[wg], interpret)
-                    plgpu.commit_smem()
-                    store_rows(o_smem.at[wg], p0)
-                else:
-                    o_smem.at[wg][...] = r
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[x, pl.ds(p0, ROWS)])
+                seen_RG = lax.broadcast_in_dim(pos_R + p0, (ROWS, TOKENS), [0]) < visible_RG
+                store_transposed(jnp.where(seen_RG, r, -jnp.inf), o_smem.at[wg], interpret)
+                plgpu.commit_smem()
+                store_rows(o_smem.at[wg], p0)
                 return _
 
             lax.fori_loop(0, mine, block, None)
 
-        # a chunk some token of the tile sees (and chunk 0 of a tile none of whose tokens sees a position: with
-        # ``rows`` it writes the -inf rows)
+        # a chunk some token of the tile sees (and chunk 0 of a tile none of whose tokens sees a position: it writes
+        # the -inf rows)
         @pl.when((count > 0) & (c * chunk < jnp.maximum(seen, 1)))
         def _():
             pl.run_scoped(
@@ -360,16 +332,15 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
                 q_smem=plgpu.SMEM((n, j), jnp.bfloat16, transforms=TILED),
                 e_smem=plgpu.SMEM((TOKENS, n), jnp.bfloat16, transforms=TILED),
                 k_smem=plgpu.SMEM((warpgroups, SLOTS, ROWS, j), jnp.bfloat16, transforms=TILED),
-                o_smem=plgpu.SMEM((warpgroups, *((TOKENS, ROWS) if rows else (ROWS, TOKENS))), jnp.float32),
-                n_smem=plgpu.SMEM((TOKENS, ROWS), jnp.float32) if rows else None,
+                o_smem=plgpu.SMEM((warpgroups, TOKENS, ROWS), jnp.float32),
+                n_smem=plgpu.SMEM((TOKENS, ROWS), jnp.float32),
                 t_smem=plgpu.SMEM((warpgroups, ROWS, n), jnp.bfloat16, transforms=TILED) if interpret else None,
                 bar=plgpu.Barrier(num_arrivals=2),
-                n_bar=plgpu.Barrier(num_arrivals=1) if rows else None,
+                n_bar=plgpu.Barrier(num_arrivals=1),
                 collective_axes="wg")
 
     run = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((out_rows, out_width) if rows
-                                              else (n_tiles, width, TOKENS), jnp.float32),
+        kernel, out_type=jax.ShapeDtypeStruct((out_rows, out_width), jnp.float32),
         grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=warpgroups, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))

@@ -138,39 +138,38 @@ def engine_order(args, runs):
     return (*args[:4], jnp.asarray(seq), args[5])
 
 
-@pytest.mark.parametrize("rows", [False, True])
-def test_mgpu_prefill_of_one_sequence(rows):
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_mgpu_prefill_of_one_sequence(warpgroups):
     # the Mosaic GPU kernel at prefill: 8192 tokens of one sequence over 2048 compressed positions, each seeing a
-    # growing prefix (t // 4 + 1), as an index layer's chunk does; with ``rows`` the kernel writes its rows itself
+    # growing prefix (t // 4 + 1), as an index layer's chunk does
     assert indexer_mgpu.available()
     t, width = 8192, 2048
     args = problem(t, width, np.arange(t) // 4 + 1, seqs=1, seed=11)
     check(args, IndexerConfig(), max_fraction=1e-3,
-          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, rows=rows))
+          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, warpgroups=warpgroups))
 
 
-@pytest.mark.parametrize("blocks,rows,width,warpgroups", [
-    (8, False, 3000, 2), (1, False, 3000, 2), (3, False, 3000, 2), (8, True, 3000, 2), (3, True, 3001, 2),
-    (8, True, 3000, 1), (32, True, 3000, 1)])
-def test_mgpu_ragged_runs_and_padding(blocks, rows, width, warpgroups):
+@pytest.mark.parametrize("blocks,width,warpgroups", [
+    (8, 3000, 1), (1, 3000, 1), (3, 3001, 1), (32, 3000, 1), (8, 3000, 2), (1, 3000, 2), (3, 3001, 2)])
+def test_mgpu_ragged_runs_and_padding(blocks, width, warpgroups):
     # three sequences' chunks of ragged lengths (tiles cut at each), then padding tokens of sequence row 0 that
-    # see nothing; one block a chunk leaves the second warpgroup idle (or one warpgroup a CTA); with ``rows`` the
-    # last block's stores cross P (3000: dropped by the TMA unit; 3001: the rows written 3004 wide, then sliced)
+    # see nothing; one block a chunk leaves the second warpgroup idle (with two); the tiles of runs starting at
+    # odd tokens have their visible lengths as rows (a vector load from [T] was misaligned there); the last
+    # block's stores cross P (3000: dropped by the TMA unit; 3001: the rows written 3004 wide, then sliced)
     runs = [(0, 37), (1, 5), (2, 100), (0, 18)]
     visible = np.concatenate([np.arange(37) * 40 + 1, [0, 1, 63, 64, 65], 3000 - np.arange(100), np.zeros(18)])
     args = engine_order(problem(160, width, visible, seqs=3, seed=blocks), runs)
     check(args, IndexerConfig(), max_fraction=1e-3,
-          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=blocks, warpgroups=warpgroups,
-                                                           rows=rows))
+          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=blocks, warpgroups=warpgroups))
 
 
 @pytest.mark.parametrize("t,width", [(3, 40), (20, 61)])
-def test_mgpu_rows_small_shapes(t, width):
-    # ``rows`` where the scores are smaller than a store's box: fewer tokens than a tile, fewer positions than a
+def test_mgpu_small_shapes(t, width):
+    # the kernel where the scores are smaller than a store's box: fewer tokens than a tile, fewer positions than a
     # block, a width that is no multiple of 4 (written wider, then sliced)
     args = problem(t, width, np.arange(t) * 3 + 1, seqs=1, seed=t)
     check(args, IndexerConfig(), max_fraction=1e-3,
-          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=2, rows=True))
+          kernel=lambda *a: indexer_mgpu.index_scores_mgpu(*a, blocks=2))
 
 
 def test_mgpu_random_bf16_and_seam():
@@ -179,4 +178,4 @@ def test_mgpu_random_bf16_and_seam():
                         [(0, 256), (1, 256)])
     check(args, IndexerConfig(), max_fraction=0.02, kernel=indexer_mgpu.index_scores_mgpu)
     check(args, IndexerConfig(engine="mgpu"), max_fraction=0.02)
-    check(args, IndexerConfig(engine="mgpu", mgpu_rows=True), max_fraction=0.02)
+    check(args, IndexerConfig(engine="mgpu", mgpu_warpgroups=2), max_fraction=0.02)
