@@ -101,9 +101,9 @@ def prefix_count(x_T: jax.Array) -> jax.Array:
 def tiles(seq_T: jax.Array, visible_T: jax.Array, n_seqs: int) -> tuple[jax.Array, jax.Array]:
     """Tiles of up to ``TOKENS`` consecutive tokens of one sequence: a run of one sequence's tokens split at its
     start and at every multiple of ``TOKENS``. -> (int32 [X, 4] rows (sequence, first token, tokens, the most
-    positions one of them sees), each tile's tokens' visible lengths int32 [X, G] (0
-    past its tokens: a row a tile, since a vector load of a tile's lengths from [T] would start at any token,
-    misaligned on the GPU)); unused rows have 0 tokens.
+    positions one of them sees), each tile's tokens' visible lengths int32 [X, G] (0 past its tokens: a row a tile,
+    since a vector load of a tile's lengths from [T] would start at any token, misaligned on the GPU)); unused rows
+    have 0 tokens.
 
     X = ceil(T / TOKENS) + ``n_seqs`` + 1: a tile opens at each multiple of ``TOKENS`` and at each run's start, and an
     engine step has at most ``n_seqs`` + 1 runs (a chunk a sequence, laid end to end, then the padding tokens, whose
@@ -165,9 +165,9 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
         n = keys_NJ.shape[0]
         keys_SPJ = keys_NJ.astype(jnp.bfloat16)[jnp.clip(rows_SP, 0, n - 1)]
         gathered = (jnp.where(((rows_SP >= 0) & (rows_SP < n))[..., None], keys_SPJ, 0),)
-    # a TMA store's rows must start 16 bytes apart (P a multiple of 4 floats); on the GPU it drops
-    # what falls past P, the interpreter raises there, so it writes the padded width; and as for q, a store's box
-    # is kept within the array (at least a tile's rows and a block's positions: tiny shapes sliced after)
+    # a TMA store's rows must start 16 bytes apart (P a multiple of 4 floats); on the GPU it drops what falls past
+    # P, the interpreter raises there, so it writes the padded width; and as for q, a store's box is kept within the
+    # array (at least a tile's rows and a block's positions: tiny shapes sliced after)
     out_width = padded if interpret else max(-(-width // 4) * 4, ROWS)
     out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_XG, *gathered,
                 heads=i, blocks=blocks, warpgroups=warpgroups, out_rows=max(t, TOKENS), out_width=out_width,
