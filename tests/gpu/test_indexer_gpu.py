@@ -155,7 +155,8 @@ def test_mgpu_ragged_runs_and_padding(blocks, width, warpgroups):
     # three sequences' chunks of ragged lengths (tiles cut at each), then padding tokens of sequence row 0 that
     # see nothing; one block a chunk leaves the second warpgroup idle (with two); the tiles of runs starting at
     # odd tokens have their visible lengths as rows (a vector load from [T] was misaligned there); the last
-    # block's stores cross P (3000: dropped by the TMA unit; 3001: the rows written 3004 wide, then sliced)
+    # block of 3000 / 3001 positions is part-filled (the rows written 3008 wide, then sliced: a one-row store past
+    # P had spilled into the next row's first scores)
     runs = [(0, 37), (1, 5), (2, 100), (0, 18)]
     visible = np.concatenate([np.arange(37) * 40 + 1, [0, 1, 63, 64, 65], 3000 - np.arange(100), np.zeros(18)])
     args = engine_order(problem(160, width, visible, seqs=3, seed=blocks), runs)
