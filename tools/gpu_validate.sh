@@ -92,7 +92,8 @@
 #            change's GPU tests;
 #   indexer-rows  (~200 s) the indexer's GPU tests, then its prefill row (8192 x 2048) by GPU kernel time with each
 #            kernel apart (bench_kernels --kernel-split) at one (the default) and two compute warpgroups a CTA and
-#            16 blocks a CTA (fifty-first session, H100: 184.7 us with one warpgroup, 207.2 with two);
+#            16 blocks a CTA (fifty-second session, H100: 168.2 us with one warpgroup, 191.3 with two, 171.8 with
+#            16 blocks);
 #   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's two warpgroups a CTA against one (the default);
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and

@@ -5,9 +5,10 @@ took 433 us on the H200 against the Triton kernel's 496 (thirty-first session); 
 408.4 us (21.3 % of the tensor-core floor), of it the kernel 239.6 and the XLA pick 141.2, and after that session's
 changes (the rounding chain on bf16 pairs, dead blocks skipped) 326.9 us (26.6 %), the kernel 158.1 (issue 13 asks
 50 %). In the fifty-first session (H100, one run, GPU kernel time): 349.1 us as by default (the kernel 161.8, the XLA
-pick and transpose 157.2), 207.2 with ``rows`` (the kernel 177.5 and nothing to pick), 184.7 with ``rows`` and one
-compute warpgroup a CTA (47.0 % of the floor; the kernel 154.9), every score within 1 ulp; both are now its only
-form and the default (fifty-second session: GPU_RESULT).
+pick and transpose 157.2), 207.2 with the kernel writing the rows itself (the kernel 177.5, nothing to pick),
+184.7 so with one compute warpgroup a CTA (47.0 % of the floor; the kernel 154.9), every score within 1 ulp. In the
+fifty-second session both became its only form and the default (its GPU tests pass once no store crosses P: 21
+passed on an H100), and the tiles' table lost its cumulative sums: 165.7 us (52.4 %), the kernel 151.2, XLA ~15.
 ``indexer.IndexerConfig.engine='mgpu'`` is the default; it takes prefill-shaped steps only.
 The parity fixtures' 32-wide index heads are below its smallest J (64), so GPU parity does not reach it.
 
