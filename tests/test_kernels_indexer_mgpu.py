@@ -3,9 +3,9 @@
 The kernel needs a Hopper GPU (tests/gpu/test_indexer_gpu.py runs it). Interpreted, its keys are gathered in XLA
 (the interpreter runs no ``inline_mgpu``: the module docstring); the rest is the kernel's own: the tiles of tokens,
 the warpgroups' alternate blocks and their slots, both products, the rounding chain, the masked rows and the -inf
-blocks it writes. The interpreter's race detector runs over
-every case; it does not check alignment (a vector load misaligned on the GPU passed here: docs/benchmarks.md,
-fifty-first session).
+blocks it writes. The interpreter's race detector runs over every case, and it raises at a store past an array's
+end (which on the GPU had spilled into the next row: docs/benchmarks.md, fifty-second session); it does not check
+alignment (a vector load misaligned on the GPU passed here: fifty-first session).
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def test_slots_refilled_over_a_long_chunk(warpgroups):
 
 @pytest.mark.parametrize("warpgroups", [1, 2])
 def test_unseen_chunks(warpgroups):
-    # the chunks past a tile's last seen position get no CTA: the last seen chunk's CTA writes their
-    # -inf rows; a tile none of whose tokens sees a position (sequence 0's) writes all of them from chunk 0
+    # the chunks past a tile's last seen position get no CTA: the last seen chunk's CTA writes their -inf rows; a
+    # tile none of whose tokens sees a position (sequence 0's) writes all of them from chunk 0
     seq = [0] * 5 + [1] * 9 + [2] * 8
     visible = [0] * 5 + [1, 2, 3, 64, 65, 129, 130, 200, 1] + [300] * 8
     check(seq, visible, 300, heads=8, dim=64, blocks=1, warpgroups=warpgroups, seed=7)
