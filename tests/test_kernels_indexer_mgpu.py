@@ -3,9 +3,9 @@
 The kernel needs a Hopper GPU (tests/gpu/test_indexer_gpu.py runs it). Interpreted, its keys are gathered in XLA
 (the interpreter runs no ``inline_mgpu``: the module docstring); the rest is the kernel's own: the tiles of tokens,
 the warpgroups' alternate blocks and their slots, both products, the rounding chain, the masked rows and the -inf
-blocks it writes. The interpreter's race detector runs over every case, and it raises at a store past an array's
-end (which on the GPU had spilled into the next row: docs/benchmarks.md, fifty-second session); it does not check
-alignment (a vector load misaligned on the GPU passed here: fifty-first session).
+blocks it writes. The interpreter's race detector runs over every case. It does not check alignment (a vector load
+misaligned on the GPU passed here: docs/benchmarks.md, fifty-first session), and it drops a store's part past an
+array's end, which on the GPU had spilled into the next row (fifty-second session).
 """
 
 from __future__ import annotations

@@ -169,8 +169,8 @@ def index_scores_mgpu(q_TIJ: jax.Array, w_TI: jax.Array, keys_NJ: jax.Array, row
     # no store may cross P: on the GPU the ragged cases' part-filled tiles left -inf over the next token's first
     # 8 / 4 scores at P = 3000 / 3001 (fifty-second session, H100), as if a one-row store's part past P had landed
     # at the next row's start; so the rows are a whole number of blocks wide, sliced after where that differs from P
-    # (the interpreter, which raises at a store past an array's end, runs the same widths); and as for q, a store's
-    # box is kept within the array (at least a tile's rows)
+    # (the interpreter runs the same widths; it drops a store's part past P, so it could not show this); and as for
+    # q, a store's box is kept within the array (at least a tile's rows)
     out_width = -(-width // ROWS) * ROWS
     out = _call(tiles_X4, q_flat, w_flat, keys_NJ.astype(jnp.bfloat16), rows_SP, sum_GC, visible_XG, *gathered,
                 heads=i, blocks=blocks, warpgroups=warpgroups, out_rows=max(t, TOKENS), out_width=out_width,
