@@ -207,12 +207,11 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
     width = rows_SP.shape[1]
     n = TOKENS * heads  # the scores' wgmma N
     chunk = blocks * ROWS
-    # the tiles' visible lengths, a block's positions as a vector, a tile of -inf
-    masks = (visible_XG, jnp.arange(ROWS, dtype=jnp.int32), jnp.full((TOKENS, ROWS), -jnp.inf, jnp.float32))
+    positions_R = jnp.arange(ROWS, dtype=jnp.int32)  # a block's positions as a vector
+    ninf_GR = jnp.full((TOKENS, ROWS), -jnp.inf, jnp.float32)  # a tile's rows of an unseen block
 
-    def kernel(tiles_ref, q_gmem, w_gmem, keys_gmem, rows_gmem, sum_gmem, *refs):
-        visible_gmem, pos_gmem, ninf_gmem = refs[:3]
-        gathered_gmem = refs[3] if interpret else None
+    def kernel(tiles_ref, q_gmem, w_gmem, keys_gmem, rows_gmem, sum_gmem, visible_gmem, pos_gmem, ninf_gmem, *refs):
+        gathered_gmem = refs[0] if interpret else None
         out_gmem = refs[-1]
         x, c = lax.axis_index("x"), lax.axis_index("c")  # (c varies fastest: a tile's chunks run side by side)
         seq, first, count, seen = (tiles_ref[x, f] for f in range(4))
@@ -347,5 +346,5 @@ def _call(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, gather
         grid=(n_tiles, width // chunk), grid_names=("x", "c"), num_threads=warpgroups, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))
-    return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, *masks,
+    return run(tiles_X4, q_flat, w_flat, keys_NJ, rows_SP, sum_GC, visible_XG, positions_R, ninf_GR,
                *(() if gathered_SPJ is None else (gathered_SPJ,)))
