@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything a GPU session should run before turning a kernel on by default (dijax/kernels AUTO_ON_GPU), in stages
 # that each fit one device call (600 s, about 100 s of it the machine's start):
-#   tests    the GPU kernel tests, then the engine's timeline and warm-up tests (on the H200 the 70 kernel tests took
-#            277 s alone in the twenty-first session and the timeline tests 170 s before, one after the other);
+#   tests    the first half of the GPU kernel tests (their files before the indexer's: 102 tests, ~425 s on an H100
+#            in the fifty-third session, where the whole of tests/gpu, 242 tests, no longer fit one call);
+#   tests-rest  the other half (the indexer's file on: 140 tests, 244 s there), then the engine's timeline and
+#            warm-up tests (5 tests, 79 s);
 #   kernels  the kernels' micro-benchmarks;
 #   sweep    the GPU tests of the routed-experts and attention kernels (variants included), then the variants
 #            timed beside the defaults (tools/bench_kernels.py --sweep: grouped-GEMM tilings and 2 stages);
@@ -126,10 +128,10 @@
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
-#   device: bash tools/gpu_validate.sh tests     (then kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
+#   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -141,6 +143,12 @@ parity() {  # name, time limit, arguments of dijax parity
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m dijax.cli.main parity "$@" --kernels on > "$out/parity-$name.txt" 2>&1
   echo "parity $name: exit $?" >> "$log"
+}
+gpu_test_files() {  # first | rest: tests/gpu's files before the indexer's, or from it on (the two halves of `tests`)
+  local f
+  for f in tests/gpu/test_*.py; do
+    if [[ "$f" < tests/gpu/test_indexer ]]; then [ "$1" = first ] && echo "$f"; else [ "$1" = rest ] && echo "$f"; fi
+  done
 }
 sub=/tmp/gv  # side-by-side runs' outputs (check) and copies of the tree with other defaults
 check() {  # name, tree (. or a copy), time limit, command...: run in the background of a stage, output to $sub/name.txt
@@ -333,8 +341,9 @@ case "$stage" in
     run 400 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10 "${kernel[@]}" --variant "sampler.SELECT_MIN_ROWS=1024" --rounds 2 ;;
   tests)
-    # 70 tests: 277 s on a warm machine (twenty-first session; 270 s ran 46 of 72 on a fresh one in the fourteenth)
-    run 430 python3 -m pytest -q -ra tests/gpu
+    run 540 python3 -m pytest -q -ra $(gpu_test_files first) ;;
+  tests-rest)
+    run 330 python3 -m pytest -q -ra $(gpu_test_files rest)
     # the engine paths whose guards only mean something on a GPU (device-to-host reads) and the AOT warm-up
     run 140 python3 -m pytest -q -ra tests/test_step_timeline.py "tests/test_engine.py::test_no_new_compilations_after_warm_up" ;;
   kernels)
