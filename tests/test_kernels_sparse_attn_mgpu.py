@@ -21,11 +21,11 @@ from tests.test_kernels_sparse_attn import problem
 pytestmark = pytest.mark.cost(40)
 
 
-def check(q, sources, idx, sink, splits: int, interpret=True) -> np.ndarray:
+def check(q, sources, idx, sink, splits: int, interpret=True, pingpong: bool = False) -> np.ndarray:
     scale = q.shape[-1] ** -0.5
     want = np.asarray(sa.sparse_attn_reference(q, sources, jnp.asarray(idx), sink, scale), np.float32)
     got = np.asarray(sm.sparse_attn_mgpu(q, sources, jnp.asarray(idx), sink, scale, splits=splits,
-                                         interpret=interpret), np.float32)
+                                         pingpong=pingpong, interpret=interpret), np.float32)
     assert got.shape == want.shape and np.isfinite(got).all()
     # the scores sum two K-halves (another order than the reference's); splits round P relative to their own max
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
@@ -133,3 +133,16 @@ def test_no_race_in_the_slots(k):
     # it, makes it raise)
     q, sources, idx, sink = problem(2, 200, (40, 300), 5, 64, k)
     check(q, sources, idx, sink, 1, interpret=plgpu.InterpretGPUParams(detect_races=True))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_pingpong_is_the_same_arithmetic(splits):
+    # the two warpgroups taking turns on the tensor cores (``pingpong``) change only the order between them: the
+    # same bits as without, over five blocks (ten turns a warpgroup, the block's meeting between), under the race
+    # detector
+    q, sources, idx, sink = problem(2, 300, (40, 300), 5, 64, 512)
+    idx[1, 64:128] = -1  # a block with nothing
+    plain = check(q, sources, idx, sink, splits)
+    turns = check(q, sources, idx, sink, splits, interpret=plgpu.InterpretGPUParams(detect_races=True),
+                  pingpong=True)
+    np.testing.assert_array_equal(turns, plain)

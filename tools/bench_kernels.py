@@ -258,7 +258,7 @@ def window_and_pool(sources: tuple[jax.Array, ...], window: int) -> tuple[tuple[
 
 def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, heads: int = 64, dim: int = 512,
                      pool_rows_per_seq: int = 4096, sweep: bool = False, reps: int = 4, names: tuple[str, ...] = (),
-                     **timing) -> list[dict]:
+                     changes: tuple[dict, ...] = (), **timing) -> list[dict]:
     """Decode sparse attention with the sink: the jnp reference against the Pallas kernel.
 
     Each token lists ``window`` rows (ring and its new row) and ``topk`` compressed rows of its own sequence, from
@@ -270,6 +270,8 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     masked loads cost), each layout at 1 stage too. On a compute-capability-9 GPU the Mosaic GPU kernel
     (``SparseAttnConfig(engine='mgpu')``) has rows too, with splits variants under ``sweep``. ``names``: only the
     kernel rows whose name contains one of these (``kept``; the reference row always comes, as their base).
+    ``changes``: more ``SparseAttnConfig`` changes of the Mosaic GPU kernel, each a "window + pool" row (e.g.
+    ``mgpu_pingpong=True``).
     """
     from dijax.kernels import sparse_attn as sa
     from dijax.kernels import sparse_attn_mgpu
@@ -289,6 +291,8 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     if sparse_attn_mgpu.available():  # the Mosaic GPU kernel (the default on such a GPU)
         mgpu = functools.partial(sa.SparseAttnConfig, engine="mgpu")
         configs += [("mgpu", mgpu()), ("mgpu window + pool", mgpu())]
+        configs += [("mgpu window + pool " + " ".join(f"{k}={v}" for k, v in change.items()), mgpu(**change))
+                    for change in changes]
         if sweep:
             configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 4, 5)]
             # the in-kernel merge against XLA's: pairs merged in XLA, and 4 splits in clusters of 4
@@ -1034,8 +1038,9 @@ def main() -> None:
     ap.add_argument("--tokens", help="routed_experts and fp8_linear: comma-separated token counts (default "
                                      "1,16,64,256,1024); sparse_attn: its decode batches (default 1,64,256)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
-                    help="routed_experts, fp8_linear and the indexer's prefill row: one more config change to time "
-                         "(repeatable), e.g. gemm_cols=64, cols=32 or mgpu_blocks=4")
+                    help="routed_experts, fp8_linear, the indexer's prefill row and sparse_attn's Mosaic GPU rows: one "
+                         "more config change to time (repeatable), e.g. gemm_cols=64, cols=32, mgpu_blocks=4 or "
+                         "mgpu_pingpong=True")
     ap.add_argument("--kernel-split", action="store_true",
                     help="with --timing device: print each row's GPU kernels by name and their time per call")
     ap.add_argument("--rows", default="", help="sparse_attn and indexer: only the kernel rows whose name contains "
@@ -1065,7 +1070,7 @@ def main() -> None:
     rows = []
     for name in names:
         extra = {}
-        if name in ("routed_experts", "fp8_linear", "indexer"):
+        if name in ("routed_experts", "fp8_linear", "indexer", "sparse_attn"):
             extra["changes"] = tuple(parse_change(v) for v in args.variant)
         if name in ("routed_experts", "fp8_linear", "fp8_linears", "fp4_wgmma"):
             if args.tokens:

@@ -96,7 +96,10 @@
 #            kernel apart (bench_kernels --kernel-split) at one (the default) and two compute warpgroups a CTA and
 #            16 blocks a CTA (fifty-second session, H100: 168.2 us with one warpgroup, 191.3 with two, 171.8 with
 #            16 blocks);
-#   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's two warpgroups a CTA against one (the default);
+#   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's two warpgroups a CTA against one (the default;
+#            fifty-third session, H100: 193.3 against 193.6 ms, within the rounds' spread);
+#   attn-pingpong  (~450 s) sparse attention's warpgroups taking turns (off, not yet run on a GPU): the Mosaic GPU
+#            kernel's GPU tests, its rows with and without by GPU kernel time, flash-slice decode at 64 / 128;
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -131,7 +134,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="attn-pingpong|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -242,6 +245,16 @@ case "$stage" in
     run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
     run 200 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
       --repeats 3 --variant mgpu_warpgroups=2 --variant mgpu_blocks=16 ;;
+  attn-pingpong)
+    # (~450 s) sparse attention's warpgroups taking turns on the tensor cores (SparseAttnConfig.mgpu_pingpong, off;
+    # fifty-third session: built for sm_90 and tested in the interpreter only): the Mosaic GPU kernel's GPU tests
+    # (with it: the same bits as without), its rows by GPU kernel time beside the default, then flash-slice decode
+    # at batch 64 and 128 with it against without, alternating over two rounds in one process
+    run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k mgpu
+    run 120 python3 tools/bench_kernels.py --only sparse_attn --rows "mgpu window" --timing device --iters 10 \
+      --repeats 3 --variant mgpu_pingpong=True
+    run 300 python3 tools/bench.py --model flash-slice --decode-batch 64,128 --context 4095 --prefill= --kernels on \
+      --engine off --warmup 3 --iters 10 --rounds 2 --variant "sparse_attn.CONFIG.mgpu_pingpong=True" ;;
   indexer-e2e)
     # (~400 s) flash-slice prefill 8192 with the indexer's two compute warpgroups a CTA against one (the default),
     # alternating over two rounds in one process (the model loaded once)

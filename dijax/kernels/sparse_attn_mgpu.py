@@ -43,6 +43,16 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     time, forty-eighth session). Other split counts (and interpret mode, which has no distributed shared memory)
     write the partials and merge them in XLA (``flash_merge``), as the Triton kernel does.
 
+Ping-pong (``pingpong``, off by default until a GPU has timed it): in each block both warpgroups issue the whole
+score products, then both run the softmax while the tensor cores idle, then both issue their PV products. One CTA
+takes ~3.8 us a 64-row block on an H100 whether 64 or 256 CTAs run (fifty-third session), so the block's own work,
+not the memory system, bounds batch 64. With ``pingpong`` the two warpgroups take turns, as jax's Hopper
+flash-attention kernel schedules its two: warpgroup 1 issues its score products once warpgroup 0 has issued its
+own; warpgroup 0 issues its PV product once warpgroup 1 has issued its scores. The tensor cores then run 0's
+scores, 1's scores (under 0's softmax), 0's PV (under 1's softmax), 1's PV, and one softmax a block is hidden.
+Each warpgroup meets the other twice a block on one more barrier, so the block's meeting still finds them at the
+same point; the arithmetic is the same, only its order between the warpgroups changes.
+
 Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
 online softmax from a running max of -1e30, P cast to bf16 for the PV product, the sink in the denominator only.
 The scores are the wgmma K-parts added in fp32 (another summation order than the reference's einsum, as the
@@ -136,7 +146,8 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     pdl: bool = False, interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+                     pdl: bool = False, pingpong: bool = False,
+                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
 
@@ -145,7 +156,8 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
     ``CLUSTER_SIZES``), the others in XLA. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded
     with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while the kernel before it
-    still runs (not when interpreted).
+    still runs (not when interpreted). ``pingpong``: with two warpgroups, take turns on the tensor cores within each
+    block (module docstring, "Ping-pong"); the same arithmetic, in another order between the warpgroups.
     ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default
     parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector).
     -> bf16 [T, H, K].
@@ -170,15 +182,15 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, pdl=pdl and not interpret,
-                interpret=interpret)
+                pingpong=pingpong and warpgroups(k) == 2, interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "pingpong", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          pdl: bool, interpret: bool | plgpu.InterpretGPUParams):
+          pdl: bool, pingpong: bool, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -229,7 +241,12 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
             _cta_sync(cta_bar)
 
-        def walk(q_smem, kv_smem, idx_smem, p_smem, q_bar, idx_bar, cta_bar):
+        def turn(turn_bar):
+            """Ping-pong: the two warpgroups meet, and the one ahead goes on (module docstring)."""
+            plgpu.barrier_arrive(turn_bar)
+            plgpu.barrier_wait(turn_bar)
+
+        def walk(q_smem, kv_smem, idx_smem, p_smem, q_bar, idx_bar, cta_bar, turn_bar):
             load_indices(0, idx_smem, idx_bar)
             load_indices(1, idx_smem, idx_bar)
 
@@ -253,10 +270,14 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
                 row_gather.commit_group(interpret)
                 idx = plgpu.load(idx_smem.at[lax.rem(b, IDX_SLOTS)], layout=COL_LAYOUT, optimized=False)
+                if pingpong:  # warpgroup 1's score products start once warpgroup 0's are issued
+                    pl.when(wg == 1)(lambda: turn(turn_bar))
 
                 def scores(s_ref):  # every warpgroup the whole score tile
                     for part in range(wgs):
                         plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
+                    if pingpong:  # 0: wait for 1's issue, then its softmax under 1's products; 1: 0's PV may start
+                        turn(turn_bar)
                     return s_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((HEADS, ROWS), jnp.float32))
@@ -268,6 +289,12 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 den_h = den_h * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(jnp.bfloat16)
+                if pingpong:  # warpgroup 0's PV product after warpgroup 1's score products were issued, its softmax
+                    # done before it meets 1: the optimization barrier keeps the GPU compiler from sinking that work
+                    # past the meeting (the interpreter's XLA would only fuse, and so sum, differently with it)
+                    if not interpret:
+                        acc, den_h, p16 = lax.optimization_barrier((acc, den_h, p16))
+                    pl.when(wg == 0)(lambda: turn(turn_bar))
                 if interpret:  # the interpreter takes A from shared memory only
                     p_smem.at[wg][...] = p16
                     p16 = p_smem.at[wg]
@@ -302,6 +329,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             q_bar=plgpu.Barrier(num_arrivals=wgs),  # a copy a K-half
             idx_bar=plgpu.Barrier(num_barriers=IDX_SLOTS),
             cta_bar=plgpu.Barrier(num_arrivals=wgs),
+            turn_bar=plgpu.Barrier(num_arrivals=wgs) if pingpong else None,
             collective_axes="wg")
 
         rows, cols = pl.ds(gi * HEADS, HEADS), pl.ds(wg * half, half)

@@ -201,6 +201,24 @@ def test_sparse_attn_mgpu_engine_window_and_pool(batch):
     np.testing.assert_allclose(got, triton, atol=4e-3, rtol=2e-2)
 
 
+@pytest.mark.parametrize("batch,splits,clusters", [(1, 1, ()), (64, 2, (2,)), (64, 2, ()), (256, 1, ())])
+def test_sparse_attn_mgpu_pingpong_same_bits(batch, splits, clusters):
+    # the two warpgroups taking turns on the tensor cores (SparseAttnConfig.mgpu_pingpong, through the seam) give
+    # the same bits as the default order: only the order between the warpgroups changes
+    q, (ring, new, pool), idx, sink = decode_problem(batch, seed=batch + 300)
+    sources = (jnp.concatenate([ring, new]), pool)
+    scale = DIM ** -0.5
+    outputs = []
+    for pingpong in (False, True):
+        config = SparseAttnConfig(engine="mgpu", mgpu_min_tokens=1, num_splits=splits, cluster_splits=clusters,
+                                  mgpu_pingpong=pingpong)
+        poison(batch * HEADS * DIM * 4 * 16)
+        outputs.append(np.asarray(jax.jit(lambda *a, c=config: sparse_attn_pallas(*a, scale, config=c))(
+            q, sources, idx, sink), np.float32))
+    assert np.isfinite(outputs[1]).all()
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+
+
 @pytest.mark.parametrize("k,sizes,parts", [(512, (300, 5000), 2), (64, (40, 7, 200), 1), (128, (1000,), 1),
                                            (256, (64, 64), 1), (128, (500,), 2)])
 def test_row_gather(k, sizes, parts):
