@@ -100,6 +100,8 @@
 #            fifty-third session, H100: 193.3 against 193.6 ms, within the rounds' spread);
 #   attn-pingpong  (~450 s) sparse attention's warpgroups taking turns (off, not yet run on a GPU): the Mosaic GPU
 #            kernel's GPU tests, its rows with and without by GPU kernel time, flash-slice decode at 64 / 128;
+#   attn-turns-profile  (~250 s) Nsight Compute's stall reasons of sparse attention at batch 64 and 256, with and
+#            without the turns;
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -134,7 +136,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="attn-pingpong|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="attn-pingpong|attn-turns-profile|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -255,6 +257,17 @@ case "$stage" in
       --repeats 3 --variant mgpu_pingpong=True
     run 300 python3 tools/bench.py --model flash-slice --decode-batch 64,128 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10 --rounds 2 --variant "sparse_attn.CONFIG.mgpu_pingpong=True" ;;
+  attn-turns-profile)
+    # (~250 s; first after a machine start, as `profile` says) Nsight Compute's throughput, warp-state (stall
+    # reasons) and scheduler sections of sparse attention at batch 64 (the default: two splits a cluster) and 256
+    # (one split), without and with the warpgroups' turns (mgpu_pingpong): where a CTA's ~3.8 us a block goes
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats"
+    for config in "{}" "{'mgpu_pingpong': True}"; do
+      run 120 ncu --clock-control none $sections -k regex:^kernel_mosaic_gpu -c 2 \
+        python3 tools/profile_attn.py 64 256 --config "$config"
+    done
+    grep -E "^  [A-Za-z_]|Duration|Throughput|Pipe|Stall|Issued|Eligible" "$log" | head -150 ;;  # the ncu lines, shown
   indexer-e2e)
     # (~400 s) flash-slice prefill 8192 with the indexer's two compute warpgroups a CTA against one (the default),
     # alternating over two rounds in one process (the model loaded once)
