@@ -71,11 +71,10 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
 
 
 # (T, H, K, source rows, L, splits[, split counts merged in clusters[, programmatic dependent launch[, ping-pong]]]):
-# a small
-# shape over two sources, decode at 64 tokens (two splits, one source; three sources, one split), two head groups at
-# K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a cluster (the default), four in
-# clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64 tokens with the warpgroups
-# taking turns (``pingpong``) over one and three sources
+# a small shape over two sources, decode at 64 tokens (two splits, one source; three sources, one split), two head
+# groups at K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a cluster (the
+# default), four in clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64 tokens
+# with the warpgroups taking turns (``pingpong``) over one and three sources
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1),
                (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2), (1, 64, 512, (8192,), 640, 5),

@@ -44,9 +44,9 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     write the partials and merge them in XLA (``flash_merge``), as the Triton kernel does.
 
 Ping-pong (``pingpong``, off by default until a GPU has timed it): in each block both warpgroups issue the whole
-score products, then both run the softmax while the tensor cores idle, then both issue their PV products. One CTA
-takes ~3.8 us a 64-row block on an H100 whether 64 or 256 CTAs run (fifty-third session), so the block's own work,
-not the memory system, bounds batch 64. With ``pingpong`` the two warpgroups take turns, as jax's Hopper
+score products, then both run the softmax while the tensor cores idle, then both issue their PV products. With one
+split a CTA took ~3.8 us a 64-row block on an H100 with 64 CTAs running and ~4.1 with 256 (fifty-third session), so
+a block's own work, more than the memory system, bounds it. With ``pingpong`` the two warpgroups take turns, as jax's Hopper
 flash-attention kernel schedules its two: warpgroup 1 issues its score products once warpgroup 0 has issued its
 own; warpgroup 0 issues its PV product once warpgroup 1 has issued its scores. The tensor cores then run 0's
 scores, 1's scores (under 0's softmax), 0's PV (under 1's softmax), 1's PV, and one softmax a block is hidden.
