@@ -186,6 +186,26 @@ def test_activations_are_taken_as_given(case, impl):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} {path}")
 
 
+@pytest.mark.parametrize("group", [2, 4, 8])
+def test_grouped_matvecs_are_the_matvecs(group, monkeypatch):
+    """With ``matvec_group`` the mat-vecs take the assignments of one expert together (tiles of up to ``group``),
+    decoding its words once: each assignment's arithmetic is unchanged, so the bits are the ungrouped path's.
+    Groups of up to 17 assignments (an expert split over several tiles, a last tile part full), empty experts,
+    padding tokens and slots, several K steps (D = F = 512)."""
+    rng = np.random.default_rng(group)
+    experts = make_experts(rng, 8, 512, 512, (116, 124))
+    weights_TX, experts_TX = make_routing(rng, 17, 8, 3, pool=4, pad_tokens=(5,), pad_slots=(2, 9))
+    x_TD = make_x(rng, 17, 512, 3.0)
+    args = (experts, x_TD, weights_TX, experts_TX, LIMIT)
+    plain = np.asarray(rx.routed_experts(*args, impl="pallas", path="gathered"))
+    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_group=group, poison=True))
+    grouped = np.asarray(rx.routed_experts(*args, impl="pallas", path="gathered"))
+    np.testing.assert_array_equal(grouped, plain)
+    assert np.all(grouped[5] == 0)
+    expected = np.asarray(rx.routed_experts_reference(*args))
+    assert_close(grouped, expected)
+
+
 def test_several_k_steps_on_both_paths():
     """D = F = 1024 takes several K steps on both paths (mat-vec: 64 words a step; grouped GEMM: 16 words, so
     pair_major's column order changes from step to step)."""
@@ -253,7 +273,7 @@ def test_tile_layout_invariants(seed, rows):
     tile_expert_I, token_R, slot_R, pos_A = map(np.asarray, rx.tile_layout(jnp.asarray(expert_A), n_experts,
                                                                            n_per_token, rows))
     a = expert_A.size
-    assert tile_expert_I.size == -(-a // rows) + min(n_experts, a) and slot_R.size == tile_expert_I.size * rows
+    assert tile_expert_I.size == min(a, -(-a // rows) + min(n_experts, a)) and slot_R.size == tile_expert_I.size * rows
     valid = np.nonzero(expert_A >= 0)[0]
     assert np.array_equal(slot_R[pos_A[valid]], valid)  # each assignment sits in its own row
     assert np.array_equal(tile_expert_I[pos_A[valid] // rows], expert_A[valid])  # in a tile of its expert
@@ -322,6 +342,7 @@ def test_moe_with_pallas_matches_reference(t):
 @pytest.mark.parametrize("change, field", [({"gemm_cols": 16}, "gemm_cols"), ({"gemm_rows_max": 48}, "gemm_rows_max"),
                                            ({"gemm_rows_min": 128}, "gemm_rows_min"), ({"gemm_warps": 3}, "gemm_warps"),
                                            ({"matvec_stages": 0}, "matvec_stages"),
+                                           ({"matvec_group": 3}, "matvec_group"),
                                            ({"gemm_engine": "cuda"}, "gemm_engine"),
                                            ({"mgpu_sizes": (64, 100)}, "mgpu_sizes"),
                                            ({"mgpu_chunks": 4}, "mgpu_chunks"),

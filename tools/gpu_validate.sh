@@ -100,6 +100,8 @@
 #            fifty-third session, H100: 193.3 against 193.6 ms, within the rounds' spread);
 #   attn-pingpong  (~450 s) sparse attention's warpgroups taking turns (off, not yet run on a GPU): the Mosaic GPU
 #            kernel's GPU tests, its rows with and without by GPU kernel time, flash-slice decode at 64 / 128;
+#   matvec-groups  (~550 s) the routed mat-vecs taking one expert's assignments together (off, not yet run on a
+#            GPU): their GPU tests, the layer at T = 16 / 64 with groups of 2 / 4 / 8, flash-slice decode at 16 / 64;
 #   attn-turns-profile  (~250 s) Nsight Compute's stall reasons of sparse attention at batch 64 and 256, with and
 #            without the turns;
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
@@ -136,7 +138,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
 #           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="attn-pingpong|attn-turns-profile|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="matvec-groups|attn-pingpong|attn-turns-profile|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -257,6 +259,19 @@ case "$stage" in
       --repeats 3 --variant mgpu_pingpong=True
     run 300 python3 tools/bench.py --model flash-slice --decode-batch 64,128 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10 --rounds 2 --variant "sparse_attn.CONFIG.mgpu_pingpong=True" ;;
+  matvec-groups)
+    # (~550 s) the routed mat-vecs taking one expert's assignments together (KernelConfig.matvec_group, off;
+    # fifty-third session: built for sm_90 and tested in the interpreter only): their GPU tests (every case against
+    # the reference with groups of 4; the same bits as without at the real sizes, decode batch 64), the layer alone
+    # at T = 16 and 64 by GPU kernel time with groups of 2 / 4 / 8 beside the defaults (the gathered path's rows take
+    # the variants), then flash-slice decode at batch 16 and 64 with groups of 4 and the gathered path up to 384
+    # assignments (batch 64 runs the ragged path by default) against the defaults, alternating over two rounds
+    run 150 python3 -m pytest -q -ra tests/gpu/test_routed_experts_gpu.py -k group
+    run 120 python3 tools/bench_kernels.py --only routed_experts --tokens 16,64 --timing device --iters 10 \
+      --repeats 3 --variant matvec_group=2 --variant matvec_group=4 --variant matvec_group=8
+    run 300 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
+      --engine off --warmup 3 --iters 10 --rounds 2 \
+      --variant "routed_experts.CONFIG.matvec_group=4;routed_experts.CONFIG.gathered_max=384" ;;
   attn-turns-profile)
     # (~250 s; first after a machine start, as `profile` says) Nsight Compute's throughput, warp-state (stall
     # reasons) and scheduler sections of sparse attention at batch 64 (the default: two splits a cluster) and 256

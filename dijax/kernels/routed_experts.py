@@ -170,6 +170,12 @@ class KernelConfig:
       against 75.6 us at T = 1 and 764.7 against 744.7 at T = 16 (removed). Where ``matvec_rows`` holds whole
       32-wide scale blocks (the default) the gate-up kernel writes h as the down kernel reads it (fq8'd,
       phase-major, float32), which took XLA two launches a layer (forty-second session);
+    matvec_group: with more than one token, the mat-vecs take up to this many assignments of one expert a program
+      (assignments sorted by expert into tiles of this many, ``tile_layout``), so an expert's weight words are read
+      and decoded once for all its assignments of the step, not once each: at decode batch 64 (384 assignments over
+      ~244 of 384 experts) the gathered path reads ~1.6x the routed weights' bytes with 1 (the default: a program
+      an assignment, no layout launches). Each assignment's arithmetic is the same as alone. Not yet timed on a GPU
+      (fifty-third session);
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
     gemm_engine: the ragged path's GEMMs: 'triton' (the grouped GEMM kernels here: tiles of tokens, gathered
       activations, the weights' tiles dequantised into a bf16 dot) or 'mgpu' (dijax.kernels.fp4_wgmma: wgmma with
@@ -196,6 +202,7 @@ class KernelConfig:
     matvec_words: int = 64
     matvec_warps: int = 4
     matvec_stages: int = 3
+    matvec_group: int = 1
     gemm_rows_min: int = 16
     gemm_rows_max: int = 64
     gemm_cols: int = 128
@@ -225,6 +232,9 @@ class KernelConfig:
         if self.gemm_rows_min > self.gemm_rows_max:
             raise ValueError(f"routed_experts KernelConfig.gemm_rows_min ({self.gemm_rows_min}) must be <= "
                              f"gemm_rows_max ({self.gemm_rows_max})")
+        if self.matvec_group not in (1, 2, 4, 8):
+            raise ValueError(f"routed_experts KernelConfig.matvec_group must be one of (1, 2, 4, 8), "
+                             f"got {self.matvec_group}")
         for name in ("matvec_warps", "gemm_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"routed_experts KernelConfig.{name} must be one of (1, 2, 4, 8, 16), "
@@ -331,17 +341,35 @@ def _weight_tiles(w_refs, s_refs, e, r0, rows: int, w0, words: int) -> tuple:
                  for w_ref, s_ref in zip(w_refs, s_refs))
 
 
-def _matvec_partial(w_RW: jax.Array, s_RB: jax.Array, x_J: list[jax.Array], asm: bool) -> jax.Array:
-    """One K step of a decode mat-vec: weight words w_RW [rows, words] with their ue8m0 bytes s_RB dotted with the
-    8 phase slices x_J (float32 [words] each). Scales are applied per 32-code block to the block sums.
-    ``asm``: ``decode_pair``'s inline-PTX conversions. -> f32 [rows]."""
+def _matvec_partials(w_RW: jax.Array, s_RB: jax.Array, x_MJ: list[list[jax.Array]], asm: bool) -> list[jax.Array]:
+    """One K step of a decode mat-vec for each of M inputs: weight words w_RW [rows, words] with their ue8m0 bytes
+    s_RB, decoded once, dotted with each input's 8 phase slices x_MJ[m] (float32 [words] each). Scales are applied
+    per 32-code block to the block sums; each input's arithmetic is the same as alone. ``asm``: ``decode_pair``'s
+    inline-PTX conversions. -> M x f32 [rows]."""
     rows, words = w_RW.shape
-    p_RW = jnp.zeros((rows, words), jnp.float32)
+    p_M = [jnp.zeros((rows, words), jnp.float32) for _ in x_MJ]
     for j in range(CODES_PER_WORD // 2):
         low, high = decode_pair(w_RW, j, asm)
-        p_RW = p_RW + low * x_J[j][None, :] + high * x_J[j + 4][None, :]
-    block_RB = p_RW.reshape(rows, words // WORDS_PER_SCALE, WORDS_PER_SCALE).sum(axis=-1)
-    return (block_RB * scale_multiplier(s_RB)).sum(axis=-1)
+        p_M = [p_RW + low * x_J[j][None, :] + high * x_J[j + 4][None, :] for p_RW, x_J in zip(p_M, x_MJ)]
+    scale_RB = scale_multiplier(s_RB)
+    return [(p_RW.reshape(rows, words // WORDS_PER_SCALE, WORDS_PER_SCALE).sum(axis=-1) * scale_RB).sum(axis=-1)
+            for p_RW in p_M]
+
+
+def _members(slot_ref, i, group: int) -> list:
+    """The assignments of mat-vec program i (``group`` of them, -1 for none): i itself with one (one assignment a
+    program), else row i of the groups' layout (``tile_layout``'s slot_R, ``group`` rows a tile)."""
+    return [i] if group == 1 else [slot_ref[i * group + m] for m in range(group)]
+
+
+def _each(members: list, body) -> None:
+    """body(m, a) for each of a program's assignments (``_members``): its own, or each of its group's that is not
+    -1."""
+    if len(members) == 1:
+        body(0, members[0])
+        return
+    for m, a in enumerate(members):
+        pl.when(a >= 0)(functools.partial(body, m, a))
 
 
 def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: jax.Array) -> jax.Array:
@@ -350,17 +378,20 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
     return (swiglu(g_f32, u_f32, limit) * weight).astype(jnp.bfloat16)
 
 
-def _gate_up_matvec_kernel(expert_ref, offset_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                           n_per_token: int, limit: float, rows: int, words: int, n_words: int, asm: bool,
-                           quantised: bool):
-    """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding (expert
-    -1). Expert e's weights are entry e + offset_ref[0] of the stacks (``_expert_stacks``).
+def _gate_up_matvec_kernel(expert_ref, slot_ref, offset_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref,
+                           h_ref, *, group: int, n_per_token: int, limit: float, rows: int, words: int, n_words: int,
+                           asm: bool, quantised: bool):
+    """Program (i, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for each assignment a of the program
+    (``_members``: assignment i, or the up to ``group`` assignments of tile i, which share an expert: its weight
+    words are loaded and decoded once for all of them), or zeros for padding (expert -1). Expert e's weights are
+    entry e + offset_ref[0] of the stacks (``_expert_stacks``); expert_ref holds each program's expert.
     ``quantised``: h goes out as the down kernel reads it, ``fq8``'d (the program's rows are whole 32-wide scale
     blocks) and phase-major in float32, h_ref [A, 8, F/8] (``_store_phase_major``); else bf16, h_ref [A, F]."""
-    a, r0 = pl.program_id(0), pl.program_id(1) * rows
-    e = expert_ref[a]
+    i, r0 = pl.program_id(0), pl.program_id(1) * rows
+    e = expert_ref[i]
+    members = _members(slot_ref, i, group)
 
-    def store(h_R):
+    def store(a, h_R):
         if quantised:
             _store_phase_major(h_ref, a, r0, quant.fq8_tiles([h_R.astype(jnp.float32)[None, :]])[0][0])
         else:
@@ -368,22 +399,23 @@ def _gate_up_matvec_kernel(expert_ref, offset_ref, weight_ref, x_ref, w1_ref, s1
 
     @pl.when(e >= 0)
     def _():
-        t, e_stack = a // n_per_token, e + offset_ref[0]
+        e_stack = e + offset_ref[0]
+        tokens = [jnp.maximum(a, 0) // n_per_token for a in members]  # a padding member reads token 0
 
         def step(k, acc):
             w0 = k * words
-            x_J = [x_ref[t, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
+            x_MJ = [[x_ref[t, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)] for t in tokens]
             (w1_RW, s1_RB), (w3_RW, s3_RB) = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e_stack, r0, rows, w0,
                                                            words)
-            return acc[0] + _matvec_partial(w1_RW, s1_RB, x_J, asm), acc[1] + _matvec_partial(w3_RW, s3_RB, x_J, asm)
+            parts = _matvec_partials(w1_RW, s1_RB, x_MJ, asm) + _matvec_partials(w3_RW, s3_RB, x_MJ, asm)
+            return tuple(a + b for a, b in zip(acc, parts))
 
-        zeros = jnp.zeros((rows,), jnp.float32)
-        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
-        store(_weighted_swiglu(g, u, limit, weight_ref[a]))
+        acc = jax.lax.fori_loop(0, n_words // words, step, (jnp.zeros((rows,), jnp.float32),) * (2 * len(members)))
+        _each(members, lambda m, a: store(a, _weighted_swiglu(acc[m], acc[len(members) + m], limit, weight_ref[a])))
 
     @pl.when(e < 0)
     def _():
-        store(jnp.zeros((rows,), jnp.bfloat16))
+        _each(members, lambda m, a: store(a, jnp.zeros((rows,), jnp.bfloat16)))
 
 
 def _store_phase_major(h_ref, a, r0, h_R: jax.Array) -> None:
@@ -393,29 +425,36 @@ def _store_phase_major(h_ref, a, r0, h_R: jax.Array) -> None:
     h_ref[a, :, pl.ds(r0 // CODES_PER_WORD, words)] = h_R.astype(jnp.float32).reshape(words, CODES_PER_WORD).T
 
 
-def _down_matvec_kernel(expert_ref, offset_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int,
-                        n_words: int, asm: bool):
-    """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding (experts as the gate-up
-    kernel's)."""
-    a, r0 = pl.program_id(0), pl.program_id(1) * rows
-    e = expert_ref[a]
+def _down_matvec_kernel(expert_ref, slot_ref, offset_ref, h_ref, w2_ref, s2_ref, y_ref, *, group: int, rows: int,
+                        words: int, n_words: int, asm: bool):
+    """Program (i, d): y[a, d-block] = w2 h[a] rounded to bf16 for each assignment a of the program, or zeros for
+    padding (programs and experts as the gate-up kernel's)."""
+    i, r0 = pl.program_id(0), pl.program_id(1) * rows
+    e = expert_ref[i]
+    members = _members(slot_ref, i, group)
 
     @pl.when(e >= 0)
     def _():
         e_stack = e + offset_ref[0]
+        rows_M = [jnp.maximum(a, 0) for a in members]  # a padding member reads assignment 0's h
 
         def step(k, acc):
             w0 = k * words
-            h_J = [h_ref[a, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
+            h_MJ = [[h_ref[a, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)] for a in rows_M]
             [(w2_RW, s2_RB)] = _weight_tiles((w2_ref,), (s2_ref,), e_stack, r0, rows, w0, words)
-            return acc + _matvec_partial(w2_RW, s2_RB, h_J, asm)
+            return tuple(a + b for a, b in zip(acc, _matvec_partials(w2_RW, s2_RB, h_MJ, asm)))
 
-        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows,), jnp.float32))
-        y_ref[a, pl.ds(r0, rows)] = y.astype(jnp.bfloat16)
+        y_M = jax.lax.fori_loop(0, n_words // words, step, (jnp.zeros((rows,), jnp.float32),) * len(members))
+
+        def store(m, a):
+            y_ref[a, pl.ds(r0, rows)] = y_M[m].astype(jnp.bfloat16)
+        _each(members, store)
 
     @pl.when(e < 0)
     def _():
-        y_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
+        def store(m, a):
+            y_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
+        _each(members, store)
 
 
 def pair_major(x_TD: jax.Array, words: int) -> jax.Array:
@@ -600,15 +639,16 @@ def tile_layout(expert_A: jax.Array, n_experts: int, n_per_token: int, rows: int
 
     Returns (tile_expert_I int32 [I] (-1 for tiles past the last expert), token_R int32 [R] (0 on padding rows),
     slot_R int32 [R] (assignment index, -1 on padding rows), pos_A int32 [A] (each assignment's row)).
-    I = ceil(A / rows) + min(E, A) bounds the tiles of any routing statically; R = I * rows. Within an expert the
-    assignments keep their order (a stable sort by expert: ``_expert_places``).
+    I = min(A, ceil(A / rows) + min(E, A)) bounds the tiles of any routing statically (a tile holds at least one
+    assignment); R = I * rows. Within an expert the assignments keep their order (a stable sort by expert:
+    ``_expert_places``).
     """
     n_assign = expert_A.shape[0]
     key_A = jnp.where(expert_A >= 0, expert_A, n_experts)  # padding sorts last, into a group no tile runs
     sizes_E, place_A = _expert_places(key_A, n_experts)
     tiles_E = (sizes_E + rows - 1) // rows
     tile_end_E = jnp.cumsum(tiles_E)
-    n_tiles = -(-n_assign // rows) + min(n_experts, n_assign)
+    n_tiles = min(n_assign, -(-n_assign // rows) + min(n_experts, n_assign))
     tile_expert_I = jnp.searchsorted(tile_end_E, jnp.arange(n_tiles), side="right",
                                      method=SEARCH).astype(jnp.int32)
     tile_expert_I = jnp.where(tile_expert_I < n_experts, tile_expert_I, -1)
@@ -753,16 +793,25 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         # the down kernel's input (fq8, phase-major, float32) straight from the gate-up kernel where each program's
         # rows are whole scale blocks (the default); else XLA's two launches make it
         quantised = rows_f % quant.FP8_BLOCK == 0
-        h = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
-                                   words=words_d, n_words=d // 8, asm=asm, quantised=quantised),
+        # a program an assignment, or, with ``matvec_group`` and more than one token, a program a group of up to
+        # that many assignments of one expert (expert-sorted tiles: each expert's words read once for the group)
+        group = config.matvec_group if t > 1 else 1
+        if group == 1:
+            program_expert, slot_R = expert_A, expert_A  # (slot_R unused: program i is assignment i)
+        else:
+            program_expert, _, slot_R, _ = tile_layout(expert_A, n_experts, n_per_token, group)
+        n_programs = program_expert.shape[0]
+        h = call(functools.partial(_gate_up_matvec_kernel, group=group, n_per_token=n_per_token, limit=limit,
+                                   rows=rows_f, words=words_d, n_words=d // 8, asm=asm, quantised=quantised),
                  (n_assign, CODES_PER_WORD, f // CODES_PER_WORD) if quantised else (n_assign, f),
-                 (n_assign, f // rows_f), params, "routed_gate_up_matvec",
-                 expert_A, offset_1, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3,
+                 (n_programs, f // rows_f), params, "routed_gate_up_matvec",
+                 program_expert, slot_R, offset_1, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3,
                  dtype=jnp.float32 if quantised else jnp.bfloat16)
         h_AF = h.reshape(n_assign, f) if quantised else phase_major(quant.fq8(h)).astype(jnp.float32)
-        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8, asm=asm),
-                     (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec", expert_A, offset_1, h_AF,
-                     w2, s2)
+        y_AD = call(functools.partial(_down_matvec_kernel, group=group, rows=rows_d, words=words_f, n_words=f // 8,
+                                      asm=asm),
+                     (n_assign, d), (n_programs, d // rows_d), params, "routed_down_matvec", program_expert, slot_R,
+                     offset_1, h_AF, w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
     if (config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments
