@@ -101,7 +101,7 @@
 #   attn-pingpong  (~450 s) sparse attention's warpgroups taking turns (off, not yet run on a GPU): the Mosaic GPU
 #            kernel's GPU tests, its rows with and without by GPU kernel time, flash-slice decode at 64 / 128;
 #   matvec-groups  (~550 s) the routed mat-vecs taking one expert's assignments together (off, not yet run on a
-#            GPU): their GPU tests, the layer at T = 16 / 64 with groups of 2 / 4 / 8, flash-slice decode at 16 / 64;
+#            GPU): their GPU tests, the layer at T = 16 / 64 with groups of 2 / 4, flash-slice decode at 16 / 64;
 #   attn-turns-profile  (~250 s) Nsight Compute's stall reasons of sparse attention at batch 64 and 256, with and
 #            without the turns;
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
@@ -262,16 +262,16 @@ case "$stage" in
   matvec-groups)
     # (~550 s) the routed mat-vecs taking one expert's assignments together (KernelConfig.matvec_group, off;
     # fifty-third session: built for sm_90 and tested in the interpreter only): their GPU tests (every case against
-    # the reference with groups of 4; the same bits as without at the real sizes, decode batch 64), the layer alone
-    # at T = 16 and 64 by GPU kernel time with groups of 2 / 4 / 8 beside the defaults (the gathered path's rows take
-    # the variants), then flash-slice decode at batch 16 and 64 with groups of 4 and the gathered path up to 384
+    # the reference with groups of 2; the same bits as without at the real sizes, decode batch 64), the layer alone
+    # at T = 16 and 64 by GPU kernel time with groups of 2 / 4 beside the defaults (the gathered path's rows take
+    # the variants), then flash-slice decode at batch 16 and 64 with groups of 2 and the gathered path up to 384
     # assignments (batch 64 runs the ragged path by default) against the defaults, alternating over two rounds
     run 150 python3 -m pytest -q -ra tests/gpu/test_routed_experts_gpu.py -k group
     run 120 python3 tools/bench_kernels.py --only routed_experts --tokens 16,64 --timing device --iters 10 \
-      --repeats 3 --variant matvec_group=2 --variant matvec_group=4 --variant matvec_group=8
+      --repeats 3 --variant matvec_group=2 --variant matvec_group=4
     run 300 python3 tools/bench.py --model flash-slice --decode-batch 16,64 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10 --rounds 2 \
-      --variant "routed_experts.CONFIG.matvec_group=4;routed_experts.CONFIG.gathered_max=384" ;;
+      --variant "routed_experts.CONFIG.matvec_group=2;routed_experts.CONFIG.gathered_max=384" ;;
   attn-turns-profile)
     # (~250 s; first after a machine start, as `profile` says) Nsight Compute's throughput, warp-state (stall
     # reasons) and scheduler sections of sparse attention at batch 64 (the default: two splits a cluster) and 256

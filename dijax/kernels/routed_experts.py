@@ -174,8 +174,11 @@ class KernelConfig:
       (assignments sorted by expert into tiles of this many, ``tile_layout``), so an expert's weight words are read
       and decoded once for all its assignments of the step, not once each: at decode batch 64 (384 assignments over
       ~244 of 384 experts) the gathered path reads ~1.6x the routed weights' bytes with 1 (the default: a program
-      an assignment, no layout launches). Each assignment's arithmetic is the same as alone. Not yet timed on a GPU
-      (fifty-third session);
+      an assignment, no layout launches). Each assignment's arithmetic is the same as alone, and each program's
+      fp32 work grows with the group whether its places are filled or not: the sm_90 build (tools/kernel_report.py,
+      decode 64) gives the gate-up kernel 80-96 / 128-166 / 255 registers (132 bytes of spill in one of its two
+      forms) and 1464 / 2104 / 3368 SASS instructions at groups of 1 / 2 / 4 (the down kernel 53-71 / 95-126 /
+      135 and 408 / 584 / 904). Not yet timed on a GPU (fifty-third session);
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
     gemm_engine: the ragged path's GEMMs: 'triton' (the grouped GEMM kernels here: tiles of tokens, gathered
       activations, the weights' tiles dequantised into a bf16 dot) or 'mgpu' (dijax.kernels.fp4_wgmma: wgmma with
@@ -232,8 +235,8 @@ class KernelConfig:
         if self.gemm_rows_min > self.gemm_rows_max:
             raise ValueError(f"routed_experts KernelConfig.gemm_rows_min ({self.gemm_rows_min}) must be <= "
                              f"gemm_rows_max ({self.gemm_rows_max})")
-        if self.matvec_group not in (1, 2, 4, 8):
-            raise ValueError(f"routed_experts KernelConfig.matvec_group must be one of (1, 2, 4, 8), "
+        if self.matvec_group not in (1, 2, 4):
+            raise ValueError(f"routed_experts KernelConfig.matvec_group must be one of (1, 2, 4), "
                              f"got {self.matvec_group}")
         for name in ("matvec_warps", "gemm_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):

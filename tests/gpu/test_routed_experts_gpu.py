@@ -40,7 +40,7 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 MGPU = {"gemm_engine": "mgpu", "mgpu_min_assignments": 0}  # the ragged path on fp4_wgmma at every size
 VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the benchmark sweeps
             "gathered-rows16": ("gathered", {"matvec_rows": 16}),  # h quantised by XLA, not the gate-up kernel
-            "gathered-group4": ("gathered", {"matvec_group": 4}),  # one expert's assignments a program
+            "gathered-group2": ("gathered", {"matvec_group": 2}),  # one expert's assignments a program
             # the ragged path on dijax.kernels.fp4_wgmma (wgmma, weights decoded in registers)
             "ragged-mgpu": ("ragged", MGPU),
             "ragged-mgpu-64x1": ("ragged", {**MGPU, "mgpu_sizes": (16, 64), "mgpu_chunks": 1}),
@@ -85,7 +85,7 @@ def test_gpu_real_expert_shapes_top_of_the_stack(path, engine, monkeypatch):
     assert_close(got, expected, min_equal=0.95)
 
 
-@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("group", [2, 4])
 def test_gpu_grouped_matvecs_are_the_matvecs(group, monkeypatch):
     """``matvec_group`` at the real expert sizes and decode batch 64 (384 assignments drawn from 96 of 384
     experts: groups of ~4, some split over tiles; one padding token): the same bits as a program an assignment."""
