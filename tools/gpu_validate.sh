@@ -135,8 +135,8 @@
 # Compilation is mostly single-threaded and takes most of a parity run. Output goes to $OUT (or ./gpu-out); each
 # command has its own time limit; the summary is printed last. Keep `bench.py --dump --engine on` (a profiler trace
 # of an engine run) out of these stages: on the H200 it did not finish within 140 s.
-#   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache, stack, stack-dsf, engine,
-#           flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
+#   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache,
+#           stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
 stages="matvec-groups|attn-pingpong|attn-turns-profile|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
@@ -150,6 +150,15 @@ parity() {  # name, time limit, arguments of dijax parity
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m dijax.cli.main parity "$@" --kernels on > "$out/parity-$name.txt" 2>&1
   echo "parity $name: exit $?" >> "$log"
+}
+ncu_attn() {  # sections, batches ("1 32"), then SparseAttnConfig changes: Nsight Compute of sparse attention's
+  # Mosaic GPU kernel (tools/profile_attn.py) under each change in turn
+  local sections=$1 batches=$2 config
+  shift 2
+  for config in "$@"; do
+    run 120 ncu --clock-control none $sections -k regex:^kernel_mosaic_gpu -c 2 \
+      python3 tools/profile_attn.py $batches --config "$config"
+  done
 }
 gpu_test_files() {  # first | rest: tests/gpu's files before the indexer's, or from it on (the two halves of `tests`)
   local f
@@ -226,11 +235,8 @@ case "$stage" in
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     run 150 python3 tools/bench_kernels.py --only sparse_attn --rows "mgpu 2,mgpu 3,mgpu 4" --sweep --tokens 1,16,32,64 \
       --timing device --iters 10 --repeats 3
-    sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
-    for config in "{'num_splits': 4, 'cluster_splits': (2, 4)}" "{'num_splits': 2}"; do
-      run 120 ncu --clock-control none $sections -k regex:^kernel_mosaic_gpu -c 2 \
-        python3 tools/profile_attn.py 1 32 --config "$config"
-    done
+    ncu_attn "--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats" "1 32" \
+      "{'num_splits': 4, 'cluster_splits': (2, 4)}" "{'num_splits': 2}"
     grep -E "^  [A-Za-z_]|Duration|Cluster|Occupancy|Throughput|Waves" "$log" | head -100 ;;  # the ncu lines, shown
   host-ab)
     [ -d ab-base/dijax ] || { echo "host-ab: export the base tree into ab-base/ first (see ab)" >&2; exit 2; }
@@ -277,11 +283,8 @@ case "$stage" in
     # reasons) and scheduler sections of sparse attention at batch 64 (the default: two splits a cluster) and 256
     # (one split), without and with the warpgroups' turns (mgpu_pingpong): where a CTA's ~3.8 us a block goes
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats"
-    for config in "{}" "{'mgpu_pingpong': True}"; do
-      run 120 ncu --clock-control none $sections -k regex:^kernel_mosaic_gpu -c 2 \
-        python3 tools/profile_attn.py 64 256 --config "$config"
-    done
+    sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats"
+    ncu_attn "$sections --section SchedulerStats" "64 256" "{}" "{'mgpu_pingpong': True}"
     grep -E "^  [A-Za-z_]|Duration|Throughput|Pipe|Stall|Issued|Eligible" "$log" | head -150 ;;  # the ncu lines, shown
   indexer-e2e)
     # (~400 s) flash-slice prefill 8192 with the indexer's two compute warpgroups a CTA against one (the default),

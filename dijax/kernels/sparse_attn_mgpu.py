@@ -46,10 +46,10 @@ one program's registers, and its row gathers do not overlap its products. Here, 
 Ping-pong (``pingpong``, off by default until a GPU has timed it): in each block both warpgroups issue the whole
 score products, then both run the softmax while the tensor cores idle, then both issue their PV products. With one
 split a CTA took ~3.8 us a 64-row block on an H100 with 64 CTAs running and ~4.1 with 256 (fifty-third session), so
-a block's own work, more than the memory system, bounds it. With ``pingpong`` the two warpgroups take turns, as jax's Hopper
-flash-attention kernel schedules its two: warpgroup 1 issues its score products once warpgroup 0 has issued its
-own; warpgroup 0 issues its PV product once warpgroup 1 has issued its scores. The tensor cores then run 0's
-scores, 1's scores (under 0's softmax), 0's PV (under 1's softmax), 1's PV, and one softmax a block is hidden.
+a block's own work, more than the memory system, bounds it. With ``pingpong`` the two warpgroups take turns, as
+jax's Hopper flash-attention kernel schedules its two: warpgroup 1 issues its score products once warpgroup 0 has
+issued its own; warpgroup 0 issues its PV product once warpgroup 1 has issued its scores. The tensor cores then run
+0's scores, 1's scores (under 0's softmax), 0's PV (under 1's softmax), 1's PV, and one softmax a block is hidden.
 Each warpgroup meets the other twice a block on one more barrier, so the block's meeting still finds them at the
 same point; the arithmetic is the same, only its order between the warpgroups changes.
 
