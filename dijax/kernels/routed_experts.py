@@ -359,10 +359,14 @@ def _matvec_partials(w_RW: jax.Array, s_RB: jax.Array, x_MJ: list[list[jax.Array
             for p_RW in p_M]
 
 
-def _members(slot_ref, i, group: int) -> list:
-    """The assignments of mat-vec program i (``group`` of them, -1 for none): i itself with one (one assignment a
-    program), else row i of the groups' layout (``tile_layout``'s slot_R, ``group`` rows a tile)."""
-    return [i] if group == 1 else [slot_ref[i * group + m] for m in range(group)]
+def _members(refs: tuple, i, group: int) -> tuple[list, tuple]:
+    """(the assignments of mat-vec program i, the kernel's other refs). With a ``group`` of one, i itself (one
+    assignment a program); else ``group`` of them (-1 for none) from row i of the groups' layout, the first of
+    ``refs`` (``tile_layout``'s slot_R, ``group`` rows a tile)."""
+    if group == 1:
+        return [i], refs
+    slot_ref, *rest = refs
+    return [slot_ref[i * group + m] for m in range(group)], tuple(rest)
 
 
 def _each(members: list, body) -> None:
@@ -381,18 +385,18 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
     return (swiglu(g_f32, u_f32, limit) * weight).astype(jnp.bfloat16)
 
 
-def _gate_up_matvec_kernel(expert_ref, slot_ref, offset_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref,
-                           h_ref, *, group: int, n_per_token: int, limit: float, rows: int, words: int, n_words: int,
-                           asm: bool, quantised: bool):
+def _gate_up_matvec_kernel(expert_ref, *refs, group: int, n_per_token: int, limit: float, rows: int, words: int,
+                           n_words: int, asm: bool, quantised: bool):
     """Program (i, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for each assignment a of the program
     (``_members``: assignment i, or the up to ``group`` assignments of tile i, which share an expert: its weight
     words are loaded and decoded once for all of them), or zeros for padding (expert -1). Expert e's weights are
-    entry e + offset_ref[0] of the stacks (``_expert_stacks``); expert_ref holds each program's expert.
+    entry e + offset_ref[0] of the stacks (``_expert_stacks``); expert_ref holds each program's expert; refs:
+    (the groups' slot_R with a group of more than one,) offset, routing weights, x, w1, s1, w3, s3, then h.
     ``quantised``: h goes out as the down kernel reads it, ``fq8``'d (the program's rows are whole 32-wide scale
     blocks) and phase-major in float32, h_ref [A, 8, F/8] (``_store_phase_major``); else bf16, h_ref [A, F]."""
     i, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[i]
-    members = _members(slot_ref, i, group)
+    members, (offset_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref) = _members(refs, i, group)
 
     def store(a, h_R):
         if quantised:
@@ -428,13 +432,12 @@ def _store_phase_major(h_ref, a, r0, h_R: jax.Array) -> None:
     h_ref[a, :, pl.ds(r0 // CODES_PER_WORD, words)] = h_R.astype(jnp.float32).reshape(words, CODES_PER_WORD).T
 
 
-def _down_matvec_kernel(expert_ref, slot_ref, offset_ref, h_ref, w2_ref, s2_ref, y_ref, *, group: int, rows: int,
-                        words: int, n_words: int, asm: bool):
+def _down_matvec_kernel(expert_ref, *refs, group: int, rows: int, words: int, n_words: int, asm: bool):
     """Program (i, d): y[a, d-block] = w2 h[a] rounded to bf16 for each assignment a of the program, or zeros for
-    padding (programs and experts as the gate-up kernel's)."""
+    padding (programs and experts as the gate-up kernel's; refs: (slot_R,) offset, h, w2, s2, then y)."""
     i, r0 = pl.program_id(0), pl.program_id(1) * rows
     e = expert_ref[i]
-    members = _members(slot_ref, i, group)
+    members, (offset_ref, h_ref, w2_ref, s2_ref, y_ref) = _members(refs, i, group)
 
     @pl.when(e >= 0)
     def _():
@@ -799,22 +802,22 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         # a program an assignment, or, with ``matvec_group`` and more than one token, a program a group of up to
         # that many assignments of one expert (expert-sorted tiles: each expert's words read once for the group)
         group = config.matvec_group if t > 1 else 1
-        if group == 1:
-            program_expert, slot_R = expert_A, expert_A  # (slot_R unused: program i is assignment i)
-        else:
+        program_expert, layout = expert_A, ()  # program i: assignment i
+        if group > 1:
             program_expert, _, slot_R, _ = tile_layout(expert_A, n_experts, n_per_token, group)
+            layout = (slot_R,)
         n_programs = program_expert.shape[0]
         h = call(functools.partial(_gate_up_matvec_kernel, group=group, n_per_token=n_per_token, limit=limit,
                                    rows=rows_f, words=words_d, n_words=d // 8, asm=asm, quantised=quantised),
                  (n_assign, CODES_PER_WORD, f // CODES_PER_WORD) if quantised else (n_assign, f),
                  (n_programs, f // rows_f), params, "routed_gate_up_matvec",
-                 program_expert, slot_R, offset_1, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3,
+                 program_expert, *layout, offset_1, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3,
                  dtype=jnp.float32 if quantised else jnp.bfloat16)
         h_AF = h.reshape(n_assign, f) if quantised else phase_major(quant.fq8(h)).astype(jnp.float32)
         y_AD = call(functools.partial(_down_matvec_kernel, group=group, rows=rows_d, words=words_f, n_words=f // 8,
                                       asm=asm),
-                     (n_assign, d), (n_programs, d // rows_d), params, "routed_down_matvec", program_expert, slot_R,
-                     offset_1, h_AF, w2, s2)
+                     (n_assign, d), (n_programs, d // rows_d), params, "routed_down_matvec", program_expert,
+                     *layout, offset_1, h_AF, w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
     if (config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments
