@@ -186,26 +186,6 @@ def test_activations_are_taken_as_given(case, impl):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} {path}")
 
 
-@pytest.mark.parametrize("group", [2, 4])
-def test_grouped_matvecs_are_the_matvecs(group, monkeypatch):
-    """With ``matvec_group`` the mat-vecs take the assignments of one expert together (tiles of up to ``group``),
-    decoding its words once: each assignment's arithmetic is unchanged, so the bits are the ungrouped path's.
-    Experts of up to 17 assignments (split over several tiles, a last tile part full), empty experts,
-    padding tokens and slots, several K steps (D = F = 512)."""
-    rng = np.random.default_rng(group)
-    experts = make_experts(rng, 8, 512, 512, (116, 124))
-    weights_TX, experts_TX = make_routing(rng, 17, 8, 3, pool=4, pad_tokens=(5,), pad_slots=(2, 9))
-    x_TD = make_x(rng, 17, 512, 3.0)
-    args = (experts, x_TD, weights_TX, experts_TX, LIMIT)
-    plain = np.asarray(rx.routed_experts(*args, impl="pallas", path="gathered"))
-    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_group=group, poison=True))
-    grouped = np.asarray(rx.routed_experts(*args, impl="pallas", path="gathered"))
-    np.testing.assert_array_equal(grouped, plain)
-    assert np.all(grouped[5] == 0)
-    expected = np.asarray(rx.routed_experts_reference(*args))
-    assert_close(grouped, expected)
-
-
 def test_several_k_steps_on_both_paths():
     """D = F = 1024 takes several K steps on both paths (mat-vec: 64 words a step; grouped GEMM: 16 words, so
     pair_major's column order changes from step to step)."""
@@ -342,7 +322,6 @@ def test_moe_with_pallas_matches_reference(t):
 @pytest.mark.parametrize("change, field", [({"gemm_cols": 16}, "gemm_cols"), ({"gemm_rows_max": 48}, "gemm_rows_max"),
                                            ({"gemm_rows_min": 128}, "gemm_rows_min"), ({"gemm_warps": 3}, "gemm_warps"),
                                            ({"matvec_stages": 0}, "matvec_stages"),
-                                           ({"matvec_group": 3}, "matvec_group"),
                                            ({"gemm_engine": "cuda"}, "gemm_engine"),
                                            ({"mgpu_sizes": (64, 100)}, "mgpu_sizes"),
                                            ({"mgpu_chunks": 4}, "mgpu_chunks"),

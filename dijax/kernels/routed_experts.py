@@ -169,16 +169,11 @@ class KernelConfig:
       (the sampler's thresholds kernel gained from it) did not pay here: H100, forty-second session, GPU time 74.2
       against 75.6 us at T = 1 and 764.7 against 744.7 at T = 16 (removed). Where ``matvec_rows`` holds whole
       32-wide scale blocks (the default) the gate-up kernel writes h as the down kernel reads it (fq8'd,
-      phase-major, float32), which took XLA two launches a layer (forty-second session);
-    matvec_group: with more than one token, the mat-vecs take up to this many assignments of one expert a program
-      (assignments sorted by expert into tiles of this many, ``tile_layout``), so an expert's weight words are read
-      and decoded once for all its assignments of the step, not once each: at decode batch 64 (384 assignments over
-      ~244 of 384 experts) the gathered path reads ~1.6x the routed weights' bytes with 1 (the default: a program
-      an assignment, no layout launches). Each assignment's arithmetic is the same as alone, and each program's
-      fp32 work grows with the group whether its places are filled or not: the sm_90 build (tools/kernel_report.py,
-      decode 64) gives the gate-up kernel 80-96 / 128-166 / 255 registers (132 bytes of spill in one of its two
-      forms) and 1464 / 2104 / 3368 SASS instructions at groups of 1 / 2 / 4 (the down kernel 53-71 / 95-126 /
-      135 and 408 / 584 / 904). Not yet timed on a GPU (fifty-third session);
+      phase-major, float32), which took XLA two launches a layer (forty-second session). Programs taking one
+      expert's assignments together (sorted into tiles, the expert's words decoded once for all) lost on an H100
+      (fifty-fourth session, GPU kernel time: T = 16 979.7 / 1826.2 us with groups of 2 / 4 against 748.3 a program
+      an assignment, T = 64 3127.9 / 5576.5 against 2861.5; the same bits): the kernel is bound by its
+      instructions a code, not by the bytes the repeated experts add (removed);
     gemm_*: the grouped GEMM over expert-sorted tiles of ``gemm_rows`` assignments (tensor cores);
     gemm_engine: the ragged path's GEMMs: 'triton' (the grouped GEMM kernels here: tiles of tokens, gathered
       activations, the weights' tiles dequantised into a bf16 dot) or 'mgpu' (dijax.kernels.fp4_wgmma: wgmma with
@@ -205,7 +200,6 @@ class KernelConfig:
     matvec_words: int = 64
     matvec_warps: int = 4
     matvec_stages: int = 3
-    matvec_group: int = 1
     gemm_rows_min: int = 16
     gemm_rows_max: int = 64
     gemm_cols: int = 128
@@ -235,9 +229,6 @@ class KernelConfig:
         if self.gemm_rows_min > self.gemm_rows_max:
             raise ValueError(f"routed_experts KernelConfig.gemm_rows_min ({self.gemm_rows_min}) must be <= "
                              f"gemm_rows_max ({self.gemm_rows_max})")
-        if self.matvec_group not in (1, 2, 4):
-            raise ValueError(f"routed_experts KernelConfig.matvec_group must be one of (1, 2, 4), "
-                             f"got {self.matvec_group}")
         for name in ("matvec_warps", "gemm_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"routed_experts KernelConfig.{name} must be one of (1, 2, 4, 8, 16), "
@@ -344,39 +335,17 @@ def _weight_tiles(w_refs, s_refs, e, r0, rows: int, w0, words: int) -> tuple:
                  for w_ref, s_ref in zip(w_refs, s_refs))
 
 
-def _matvec_partials(w_RW: jax.Array, s_RB: jax.Array, x_MJ: list[list[jax.Array]], asm: bool) -> list[jax.Array]:
-    """One K step of a decode mat-vec for each of M inputs: weight words w_RW [rows, words] with their ue8m0 bytes
-    s_RB, decoded once, dotted with each input's 8 phase slices x_MJ[m] (float32 [words] each). Scales are applied
-    per 32-code block to the block sums; each input's arithmetic is the same as alone. ``asm``: ``decode_pair``'s
-    inline-PTX conversions. -> M x f32 [rows]."""
+def _matvec_partial(w_RW: jax.Array, s_RB: jax.Array, x_J: list[jax.Array], asm: bool) -> jax.Array:
+    """One K step of a decode mat-vec: weight words w_RW [rows, words] with their ue8m0 bytes s_RB dotted with the
+    8 phase slices x_J (float32 [words] each). Scales are applied per 32-code block to the block sums.
+    ``asm``: ``decode_pair``'s inline-PTX conversions. -> f32 [rows]."""
     rows, words = w_RW.shape
-    p_M = [jnp.zeros((rows, words), jnp.float32) for _ in x_MJ]
+    p_RW = jnp.zeros((rows, words), jnp.float32)
     for j in range(CODES_PER_WORD // 2):
         low, high = decode_pair(w_RW, j, asm)
-        p_M = [p_RW + low * x_J[j][None, :] + high * x_J[j + 4][None, :] for p_RW, x_J in zip(p_M, x_MJ)]
-    scale_RB = scale_multiplier(s_RB)
-    return [(p_RW.reshape(rows, words // WORDS_PER_SCALE, WORDS_PER_SCALE).sum(axis=-1) * scale_RB).sum(axis=-1)
-            for p_RW in p_M]
-
-
-def _members(refs: tuple, i, group: int) -> tuple[list, tuple]:
-    """(the assignments of mat-vec program i, the kernel's other refs). With a ``group`` of one, i itself (one
-    assignment a program); else ``group`` of them (-1 for none) from row i of the groups' layout, the first of
-    ``refs`` (``tile_layout``'s slot_R, ``group`` rows a tile)."""
-    if group == 1:
-        return [i], refs
-    slot_ref, *rest = refs
-    return [slot_ref[i * group + m] for m in range(group)], tuple(rest)
-
-
-def _each(members: list, body) -> None:
-    """body(m, a) for each of a program's assignments (``_members``): its own, or each of its group's that is not
-    -1."""
-    if len(members) == 1:
-        body(0, members[0])
-        return
-    for m, a in enumerate(members):
-        pl.when(a >= 0)(functools.partial(body, m, a))
+        p_RW = p_RW + low * x_J[j][None, :] + high * x_J[j + 4][None, :]
+    block_RB = p_RW.reshape(rows, words // WORDS_PER_SCALE, WORDS_PER_SCALE).sum(axis=-1)
+    return (block_RB * scale_multiplier(s_RB)).sum(axis=-1)
 
 
 def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: jax.Array) -> jax.Array:
@@ -385,20 +354,17 @@ def _weighted_swiglu(g_f32: jax.Array, u_f32: jax.Array, limit: float, weight: j
     return (swiglu(g_f32, u_f32, limit) * weight).astype(jnp.bfloat16)
 
 
-def _gate_up_matvec_kernel(expert_ref, *refs, group: int, n_per_token: int, limit: float, rows: int, words: int,
-                           n_words: int, asm: bool, quantised: bool):
-    """Program (i, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for each assignment a of the program
-    (``_members``: assignment i, or the up to ``group`` assignments of tile i, which share an expert: its weight
-    words are loaded and decoded once for all of them), or zeros for padding (expert -1). Expert e's weights are
-    entry e + offset_ref[0] of the stacks (``_expert_stacks``); expert_ref holds each program's expert; refs:
-    (the groups' slot_R with a group of more than one,) offset, routing weights, x, w1, s1, w3, s3, then h.
+def _gate_up_matvec_kernel(expert_ref, offset_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
+                           n_per_token: int, limit: float, rows: int, words: int, n_words: int, asm: bool,
+                           quantised: bool):
+    """Program (a, f): h[a, f-block] = swiglu(w1 x, w3 x) * weight for assignment a, or zeros for padding (expert
+    -1). Expert e's weights are entry e + offset_ref[0] of the stacks (``_expert_stacks``).
     ``quantised``: h goes out as the down kernel reads it, ``fq8``'d (the program's rows are whole 32-wide scale
     blocks) and phase-major in float32, h_ref [A, 8, F/8] (``_store_phase_major``); else bf16, h_ref [A, F]."""
-    i, r0 = pl.program_id(0), pl.program_id(1) * rows
-    e = expert_ref[i]
-    members, (offset_ref, weight_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref) = _members(refs, i, group)
+    a, r0 = pl.program_id(0), pl.program_id(1) * rows
+    e = expert_ref[a]
 
-    def store(a, h_R):
+    def store(h_R):
         if quantised:
             _store_phase_major(h_ref, a, r0, quant.fq8_tiles([h_R.astype(jnp.float32)[None, :]])[0][0])
         else:
@@ -406,23 +372,22 @@ def _gate_up_matvec_kernel(expert_ref, *refs, group: int, n_per_token: int, limi
 
     @pl.when(e >= 0)
     def _():
-        e_stack = e + offset_ref[0]
-        tokens = [jnp.maximum(a, 0) // n_per_token for a in members]  # a padding member reads token 0
+        t, e_stack = a // n_per_token, e + offset_ref[0]
 
         def step(k, acc):
             w0 = k * words
-            x_MJ = [[x_ref[t, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)] for t in tokens]
+            x_J = [x_ref[t, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
             (w1_RW, s1_RB), (w3_RW, s3_RB) = _weight_tiles((w1_ref, w3_ref), (s1_ref, s3_ref), e_stack, r0, rows, w0,
                                                            words)
-            parts = _matvec_partials(w1_RW, s1_RB, x_MJ, asm) + _matvec_partials(w3_RW, s3_RB, x_MJ, asm)
-            return tuple(a + b for a, b in zip(acc, parts))
+            return acc[0] + _matvec_partial(w1_RW, s1_RB, x_J, asm), acc[1] + _matvec_partial(w3_RW, s3_RB, x_J, asm)
 
-        acc = jax.lax.fori_loop(0, n_words // words, step, (jnp.zeros((rows,), jnp.float32),) * (2 * len(members)))
-        _each(members, lambda m, a: store(a, _weighted_swiglu(acc[m], acc[len(members) + m], limit, weight_ref[a])))
+        zeros = jnp.zeros((rows,), jnp.float32)
+        g, u = jax.lax.fori_loop(0, n_words // words, step, (zeros, zeros))
+        store(_weighted_swiglu(g, u, limit, weight_ref[a]))
 
     @pl.when(e < 0)
     def _():
-        _each(members, lambda m, a: store(a, jnp.zeros((rows,), jnp.bfloat16)))
+        store(jnp.zeros((rows,), jnp.bfloat16))
 
 
 def _store_phase_major(h_ref, a, r0, h_R: jax.Array) -> None:
@@ -432,35 +397,29 @@ def _store_phase_major(h_ref, a, r0, h_R: jax.Array) -> None:
     h_ref[a, :, pl.ds(r0 // CODES_PER_WORD, words)] = h_R.astype(jnp.float32).reshape(words, CODES_PER_WORD).T
 
 
-def _down_matvec_kernel(expert_ref, *refs, group: int, rows: int, words: int, n_words: int, asm: bool):
-    """Program (i, d): y[a, d-block] = w2 h[a] rounded to bf16 for each assignment a of the program, or zeros for
-    padding (programs and experts as the gate-up kernel's; refs: (slot_R,) offset, h, w2, s2, then y)."""
-    i, r0 = pl.program_id(0), pl.program_id(1) * rows
-    e = expert_ref[i]
-    members, (offset_ref, h_ref, w2_ref, s2_ref, y_ref) = _members(refs, i, group)
+def _down_matvec_kernel(expert_ref, offset_ref, h_ref, w2_ref, s2_ref, y_ref, *, rows: int, words: int,
+                        n_words: int, asm: bool):
+    """Program (a, d): y[a, d-block] = w2 h[a] rounded to bf16, or zeros for padding (experts as the gate-up
+    kernel's)."""
+    a, r0 = pl.program_id(0), pl.program_id(1) * rows
+    e = expert_ref[a]
 
     @pl.when(e >= 0)
     def _():
         e_stack = e + offset_ref[0]
-        rows_M = [jnp.maximum(a, 0) for a in members]  # a padding member reads assignment 0's h
 
         def step(k, acc):
             w0 = k * words
-            h_MJ = [[h_ref[a, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)] for a in rows_M]
+            h_J = [h_ref[a, pl.ds(j * n_words + w0, words)] for j in range(CODES_PER_WORD)]
             [(w2_RW, s2_RB)] = _weight_tiles((w2_ref,), (s2_ref,), e_stack, r0, rows, w0, words)
-            return tuple(a + b for a, b in zip(acc, _matvec_partials(w2_RW, s2_RB, h_MJ, asm)))
+            return acc + _matvec_partial(w2_RW, s2_RB, h_J, asm)
 
-        y_M = jax.lax.fori_loop(0, n_words // words, step, (jnp.zeros((rows,), jnp.float32),) * len(members))
-
-        def store(m, a):
-            y_ref[a, pl.ds(r0, rows)] = y_M[m].astype(jnp.bfloat16)
-        _each(members, store)
+        y = jax.lax.fori_loop(0, n_words // words, step, jnp.zeros((rows,), jnp.float32))
+        y_ref[a, pl.ds(r0, rows)] = y.astype(jnp.bfloat16)
 
     @pl.when(e < 0)
     def _():
-        def store(m, a):
-            y_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
-        _each(members, store)
+        y_ref[a, pl.ds(r0, rows)] = jnp.zeros((rows,), jnp.bfloat16)
 
 
 def pair_major(x_TD: jax.Array, words: int) -> jax.Array:
@@ -799,25 +758,16 @@ def _routed_experts_call(experts: dict, x_TD: jax.Array, weights_TX: jax.Array, 
         # the down kernel's input (fq8, phase-major, float32) straight from the gate-up kernel where each program's
         # rows are whole scale blocks (the default); else XLA's two launches make it
         quantised = rows_f % quant.FP8_BLOCK == 0
-        # a program an assignment, or, with ``matvec_group`` and more than one token, a program a group of up to
-        # that many assignments of one expert (expert-sorted tiles: each expert's words read once for the group)
-        group = config.matvec_group if t > 1 else 1
-        program_expert, layout = expert_A, ()  # program i: assignment i
-        if group > 1:
-            program_expert, _, slot_R, _ = tile_layout(expert_A, n_experts, n_per_token, group)
-            layout = (slot_R,)
-        n_programs = program_expert.shape[0]
-        h = call(functools.partial(_gate_up_matvec_kernel, group=group, n_per_token=n_per_token, limit=limit,
-                                   rows=rows_f, words=words_d, n_words=d // 8, asm=asm, quantised=quantised),
+        h = call(functools.partial(_gate_up_matvec_kernel, n_per_token=n_per_token, limit=limit, rows=rows_f,
+                                   words=words_d, n_words=d // 8, asm=asm, quantised=quantised),
                  (n_assign, CODES_PER_WORD, f // CODES_PER_WORD) if quantised else (n_assign, f),
-                 (n_programs, f // rows_f), params, "routed_gate_up_matvec",
-                 program_expert, *layout, offset_1, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3,
+                 (n_assign, f // rows_f), params, "routed_gate_up_matvec",
+                 expert_A, offset_1, weights_A, phase_major(x_TD).astype(jnp.float32), w1, s1, w3, s3,
                  dtype=jnp.float32 if quantised else jnp.bfloat16)
         h_AF = h.reshape(n_assign, f) if quantised else phase_major(quant.fq8(h)).astype(jnp.float32)
-        y_AD = call(functools.partial(_down_matvec_kernel, group=group, rows=rows_d, words=words_f, n_words=f // 8,
-                                      asm=asm),
-                     (n_assign, d), (n_programs, d // rows_d), params, "routed_down_matvec", program_expert,
-                     *layout, offset_1, h_AF, w2, s2)
+        y_AD = call(functools.partial(_down_matvec_kernel, rows=rows_d, words=words_f, n_words=f // 8, asm=asm),
+                     (n_assign, d), (n_assign, d // rows_d), params, "routed_down_matvec", expert_A, offset_1, h_AF,
+                     w2, s2)
         return _sum_slots(y_AD, expert_A >= 0, t, n_per_token)
 
     if (config.gemm_engine == "mgpu" and n_assign >= config.mgpu_min_assignments

@@ -40,7 +40,6 @@ CASES = {  # name: (T, E, X, D, F, pool, pad_tokens, pad_slots, exponent range)
 MGPU = {"gemm_engine": "mgpu", "mgpu_min_assignments": 0}  # the ragged path on fp4_wgmma at every size
 VARIANTS = {"ragged-cols64": ("ragged", {"gemm_cols": 64}),  # the variants the benchmark sweeps
             "gathered-rows16": ("gathered", {"matvec_rows": 16}),  # h quantised by XLA, not the gate-up kernel
-            "gathered-group2": ("gathered", {"matvec_group": 2}),  # one expert's assignments a program
             # the ragged path on dijax.kernels.fp4_wgmma (wgmma, weights decoded in registers)
             "ragged-mgpu": ("ragged", MGPU),
             "ragged-mgpu-64x1": ("ragged", {**MGPU, "mgpu_sizes": (16, 64), "mgpu_chunks": 1}),
@@ -83,22 +82,3 @@ def test_gpu_real_expert_shapes_top_of_the_stack(path, engine, monkeypatch):
     expected = np.asarray(rx.routed_experts_reference(experts, x_TD, weights_TX, experts_TX, LIMIT))
     got = np.asarray(rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT, path))
     assert_close(got, expected, min_equal=0.95)
-
-
-@pytest.mark.parametrize("group", [2, 4])
-def test_gpu_grouped_matvecs_are_the_matvecs(group, monkeypatch):
-    """``matvec_group`` at the real expert sizes and decode batch 64 (384 assignments drawn from 96 of 384
-    experts: groups of ~4, some split over tiles; one padding token): the same bits as a program an assignment."""
-    n_experts, d, f = 384, 5120, 2304
-    keys = jax.random.split(jax.random.key(2), 3)
-    experts = {"w1": random_mxfp4(keys[0], (n_experts,), f, d), "w3": random_mxfp4(keys[1], (n_experts,), f, d),
-               "w2": random_mxfp4(keys[2], (n_experts,), d, f)}
-    rng = np.random.default_rng(group)
-    weights_TX, experts_TX = make_routing(rng, 64, n_experts, 6, pool=96, pad_tokens=(7,))
-    x_TD = make_x(rng, 64, d, 3.0)
-    # (the config is read outside the jitted call, which takes it as a static argument)
-    plain = np.asarray(rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT, "gathered"))
-    monkeypatch.setattr(rx, "CONFIG", dataclasses.replace(rx.CONFIG, matvec_group=group))
-    grouped = np.asarray(rx.routed_experts_pallas(experts, x_TD, weights_TX, experts_TX, LIMIT, "gathered"))
-    assert np.all(np.isfinite(grouped)) and np.all(grouped[7] == 0)
-    np.testing.assert_array_equal(grouped, plain)
