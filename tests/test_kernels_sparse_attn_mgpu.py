@@ -21,11 +21,11 @@ from tests.test_kernels_sparse_attn import problem
 pytestmark = pytest.mark.cost(40)
 
 
-def check(q, sources, idx, sink, splits: int, interpret=True, pieces: int = 1) -> np.ndarray:
+def check(q, sources, idx, sink, splits: int, interpret=True) -> np.ndarray:
     scale = q.shape[-1] ** -0.5
     want = np.asarray(sa.sparse_attn_reference(q, sources, jnp.asarray(idx), sink, scale), np.float32)
     got = np.asarray(sm.sparse_attn_mgpu(q, sources, jnp.asarray(idx), sink, scale, splits=splits,
-                                         pieces=pieces, interpret=interpret), np.float32)
+                                         interpret=interpret), np.float32)
     assert got.shape == want.shape and np.isfinite(got).all()
     # the scores sum two K-halves (another order than the reference's); splits round P relative to their own max
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
@@ -133,29 +133,3 @@ def test_no_race_in_the_slots(k):
     # it, makes it raise)
     q, sources, idx, sink = problem(2, 200, (40, 300), 5, 64, k)
     check(q, sources, idx, sink, 1, interpret=plgpu.InterpretGPUParams(detect_races=True))
-
-
-@pytest.mark.parametrize("length,k,splits,sizes", [(300, 512, 1, (40, 300)), (300, 512, 2, (40, 300)),
-                                                  (64, 512, 1, (40, 300)), (150, 128, 2, (100, 3, 500)),
-                                                  (200, 256, 3, (70,))])
-def test_pieces_are_the_blocks(length, k, splits, sizes):
-    # a block's rows gathered as two pieces into the ring of five slots (``pieces``): the reference's values, and
-    # the one-piece kernel's but for the denominator's order of adding a row's 64 terms; under the race detector
-    # (the ring's refills against the reads of the block before, the index slots three blocks ahead). Lists of
-    # 1 to 5 blocks a split (one block: the prologue's third piece lies past the list), a block with nothing, one
-    # and two warpgroups, one to three sources
-    q, sources, idx, sink = problem(2, length, sizes, 5, 64, k)
-    idx[1, :32] = -1  # a piece with nothing
-    idx[0, 64:128] = -1  # a block with nothing
-    one = check(q, sources, idx, sink, splits)
-    two = check(q, sources, idx, sink, splits, interpret=plgpu.InterpretGPUParams(detect_races=True), pieces=2)
-    np.testing.assert_allclose(two, one, rtol=2 ** -7, atol=1e-6)  # a bf16 ulp where the denominators differ
-    assert (two == one).mean() > 0.95
-
-
-def test_pieces_are_validated():
-    assert sa.SparseAttnConfig(mgpu_pieces=2).mgpu_pieces == 2
-    with pytest.raises(ValueError, match="mgpu_pieces must be one of"):
-        sa.SparseAttnConfig(mgpu_pieces=4)
-    with pytest.raises(ValueError, match="pieces must be one of"):
-        sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 64), 0.1, pieces=3, interpret=True)

@@ -271,7 +271,7 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     (``SparseAttnConfig(engine='mgpu')``) has rows too, with splits variants under ``sweep``. ``names``: only the
     kernel rows whose name contains one of these (``kept``; the reference row always comes, as their base).
     ``changes``: more ``SparseAttnConfig`` changes of the Mosaic GPU kernel, each a "window + pool" row (e.g.
-    ``mgpu_pieces=2``).
+    ``pdl=True``).
     """
     from dijax.kernels import sparse_attn as sa
     from dijax.kernels import sparse_attn_mgpu
@@ -1040,7 +1040,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="routed_experts, fp8_linear, the indexer's prefill row and sparse_attn's Mosaic GPU rows: one "
                          "more config change to time (repeatable), e.g. gemm_cols=64, cols=32, mgpu_blocks=4 or "
-                         "mgpu_pieces=2")
+                         "pdl=True")
     ap.add_argument("--kernel-split", action="store_true",
                     help="with --timing device: print each row's GPU kernels by name and their time per call")
     ap.add_argument("--rows", default="", help="sparse_attn and indexer: only the kernel rows whose name contains "

@@ -98,9 +98,6 @@
 #            16 blocks);
 #   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's two warpgroups a CTA against one (the default;
 #            fifty-third session, H100: 193.3 against 193.6 ms, within the rounds' spread);
-#   attn-pieces  (~330 s) sparse attention's rows gathered in two pieces into a ring of five 32-row slots (off, not yet
-#            run on a GPU): its GPU tests and the row gather's, its rows beside the default by GPU kernel time at batch
-#            1 / 64 / 256, then flash-slice decode at 64 / 128 with it against without;
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -135,7 +132,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache,
 #           stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="attn-pieces|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -252,16 +249,6 @@ case "$stage" in
     run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
     run 200 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
       --repeats 3 --variant mgpu_warpgroups=2 --variant mgpu_blocks=16 ;;
-  attn-pieces)
-    # (~330 s) sparse attention's pieces (SparseAttnConfig.mgpu_pieces=2, off; fifty-fourth session: built for sm_90
-    # and tested in the interpreter only): the GPU tests of the pieces and the row gather (32-row tiles, 64-byte
-    # swizzle), the kernel rows with and without by GPU kernel time, flash-slice decode at batch 64 and 128 (one
-    # process, the model loaded once)
-    run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k "pieces or row_gather"
-    run 120 python3 tools/bench_kernels.py --only sparse_attn --rows "mgpu window" --timing device --iters 10 \
-      --repeats 3 --variant mgpu_pieces=2
-    run 200 python3 tools/bench.py --model flash-slice --decode-batch 64,128 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 3 --iters 10 --rounds 1 --variant "sparse_attn.CONFIG.mgpu_pieces=2" ;;
   indexer-e2e)
     # (~400 s) flash-slice prefill 8192 with the indexer's two compute warpgroups a CTA against one (the default),
     # alternating over two rounds in one process (the model loaded once)

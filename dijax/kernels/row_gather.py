@@ -3,10 +3,9 @@
 Mosaic GPU has no gather, and a TMA copy cannot address one row of a swizzled tile (a TMA gather, ``tile::gather4``,
 is Blackwell's). Here each thread of the warpgroups that share a block copies 16-byte chunks of the rows itself
 (``gather_rows``): the source address from the row's index, the destination address where Mosaic GPU's own tiled
-copies put that chunk in a tile with the tiling (8, S / 2) and the S-byte swizzle (``tiled(S)``; ``TILED`` is S =
-128): at byte A of an 8-row tile, A XOR ((A // 128) mod (S / 16)) * 16 (its ``transfer_tiled``: for S = 128 a
-16-byte chunk's index within its 128-byte line XOR the line's index). An index outside the sources reads nothing and
-fills its row with zeros (``cp.async``'s source size 0).
+copies put that chunk in a tile with the tiling (8, 64) and the 128-byte swizzle (``TILED``): a 16-byte chunk's
+index within its 128-byte line, XOR the line's index within its 1024-byte group (its ``transfer_tiled``). An index
+outside the sources reads nothing and fills its row with zeros (``cp.async``'s source size 0).
 
 The copies are asynchronous: each thread closes its group of copies (``commit_group``), waits for its own groups
 (``wait_group``), and then the threads that read the tile need ``plgpu.commit_smem()`` (the proxy fence that shows
@@ -34,15 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 ROWS = 64  # rows a block
 COPY_BYTES = 16  # one cp.async
 WARPGROUP = 128  # threads
-
-
-def tiled(swizzle: int = 128) -> tuple:
-    """wgmma's operand layout in shared memory with the ``swizzle``-byte swizzle (bf16: 8 x swizzle / 2 tiles). A
-    product's K must be a multiple of swizzle / 2, and both operands from shared memory must share the swizzle."""
-    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
-
-
-TILED = tiled(128)
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # wgmma's operand layout in shared memory
 
 
 def interpreter(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.InterpretGPUParams | None:
@@ -53,10 +44,9 @@ def interpreter(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.InterpretGP
     return interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()
 
 
-def widths(threads: int, rows: int = ROWS) -> tuple[int, ...]:
-    """The row widths K (bf16 elements, multiples of 64) whose 16-byte chunks ``threads`` threads split evenly over
-    a tile of ``rows`` rows."""
-    return tuple(k for k in (64, 128, 256, 512, 1024) if threads % (k // 8) == 0 and rows % (threads // (k // 8)) == 0)
+def widths(threads: int) -> tuple[int, ...]:
+    """The row widths K (bf16 elements, multiples of 64) whose 16-byte chunks ``threads`` threads split evenly."""
+    return tuple(k for k in (64, 128, 256, 512, 1024) if threads % (k // 8) == 0 and ROWS % (threads // (k // 8)) == 0)
 
 
 def commit_group(interpret: bool = False) -> None:
@@ -94,30 +84,27 @@ def read_only_ref(transforms: tuple = ()) -> plgpu.RefType:
     return plgpu.RefType(transforms)
 
 
-def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int, swizzle: int = 128) -> None:
-    """Start the ``cp.async`` copies of one tile of R rows (``ROWS`` or fewer, a multiple of 8): row r of the tile is
-    row ``idx_ref[r]`` (GMEM or SMEM int32 [R]) of the sources' concatenation (``refs[:-1]``, GMEM bf16
-    [``sizes``[i], K]), copied into the tile ``refs[-1]`` (SMEM bf16 [P, R, K / P] or [R, K], ``TILED``; part p
-    holds the columns [p K / P, (p + 1) K / P)); ``swizzle``: the tile's, ``tiled(swizzle)``.
+def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int) -> None:
+    """Start the ``cp.async`` copies of one block of ``ROWS`` rows: row r of the block is row ``idx_ref[r]`` (GMEM
+    or SMEM int32 [R]) of the sources' concatenation (``refs[:-1]``, GMEM bf16 [``sizes``[i], K]), copied into the tile
+    ``refs[-1]`` (SMEM bf16 [P, R, K / P] or [R, K], ``TILED``; part p holds the columns [p K / P, (p + 1) K / P)).
 
     ``threads``: the threads that share the block, each running this: the CTA's 128 P compute threads, or 128 for
     a warpgroup filling a tile of its own (thread index taken modulo 128). Thread i copies the 16-byte chunk
     ``i mod (K / 8)`` of the rows ``i div (K / 8)`` + multiples of ``threads / (K / 8)``: consecutive threads copy
-    consecutive bytes of one row. K must be in ``widths(threads, R)``."""
+    consecutive bytes of one row. K must be in ``widths(threads)``."""
     k = refs[0].shape[-1]
     tile_shape = refs[-1].shape
     parts = tile_shape[0] if len(tile_shape) == 3 else 1
-    part, n_rows = k // parts, tile_shape[-2]
+    part = k // parts
     chunks = k * 2 // COPY_BYTES  # 16-byte chunks a row
-    width = swizzle // 2  # a tile's columns
-    if k not in widths(threads, n_rows) or part % 64 or n_rows % 8 or n_rows > ROWS or swizzle not in (64, 128):
-        raise ValueError(f"gather_rows: row width K={k} in {parts} parts must be one of {widths(threads, n_rows)} "
-                         f"for {threads} threads and {n_rows} rows (a multiple of 8 up to {ROWS}), each part a "
-                         f"multiple of 64, the swizzle 64 or 128 (got {swizzle})")
+    if k not in widths(threads) or part % 64:
+        raise ValueError(f"gather_rows: row width K={k} in {parts} parts must be one of {widths(threads)} for "
+                         f"{threads} threads, each part a multiple of 64")
     step = threads // chunks  # rows a pass of the threads
     bases = np.cumsum((0,) + tuple(sizes)).tolist()
 
-    @plgpu.inline_mgpu(arg_types=(read_only_ref(),) * len(refs) + (plgpu.RefType(tiled(swizzle)),))
+    @plgpu.inline_mgpu(arg_types=(read_only_ref(),) * len(refs) + (plgpu.RefType(TILED),))
     def gather(ctx, idx, *refs):
         del ctx
         *srcs, dst = refs
@@ -126,17 +113,17 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int, swizzle: i
         tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), c32(threads))
         first = arith.divui(tid, c32(chunks))
         col = arith.muli(arith.remui(tid, c32(chunks)), c32(8))  # the chunk's first element in the row
-        # where the chunk lies in a row of the tile: its part, column tile, 16-byte index in the tile's line
+        # where the chunk lies in a row of the tile: its part, 64-wide column tile, 16-byte index in the tile
         col_in = arith.remui(col, c32(part))
-        sixteenth = arith.remui(arith.divui(col_in, c32(8)), c32(width // 8))
-        tile_base = arith.addi(arith.muli(arith.divui(col, c32(part)), c32(n_rows * part * 2)),
-                               arith.muli(arith.divui(col_in, c32(width)), c32(8 * swizzle)))
+        sixteenth = arith.remui(arith.divui(col_in, c32(8)), c32(8))
+        tile_base = arith.addi(arith.muli(arith.divui(col, c32(part)), c32(ROWS * part * 2)),
+                               arith.muli(arith.divui(col_in, c32(64)), c32(1024)))
         idx_ptr = mgpu_utils.memref_ptr(idx)  # shared memory's own address space, or generic: made global
         if not mgpu_utils.is_smem_ref(idx):
             idx_ptr = _global(idx_ptr)
         src_ptrs = [_global(mgpu_utils.memref_ptr(src)) for src in srcs]
         dst_ptr = mgpu_utils.memref_ptr(dst)
-        rows = [arith.addi(first, c32(r)) for r in range(0, n_rows, step)]
+        rows = [arith.addi(first, c32(r)) for r in range(0, ROWS, step)]
         # every index loaded before the first copy: a copy's shared-memory writes could alias an index in shared
         # memory, so a load after it would wait for it (a load's latency a copy)
         indices = [llvm.load(i32, mgpu_utils.getelementptr(idx_ptr, [row], i32)) for row in rows]
@@ -150,12 +137,9 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int, swizzle: i
             element = arith.addi(arith.muli(arith.extui(i64, local), arith.constant(i64, k)), arith.extui(i64, col))
             src_addr = mgpu_utils.getelementptr(src, [element], ir.BF16Type.get())
             line = arith.remui(row, c32(8))
-            # the swizzle: the chunk's index XOR its 128-byte group's within the 8-row tile (a line a group at 128
-            # bytes, two lines at 64)
-            group = arith.divui(line, c32(128 // swizzle))
             offset = arith.addi(
-                arith.addi(tile_base, arith.muli(arith.divui(row, c32(8)), c32(part // width * 8 * swizzle))),
-                arith.addi(arith.muli(line, c32(swizzle)), arith.muli(arith.xori(sixteenth, group), c32(COPY_BYTES))))
+                arith.addi(tile_base, arith.muli(arith.divui(row, c32(8)), c32(part // 64 * 1024))),
+                arith.addi(arith.muli(line, c32(128)), arith.muli(arith.xori(sixteenth, line), c32(COPY_BYTES))))
             dst_addr = mgpu_utils.getelementptr(dst_ptr, [offset], ir.IntegerType.get_signless(8))
             size = arith.select(valid, c32(COPY_BYTES), c32(0))
             nvvm.cp_async_shared_global(dst_addr, src_addr, COPY_BYTES, nvvm.LoadCacheModifierKind.CG,
@@ -176,12 +160,11 @@ def locate(index, firsts, choices, select, at_least, minus):
     return choice, local
 
 
-def gather_rows_mgpu(sources: tuple[jax.Array, ...], idx_L: jax.Array, parts: int = 1, rows: int = ROWS,
-                     swizzle: int = 128) -> jax.Array:
-    """``gather_rows`` alone, as a kernel of ``parts`` warpgroups: each block of ``rows`` indices gathered into a
-    tile (``tiled(swizzle)``), then the tile stored by TMA (which undoes the swizzle Mosaic GPU's layout puts on it).
-    -> bf16 [L, K], row l the sources' row ``idx_L[l]``, zero outside them. For the GPU test that checks the gather's
-    addresses apart from any kernel that uses it; L a multiple of ``rows``; a GPU of compute capability 9.0."""
+def gather_rows_mgpu(sources: tuple[jax.Array, ...], idx_L: jax.Array, parts: int = 1) -> jax.Array:
+    """``gather_rows`` alone, as a kernel of ``parts`` warpgroups: each block of ``ROWS`` indices gathered into a
+    tile, then the tile stored by TMA (which undoes the swizzle Mosaic GPU's layout puts on it). -> bf16 [L, K], row
+    l the sources' row ``idx_L[l]``, zero outside them. For the GPU test that checks the gather's addresses apart
+    from any kernel that uses it; L a multiple of ``ROWS``; a GPU of compute capability 9.0."""
     (length,), k = idx_L.shape, sources[0].shape[-1]
     sizes, part = tuple(src.shape[0] for src in sources), k // parts
 
@@ -190,21 +173,21 @@ def gather_rows_mgpu(sources: tuple[jax.Array, ...], idx_L: jax.Array, parts: in
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
 
         def body(tile_smem, meeting):
-            gather_rows(idx_gmem.at[pl.ds(b * rows, rows)], *src_gmems, tile_smem, sizes=sizes,
-                        threads=parts * WARPGROUP, swizzle=swizzle)
+            gather_rows(idx_gmem.at[pl.ds(b * ROWS, ROWS)], *src_gmems, tile_smem, sizes=sizes,
+                        threads=parts * WARPGROUP)
             commit_group()
             wait_group(0)
             plgpu.commit_smem()
             plgpu.barrier_arrive(meeting)  # every thread's copies landed
             plgpu.barrier_wait(meeting)
-            plgpu.copy_smem_to_gmem(tile_smem.at[wg], out_gmem.at[pl.ds(b * rows, rows), pl.ds(wg * part, part)])
+            plgpu.copy_smem_to_gmem(tile_smem.at[wg], out_gmem.at[pl.ds(b * ROWS, ROWS), pl.ds(wg * part, part)])
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(body, plgpu.SMEM((parts, rows, part), jnp.bfloat16, transforms=tiled(swizzle)),
+        pl.run_scoped(body, plgpu.SMEM((parts, ROWS, part), jnp.bfloat16, transforms=TILED),
                       plgpu.Barrier(num_arrivals=parts), collective_axes="wg")
 
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((length, k), jnp.bfloat16), grid=(length // rows,), grid_names=("b",),
+        kernel, out_type=jax.ShapeDtypeStruct((length, k), jnp.bfloat16), grid=(length // ROWS,), grid_names=("b",),
         num_threads=parts, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(idx_L.astype(jnp.int32), *sources)

@@ -130,9 +130,6 @@ class SparseAttnConfig:
     wait for it in the kernel: ``plgpu.griddepcontrol_wait``), as XLA launches its own kernels on Hopper. Off: in
     the tiny decode step, which the host bounds, it showed no difference (H100, forty-ninth session); a step the
     device bounds (flash-slice at one token) has not run with it.
-    mgpu_pieces: 'mgpu' gathers each block's rows in this many pieces (1 or 2; ``sparse_attn_mgpu``'s docstring,
-    "Pieces"): 2 keeps one piece in flight across each block's meeting, in a ring of five 32-row slots. 1 until a
-    GPU has timed 2 (fifty-fourth session: built and tested in the interpreter only).
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
@@ -149,7 +146,6 @@ class SparseAttnConfig:
     mgpu_min_tokens: int = 1
     cluster_splits: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS
     pdl: bool = False
-    mgpu_pieces: int = 1
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -157,9 +153,6 @@ class SparseAttnConfig:
         if self.mgpu_min_tokens < 1:
             raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_min_tokens must be >= 1, got {self.mgpu_min_tokens}")
         object.__setattr__(self, "cluster_splits", tuple(self.cluster_splits))  # hashable: configs are jit statics
-        if self.mgpu_pieces not in sparse_attn_mgpu.RING:
-            raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_pieces must be one of {tuple(sparse_attn_mgpu.RING)}, "
-                             f"got {self.mgpu_pieces}")
         error = sparse_attn_mgpu.cluster_splits_error(self.cluster_splits)
         if error:
             raise ValueError(f"sparse_attn SparseAttnConfig.{error}")
@@ -302,8 +295,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     interpret = interpret_mode(interpret)
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
         return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
-                                                 cluster_splits=config.cluster_splits, pdl=config.pdl,
-                                                 pieces=config.mgpu_pieces)
+                                                 cluster_splits=config.cluster_splits, pdl=config.pdl)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

@@ -22,7 +22,7 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     of a swizzled tile, but an address computed per thread can (``row_gather``);
   * two row slots: block b + 1's copies are in flight while block b's products run. A 64 x 512 row block is 64 KB;
     q (64 KB) and the two slots fill 192 KB of shared memory, one CTA a multiprocessor;
-  * each block's 64 indices are copied by TMA into shared memory two blocks ahead (three slots: block b - 1's
+  * each block's 64 indices are copied by TMA into shared memory two blocks ahead (``IDX_SLOTS``: block b - 1's
     slot, free once block b's meeting has passed, takes block b + 2's), so a block's gather reads its row indices
     from shared memory instead of waiting a global load's latency before its first copy;
   * a block's order: one meeting (its rows landed, the block before done with), block b + 2's index copy started,
@@ -43,18 +43,14 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     time, forty-eighth session). Other split counts (and interpret mode, which has no distributed shared memory)
     write the partials and merge them in XLA (``flash_merge``), as the Triton kernel does.
 
-Pieces (``pieces``, off by default until a GPU has timed it): a block's rows gathered as two pieces of 32 into
-a ring of five 32-row slots instead of one piece into two 64-row slots, the same 160 KB more or less (q's 64 KB and
-five pieces fill 225 KB of the 227). Nsight Compute put ~35-40 % of a warp's stalls on the gathered rows' landing at
-batch 64 and 256 (fifty-fourth session, H100): with two slots a block's copies start only once the block two back
-is done with, one block's work before they are needed, and at each meeting every copy in flight has landed, so the
-copies stop. With the ring, at block b's meeting the block's second piece and the next block's first start, the
-first piece of block b + 1 has had two blocks' work to land, and one piece is always in flight across the
-meeting (``cp.async.wait_group 1``). The scores are two 64 x 32 products and the PV product two of K = 32 (so q
-and the ring take the 64-byte swizzle: a product's K must be a multiple of the swizzle's columns); the softmax takes the block's max over both, so every value is the one-piece form's except the denominator's sum of a
-row's 64 terms, added in another order.
-The ping-pong order of jax's Hopper flash attention (the warpgroups taking turns on the tensor cores) gave the same
-times as the default on an H100 (fifty-fourth session: batch 64 / 256 30.3 / 83.7 us against 30.0 / 81.5; removed).
+Tried and removed (fifty-fourth session, an H100, GPU kernel time at batch 64 / 256, 640 rows x 512): the two
+warpgroups taking turns on the tensor cores (jax's Hopper flash-attention order: one softmax a block under the other
+warpgroup's products), 30.3 / 83.7 us against 30.0 / 81.5; and a block's rows gathered in two 32-row pieces into a
+ring of five slots (one piece always in flight across a meeting, where Nsight Compute put ~35-40 % of the warps'
+stalls on the gathered rows' dependencies), 36.1 / 100.3 against 30.1 / 82.3: its 64 x 32 score products read q
+from shared memory twice as often a FLOP (a wgmma with both operands in shared memory is bound by its bandwidth
+below N = 64; the PV products of K = 32 also needed the 64-byte swizzle), ~1 us a block more, and the longer lead
+bought nothing visible under it. A third 64-row slot does not fit beside q's 64 KB (256 KB against 227).
 
 Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
 online softmax from a running max of -1e30, P cast to bf16 for the PV product, the sink in the denominator only.
@@ -93,13 +89,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dijax.kernels import cluster, flash_merge, row_gather
 from dijax.kernels.fp4_wgmma import COL_LAYOUT, ROW_LAYOUT, available
-from dijax.kernels.row_gather import ROWS, WARPGROUP
+from dijax.kernels.row_gather import ROWS, TILED, WARPGROUP
 
 HEADS = 64  # heads a CTA: wgmma's M (ROWS, the rows a block, is the reference's block and the scores' wgmma N)
 MAX_PART = 256  # output dims a warpgroup: a 64 x 256 fp32 accumulator is 128 registers a thread (and wgmma's N)
-# a block's rows gathered in one piece or two (``pieces``) -> the slots of 64 / pieces rows in the ring: two, or
-# five 32-row slots (module docstring, "Pieces")
-RING = {1: 2, 2: 5}
+SLOTS = 2
+# index blocks in shared memory: b - 1's (free once block b's meeting is passed), b's (its mask) and b + 1's (its
+# gather); block b + 2's is copied by TMA while block b runs
+IDX_SLOTS = 3
 MAX_SOURCES = 3
 # split counts that can merge in the kernel, across a cluster of CTAs (each writes its 1 / S of every warpgroup's
 # output dims: a cluster holds at most 8 CTAs, and a slice stays a whole number of 8-column WGMMA tiles), and those
@@ -148,8 +145,7 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     pdl: bool = False, pieces: int = 1,
-                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+                     pdl: bool = False, interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
 
@@ -158,16 +154,13 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
     ``CLUSTER_SIZES``), the others in XLA. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded
     with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while the kernel before it
-    still runs (not when interpreted). ``pieces``: each block's rows gathered in 1 or 2 pieces (``RING``; module
-    docstring, "Pieces").
+    still runs (not when interpreted).
     ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default
     parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector).
     -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
     error = shape_error(h, k, len(kv_sources)) or cluster_splits_error(cluster_splits)
-    if not error and pieces not in RING:
-        error = f"sparse_attn_mgpu: pieces must be one of {tuple(RING)}, got {pieces}"
     if error:
         raise ValueError(error)
     heads = -(-h // HEADS) * HEADS
@@ -186,15 +179,15 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, pdl=pdl and not interpret,
-                pieces=pieces, interpret=interpret)
+                interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "pieces", "interpret"))
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          pdl: bool, pieces: int, interpret: bool | plgpu.InterpretGPUParams):
+          pdl: bool, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -207,17 +200,6 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     blocks = split_len // ROWS
     sizes = tuple(src.shape[0] for src in sources)
     n_src = len(sources)
-    # the ring (module docstring, "Pieces"): piece j (of block j // pieces) lands in slot j mod ``slots``; at block
-    # b's meeting the pieces of the blocks before b are done with, so the pieces up to b * pieces + slots - 1 start;
-    # the meeting waits for block b's pieces, leaving the ``in_flight`` started after them; the gathers run ``lead``
-    # blocks ahead, and the index blocks of b (its mask), of the ``lead`` blocks after it and of the one being copied
-    # fill ``idx_slots``
-    slots, piece_rows = RING[pieces], ROWS // pieces
-    # a product's K must be a multiple of the swizzle's columns (wgmma), and the PV product's K is a piece's rows
-    swizzle = min(128, 2 * piece_rows)
-    tiled = row_gather.tiled(swizzle)
-    in_flight, lead = slots - 2 * pieces, (slots - 1) // pieces
-    idx_slots = lead + 2
 
     def kernel(q_gmem, idx_gmem, *refs):
         if pdl:  # launched as a programmatic dependent: wait here until the kernel before it has finished and its
@@ -232,86 +214,75 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             """Start the TMA copy of block b's indices into their slot (by warpgroup 0; nothing past the list)."""
             @pl.when((wg == 0) & (b < blocks))
             def _():
-                slot = lax.rem(b, idx_slots)
+                slot = lax.rem(b, IDX_SLOTS)
                 plgpu.copy_gmem_to_smem(idx_gmem.at[pl.ds(start + b * ROWS, ROWS)], idx_smem.at[slot],
                                         idx_bar.at[slot])
 
-        def fetch(b, i: int, kv_smem, idx_smem, idx_bar):
-            """Start the row copies of piece i of block b into its slot, then close the thread's group of copies (one
-            group a piece, an empty one past the list): a block's first piece waits for the block's indices first.
-            Interpret mode: each warpgroup stores its K-part of the gathered rows at once."""
-            j = b * pieces + i
-
-            @pl.when(b < blocks)
-            def _():
-                idx_slot = lax.rem(b, idx_slots)
-                if i == 0:
-                    plgpu.barrier_wait(idx_bar.at[idx_slot])
-                slot = lax.rem(j, slots)
-                if interpret:
-                    rows = pl.ds(si * split_len + j * piece_rows, piece_rows)
-                    kv_smem.at[slot, wg][...] = gathered_gmem.at[ti, rows, pl.ds(wg * half, half)][...]
-                else:
-                    row_gather.gather_rows(idx_smem.at[idx_slot, pl.ds(i * piece_rows, piece_rows)], *src_gmems,
-                                           kv_smem.at[slot], sizes=sizes, threads=wgs * WARPGROUP,
-                                           swizzle=swizzle)
-            row_gather.commit_group(interpret)
+        def fetch(b, slot, kv_smem, idx_smem, idx_bar):
+            """Wait for block b's indices, then start its row copies into ``slot`` (interpret mode: each warpgroup
+            stores its K-part of the gathered rows at once, the threads' copies done early)."""
+            idx_slot = lax.rem(b, IDX_SLOTS)
+            plgpu.barrier_wait(idx_bar.at[idx_slot])
+            if interpret:
+                rows = pl.ds(si * split_len + b * ROWS, ROWS)
+                kv_smem.at[slot, wg][...] = gathered_gmem.at[ti, rows, pl.ds(wg * half, half)][...]
+            else:
+                row_gather.gather_rows(idx_smem.at[idx_slot], *src_gmems, kv_smem.at[slot], sizes=sizes,
+                                       threads=wgs * WARPGROUP)
 
         def landed(cta_bar):
-            """The block's one meeting: every thread's copies of it are in shared memory, seen by wgmma (all but
-            the thread's last ``in_flight`` groups, which belong to later blocks), and every thread is done with
-            the block before, whose slots the next pieces then take."""
-            row_gather.wait_group(in_flight, interpret)
+            """The block's one meeting: every thread's copies of it are in shared memory, seen by wgmma (each
+            thread has only this block's copies in flight), and every thread is done with the block before, whose
+            slot the next block's gather then takes."""
+            row_gather.wait_group(0, interpret)
             plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
             _cta_sync(cta_bar)
 
         def walk(q_smem, kv_smem, idx_smem, p_smem, q_bar, idx_bar, cta_bar):
-            for b in range(lead + 1):
-                load_indices(b, idx_smem, idx_bar)
+            load_indices(0, idx_smem, idx_bar)
+            load_indices(1, idx_smem, idx_bar)
 
             @pl.when(wg == 0)
             def _():
                 for part in range(wgs):
                     plgpu.copy_gmem_to_smem(q_gmem.at[ti, pl.ds(gi * HEADS, HEADS), pl.ds(part * half, half)],
                                             q_smem.at[part], q_bar)
-            for j in range(slots - pieces):
-                fetch(j // pieces, j % pieces, kv_smem, idx_smem, idx_bar)
+            fetch(0, 0, kv_smem, idx_smem, idx_bar)
+            row_gather.commit_group(interpret)
             plgpu.barrier_wait(q_bar)
 
             def block(b, carry):
                 acc, max_h, den_h = carry
-                slots_P = [lax.rem(b * pieces + i, slots) for i in range(pieces)]
+                slot = lax.rem(b, SLOTS)
                 landed(cta_bar)
-                load_indices(b + lead + 1, idx_smem, idx_bar)  # into block b - 1's slot, which all are done with
-                for j in range(slots - pieces, slots):  # pieces b * pieces + j: in flight during this block's work
-                    fetch(b + j // pieces, j % pieces, kv_smem, idx_smem, idx_bar)
-                idx_slot = lax.rem(b, idx_slots)
-                idx_P = [plgpu.load(idx_smem.at[idx_slot, pl.ds(i * piece_rows, piece_rows)], layout=COL_LAYOUT,
-                                    optimized=False) for i in range(pieces)]
+                load_indices(b + 2, idx_smem, idx_bar)  # into block b - 1's slot, which every thread is done with
 
-                def scores(*s_refs):  # every warpgroup the whole score tile, a 64 x piece_rows product a piece
+                @pl.when(b + 1 < blocks)  # the next block's gather, in flight during all of this block's work
+                def _():
+                    fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
+                row_gather.commit_group(interpret)
+                idx = plgpu.load(idx_smem.at[lax.rem(b, IDX_SLOTS)], layout=COL_LAYOUT, optimized=False)
+
+                def scores(s_ref):  # every warpgroup the whole score tile
                     for part in range(wgs):
-                        for s_ref, slot in zip(s_refs, slots_P):
-                            plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
-                    return tuple(s_ref[...] for s_ref in s_refs)
+                        plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
+                    return s_ref[...]
 
-                s_P = pl.run_scoped(scores, *[plgpu.ACC((HEADS, piece_rows), jnp.float32)] * pieces)
-                s_P = [jnp.where(lax.broadcast_in_dim(idx >= 0, s.shape, [1]), s, -jnp.inf) * np.float32(scale)
-                       for s, idx in zip(s_P, idx_P)]
-                new_max = functools.reduce(jnp.maximum, [s.max(axis=1) for s in s_P], max_h)
+                s = pl.run_scoped(scores, plgpu.ACC((HEADS, ROWS), jnp.float32))
+                valid = lax.broadcast_in_dim(idx >= 0, (HEADS, ROWS), [1])
+                s = jnp.where(valid, s, -jnp.inf) * np.float32(scale)
+                new_max = jnp.maximum(max_h, s.max(axis=1))
                 alpha = jnp.exp(max_h - new_max)
-                p_P = [jnp.exp(s - lax.broadcast_in_dim(new_max, s.shape, [0])) for s in s_P]
-                den_h = den_h * alpha + functools.reduce(jnp.add, [p.sum(axis=1) for p in p_P])
+                p = jnp.exp(s - lax.broadcast_in_dim(new_max, s.shape, [0]))
+                den_h = den_h * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16_P = [p.astype(jnp.bfloat16) for p in p_P]
+                p16 = p.astype(jnp.bfloat16)
                 if interpret:  # the interpreter takes A from shared memory only
-                    for i, p16 in enumerate(p16_P):
-                        p_smem.at[wg, i][...] = p16
-                    p16_P = [p_smem.at[wg, i] for i in range(pieces)]
+                    p_smem.at[wg][...] = p16
+                    p16 = p_smem.at[wg]
 
                 def pv(acc_ref):
-                    for p16, slot in zip(p16_P, slots_P):
-                        plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, wg])
+                    plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, wg])
 
                 def pv_alone(acc_ref):
                     pv(acc_ref)
@@ -320,9 +291,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 if interpret:  # the interpreter has no accumulator initialised from registers (``ACC.init``)
                     acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((HEADS, half), jnp.float32))
                     # its race detector does not see wgmma's operand reads: these loads stand for them
-                    for slot in slots_P:
-                        for part in range(wgs):
-                            kv_smem.at[slot, part][...]
+                    for part in range(wgs):
+                        kv_smem.at[slot, part][...]
                 else:
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 return acc, new_max, den_h
@@ -334,12 +304,12 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
 
         acc, max_h, den_h = pl.run_scoped(
             walk,
-            q_smem=plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16, transforms=tiled),
-            kv_smem=plgpu.SMEM((slots, wgs, piece_rows, half), jnp.bfloat16, transforms=tiled),
-            idx_smem=plgpu.SMEM((idx_slots, ROWS), jnp.int32),
-            p_smem=(plgpu.SMEM((wgs, pieces, HEADS, piece_rows), jnp.bfloat16) if interpret else None),
+            q_smem=plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16, transforms=TILED),
+            kv_smem=plgpu.SMEM((SLOTS, wgs, ROWS, half), jnp.bfloat16, transforms=TILED),
+            idx_smem=plgpu.SMEM((IDX_SLOTS, ROWS), jnp.int32),
+            p_smem=(plgpu.SMEM((wgs, HEADS, ROWS), jnp.bfloat16, transforms=TILED) if interpret else None),
             q_bar=plgpu.Barrier(num_arrivals=wgs),  # a copy a K-half
-            idx_bar=plgpu.Barrier(num_barriers=idx_slots),
+            idx_bar=plgpu.Barrier(num_barriers=IDX_SLOTS),
             cta_bar=plgpu.Barrier(num_arrivals=wgs),
             collective_axes="wg")
 
@@ -422,11 +392,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         grid_names=("t", "g") if in_cluster else ("t", "s", "g"),
         cluster=(splits,) if in_cluster else (), cluster_names=("s",) if in_cluster else (),
         num_threads=wgs, thread_name="wg",
-        # no scratch for cross-warp reductions: the kernel's reductions are along a WGMMA tile's rows, within a warp
-        # (Mosaic GPU reserves 2 KB by default, which the ring of two pieces needs: 232,496 bytes with it, over
-        # the 232,448 a CTA may have)
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                                             reduction_scratch_bytes=0),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=row_gather.interpreter(interpret))
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
 
