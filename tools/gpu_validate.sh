@@ -98,6 +98,9 @@
 #            16 blocks);
 #   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's two warpgroups a CTA against one (the default;
 #            fifty-third session, H100: 193.3 against 193.6 ms, within the rounds' spread);
+#   attn-timeline  (~120 s) where a sparse-attention warpgroup's clocks go, step by step (Mosaic GPU's on-device
+#            profiler: SparseAttnConfig.mgpu_trace_dir, not yet run on a GPU): its GPU tests, then the timeline's
+#            regions at batch 1 / 64 / 256 (tools/profile_attn.py --trace-dir, tools/kernel_regions.py);
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -132,7 +135,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache,
 #           stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="attn-timeline|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -249,6 +252,12 @@ case "$stage" in
     run 150 python3 -m pytest -q -ra tests/gpu/test_indexer_gpu.py
     run 200 python3 tools/bench_kernels.py --only indexer --rows mgpu --timing device --kernel-split --iters 10 \
       --repeats 3 --variant mgpu_warpgroups=2 --variant mgpu_blocks=16 ;;
+  attn-timeline)
+    # (~120 s) the timeline's GPU tests (the same bits with it, a region entered once a block), then each region's
+    # cycles and share of a warpgroup's span at batch 1 / 64 / 256 (fifty-fourth session: batch 64 spends ~3.8 us
+    # a 64-row block, and neither the bytes nor the issue rate bound it; the timeline says which step does)
+    run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k timeline
+    run 150 python3 tools/profile_attn.py 1 64 256 --trace-dir "$out/attn-trace" ;;
   indexer-e2e)
     # (~400 s) flash-slice prefill 8192 with the indexer's two compute warpgroups a CTA against one (the default),
     # alternating over two rounds in one process (the model loaded once)

@@ -130,6 +130,9 @@ class SparseAttnConfig:
     wait for it in the kernel: ``plgpu.griddepcontrol_wait``), as XLA launches its own kernels on Hopper. Off: in
     the tiny decode step, which the host bounds, it showed no difference (H100, forty-ninth session); a step the
     device bounds (flash-slice at one token) has not run with it.
+    mgpu_trace_dir: 'mgpu' records each warpgroup's timeline (``sparse_attn_mgpu``'s ``trace_dir``: the clock at
+    each step's start and end) into this directory, a Chrome trace a call; "" (the default) records nothing and
+    leaves the kernel's code as it is. For tools/profile_attn.py --trace-dir, not for serving.
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
@@ -146,6 +149,7 @@ class SparseAttnConfig:
     mgpu_min_tokens: int = 1
     cluster_splits: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS
     pdl: bool = False
+    mgpu_trace_dir: str = ""
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -295,7 +299,8 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     interpret = interpret_mode(interpret)
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
         return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
-                                                 cluster_splits=config.cluster_splits, pdl=config.pdl)
+                                                 cluster_splits=config.cluster_splits, pdl=config.pdl,
+                                                 trace_dir=config.mgpu_trace_dir)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

@@ -78,6 +78,7 @@ Letters: T query tokens, H heads, K head dim, L list length, S splits of the lis
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -145,7 +146,8 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     pdl: bool = False, interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+                     pdl: bool = False, trace_dir: str = "",
+                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
 
@@ -154,7 +156,9 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
     ``CLUSTER_SIZES``), the others in XLA. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded
     with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while the kernel before it
-    still runs (not when interpreted).
+    still runs (not when interpreted). ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
+    on-device profiler: the clock at each named region's start and end) and write it to this directory, one Chrome
+    trace a call (tools/kernel_regions.py sums it up); not when interpreted.
     ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default
     parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector).
     -> bf16 [T, H, K].
@@ -179,15 +183,15 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, pdl=pdl and not interpret,
-                interpret=interpret)
+                trace_dir="" if interpret else trace_dir, interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "trace_dir", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          pdl: bool, interpret: bool | plgpu.InterpretGPUParams):
+          pdl: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -200,6 +204,13 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     blocks = split_len // ROWS
     sizes = tuple(src.shape[0] for src in sources)
     n_src = len(sources)
+    regions = ("start", "meeting", "gather", "scores", "softmax", "pv", "output")  # a warpgroup's steps, timed
+
+    def region(name: str):
+        """One of ``regions``: a named scope, which Mosaic GPU's profiler times, with a ``trace_dir``; else nothing
+        (the kernel's code is then the same as without the regions)."""
+        assert name in regions
+        return jax.named_scope(name) if trace_dir else contextlib.nullcontext()
 
     def kernel(q_gmem, idx_gmem, *refs):
         if pdl:  # launched as a programmatic dependent: wait here until the kernel before it has finished and its
@@ -238,7 +249,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             plgpu.commit_smem()  # its writes made visible to wgmma's async proxy; the warpgroup synced
             _cta_sync(cta_bar)
 
-        def walk(q_smem, kv_smem, idx_smem, p_smem, q_bar, idx_bar, cta_bar):
+        def begin(q_smem, kv_smem, idx_smem, q_bar, idx_bar):
+            """The first blocks' indices and q copied in, block 0's gather started; q landed."""
             load_indices(0, idx_smem, idx_bar)
             load_indices(1, idx_smem, idx_bar)
 
@@ -251,32 +263,40 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             row_gather.commit_group(interpret)
             plgpu.barrier_wait(q_bar)
 
+        def walk(q_smem, kv_smem, idx_smem, p_smem, q_bar, idx_bar, cta_bar):
+            with region("start"):
+                begin(q_smem, kv_smem, idx_smem, q_bar, idx_bar)
+
             def block(b, carry):
                 acc, max_h, den_h = carry
                 slot = lax.rem(b, SLOTS)
-                landed(cta_bar)
-                load_indices(b + 2, idx_smem, idx_bar)  # into block b - 1's slot, which every thread is done with
+                with region("meeting"):
+                    landed(cta_bar)
+                with region("gather"):
+                    load_indices(b + 2, idx_smem, idx_bar)  # into block b - 1's slot, which every thread is done with
 
-                @pl.when(b + 1 < blocks)  # the next block's gather, in flight during all of this block's work
-                def _():
-                    fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
-                row_gather.commit_group(interpret)
-                idx = plgpu.load(idx_smem.at[lax.rem(b, IDX_SLOTS)], layout=COL_LAYOUT, optimized=False)
+                    @pl.when(b + 1 < blocks)  # the next block's gather, in flight during all of this block's work
+                    def _():
+                        fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
+                    row_gather.commit_group(interpret)
 
                 def scores(s_ref):  # every warpgroup the whole score tile
                     for part in range(wgs):
                         plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
                     return s_ref[...]
 
-                s = pl.run_scoped(scores, plgpu.ACC((HEADS, ROWS), jnp.float32))
-                valid = lax.broadcast_in_dim(idx >= 0, (HEADS, ROWS), [1])
-                s = jnp.where(valid, s, -jnp.inf) * np.float32(scale)
-                new_max = jnp.maximum(max_h, s.max(axis=1))
-                alpha = jnp.exp(max_h - new_max)
-                p = jnp.exp(s - lax.broadcast_in_dim(new_max, s.shape, [0]))
-                den_h = den_h * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(jnp.bfloat16)
+                with region("scores"):
+                    idx = plgpu.load(idx_smem.at[lax.rem(b, IDX_SLOTS)], layout=COL_LAYOUT, optimized=False)
+                    s = pl.run_scoped(scores, plgpu.ACC((HEADS, ROWS), jnp.float32))
+                with region("softmax"):
+                    valid = lax.broadcast_in_dim(idx >= 0, (HEADS, ROWS), [1])
+                    s = jnp.where(valid, s, -jnp.inf) * np.float32(scale)
+                    new_max = jnp.maximum(max_h, s.max(axis=1))
+                    alpha = jnp.exp(max_h - new_max)
+                    p = jnp.exp(s - lax.broadcast_in_dim(new_max, s.shape, [0]))
+                    den_h = den_h * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p16 = p.astype(jnp.bfloat16)
                 if interpret:  # the interpreter takes A from shared memory only
                     p_smem.at[wg][...] = p16
                     p16 = p_smem.at[wg]
@@ -294,7 +314,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     for part in range(wgs):
                         kv_smem.at[slot, part][...]
                 else:
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    with region("pv"):
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 return acc, new_max, den_h
 
             init = (plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32), plgpu.Layout.WGMMA),
@@ -371,15 +392,17 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             write_output(out_smem, merged, den, pl.ds(wg * half + si * width, width))
             cluster.sync()  # no CTA leaves while another still reads its shared memory
 
-        if splits == 1:
-            pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16), collective_axes="wg")
-        elif in_cluster:
-            pl.run_scoped(merge_in_cluster, o_smem=plgpu.SMEM((wgs, splits, HEADS, half // splits), jnp.float32),
-                          max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
-                          out_smem=plgpu.SMEM((wgs, HEADS, half // splits), jnp.bfloat16), collective_axes="wg")
-        else:
-            pl.run_scoped(store_partials, o_smem=plgpu.SMEM((wgs, HEADS, half), jnp.float32),
-                          stats_smem=plgpu.SMEM((2, HEADS), jnp.float32), collective_axes="wg")
+        with region("output"):
+            if splits == 1:
+                pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16), collective_axes="wg")
+            elif in_cluster:
+                pl.run_scoped(merge_in_cluster,
+                              o_smem=plgpu.SMEM((wgs, splits, HEADS, half // splits), jnp.float32),
+                              max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
+                              out_smem=plgpu.SMEM((wgs, HEADS, half // splits), jnp.bfloat16), collective_axes="wg")
+            else:
+                pl.run_scoped(store_partials, o_smem=plgpu.SMEM((wgs, HEADS, half), jnp.float32),
+                              stats_smem=plgpu.SMEM((2, HEADS), jnp.float32), collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16) if splits == 1 or in_cluster else
                 (jax.ShapeDtypeStruct((t, splits, h, k), jnp.float32),
@@ -392,7 +415,12 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         grid_names=("t", "g") if in_cluster else ("t", "s", "g"),
         cluster=(splits,) if in_cluster else (), cluster_names=("s",) if in_cluster else (),
         num_threads=wgs, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        # with a trace: room for each warpgroup's begin and end of every region a block (``profile_space`` counts
+        # events; its buffer, 16 bytes an event a warpgroup, lies in shared memory), checked against overflow
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            **(dict(profile_space=2 * len(regions) * (blocks + 1), profile_dir=trace_dir, profile_bounds_check=True)
+               if trace_dir else {})),
         interpret=row_gather.interpreter(interpret))
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
 

@@ -8,6 +8,7 @@ full of NaN and any element the kernel fails to write shows up in the comparison
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import dijax  # noqa: F401  (sets XLA flags before JAX starts)
 from dijax.kernels import row_gather, sparse_attn_mgpu
 from dijax.kernels.sparse_attn import SparseAttnConfig, sparse_attn_pallas, sparse_attn_reference
 from dijax.kernels.topk import topk_reference, topk_select
+from tools import kernel_regions
 
 TRITON = functools.partial(SparseAttnConfig, engine="triton")  # the Triton kernel's tests
 
@@ -199,6 +201,32 @@ def test_sparse_attn_mgpu_engine_window_and_pool(batch):
                      np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, triton, atol=4e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("batch,splits", [(64, 2), (3, 1)])
+def test_sparse_attn_mgpu_timeline(batch, splits, tmp_path):
+    # SparseAttnConfig.mgpu_trace_dir: the kernel with its steps timed (Mosaic GPU's on-device profiler) gives the
+    # same bits as without, and each call writes a timeline in which every warpgroup enters each block's steps once
+    # a block (640 lanes in ``splits`` parts: 10 / splits blocks) and the start and the output once
+    q, (ring, new, pool), idx, sink = decode_problem(batch, seed=batch + 400)
+    sources = (jnp.concatenate([ring, new]), pool)
+    scale = DIM ** -0.5
+    outputs = []
+    for trace_dir in ("", str(tmp_path)):
+        config = SparseAttnConfig(engine="mgpu", mgpu_min_tokens=1, num_splits=splits, mgpu_trace_dir=trace_dir)
+        poison(batch * splits * HEADS * DIM * 4 * 4)
+        outputs.append(np.asarray(jax.jit(lambda *a, c=config: sparse_attn_pallas(*a, scale, config=c))(
+            q, sources, idx, sink), np.float32))
+    jax.effects_barrier()
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+    with open(kernel_regions.newest_trace(str(tmp_path))) as f:
+        summary = kernel_regions.summarise(json.load(f)["traceEvents"])
+    assert summary["traces"] == batch * splits * 2  # a trace a warpgroup, two warpgroups a CTA at K = 512
+    blocks = 10 // splits
+    for name, entries in {"start": 1, "output": 1, "meeting": blocks, "gather": blocks, "scores": blocks,
+                          "softmax": blocks, "pv": blocks}.items():
+        assert summary[name]["entries"] == entries, name
+        assert summary[name]["cycles"] > 0, name
 
 
 @pytest.mark.parametrize("k,sizes,parts", [(512, (300, 5000), 2), (64, (40, 7, 200), 1), (128, (1000,), 1),
