@@ -21,11 +21,11 @@ from tests.test_kernels_sparse_attn import problem
 pytestmark = pytest.mark.cost(40)
 
 
-def check(q, sources, idx, sink, splits: int, interpret=True) -> np.ndarray:
+def check(q, sources, idx, sink, splits: int, interpret=True, shared_scores: bool = False) -> np.ndarray:
     scale = q.shape[-1] ** -0.5
     want = np.asarray(sa.sparse_attn_reference(q, sources, jnp.asarray(idx), sink, scale), np.float32)
     got = np.asarray(sm.sparse_attn_mgpu(q, sources, jnp.asarray(idx), sink, scale, splits=splits,
-                                         interpret=interpret), np.float32)
+                                         shared_scores=shared_scores, interpret=interpret), np.float32)
     assert got.shape == want.shape and np.isfinite(got).all()
     # the scores sum two K-halves (another order than the reference's); splits round P relative to their own max
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
@@ -133,3 +133,17 @@ def test_no_race_in_the_slots(k):
     # it, makes it raise)
     q, sources, idx, sink = problem(2, 200, (40, 300), 5, 64, k)
     check(q, sources, idx, sink, 1, interpret=plgpu.InterpretGPUParams(detect_races=True))
+
+
+@pytest.mark.parametrize("length,splits", [(300, 1), (300, 2), (64, 1)])
+def test_shared_scores_are_the_same_arithmetic(length, splits):
+    # warpgroup 0 alone computing each block's scores and softmax, P and the statistics handed over through shared
+    # memory (``shared_scores``): the same bits as every warpgroup computing them, under the race detector (P's and
+    # alpha's slot refilled each block after the meeting, the statistics read after the last P's barrier); one to
+    # five blocks a split, a block with nothing
+    q, sources, idx, sink = problem(2, length, (40, 300), 5, 64, 512)
+    idx[1, :64] = -1
+    plain = check(q, sources, idx, sink, splits)
+    shared = check(q, sources, idx, sink, splits, interpret=plgpu.InterpretGPUParams(detect_races=True),
+                   shared_scores=True)
+    np.testing.assert_array_equal(shared, plain)

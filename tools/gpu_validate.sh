@@ -101,6 +101,9 @@
 #   attn-timeline  (~120 s) where a sparse-attention warpgroup's clocks go, step by step (Mosaic GPU's on-device
 #            profiler: SparseAttnConfig.mgpu_trace_dir, not yet run on a GPU): its GPU tests, then the timeline's
 #            regions at batch 1 / 64 / 256 (tools/profile_attn.py --trace-dir, tools/kernel_regions.py);
+#   attn-shared  (~400 s) sparse attention with warpgroup 0 alone computing the scores and softmax, P through shared
+#            memory (SparseAttnConfig.mgpu_shared_scores, off, not yet run on a GPU): its GPU tests (the same bits),
+#            its rows beside the default, its timeline at 64 / 256, flash-slice decode at 64 / 128 with and without;
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -135,7 +138,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache,
 #           stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="attn-timeline|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="attn-shared|attn-timeline|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -258,6 +261,18 @@ case "$stage" in
     # a 64-row block, and neither the bytes nor the issue rate bound it; the timeline says which step does)
     run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k timeline
     run 150 python3 tools/profile_attn.py 1 64 256 --trace-dir "$out/attn-trace" ;;
+  attn-shared)
+    # (~400 s) shared scores (fifty-fourth session: built for sm_90, the same bits in the interpreter): the GPU tests
+    # (the same bits as the default through the seam), the kernel rows with and without by GPU kernel time, where
+    # a warpgroup's clocks go with them (the timeline; attn-timeline gives the default's), then flash-slice decode
+    # at batch 64 and 128 with and without (one process)
+    run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k shared_scores
+    run 120 python3 tools/bench_kernels.py --only sparse_attn --rows "mgpu window" --timing device --iters 10 \
+      --repeats 3 --variant mgpu_shared_scores=True
+    run 100 python3 tools/profile_attn.py 64 256 --trace-dir "$out/attn-trace-shared" \
+      --config "{'mgpu_shared_scores': True}"
+    run 200 python3 tools/bench.py --model flash-slice --decode-batch 64,128 --context 4095 --prefill= --kernels on \
+      --engine off --warmup 3 --iters 10 --rounds 1 --variant "sparse_attn.CONFIG.mgpu_shared_scores=True" ;;
   indexer-e2e)
     # (~400 s) flash-slice prefill 8192 with the indexer's two compute warpgroups a CTA against one (the default),
     # alternating over two rounds in one process (the model loaded once)

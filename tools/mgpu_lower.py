@@ -72,32 +72,35 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
-# (T, H, K, source rows, L, splits[, split counts merged in clusters[, programmatic dependent launch[, timeline]]]):
-# a small
+# (T, H, K, source rows, L, splits[, split counts merged in clusters[, programmatic dependent launch[, timeline[,
+# shared scores]]]]): a small
 # shape over two sources, decode at 64 tokens (two splits, one source; three sources, one split), two head groups at
 # K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a cluster (the default), four in
 # clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64 tokens recording its
-# timeline (``trace_dir``: Mosaic GPU's on-device profiler) over one and three sources
+# timeline (``trace_dir``: Mosaic GPU's on-device profiler) over one and three sources; decode at 64 tokens with the
+# scores shared (``shared_scores``), two splits in a cluster over one source and one split over three
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1),
                (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2), (1, 64, 512, (8192,), 640, 5),
                (32, 64, 512, (8192,), 640, 4, sparse_attn_mgpu.CLUSTER_SIZES),
                (1, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, True),
                (64, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, True),
-               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, True)]
+               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, True),
+               (64, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True),
+               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True)]
 
 
 def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
                     clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS, pdl: bool = False,
-                    timeline: bool = False) -> int:
+                    timeline: bool = False, shared: bool = False) -> int:
     """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (``clusters``: its
     ``cluster_splits``; ``pdl`` its programmatic dependent launch; ``timeline`` a ``trace_dir``, which nothing
-    writes to here); -> the StableHLO text's length."""
+    writes to here; ``shared`` its ``shared_scores``); -> the StableHLO text's length."""
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
               tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
     fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits,
-                           cluster_splits=clusters, pdl=pdl,
+                           cluster_splits=clusters, pdl=pdl, shared_scores=shared,
                            trace_dir=tempfile.gettempdir() if timeline else "")
     with no_host_callbacks() if timeline else contextlib.nullcontext():
         return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
@@ -176,7 +179,7 @@ def kernels() -> list[tuple[str, str, object, list]]:
     (tools/mgpu_build.py builds the same list)."""
     return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
             ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
-            ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/clusters[/pdl[/timeline]]]", lower_attention, ATTN_SHAPES),
+            ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/clusters[/pdl[/timeline[/shared]]]]", lower_attention, ATTN_SHAPES),
             ("indexer_mgpu", "T/I/J/S/P/blocks[/warpgroups]", lower_indexer, INDEXER_SHAPES),
             ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]
 

@@ -130,6 +130,9 @@ class SparseAttnConfig:
     wait for it in the kernel: ``plgpu.griddepcontrol_wait``), as XLA launches its own kernels on Hopper. Off: in
     the tiny decode step, which the host bounds, it showed no difference (H100, forty-ninth session); a step the
     device bounds (flash-slice at one token) has not run with it.
+    mgpu_shared_scores: 'mgpu' with two warpgroups (K > 256): warpgroup 0 alone computes each block's scores and
+    softmax and hands P to both through shared memory (``sparse_attn_mgpu``'s docstring, "Shared scores"); the
+    same bits. Off until a GPU has timed it (fifty-fourth session: built and tested in the interpreter only).
     mgpu_trace_dir: 'mgpu' records each warpgroup's timeline (``sparse_attn_mgpu``'s ``trace_dir``: the clock at
     each step's start and end) into this directory, a Chrome trace a call; "" (the default) records nothing and
     leaves the kernel's code as it is. For tools/profile_attn.py --trace-dir, not for serving.
@@ -149,6 +152,7 @@ class SparseAttnConfig:
     mgpu_min_tokens: int = 1
     cluster_splits: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS
     pdl: bool = False
+    mgpu_shared_scores: bool = False
     mgpu_trace_dir: str = ""
 
     def __post_init__(self):
@@ -300,6 +304,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
         return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
                                                  cluster_splits=config.cluster_splits, pdl=config.pdl,
+                                                 shared_scores=config.mgpu_shared_scores,
                                                  trace_dir=config.mgpu_trace_dir)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len

@@ -52,6 +52,16 @@ from shared memory twice as often a FLOP (a wgmma with both operands in shared m
 below N = 64; the PV products of K = 32 also needed the 64-byte swizzle), ~1 us a block more, and the longer lead
 bought nothing visible under it. A third 64-row slot does not fit beside q's 64 KB (256 KB against 227).
 
+Shared scores (``shared_scores``, off until a GPU has timed it): with two warpgroups each computes the whole
+64 x 64 score tile and the softmax, so a block's tensor-core work is 2 x 1,024 clocks of score products (both
+operands in shared memory) and 2 x 1,024 of PV products; the rows in two pieces, whose score products cost ~1,000
+clocks more a block, took ~1 us more a block (fifty-fourth session), so the block is bound by that work. Shared,
+warpgroup 0 alone computes the scores and the softmax, stores P (bf16, 8 KB) and alpha into shared memory, keeps the
+running max and denominator there, and arrives on a barrier both warpgroups wait on; each then rescales its
+accumulator and issues its PV product with P from shared memory. A block's tensor work drops to ~3,000 clocks for
+an 8 KB store and one barrier. Every value is the same as unshared: the same products in the same order, P the same
+bf16 values (A from shared memory instead of registers).
+
 Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
 online softmax from a running max of -1e30, P cast to bf16 for the PV product, the sink in the denominator only.
 The scores are the wgmma K-parts added in fp32 (another summation order than the reference's einsum, as the
@@ -146,7 +156,7 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     pdl: bool = False, trace_dir: str = "",
+                     pdl: bool = False, shared_scores: bool = False, trace_dir: str = "",
                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
@@ -156,7 +166,9 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
     ``CLUSTER_SIZES``), the others in XLA. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded
     with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while the kernel before it
-    still runs (not when interpreted). ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
+    still runs (not when interpreted). ``shared_scores``: with two warpgroups, warpgroup 0 alone computes each
+    block's scores and softmax and hands P to both through shared memory (module docstring, "Shared scores"); the
+    same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
     on-device profiler: the clock at each named region's start and end) and write it to this directory, one Chrome
     trace a call (tools/kernel_regions.py sums it up); not when interpreted.
     ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default
@@ -183,15 +195,17 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, pdl=pdl and not interpret,
-                trace_dir="" if interpret else trace_dir, interpret=interpret)
+                shared=shared_scores and warpgroups(k) == 2, trace_dir="" if interpret else trace_dir,
+                interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "trace_dir", "interpret"))
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "shared", "trace_dir",
+                                             "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          pdl: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
+          pdl: bool, shared: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -263,13 +277,11 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             row_gather.commit_group(interpret)
             plgpu.barrier_wait(q_bar)
 
-        def walk(q_smem, kv_smem, idx_smem, p_smem, q_bar, idx_bar, cta_bar):
+        def walk(q_smem, kv_smem, idx_smem, p_smem, q_bar, idx_bar, cta_bar, p_bar, stats_smem):
             with region("start"):
                 begin(q_smem, kv_smem, idx_smem, q_bar, idx_bar)
 
-            def block(b, carry):
-                acc, max_h, den_h = carry
-                slot = lax.rem(b, SLOTS)
+            def meet_and_gather(b, slot):
                 with region("meeting"):
                     landed(cta_bar)
                 with region("gather"):
@@ -280,14 +292,20 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                         fetch(b + 1, 1 - slot, kv_smem, idx_smem, idx_bar)
                     row_gather.commit_group(interpret)
 
-                def scores(s_ref):  # every warpgroup the whole score tile
+            def scores(b, slot):
+                """The block's mask indices and the whole 64 x 64 score tile (wgmma over every K-part)."""
+                def product(s_ref):
                     for part in range(wgs):
                         plgpu.wgmma(s_ref, q_smem.at[part], kv_smem.at[slot, part].T)
                     return s_ref[...]
 
                 with region("scores"):
                     idx = plgpu.load(idx_smem.at[lax.rem(b, IDX_SLOTS)], layout=COL_LAYOUT, optimized=False)
-                    s = pl.run_scoped(scores, plgpu.ACC((HEADS, ROWS), jnp.float32))
+                    return idx, pl.run_scoped(product, plgpu.ACC((HEADS, ROWS), jnp.float32))
+
+            def softmax(idx, s, max_h, den_h, acc=None):
+                """The online softmax's step: -> (P in bf16, alpha, the new running max and denominator, the
+                accumulator rescaled by alpha (None without one))."""
                 with region("softmax"):
                     valid = lax.broadcast_in_dim(idx >= 0, (HEADS, ROWS), [1])
                     s = jnp.where(valid, s, -jnp.inf) * np.float32(scale)
@@ -295,14 +313,39 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     alpha = jnp.exp(max_h - new_max)
                     p = jnp.exp(s - lax.broadcast_in_dim(new_max, s.shape, [0]))
                     den_h = den_h * alpha + p.sum(axis=1)
+                    if acc is not None:
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    return p.astype(jnp.bfloat16), alpha, new_max, den_h, acc
+
+            def block(b, carry):
+                acc, max_h, den_h = carry
+                slot = lax.rem(b, SLOTS)
+                meet_and_gather(b, slot)
+                if shared:  # warpgroup 0 alone: the scores and softmax, P and the statistics through shared memory
+                    @pl.when(wg == 0)
+                    def _():
+                        idx, s = scores(b, slot)
+                        stats = [plgpu.load(stats_smem.at[i], layout=ROW_LAYOUT, optimized=False) for i in (0, 1)]
+                        p16, alpha, new_max, new_den, _ = softmax(idx, s, *stats)
+                        p_smem.at[0][...] = p16
+                        stats_smem.at[0][...] = new_max
+                        stats_smem.at[1][...] = new_den
+                        stats_smem.at[2][...] = alpha
+                        plgpu.commit_smem()  # P seen by either warpgroup's wgmma
+                        plgpu.barrier_arrive(p_bar)
+                    plgpu.barrier_wait(p_bar)
+                    alpha = plgpu.load(stats_smem.at[2], layout=ROW_LAYOUT, optimized=False)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    p16 = p.astype(jnp.bfloat16)
-                if interpret:  # the interpreter takes A from shared memory only
+                    p16, new_max = None, max_h  # P in shared memory (``pv``); the statistics stay there
+                else:
+                    idx, s = scores(b, slot)
+                    p16, alpha, new_max, den_h, acc = softmax(idx, s, max_h, den_h, acc)
+                if interpret and not shared:  # the interpreter takes A from shared memory only
                     p_smem.at[wg][...] = p16
                     p16 = p_smem.at[wg]
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, wg])
+                def pv(acc_ref):  # (P's slot indexed here: a ref indexed outside would be one of run_state's operands)
+                    plgpu.wgmma(acc_ref, p_smem.at[0] if shared else p16, kv_smem.at[slot, wg])
 
                 def pv_alone(acc_ref):
                     pv(acc_ref)
@@ -313,6 +356,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     # its race detector does not see wgmma's operand reads: these loads stand for them
                     for part in range(wgs):
                         kv_smem.at[slot, part][...]
+                    if shared:
+                        p_smem.at[0][...]
                 else:
                     with region("pv"):
                         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -321,14 +366,27 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             init = (plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((HEADS,), -1e30, jnp.float32), ROW_LAYOUT),
                     plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), ROW_LAYOUT))
-            return lax.fori_loop(0, blocks, block, init)
+            if not shared:
+                return lax.fori_loop(0, blocks, block, init)
+
+            @pl.when(wg == 0)  # the running max and denominator start in shared memory (seen after block 0's meeting)
+            def _():
+                stats_smem.at[0][...] = init[1]
+                stats_smem.at[1][...] = init[2]
+            acc = lax.fori_loop(0, blocks, block, init)[0]
+            # every warpgroup has waited for the last block's P, after the statistics were stored
+            return acc, *[plgpu.load(stats_smem.at[i], layout=ROW_LAYOUT, optimized=False) for i in (0, 1)]
 
         acc, max_h, den_h = pl.run_scoped(
             walk,
             q_smem=plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16, transforms=TILED),
             kv_smem=plgpu.SMEM((SLOTS, wgs, ROWS, half), jnp.bfloat16, transforms=TILED),
             idx_smem=plgpu.SMEM((IDX_SLOTS, ROWS), jnp.int32),
-            p_smem=(plgpu.SMEM((wgs, HEADS, ROWS), jnp.bfloat16, transforms=TILED) if interpret else None),
+            p_smem=(plgpu.SMEM((wgs, HEADS, ROWS), jnp.bfloat16, transforms=TILED) if interpret or shared
+                    else None),
+            # shared scores: P's arrival (warpgroup 0's), and the running max, denominator and alpha
+            p_bar=plgpu.Barrier(num_arrivals=1) if shared else None,
+            stats_smem=plgpu.SMEM((3, HEADS), jnp.float32) if shared else None,
             q_bar=plgpu.Barrier(num_arrivals=wgs),  # a copy a K-half
             idx_bar=plgpu.Barrier(num_barriers=IDX_SLOTS),
             cta_bar=plgpu.Barrier(num_arrivals=wgs),

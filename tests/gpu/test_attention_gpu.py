@@ -203,6 +203,26 @@ def test_sparse_attn_mgpu_engine_window_and_pool(batch):
     np.testing.assert_allclose(got, triton, atol=4e-3, rtol=2e-2)
 
 
+@pytest.mark.parametrize("batch,splits,clusters", [(1, 1, ()), (64, 2, (2,)), (64, 2, ()), (256, 1, ()),
+                                                    (3, 10, ())])
+def test_sparse_attn_mgpu_shared_scores(batch, splits, clusters):
+    # warpgroup 0 alone computing the scores and softmax, P through shared memory (SparseAttnConfig.
+    # mgpu_shared_scores, through the seam): the same bits as the default, with and without the cluster merge, one
+    # block a split (10 splits) and ten
+    q, (ring, new, pool), idx, sink = decode_problem(batch, seed=batch + 300)
+    sources = (jnp.concatenate([ring, new]), pool)
+    scale = DIM ** -0.5
+    outputs = []
+    for shared in (False, True):
+        config = SparseAttnConfig(engine="mgpu", mgpu_min_tokens=1, num_splits=splits, cluster_splits=clusters,
+                                  mgpu_shared_scores=shared)
+        poison(batch * splits * HEADS * DIM * 4 * 4)
+        outputs.append(np.asarray(jax.jit(lambda *a, c=config: sparse_attn_pallas(*a, scale, config=c))(
+            q, sources, idx, sink), np.float32))
+    assert np.isfinite(outputs[1]).all()
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+
+
 @pytest.mark.parametrize("batch,splits", [(64, 2), (3, 1)])
 def test_sparse_attn_mgpu_timeline(batch, splits, tmp_path):
     # SparseAttnConfig.mgpu_trace_dir: the kernel with its steps timed (Mosaic GPU's on-device profiler) gives the
