@@ -36,6 +36,13 @@ def newest_trace(folder: str) -> str:
     return max(paths, key=os.path.getmtime)
 
 
+def load(path: str) -> tuple[str, list[dict]]:
+    """(the trace file read, its events): ``path`` itself, or a folder's newest trace (``newest_trace``)."""
+    path = newest_trace(path)
+    with open(path) as f:
+        return path, json.load(f)["traceEvents"]
+
+
 def summarise(events: list[dict]) -> dict:
     """Per region name: {'entries': mean entries a trace, 'cycles': mean cycles an entry, 'share': share of the
     traces' summed spans}, plus UNMARKED (span not in any region) and 'traces' / 'span' (mean cycles a trace).
@@ -91,9 +98,7 @@ def main() -> None:
     parser.add_argument("path", help="a *-trace.json, or the folder whose newest one to read")
     parser.add_argument("--clock-ghz", type=float, default=None, help="the SM clock, to add microseconds")
     args = parser.parse_args()
-    path = newest_trace(args.path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+    path, events = load(args.path)
     print(path)
     print(table(summarise(events), args.clock_ghz))
 

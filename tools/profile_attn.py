@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import json
 import os
 import sys
 
@@ -60,9 +59,8 @@ def main() -> None:
         print(f"sparse attention: B={batch}, {idx.shape[1]} rows x {q.shape[-1]}, {q.shape[1]} heads")
         if trace_dir:
             jax.effects_barrier()  # the timeline is written by a host callback
-            path = kernel_regions.newest_trace(trace_dir)
-            with open(path) as f:
-                print(kernel_regions.table(kernel_regions.summarise(json.load(f)["traceEvents"]), args.clock_ghz))
+            _, events = kernel_regions.load(trace_dir)
+            print(kernel_regions.table(kernel_regions.summarise(events), args.clock_ghz))
     print(config)
 
 

@@ -8,7 +8,6 @@ full of NaN and any element the kernel fails to write shows up in the comparison
 from __future__ import annotations
 
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +185,22 @@ def test_sparse_attn_mgpu_shapes(h, k, sizes):
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
 
 
+def through_the_seam(batch: int, seed: int, splits: int = 1, **changes) -> list[np.ndarray]:
+    """A decode problem (``decode_problem``) in the model's layout (ring and new rows as one source, the pool the
+    other) through ``sparse_attn_pallas`` on the Mosaic GPU kernel, once per config change given as lists (e.g.
+    ``mgpu_shared_scores=[False, True]``), output poisoned first; -> each output, float32."""
+    q, (ring, new, pool), idx, sink = decode_problem(batch, seed=seed)
+    sources = (jnp.concatenate([ring, new]), pool)
+    outputs = []
+    for values in zip(*changes.values()):
+        config = SparseAttnConfig(engine="mgpu", mgpu_min_tokens=1, num_splits=splits,
+                                  **dict(zip(changes, values)))
+        poison(batch * splits * HEADS * DIM * 4 * 4)
+        outputs.append(np.asarray(jax.jit(lambda *a, c=config: sparse_attn_pallas(*a, DIM ** -0.5, config=c))(
+            q, sources, idx, sink), np.float32))
+    return outputs
+
+
 @pytest.mark.parametrize("batch", [1, 64])
 def test_sparse_attn_mgpu_engine_window_and_pool(batch):
     # the seam: SparseAttnConfig(engine='mgpu') in the model's layout (ring and new rows as one source, the pool
@@ -209,18 +224,10 @@ def test_sparse_attn_mgpu_shared_scores(batch, splits, clusters):
     # warpgroup 0 alone computing the scores and softmax, P through shared memory (SparseAttnConfig.
     # mgpu_shared_scores, through the seam): the same bits as the default, with and without the cluster merge, one
     # block a split (10 splits) and ten
-    q, (ring, new, pool), idx, sink = decode_problem(batch, seed=batch + 300)
-    sources = (jnp.concatenate([ring, new]), pool)
-    scale = DIM ** -0.5
-    outputs = []
-    for shared in (False, True):
-        config = SparseAttnConfig(engine="mgpu", mgpu_min_tokens=1, num_splits=splits, cluster_splits=clusters,
-                                  mgpu_shared_scores=shared)
-        poison(batch * splits * HEADS * DIM * 4 * 4)
-        outputs.append(np.asarray(jax.jit(lambda *a, c=config: sparse_attn_pallas(*a, scale, config=c))(
-            q, sources, idx, sink), np.float32))
-    assert np.isfinite(outputs[1]).all()
-    np.testing.assert_array_equal(outputs[1], outputs[0])
+    plain, shared = through_the_seam(batch, batch + 300, splits, cluster_splits=[clusters] * 2,
+                                     mgpu_shared_scores=[False, True])
+    assert np.isfinite(shared).all()
+    np.testing.assert_array_equal(shared, plain)
 
 
 @pytest.mark.parametrize("batch,splits", [(64, 2), (3, 1)])
@@ -228,19 +235,10 @@ def test_sparse_attn_mgpu_timeline(batch, splits, tmp_path):
     # SparseAttnConfig.mgpu_trace_dir: the kernel with its steps timed (Mosaic GPU's on-device profiler) gives the
     # same bits as without, and each call writes a timeline in which every warpgroup enters each block's steps once
     # a block (640 lanes in ``splits`` parts: 10 / splits blocks) and the start and the output once
-    q, (ring, new, pool), idx, sink = decode_problem(batch, seed=batch + 400)
-    sources = (jnp.concatenate([ring, new]), pool)
-    scale = DIM ** -0.5
-    outputs = []
-    for trace_dir in ("", str(tmp_path)):
-        config = SparseAttnConfig(engine="mgpu", mgpu_min_tokens=1, num_splits=splits, mgpu_trace_dir=trace_dir)
-        poison(batch * splits * HEADS * DIM * 4 * 4)
-        outputs.append(np.asarray(jax.jit(lambda *a, c=config: sparse_attn_pallas(*a, scale, config=c))(
-            q, sources, idx, sink), np.float32))
-    jax.effects_barrier()
-    np.testing.assert_array_equal(outputs[1], outputs[0])
-    with open(kernel_regions.newest_trace(str(tmp_path))) as f:
-        summary = kernel_regions.summarise(json.load(f)["traceEvents"])
+    plain, timed = through_the_seam(batch, batch + 400, splits, mgpu_trace_dir=["", str(tmp_path)])
+    jax.effects_barrier()  # the timeline is written by a host callback
+    np.testing.assert_array_equal(timed, plain)
+    summary = kernel_regions.summarise(kernel_regions.load(str(tmp_path))[1])
     assert summary["traces"] == batch * splits * 2  # a trace a warpgroup, two warpgroups a CTA at K = 512
     blocks = 10 // splits
     for name, entries in {"start": 1, "output": 1, "meeting": blocks, "gather": blocks, "scores": blocks,
