@@ -21,7 +21,7 @@ from tests.test_kernels_sparse_attn import problem
 pytestmark = pytest.mark.cost(40)
 
 
-def check(q, sources, idx, sink, splits: int, interpret=True, shared_scores: bool = False) -> np.ndarray:
+def check(q, sources, idx, sink, splits: int, interpret=True, shared_scores: bool = True) -> np.ndarray:
     scale = q.shape[-1] ** -0.5
     want = np.asarray(sa.sparse_attn_reference(q, sources, jnp.asarray(idx), sink, scale), np.float32)
     got = np.asarray(sm.sparse_attn_mgpu(q, sources, jnp.asarray(idx), sink, scale, splits=splits,
@@ -143,7 +143,6 @@ def test_shared_scores_are_the_same_arithmetic(length, splits):
     # five blocks a split, a block with nothing
     q, sources, idx, sink = problem(2, length, (40, 300), 5, 64, 512)
     idx[1, :64] = -1
-    plain = check(q, sources, idx, sink, splits)
-    shared = check(q, sources, idx, sink, splits, interpret=plgpu.InterpretGPUParams(detect_races=True),
-                   shared_scores=True)
+    plain = check(q, sources, idx, sink, splits, shared_scores=False)
+    shared = check(q, sources, idx, sink, splits, interpret=plgpu.InterpretGPUParams(detect_races=True))
     np.testing.assert_array_equal(shared, plain)

@@ -99,11 +99,13 @@
 #   indexer-e2e  (~400 s) flash-slice prefill 8192 with the indexer's two warpgroups a CTA against one (the default;
 #            fifty-third session, H100: 193.3 against 193.6 ms, within the rounds' spread);
 #   attn-timeline  (~120 s) where a sparse-attention warpgroup's clocks go, step by step (Mosaic GPU's on-device
-#            profiler: SparseAttnConfig.mgpu_trace_dir, not yet run on a GPU): its GPU tests, then the timeline's
-#            regions at batch 1 / 64 / 256 (tools/profile_attn.py --trace-dir, tools/kernel_regions.py);
+#            profiler: SparseAttnConfig.mgpu_trace_dir): its GPU tests, then the timeline's regions at batch 1 / 64 /
+#            256 (tools/profile_attn.py --trace-dir, tools/kernel_regions.py; fifty-fifth session, H100: at batch 64
+#            the cluster merge at the end is 31 % of a CTA's span);
 #   attn-shared  (~400 s) sparse attention with warpgroup 0 alone computing the scores and softmax, P through shared
-#            memory (SparseAttnConfig.mgpu_shared_scores, off, not yet run on a GPU): its GPU tests (the same bits),
-#            its rows beside the default, its timeline at 64 / 256, flash-slice decode at 64 / 128 with and without;
+#            memory (SparseAttnConfig.mgpu_shared_scores, the default since the fifty-fifth session) against each
+#            warpgroup computing them: the GPU tests (the same bits), the rows, the timeline at 64 / 256 unshared
+#            (attn-timeline gives the default's), flash-slice decode at 64 / 128 (not yet run);
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -262,17 +264,17 @@ case "$stage" in
     run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k timeline
     run 150 python3 tools/profile_attn.py 1 64 256 --trace-dir "$out/attn-trace" ;;
   attn-shared)
-    # (~400 s) shared scores (fifty-fourth session: built for sm_90, the same bits in the interpreter): the GPU tests
-    # (the same bits as the default through the seam), the kernel rows with and without by GPU kernel time, where
-    # a warpgroup's clocks go with them (the timeline; attn-timeline gives the default's), then flash-slice decode
-    # at batch 64 and 128 with and without (one process)
+    # (~400 s) shared scores (the default; fifty-fifth session, H100: batch 64 29.2 against 30.1 us unshared, 256 78.4
+    # against 81.6): the GPU tests (the same bits as unshared through the seam), the kernel rows shared and unshared
+    # by GPU kernel time, where a warpgroup's clocks go unshared (the timeline; attn-timeline gives the default's),
+    # then flash-slice decode at batch 64 and 128 shared and unshared (one process)
     run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k shared_scores
     run 120 python3 tools/bench_kernels.py --only sparse_attn --rows "mgpu window" --timing device --iters 10 \
-      --repeats 3 --variant mgpu_shared_scores=True
-    run 100 python3 tools/profile_attn.py 64 256 --trace-dir "$out/attn-trace-shared" \
-      --config "{'mgpu_shared_scores': True}"
+      --repeats 3 --variant mgpu_shared_scores=False
+    run 100 python3 tools/profile_attn.py 64 256 --trace-dir "$out/attn-trace-unshared" \
+      --config "{'mgpu_shared_scores': False}"
     run 200 python3 tools/bench.py --model flash-slice --decode-batch 64,128 --context 4095 --prefill= --kernels on \
-      --engine off --warmup 3 --iters 10 --rounds 1 --variant "sparse_attn.CONFIG.mgpu_shared_scores=True" ;;
+      --engine off --warmup 3 --iters 10 --rounds 1 --variant "sparse_attn.CONFIG.mgpu_shared_scores=False" ;;
   indexer-e2e)
     # (~400 s) flash-slice prefill 8192 with the indexer's two compute warpgroups a CTA against one (the default),
     # alternating over two rounds in one process (the model loaded once)

@@ -77,8 +77,9 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
 # shape over two sources, decode at 64 tokens (two splits, one source; three sources, one split), two head groups at
 # K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a cluster (the default), four in
 # clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64 tokens recording its
-# timeline (``trace_dir``: Mosaic GPU's on-device profiler) over one and three sources; decode at 64 tokens with the
-# scores shared (``shared_scores``), two splits in a cluster over one source and one split over three
+# timeline (``trace_dir``: Mosaic GPU's on-device profiler) over one and three sources; decode at 64 tokens with
+# each warpgroup computing the scores itself (``shared_scores`` off; shared is the default), two splits in a
+# cluster over one source and one split over three
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1),
                (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2), (1, 64, 512, (8192,), 640, 5),
@@ -86,13 +87,13 @@ ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (1, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, True),
                (64, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, True),
                (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, True),
-               (64, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True),
-               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True)]
+               (64, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),
+               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False)]
 
 
 def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
                     clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS, pdl: bool = False,
-                    timeline: bool = False, shared: bool = False) -> int:
+                    timeline: bool = False, shared: bool = True) -> int:
     """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (``clusters``: its
     ``cluster_splits``; ``pdl`` its programmatic dependent launch; ``timeline`` a ``trace_dir``, which nothing
     writes to here; ``shared`` its ``shared_scores``); -> the StableHLO text's length."""

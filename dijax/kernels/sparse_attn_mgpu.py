@@ -14,9 +14,9 @@ twenty-sixth session; issue 13 asks 70 %). It holds one program a multiprocessor
 one program's registers, and its row gathers do not overlap its products. Here, as in FlashMLA's structure:
   * a CTA is one (token, split of its list, group of 64 heads) with one compute warpgroup up to K = 256 and two
     above (``warpgroups``); each warpgroup owns its part of the K output dims (a 64 x K/2 fp32 accumulator, 128
-    registers a thread at K = 512), and each computes the whole 64 x 64 score tile (at two warpgroups its FLOPs are
-    a third of a block's; the duplicate keeps the warpgroups independent: each warpgroup its own K-half's scores,
-    added through shared memory behind one more meeting, was measured twice and never paid, so it is gone);
+    registers a thread at K = 512); warpgroup 0 computes the 64 x 64 score tile and the softmax for both and hands
+    P over in shared memory ("Shared scores" below; each warpgroup its own K-half's scores, added through shared
+    memory behind one more meeting, was measured twice and never paid, so it is gone);
   * the rows are gathered by the warpgroups' threads themselves with ``cp.async`` (16 bytes a copy), straight into
     wgmma's 128-byte-swizzled shared-memory layout: Mosaic GPU has no gather and a TMA copy cannot address one row
     of a swizzled tile, but an address computed per thread can (``row_gather``);
@@ -52,15 +52,20 @@ from shared memory twice as often a FLOP (a wgmma with both operands in shared m
 below N = 64; the PV products of K = 32 also needed the 64-byte swizzle), ~1 us a block more, and the longer lead
 bought nothing visible under it. A third 64-row slot does not fit beside q's 64 KB (256 KB against 227).
 
-Shared scores (``shared_scores``, off until a GPU has timed it): with two warpgroups each computes the whole
-64 x 64 score tile and the softmax, so a block's tensor-core work is 2 x 1,024 clocks of score products (both
+Shared scores (``shared_scores``, the default since the fifty-fifth session): unshared, each of two warpgroups
+computes the whole 64 x 64 score tile and the softmax, so a block's tensor-core work is 2 x 1,024 clocks of score products (both
 operands in shared memory) and 2 x 1,024 of PV products; the rows in two pieces, whose score products cost ~1,000
 clocks more a block, took ~1 us more a block (fifty-fourth session), so the block is bound by that work. Shared,
 warpgroup 0 alone computes the scores and the softmax, stores P (bf16, 8 KB) and alpha into shared memory, keeps the
 running max and denominator there, and arrives on a barrier both warpgroups wait on; each then rescales its
 accumulator and issues its PV product with P from shared memory. A block's tensor work drops to ~3,000 clocks for
 an 8 KB store and one barrier. Every value is the same as unshared: the same products in the same order, P the same
-bf16 values (A from shared memory instead of registers).
+bf16 values (A from shared memory instead of registers). On an H100 (fifty-fifth session, GPU kernel time, the model's
+window + pool layout at 640 rows x 512) batch 64 took 29.2 us against 30.1 unshared and batch 256 78.4 against 81.6;
+batch 1 10.2 both. The kernel's timeline (``trace_dir``) then says where the rest goes: at batch 256 a block's
+scores and softmax were ~3,500 of its ~5,900 marked clocks unshared; at batch 64 the cluster merge at the end (the
+"output" region, which waits for the peer CTA and reads its partial sums) takes ~16,000 clocks, 31 % of a CTA's span,
+against ~4,000 for one split's output at batch 256 (docs/benchmarks.md).
 
 Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
 online softmax from a running max of -1e30, P cast to bf16 for the PV product, the sink in the denominator only.
@@ -156,7 +161,7 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     pdl: bool = False, shared_scores: bool = False, trace_dir: str = "",
+                     pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.

@@ -222,8 +222,8 @@ def test_sparse_attn_mgpu_engine_window_and_pool(batch):
                                                     (3, 10, ())])
 def test_sparse_attn_mgpu_shared_scores(batch, splits, clusters):
     # warpgroup 0 alone computing the scores and softmax, P through shared memory (SparseAttnConfig.
-    # mgpu_shared_scores, through the seam): the same bits as the default, with and without the cluster merge, one
-    # block a split (10 splits) and ten
+    # mgpu_shared_scores, the default, through the seam): the same bits as each warpgroup computing them, with and
+    # without the cluster merge, one block a split (10 splits) and ten
     plain, shared = through_the_seam(batch, batch + 300, splits, cluster_splits=[clusters] * 2,
                                      mgpu_shared_scores=[False, True])
     assert np.isfinite(shared).all()
