@@ -270,8 +270,8 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     masked loads cost), each layout at 1 stage too. On a compute-capability-9 GPU the Mosaic GPU kernel
     (``SparseAttnConfig(engine='mgpu')``) has rows too, with splits variants under ``sweep``. ``names``: only the
     kernel rows whose name contains one of these (``kept``; the reference row always comes, as their base).
-    ``changes``: more ``SparseAttnConfig`` changes of the Mosaic GPU kernel, each a "window + pool" row (e.g.
-    ``pdl=True``).
+    ``changes``: more ``SparseAttnConfig`` changes of the Mosaic GPU kernel, each a row over the three sources (the
+    decode step's layout) and a "window + pool" row (e.g. ``pdl=True``).
     """
     from dijax.kernels import sparse_attn as sa
     from dijax.kernels import sparse_attn_mgpu
@@ -291,8 +291,8 @@ def sparse_attn_rows(batches=(1, 64, 256), window: int = 128, topk: int = 512, h
     if sparse_attn_mgpu.available():  # the Mosaic GPU kernel (the default on such a GPU)
         mgpu = functools.partial(sa.SparseAttnConfig, engine="mgpu")
         configs += [("mgpu", mgpu()), ("mgpu window + pool", mgpu())]
-        configs += [("mgpu window + pool " + " ".join(f"{k}={v}" for k, v in change.items()), mgpu(**change))
-                    for change in changes]
+        configs += [(f"mgpu{layout} " + " ".join(f"{k}={v}" for k, v in change.items()), mgpu(**change))
+                    for change in changes for layout in ("", " window + pool")]
         if sweep:
             configs += [(f"mgpu {n} split{'s' * (n > 1)}", mgpu(num_splits=n)) for n in (1, 2, 3, 4, 5)]
             # the in-kernel merge against XLA's: pairs merged in XLA, and 4 splits in clusters of 4

@@ -269,7 +269,7 @@ case "$stage" in
     # by GPU kernel time, where a warpgroup's clocks go unshared (the timeline; attn-timeline gives the default's),
     # then flash-slice decode at batch 64 and 128 shared and unshared (one process)
     run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k shared_scores
-    run 120 python3 tools/bench_kernels.py --only sparse_attn --rows "mgpu window" --timing device --iters 10 \
+    run 120 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 \
       --repeats 3 --variant mgpu_shared_scores=False
     run 100 python3 tools/profile_attn.py 64 256 --trace-dir "$out/attn-trace-unshared" \
       --config "{'mgpu_shared_scores': False}"

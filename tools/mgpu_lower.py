@@ -79,9 +79,11 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
 # clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64 tokens recording its
 # timeline (``trace_dir``: Mosaic GPU's on-device profiler) over one and three sources; decode at 64 tokens with
 # each warpgroup computing the scores itself (``shared_scores`` off; shared is the default), two splits in a
-# cluster over one source and one split over three
+# cluster over one source and one split over three; decode at 64 tokens as the model's step runs it (three sources,
+# two splits in a cluster: ``attention.attend_lists``), shared and not
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
-               (64, 64, 512, (4096, 64, 20000), 640, 1),
+               (64, 64, 512, (4096, 64, 20000), 640, 1), (64, 64, 512, (4096, 64, 20000), 640, 2),
+               (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),
                (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2), (1, 64, 512, (8192,), 640, 5),
                (32, 64, 512, (8192,), 640, 4, sparse_attn_mgpu.CLUSTER_SIZES),
                (1, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, True),

@@ -223,7 +223,9 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     blocks = split_len // ROWS
     sizes = tuple(src.shape[0] for src in sources)
     n_src = len(sources)
-    regions = ("start", "meeting", "gather", "scores", "softmax", "pv", "output")  # a warpgroup's steps, timed
+    # a warpgroup's steps, timed; the cluster merge's parts are regions inside "output"
+    regions = ("start", "meeting", "gather", "scores", "softmax", "pv", "output", "cluster_store", "cluster_meet",
+               "cluster_merge", "cluster_write", "cluster_leave")
 
     def region(name: str):
         """One of ``regions``: a named scope, which Mosaic GPU's profiler times, with a ``trace_dir``; else nothing
@@ -433,27 +435,33 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             """Each CTA's partials into its own shared memory (``cluster``: o as S tiles of its warpgroup's output
             dims); after the cluster's meeting, CTA s reads tile s of every CTA (in split order), merges them as
             ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims."""
-            cluster.store_tiles(acc, o_smem.at[wg])
+            with region("cluster_store"):
+                cluster.store_tiles(acc, o_smem.at[wg])
 
-            @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
-            def _():
-                max_smem[...] = max_h
-                den_smem[...] = den_h
-            cluster.sync()
+                @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
+                def _():
+                    max_smem[...] = max_h
+                    den_smem[...] = den_h
+            with region("cluster_meet"):
+                cluster.sync()
             width = half // splits
-            maxes = [plgpu.load(plgpu.cluster_ref(max_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
-                     for p in range(splits)]
-            running = functools.reduce(jnp.maximum, maxes)
-            den = sink_term(running)
-            merged = None
-            for p, max_p in enumerate(maxes):
-                weight = jnp.exp(max_p - running)
-                part = cluster.load_peer_tile(o_smem.at[wg], p) * lax.broadcast_in_dim(weight, (HEADS, width), [0])
-                merged = part if merged is None else merged + part
-                den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
-                den = den + den_p * weight
-            write_output(out_smem, merged, den, pl.ds(wg * half + si * width, width))
-            cluster.sync()  # no CTA leaves while another still reads its shared memory
+            with region("cluster_merge"):
+                maxes = [plgpu.load(plgpu.cluster_ref(max_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
+                         for p in range(splits)]
+                running = functools.reduce(jnp.maximum, maxes)
+                den = sink_term(running)
+                merged = None
+                for p, max_p in enumerate(maxes):
+                    weight = jnp.exp(max_p - running)
+                    part = (cluster.load_peer_tile(o_smem.at[wg], p)
+                            * lax.broadcast_in_dim(weight, (HEADS, width), [0]))
+                    merged = part if merged is None else merged + part
+                    den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
+                    den = den + den_p * weight
+            with region("cluster_write"):
+                write_output(out_smem, merged, den, pl.ds(wg * half + si * width, width))
+            with region("cluster_leave"):
+                cluster.sync()  # no CTA leaves while another still reads its shared memory
 
         with region("output"):
             if splits == 1:
