@@ -101,7 +101,7 @@
 #   attn-timeline  (~120 s) where a sparse-attention warpgroup's clocks go, step by step (Mosaic GPU's on-device
 #            profiler: SparseAttnConfig.mgpu_trace_dir): its GPU tests, then the timeline's regions at batch 1 / 64 /
 #            256 (tools/profile_attn.py --trace-dir, tools/kernel_regions.py; fifty-fifth session, H100: at batch 64
-#            the cluster merge at the end is 31 % of a CTA's span);
+#            the cluster merge at the end is 31 % of a CTA's span; its parts are regions of their own since then);
 #   attn-shared  (~400 s) sparse attention with warpgroup 0 alone computing the scores and softmax, P through shared
 #            memory (SparseAttnConfig.mgpu_shared_scores, the default since the fifty-fifth session) against each
 #            warpgroup computing them: the GPU tests (the same bits), the rows, the timeline at 64 / 256 unshared
