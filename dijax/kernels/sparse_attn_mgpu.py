@@ -54,18 +54,19 @@ bought nothing visible under it. A third 64-row slot does not fit beside q's 64 
 
 Shared scores (``shared_scores``, the default since the fifty-fifth session): unshared, each of two warpgroups
 computes the whole 64 x 64 score tile and the softmax, so a block's tensor-core work is 2 x 1,024 clocks of score
-products (both operands in shared memory) and 2 x 1,024 of PV products; the rows in two pieces, whose score products cost ~1,000
-clocks more a block, took ~1 us more a block (fifty-fourth session), so the block is bound by that work. Shared,
-warpgroup 0 alone computes the scores and the softmax, stores P (bf16, 8 KB) and alpha into shared memory, keeps the
-running max and denominator there, and arrives on a barrier both warpgroups wait on; each then rescales its
-accumulator and issues its PV product with P from shared memory. A block's tensor work drops to ~3,000 clocks for
-an 8 KB store and one barrier. Every value is the same as unshared: the same products in the same order, P the same
-bf16 values (A from shared memory instead of registers). On an H100 (fifty-fifth session, GPU kernel time, the
+products (both operands in shared memory) and 2 x 1,024 of PV products; the rows in two pieces, whose score products
+cost ~1,000 clocks more a block, took ~1 us more a block (fifty-fourth session), so the block is bound by that work.
+Shared, warpgroup 0 alone computes the scores and the softmax, stores P (bf16, 8 KB) and alpha into shared memory,
+keeps the running max and denominator there, and arrives on a barrier both warpgroups wait on; each then rescales
+its accumulator and issues its PV product with P from shared memory. A block's tensor work drops to ~3,000 clocks
+for an 8 KB store and one barrier. Every value is the same as unshared: the same products in the same order, P the
+same bf16 values (A from shared memory instead of registers). On an H100 (fifty-fifth session, GPU kernel time, the
 prefill layout, window + pool, at 640 rows x 512) batch 64 took 29.2 us against 30.1 unshared and batch 256 78.4
-against 81.6; batch 1 10.2 both (the decode step's three sources not yet timed with it). The kernel's timeline (``trace_dir``) then says where the rest goes: at batch 256 a block's
-scores and softmax were ~3,500 of its ~5,900 marked clocks unshared; at batch 64 the cluster merge at the end (the
-"output" region, which waits for the peer CTA and reads its partial sums) takes ~16,000 clocks, 31 % of a CTA's span,
-against ~4,000 for one split's output at batch 256 (docs/benchmarks.md).
+against 81.6; batch 1 10.2 both (the decode step's three sources not yet timed with it). The kernel's timeline
+(``trace_dir``) then says where the rest goes: at batch 256 a block's scores and softmax were ~3,500 of its ~5,900
+marked clocks unshared; at batch 64 the cluster merge at the end (the "output" region, which waits for the peer CTA
+and reads its partial sums) takes ~16,000 clocks, 31 % of a CTA's span, against ~4,000 for one split's output at
+batch 256 (docs/benchmarks.md).
 
 Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
 online softmax from a running max of -1e30, P cast to bf16 for the PV product, the sink in the denominator only.
