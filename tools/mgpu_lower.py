@@ -73,14 +73,13 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
 
 
 # (T, H, K, source rows, L, splits[, split counts merged in clusters[, programmatic dependent launch[, timeline[,
-# shared scores]]]]): a small
-# shape over two sources, decode at 64 tokens (two splits, one source; three sources, one split), two head groups at
-# K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a cluster (the default), four in
-# clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64 tokens recording its
-# timeline (``trace_dir``: Mosaic GPU's on-device profiler) over one and three sources; decode at 64 tokens with
-# each warpgroup computing the scores itself (``shared_scores`` off; shared is the default), two splits in a
-# cluster over one source and one split over three; decode at 64 tokens as the model's step runs it (three sources,
-# two splits in a cluster: ``attention.attend_lists``), shared and not
+# shared scores]]]]): a small shape over two sources, decode at 64 tokens (two splits, one source; three sources, one
+# split), two head groups at K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a
+# cluster (the default), four in clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64
+# tokens recording its timeline (``trace_dir``: Mosaic GPU's on-device profiler) over one and three sources; decode at
+# 64 tokens with each warpgroup computing the scores itself (``shared_scores`` off; shared is the default), two splits
+# in a cluster over one source and one split over three; decode at 64 tokens as the model's step runs it (three
+# sources, two splits in a cluster: ``attention.attend_lists``), shared and not
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1), (64, 64, 512, (4096, 64, 20000), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),

@@ -224,9 +224,12 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     blocks = split_len // ROWS
     sizes = tuple(src.shape[0] for src in sources)
     n_src = len(sources)
-    # a warpgroup's steps, timed; the cluster merge's parts are regions inside "output"
-    regions = ("start", "meeting", "gather", "scores", "softmax", "pv", "output", "cluster_store", "cluster_meet",
-               "cluster_merge", "cluster_write", "cluster_leave")
+    # a warpgroup's steps, timed: those of each block, and those entered once (the cluster merge's parts are
+    # regions inside "output")
+    block_regions = ("meeting", "gather", "scores", "softmax", "pv")
+    once_regions = ("start", "output", "cluster_store", "cluster_meet", "cluster_merge", "cluster_write",
+                    "cluster_leave")
+    regions = block_regions + once_regions
 
     def region(name: str):
         """One of ``regions``: a named scope, which Mosaic GPU's profiler times, with a ``trace_dir``; else nothing
@@ -487,12 +490,13 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         grid_names=("t", "g") if in_cluster else ("t", "s", "g"),
         cluster=(splits,) if in_cluster else (), cluster_names=("s",) if in_cluster else (),
         num_threads=wgs, thread_name="wg",
-        # with a trace: room for each warpgroup's begin and end of every region a block (``profile_space`` counts
-        # events; its buffer, 16 bytes an event a warpgroup, lies in shared memory), checked against overflow
+        # with a trace: room for every region a warpgroup enters, Mosaic GPU's own "Init" and one more for the
+        # buffer's 3-entry header (``profile_space`` counts regions of 4 entries: a begin and an end of two each;
+        # 16 bytes a region a warpgroup, in shared memory); an overflow drops events, and the trace's reader fails
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-            **(dict(profile_space=2 * len(regions) * (blocks + 1), profile_dir=trace_dir, profile_bounds_check=True)
-               if trace_dir else {})),
+            **(dict(profile_space=len(block_regions) * blocks + len(once_regions) + 2, profile_dir=trace_dir,
+                    profile_bounds_check=True) if trace_dir else {})),
         interpret=row_gather.interpreter(interpret))
     return run(q_THK, idx_X, *sources, sink_H, *(() if gathered_TLK is None else (gathered_TLK,)))
 
