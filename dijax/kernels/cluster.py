@@ -2,9 +2,16 @@
 writes to its own shared memory and another reads (distributed shared memory).
 
 A kernel launched with ``plgpu.kernel(cluster=(n,), cluster_names=(name,))`` runs its CTAs in groups of n on
-neighbouring multiprocessors, each able to read the others' shared memory. The tiles here are laid out [S, R, W]:
-tile s holds columns [s W, (s + 1) W) of an R x (S W) array, row-major, so that CTA s of the cluster reads tile s of
-every CTA (``load_peer_tile``): each CTA reduces its 1 / S of the columns over all S CTAs, in CTA order.
+neighbouring multiprocessors, each able to read the others' shared memory. The tiles here are laid out
+[S, R, W + pad] (``tiles_shape``): tile s holds columns [s W, (s + 1) W) of an R x (S W) array, row-major with its
+rows W + pad elements apart, so that CTA s of the cluster reads tile s of every CTA (``load_peer_tile``): each CTA
+reduces its 1 / S of the columns over all S CTAs, in CTA order.
+
+Why the padding: in the WGMMA layout a warp's transfer covers 8 rows x 8 columns (4 lanes a row, 2 fp32 each). With
+rows W x 4 bytes apart and W a multiple of 32, all 8 rows fall in the same 8 of the 32 banks: an 8-way conflict on
+every store and load. With the rows 8 banks apart (W + pad = 8 mod 32 elements), a transfer's 8 rows cover all 32
+banks twice over, once a wavefront, and it is conflict-free (``optimized=True`` checks it when the kernel is
+built).
 
 Why raw pointers: ``plgpu.cluster_ref`` maps a reference to a peer's shared memory, but in jax 0.11.2 its Warpgroup
 lowering fails on any reference at a nonzero offset (the mapped memref drops the offset its type still carries), so
@@ -28,6 +35,12 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
+def tiles_shape(tiles: int, rows: int, width: int) -> tuple[int, int, int]:
+    """The shape of a CTA's fp32 tiles in shared memory for ``store_tiles``: [S, R, W + pad], the pad putting
+    consecutive rows 8 banks apart (module docstring)."""
+    return tiles, rows, width + (8 - width) % 32
+
+
 @plgpu.inline_mgpu()
 def sync(ctx) -> None:
     """Every thread of every CTA of the cluster meets here: each thread's shared-memory writes before it are seen
@@ -40,24 +53,25 @@ def sync(ctx) -> None:
 
 
 def store_tiles(x_RC: jax.Array, tiles_ref) -> None:
-    """Write the fp32 WGMMA-layout array ``x_RC`` (R x S W) into this CTA's ``tiles_ref`` (SMEM fp32 [S, R, W],
-    row-major tiles: module docstring)."""
-    s, r, w = tiles_ref.shape
+    """Write the fp32 WGMMA-layout array ``x_RC`` (R x S W) into this CTA's ``tiles_ref`` (SMEM fp32
+    ``tiles_shape(S, R, W)``, row-major padded tiles: module docstring)."""
+    s = tiles_ref.shape[0]
+    w = x_RC.shape[1] // s
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def store(ctx, x, ref):
         del ctx
         for tile in range(s):
-            x[:, tile * w:(tile + 1) * w].store_untiled(mgpu_utils.memref_slice(ref, tile), optimized=False)
+            x[:, tile * w:(tile + 1) * w].store_untiled(_tile(ref, tile, w), optimized=True)
 
     store(x_RC, tiles_ref)
 
 
-def load_peer_tile(tiles_ref, peer: int) -> jax.Array:
+def load_peer_tile(tiles_ref, peer: int, width: int) -> jax.Array:
     """The tile of CTA ``peer`` (its index in the cluster) that this CTA reduces: tile ``c`` of that CTA's
-    ``tiles_ref`` (SMEM fp32 [S, R, W], written there by ``store_tiles`` before a ``sync``), c this CTA's index.
-    -> fp32 [R, W], WGMMA layout."""
-    s, r, w = tiles_ref.shape
+    ``tiles_ref`` (SMEM fp32 ``tiles_shape(S, R, W)``, written there by ``store_tiles`` before a ``sync``), c this
+    CTA's index; W = ``width``. -> fp32 [R, W], WGMMA layout."""
+    r, w = tiles_ref.shape[1], width
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
                        return_type=plgpu.ShapeDtypeStruct((r, w), jnp.float32, layout=plgpu.Layout.WGMMA))
@@ -65,7 +79,12 @@ def load_peer_tile(tiles_ref, peer: int) -> jax.Array:
         del ctx
         index = ir.IndexType.get()
         remote = mgpu_utils.get_cluster_ref(ref, gpu.Dimension.x, arith.constant(index, peer), generic=False)
-        tile = mgpu_utils.memref_slice(remote, gpu.cluster_block_id(gpu.Dimension.x))
-        return mgpu.FragmentedArray.load_untiled(tile, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+        tile = _tile(remote, gpu.cluster_block_id(gpu.Dimension.x), w)
+        return mgpu.FragmentedArray.load_untiled(tile, layout=mgpu.WGMMA_LAYOUT, optimized=True)
 
     return load(tiles_ref)
+
+
+def _tile(ref, tile, width: int):
+    """Tile ``tile`` (an int or an index value) of the raw tiles memref ``ref``, its padding cut off: [R, W]."""
+    return mgpu_utils.memref_slice(ref, (tile, slice(None), slice(0, width)))

@@ -457,7 +457,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 merged = None
                 for p, max_p in enumerate(maxes):
                     weight = jnp.exp(max_p - running)
-                    part = (cluster.load_peer_tile(o_smem.at[wg], p)
+                    part = (cluster.load_peer_tile(o_smem.at[wg], p, width)
                             * lax.broadcast_in_dim(weight, (HEADS, width), [0]))
                     merged = part if merged is None else merged + part
                     den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
@@ -469,12 +469,16 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
 
         with region("output"):
             if splits == 1:
-                pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16), collective_axes="wg")
+                pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16,
+                                                       transforms=row_gather.swizzled(half)), collective_axes="wg")
             elif in_cluster:
                 pl.run_scoped(merge_in_cluster,
-                              o_smem=plgpu.SMEM((wgs, splits, HEADS, half // splits), jnp.float32),
+                              o_smem=plgpu.SMEM((wgs, *cluster.tiles_shape(splits, HEADS, half // splits)),
+                                                jnp.float32),
                               max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
-                              out_smem=plgpu.SMEM((wgs, HEADS, half // splits), jnp.bfloat16), collective_axes="wg")
+                              out_smem=plgpu.SMEM((wgs, HEADS, half // splits), jnp.bfloat16,
+                                                  transforms=row_gather.swizzled(half // splits)),
+                              collective_axes="wg")
             else:
                 pl.run_scoped(store_partials, o_smem=plgpu.SMEM((wgs, HEADS, half), jnp.float32),
                               stats_smem=plgpu.SMEM((2, HEADS), jnp.float32), collective_axes="wg")
