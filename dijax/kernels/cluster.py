@@ -41,14 +41,28 @@ def tiles_shape(tiles: int, rows: int, width: int) -> tuple[int, int, int]:
     return tiles, rows, width + (8 - width) % 32
 
 
-@plgpu.inline_mgpu()
-def sync(ctx) -> None:
+def sync() -> None:
     """Every thread of every CTA of the cluster meets here: each thread's shared-memory writes before it are seen
-    by every thread's reads after it, in any CTA (``barrier.cluster`` arrive with release, wait with acquire). All
-    threads of all CTAs must reach it."""
+    by every thread's reads after it, in any CTA. All threads of all CTAs must reach it."""
+    arrive()
+    wait()
+
+
+@plgpu.inline_mgpu()
+def arrive(ctx) -> None:
+    """The first half of ``sync``: this thread has arrived (``barrier.cluster.arrive`` with release: its
+    shared-memory accesses before it are done for whoever waits). Every thread's next ``wait`` ends once all threads
+    of all CTAs have arrived; between the two it may go on with work of its own."""
     del ctx
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
-                    "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;", "",
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "barrier.cluster.arrive.release.aligned;", "",
+                    has_side_effects=True)
+
+
+@plgpu.inline_mgpu()
+def wait(ctx) -> None:
+    """The second half of ``sync``: wait until every thread of every CTA has arrived (with acquire)."""
+    del ctx
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "barrier.cluster.wait.acquire.aligned;", "",
                     has_side_effects=True)
 
 

@@ -462,10 +462,11 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     merged = part if merged is None else merged + part
                     den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                     den = den + den_p * weight
+                cluster.arrive()  # done reading the others' shared memory: they may leave once all have arrived
             with region("cluster_write"):
                 write_output(out_smem, merged, den, pl.ds(wg * half + si * width, width))
             with region("cluster_leave"):
-                cluster.sync()  # no CTA leaves while another still reads its shared memory
+                cluster.wait()  # no CTA leaves while another still reads its shared memory
 
         with region("output"):
             if splits == 1:
