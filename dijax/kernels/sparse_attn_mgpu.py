@@ -41,7 +41,13 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     two splits' partials (16.8 MB of fp32) went through memory to two XLA fusions, ~11 of 38.3 us on an H100
     (Nsight Compute, forty-seventh session); on the H200 batch 64 now takes 27.7 us against 31.3 (GPU kernel
     time, forty-eighth session). Other split counts (and interpret mode, which has no distributed shared memory)
-    write the partials and merge them in XLA (``flash_merge``), as the Triton kernel does.
+    write the partials and merge them in XLA (``flash_merge``), as the Triton kernel does;
+  * no shared-memory bank conflicts at the end (fifty-sixth session): the merge's fp32 tiles have their rows padded
+    8 banks apart (``cluster.tiles_shape``) and the bf16 output is staged in swizzled tiles
+    (``row_gather.swizzled``) for its TMA copy out. Until then both were row-major with rows a multiple of 128
+    bytes apart, for which Mosaic GPU finds no conflict-free order (``plan_tiled_transfer``): the WGMMA layout's 8
+    rows of a transfer all fell in the same banks. The merge's leaving meeting is split (``cluster.arrive`` after
+    the last read of a peer's memory, ``cluster.wait`` after the output's copy), so the write overlaps the wait.
 
 Tried and removed (fifty-fourth session, an H100, GPU kernel time at batch 64 / 256, 640 rows x 512): the two
 warpgroups taking turns on the tensor cores (jax's Hopper flash-attention order: one softmax a block under the other
