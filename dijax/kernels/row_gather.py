@@ -36,15 +36,6 @@ WARPGROUP = 128  # threads
 TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # wgmma's operand layout in shared memory
 
 
-def swizzled(width: int) -> tuple:
-    """Shared-memory transforms for a bf16 [..., R, ``width``] array written from registers in the WGMMA layout and
-    copied out by TMA: tiles of 8 rows by the widest power of two (up to 64 columns, a 128-byte swizzle) dividing
-    ``width``, swizzled across their rows, so that a warp's eight rows land in different banks (as ``TILED``, which
-    is this at 64). Below 16 columns none (the array row-major)."""
-    cols = min(64, width & -width)
-    return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)) if cols >= 16 else ()
-
-
 def interpreter(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.InterpretGPUParams | None:
     """A kernel's ``plgpu.kernel(interpret=...)`` for its ``interpret`` argument: None (run on the GPU), the
     interpreter's default parameters (True), or the ``InterpretGPUParams`` given (e.g. ``detect_races=True``)."""

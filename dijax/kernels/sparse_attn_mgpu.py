@@ -42,12 +42,13 @@ one program's registers, and its row gathers do not overlap its products. Here, 
     (Nsight Compute, forty-seventh session); on the H200 batch 64 now takes 27.7 us against 31.3 (GPU kernel
     time, forty-eighth session). Other split counts (and interpret mode, which has no distributed shared memory)
     write the partials and merge them in XLA (``flash_merge``), as the Triton kernel does;
-  * no shared-memory bank conflicts at the end (fifty-sixth session): the merge's fp32 tiles have their rows padded
-    8 banks apart (``cluster.tiles_shape``) and the bf16 output is staged in swizzled tiles
-    (``row_gather.swizzled``) for its TMA copy out. Until then both were row-major with rows a multiple of 128
-    bytes apart, for which Mosaic GPU finds no conflict-free order (``plan_tiled_transfer``): the WGMMA layout's 8
-    rows of a transfer all fell in the same banks. The merge's leaving meeting is split (``cluster.arrive`` after
-    the last read of a peer's memory, ``cluster.wait`` after the output's copy), so the write overlaps the wait.
+  * no shared-memory bank conflicts in the cluster merge (fifty-sixth session): its fp32 tiles have their rows
+    padded 8 banks apart (``cluster.tiles_shape``). Until then they were row-major with rows a multiple of 128 bytes
+    apart, for which Mosaic GPU finds no conflict-free order (``plan_tiled_transfer``): the WGMMA layout's 8 rows of
+    a transfer all fell in the same banks. (The arrays copied out by TMA need nothing: Mosaic GPU's layout inference
+    gives their shared memory swizzled tiles, as the built PTX shows.) The merge's leaving meeting is split
+    (``cluster.arrive`` after the last read of a peer's memory, ``cluster.wait`` after the output's copy), so the
+    write overlaps the wait.
 
 Tried and removed (fifty-fourth session, an H100, GPU kernel time at batch 64 / 256, 640 rows x 512): the two
 warpgroups taking turns on the tensor cores (jax's Hopper flash-attention order: one softmax a block under the other
@@ -476,16 +477,13 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
 
         with region("output"):
             if splits == 1:
-                pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16,
-                                                       transforms=row_gather.swizzled(half)), collective_axes="wg")
+                pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16), collective_axes="wg")
             elif in_cluster:
                 pl.run_scoped(merge_in_cluster,
                               o_smem=plgpu.SMEM((wgs, *cluster.tiles_shape(splits, HEADS, half // splits)),
                                                 jnp.float32),
                               max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
-                              out_smem=plgpu.SMEM((wgs, HEADS, half // splits), jnp.bfloat16,
-                                                  transforms=row_gather.swizzled(half // splits)),
-                              collective_axes="wg")
+                              out_smem=plgpu.SMEM((wgs, HEADS, half // splits), jnp.bfloat16), collective_axes="wg")
             else:
                 pl.run_scoped(store_partials, o_smem=plgpu.SMEM((wgs, HEADS, half), jnp.float32),
                               stats_smem=plgpu.SMEM((2, HEADS), jnp.float32), collective_axes="wg")
