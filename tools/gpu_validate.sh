@@ -106,8 +106,8 @@
 #            memory (SparseAttnConfig.mgpu_shared_scores, the default since the fifty-fifth session) against each
 #            warpgroup computing them: the GPU tests (the same bits), the rows, the timeline at 64 / 256 unshared
 #            (attn-timeline gives the default's), flash-slice decode at 64 / 128 (not yet run);
-#   attn-merge  (~350 s) the cluster merge without shared-memory bank conflicts (fifty-sixth session): every
-#            Mosaic GPU attention test, the kernel rows of a base tree (ab-base/) against this one's, the timeline;
+#   attn-merge  (~300 s) the cluster merge without shared-memory bank conflicts (fifty-sixth session): the Mosaic
+#            GPU kernel's GPU tests, the kernel rows of a base tree (ab-base/) against this one's, the timeline;
 #   indexer-profile  (~200 s) Nsight Compute counters of the Mosaic GPU indexer at prefill 8192 x 2048;
 #   launch-ab  (~400 s) the collapse kernel's GPU test file, then the tiny step at B=1 / 16 with the latents and
 #            collapse kernels on and off, each with a profiler trace and its device-busy time a step (fortieth
@@ -267,18 +267,18 @@ case "$stage" in
     run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k timeline
     run 150 python3 tools/profile_attn.py 1 64 256 --trace-dir "$out/attn-trace" ;;
   attn-merge)
-    # (~350 s) the cluster merge's fp32 tiles a row padded (cluster.tiles_shape: no bank conflicts) and the outputs
-    # staged swizzled (fifty-sixth session; the fifty-fifth's timeline gave the merge ~16,000 of a CTA's ~52,000
-    # clocks at batch 64): every Mosaic GPU attention test, the kernel rows of a base tree (ab-base/, exported as
-    # for `ab`, carried) and of this one by GPU kernel time (this one's also unshared), then this one's timeline at
-    # batch 64 and 256 (the merge's parts: store, meeting, merge, write, leave)
+    # (~300 s) the cluster merge's fp32 tiles a row padded (cluster.tiles_shape: no bank conflicts) and its leaving
+    # meeting split (fifty-sixth session; the fifty-fifth's timeline gave the merge ~16,000 of a CTA's ~52,000
+    # clocks at batch 64): the Mosaic GPU kernel's GPU tests (the merge at 2, 4 and 8 splits, shared scores), the
+    # kernel rows of a base tree (ab-base/, exported as for `ab`, carried) and of this one by GPU kernel time, then
+    # this one's timeline at batch 64 and 256 (the merge's parts: store, meeting, merge, write, leave)
     [ -d ab-base/dijax ] || { echo "attn-merge: export the base tree into ab-base/ first" >&2; exit 2; }
-    run 200 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k mgpu
+    run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k "mgpu_matches or mgpu_shapes or shared_scores"
     rows=(tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3)
     echo "== base tree (ab-base)" >> "$log"
-    (cd ab-base && run 120 python3 "${rows[@]}")
-    run 150 python3 "${rows[@]}" --variant mgpu_shared_scores=False
-    run 100 python3 tools/profile_attn.py 64 256 --trace-dir "$out/attn-trace" ;;
+    (cd ab-base && run 90 python3 "${rows[@]}")
+    run 90 python3 "${rows[@]}"
+    run 80 python3 tools/profile_attn.py 64 256 --trace-dir "$out/attn-trace" ;;
   attn-shared)
     # (~400 s) shared scores (the default; fifty-fifth session, H100: batch 64 29.2 against 30.1 us unshared, 256 78.4
     # against 81.6): the GPU tests (the same bits as unshared through the seam), the kernel rows shared and unshared
