@@ -133,9 +133,9 @@ class SparseAttnConfig:
     mgpu_shared_scores: 'mgpu' with two warpgroups (K > 256): warpgroup 0 alone computes each block's scores and
     softmax and hands P to both through shared memory (``sparse_attn_mgpu``'s docstring, "Shared scores"); the
     same bits (its GPU tests). On: H100, fifty-fifth session, GPU kernel time at 640 rows x 512 in the prefill
-    layout (window + pool), batch 64 29.2 against 30.1 us and 256 78.4 against 81.6 (71.3 % of the bytes floor); the
-    decode step's three-source layout is not yet timed with it (docs/benchmarks.md). The parity fixtures' 64-dim
-    heads take one warpgroup, so GPU parity does not reach it.
+    layout (window + pool), batch 64 29.2 against 30.1 us and 256 78.4 against 81.6 (71.3 % of the bytes floor);
+    flash-slice decode at batch 64 the same back to back (18.60 against 18.59 ms, fifty-sixth session: attention is
+    ~1 % of that step). The parity fixtures' 64-dim heads take one warpgroup, so GPU parity does not reach it.
     mgpu_trace_dir: 'mgpu' records each warpgroup's timeline (``sparse_attn_mgpu``'s ``trace_dir``: the clock at
     each step's start and end) into this directory, a Chrome trace a call; "" (the default) records nothing and
     leaves the kernel's code as it is. For tools/profile_attn.py --trace-dir, not for serving.

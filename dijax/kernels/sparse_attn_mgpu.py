@@ -69,11 +69,13 @@ its accumulator and issues its PV product with P from shared memory. A block's t
 for an 8 KB store and one barrier. Every value is the same as unshared: the same products in the same order, P the
 same bf16 values (A from shared memory instead of registers). On an H100 (fifty-fifth session, GPU kernel time, the
 prefill layout, window + pool, at 640 rows x 512) batch 64 took 29.2 us against 30.1 unshared and batch 256 78.4
-against 81.6; batch 1 10.2 both (the decode step's three sources not yet timed with it). The kernel's timeline
-(``trace_dir``) then says where the rest goes: at batch 256 a block's scores and softmax were ~3,500 of its ~5,900
-marked clocks unshared; at batch 64 the cluster merge at the end (the "output" region, which waits for the peer CTA
-and reads its partial sums) takes ~16,000 clocks, 31 % of a CTA's span, against ~4,000 for one split's output at
-batch 256 (docs/benchmarks.md).
+against 81.6; batch 1 10.2 both. The kernel's timeline (``trace_dir``) then says where the rest goes: at batch
+256 a block's scores and softmax were ~3,500 of its ~5,900 marked clocks unshared; at batch 64 the cluster merge at
+the end (the "output" region) took ~16,000 clocks, 31 % of a CTA's span, against ~4,000 for one split's output at
+batch 256. Without its bank conflicts (fifty-sixth session, same card and layout) it takes ~12,600 and batch 64
+27.8 us (50.3 % of the floor; the decode step's three sources 27.9): of it, storing the tiles ~1,100 clocks, the
+meeting ~1,700, reading and merging ~7,800 (half of it from the peer's shared memory), writing ~1,700
+(docs/benchmarks.md).
 
 Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
 online softmax from a running max of -1e30, P cast to bf16 for the PV product, the sink in the denominator only.
