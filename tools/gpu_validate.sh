@@ -269,7 +269,7 @@ case "$stage" in
     run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k timeline
     run 150 python3 tools/profile_attn.py 1 64 256 --trace-dir "$out/attn-trace" ;;
   attn-merge)
-    # (~300 s) the cluster merge's fp32 tiles a row padded (cluster.tiles_shape: no bank conflicts) and its leaving
+    # (~220 s) the cluster merge's fp32 tiles a row padded (cluster.tiles_shape: no bank conflicts) and its leaving
     # meeting split (fifty-sixth session; the fifty-fifth's timeline gave the merge ~16,000 of a CTA's ~52,000
     # clocks at batch 64): the Mosaic GPU kernel's GPU tests (the merge at 2, 4 and 8 splits, shared scores), the
     # kernel rows of a base tree (ab-base/, exported as for `ab`, carried) and of this one by GPU kernel time, then

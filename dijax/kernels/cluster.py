@@ -8,10 +8,10 @@ rows W + pad elements apart, so that CTA s of the cluster reads tile s of every 
 reduces its 1 / S of the columns over all S CTAs, in CTA order.
 
 Why the padding: in the WGMMA layout a warp's transfer covers 8 rows x 8 columns (4 lanes a row, 2 fp32 each). With
-rows W x 4 bytes apart and W a multiple of 32, all 8 rows fall in the same 8 of the 32 banks: an 8-way conflict on
-every store and load. With the rows 8 banks apart (W + pad = 8 mod 32 elements), a transfer's 8 rows cover all 32
-banks twice over, once a wavefront, and it is conflict-free (``optimized=True`` checks it when the kernel is
-built).
+rows W x 4 bytes apart and W a multiple of 32, all 8 rows fall in the same 8 of the 32 banks: every store and load
+takes eight shared-memory wavefronts where two would do. With the rows 8 banks apart (W + pad = 8 mod 32
+elements), a transfer's 8 rows cover all 32 banks twice over, once a wavefront, and it is conflict-free
+(``optimized=True`` checks it when the kernel is built).
 
 Why raw pointers: ``plgpu.cluster_ref`` maps a reference to a peer's shared memory, but in jax 0.11.2 its Warpgroup
 lowering fails on any reference at a nonzero offset (the mapped memref drops the offset its type still carries), so

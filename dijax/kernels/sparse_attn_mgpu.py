@@ -74,7 +74,7 @@ against 81.6; batch 1 10.2 both. The kernel's timeline (``trace_dir``) then says
 the end (the "output" region) took ~16,000 clocks, 31 % of a CTA's span, against ~4,000 for one split's output at
 batch 256. Without its bank conflicts (fifty-sixth session, same card and layout) it takes ~12,600 and batch 64
 27.8 us (50.3 % of the floor; the decode step's three sources 27.9): of it, storing the tiles ~1,100 clocks, the
-meeting ~1,700, reading and merging ~7,800 (half of it from the peer's shared memory), writing ~1,700
+meeting ~1,700, reading and merging ~7,800 (half the tiles it reads are in the peer's shared memory), writing ~1,700
 (docs/benchmarks.md).
 
 Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
