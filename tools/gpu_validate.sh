@@ -173,6 +173,9 @@ gpu_test_files() {  # first | rest: tests/gpu's files before the indexer's, or f
     if [[ "$f" < tests/gpu/test_indexer ]]; then [ "$1" = first ] && echo "$f"; else [ "$1" = rest ] && echo "$f"; fi
   done
 }
+need_base() {  # the stages that run a base tree beside this one: stop unless it was exported into ab-base/ (see ab)
+  [ -d ab-base/dijax ] || { echo "$stage: export the base tree into ab-base/ first (see ab's note)" >&2; exit 2; }
+}
 sub=/tmp/gv  # side-by-side runs' outputs (check) and copies of the tree with other defaults
 check() {  # name, tree (. or a copy), time limit, command...: run in the background of a stage, output to $sub/name.txt
   local name=$1 tree=$2 limit=$3; shift 3
@@ -246,7 +249,7 @@ case "$stage" in
       "{'num_splits': 4, 'cluster_splits': (2, 4)}" "{'num_splits': 2}"
     grep -E "^  [A-Za-z_]|Duration|Cluster|Occupancy|Throughput|Waves" "$log" | head -100 ;;  # the ncu lines, shown
   host-ab)
-    [ -d ab-base/dijax ] || { echo "host-ab: export the base tree into ab-base/ first (see ab)" >&2; exit 2; }
+    need_base
     for round in 1 2 3; do
       for tree in ab-base .; do
         name=$([ "$tree" = . ] && echo this || echo base)
@@ -274,7 +277,7 @@ case "$stage" in
     # clocks at batch 64): the Mosaic GPU kernel's GPU tests (the merge at 2, 4 and 8 splits, shared scores), the
     # kernel rows of a base tree (ab-base/, exported as for `ab`, carried) and of this one by GPU kernel time, then
     # this one's timeline at batch 64 and 256 (the merge's parts: store, meeting, merge, write, leave)
-    [ -d ab-base/dijax ] || { echo "attn-merge: export the base tree into ab-base/ first" >&2; exit 2; }
+    need_base
     run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k "mgpu_matches or mgpu_shapes or shared_scores"
     rows=(tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3)
     echo "== base tree (ab-base)" >> "$log"
@@ -341,7 +344,7 @@ case "$stage" in
     # masking padding tokens (both took an XLA launch of their own before): GPU parity of tiny-nodrop and tiny beside
     # those kernels' GPU test files, then the tiny step (B=1 / 16) of the base tree (ab-base/, exported as for `ab`)
     # and of this one, alternating over two rounds, the second round with profiler traces (device busy a step)
-    [ -d ab-base/dijax ] || { echo "launch-cuts: export the base tree into ab-base/ first (see ab)" >&2; exit 2; }
+    need_base
     rm -rf $sub; mkdir -p $sub
     XLA_PYTHON_CLIENT_PREALLOCATE=false checks_with . 300 tests/gpu/test_routed_experts_gpu.py \
       tests/gpu/test_router_gpu.py
@@ -515,7 +518,7 @@ case "$stage" in
       run 60 python3 tools/trace_summary.py "$d" --top 20
     done ;;
   ab)
-    [ -d ab-base/dijax ] || { echo "ab: export the base tree into ab-base/ first (see the stage's note)" >&2; exit 2; }
+    need_base
     export JAX_COMPILATION_CACHE_DIR=/tmp/dijax-ab-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     read -r -a ab_args <<< "${AB_ARGS:---kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 --engine off --warmup 10 --iters 50}"
     for round in $(seq "${AB_ROUNDS:-2}"); do
