@@ -21,11 +21,13 @@ from tests.test_kernels_sparse_attn import problem
 pytestmark = pytest.mark.cost(40)
 
 
-def check(q, sources, idx, sink, splits: int, interpret=True, shared_scores: bool = True) -> np.ndarray:
+def check(q, sources, idx, sink, splits: int, interpret=True, shared_scores: bool = True,
+          dim_splits: int = 1) -> np.ndarray:
     scale = q.shape[-1] ** -0.5
     want = np.asarray(sa.sparse_attn_reference(q, sources, jnp.asarray(idx), sink, scale), np.float32)
     got = np.asarray(sm.sparse_attn_mgpu(q, sources, jnp.asarray(idx), sink, scale, splits=splits,
-                                         shared_scores=shared_scores, interpret=interpret), np.float32)
+                                         shared_scores=shared_scores, dim_splits=dim_splits, interpret=interpret),
+                     np.float32)
     assert got.shape == want.shape and np.isfinite(got).all()
     # the scores sum two K-halves (another order than the reference's); splits round P relative to their own max
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
@@ -146,3 +148,38 @@ def test_shared_scores_are_the_same_arithmetic(length, splits):
     plain = check(q, sources, idx, sink, splits, shared_scores=False)
     shared = check(q, sources, idx, sink, splits, interpret=plgpu.InterpretGPUParams(detect_races=True))
     np.testing.assert_array_equal(shared, plain)
+
+
+@pytest.mark.parametrize("k,splits,dims", [(512, 1, 2), (512, 2, 4), (128, 3, 2)])
+def test_split_output_dims_are_the_same_arithmetic(k, splits, dims):
+    # each (token, split, head group) as ``dims`` CTAs, each computing the scores over the whole rows and the PV
+    # product for its 1 / dims of every warpgroup's output dims (``dim_splits``): the same bits as one CTA, under
+    # the race detector, with the list's splits merged in XLA beside it
+    q, sources, idx, sink = problem(3, 150, (40, 300), splits, 64, k)
+    idx[1, :64] = -1
+    whole = check(q, sources, idx, sink, splits)
+    split = check(q, sources, idx, sink, splits, interpret=plgpu.InterpretGPUParams(detect_races=True),
+                  dim_splits=dims)
+    np.testing.assert_array_equal(split, whole)
+
+
+def test_dim_splits_are_validated_and_fit_one_wave(monkeypatch):
+    # a warpgroup's share of the output dims stays whole 64-column tiles: K = 512 (two warpgroups of 256) takes 1,
+    # 2 and 4; K = 64 only 1; the config names its field
+    assert sm.dim_splits_error(512, 4) is None and "one of [1, 2, 4]" in sm.dim_splits_error(512, 8)
+    assert "one of [1]" in sm.dim_splits_error(64, 2)
+    with pytest.raises(ValueError, match="dim_splits must be one of"):
+        sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 64), 0.1, dim_splits=2, interpret=True)
+    with pytest.raises(ValueError, match="mgpu_dim_splits must be one of"):
+        sa.SparseAttnConfig(mgpu_dim_splits=3)
+    # the seam splits the dims where the CTAs fit one wave and K allows it, then the list in what is left
+    config = sa.SparseAttnConfig(engine="mgpu", mgpu_dim_splits=2)
+    assert [sa._dim_splits(config, t, 512) for t in (1, 64, 66, 67, 256)] == [2, 2, 2, 1, 1]
+    assert sa._dim_splits(config, 64, 64) == 1
+    calls = []
+    monkeypatch.setattr(sa, "_mgpu_takes", lambda *a: True)
+    monkeypatch.setattr(sm, "sparse_attn_mgpu", lambda *a, **kw: calls.append(kw) or a[0])
+    for t in (64, 256):
+        q, sources, idx, sink = problem(t, 640, (700,), 0, 64, 512)
+        sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1, config=config)
+    assert [(kw["dim_splits"], kw["splits"]) for kw in calls] == [(2, 1), (1, 1)]

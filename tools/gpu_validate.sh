@@ -144,7 +144,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache,
 #           stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="attn-merge|attn-shared|attn-timeline|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="attn-dims|attn-dims-flash|attn-merge|attn-shared|attn-timeline|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -284,6 +284,19 @@ case "$stage" in
     (cd ab-base && run 90 python3 "${rows[@]}")
     run 90 python3 "${rows[@]}"
     run 80 python3 tools/profile_attn.py 64 256 --trace-dir "$out/attn-trace" ;;
+  attn-dims)
+    # (~330 s) a head group's output dims split over CTAs (SparseAttnConfig.mgpu_dim_splits; fifty-seventh session:
+    # at batch 64 two CTAs each walking the whole list for half the dims, instead of half the list each and the
+    # cluster merge): the Mosaic GPU kernel's GPU tests, its rows by GPU kernel time with 1, 2 and 4 dim splits,
+    # the timeline at batch 64 with 2, then flash-slice decode at batch 1 and 64 with 1 and 2 in one process
+    run 200 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py \
+      -k "dim_splits or mgpu_matches or mgpu_shapes or shared_scores"
+    run 100 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3 \
+      --variant mgpu_dim_splits=2 --variant mgpu_dim_splits=4
+    run 80 python3 tools/profile_attn.py 64 --config "{'mgpu_dim_splits': 2}" --trace-dir "$out/attn-trace" ;;
+  attn-dims-flash)
+    run 400 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
+      --engine off --warmup 3 --iters 10 --variant "sparse_attn.CONFIG.mgpu_dim_splits=2" ;;
   attn-shared)
     # (~400 s) shared scores (the default; fifty-fifth session, H100: batch 64 29.2 against 30.1 us unshared, 256 78.4
     # against 81.6): the GPU tests (the same bits as unshared through the seam), the kernel rows shared and unshared

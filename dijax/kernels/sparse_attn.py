@@ -42,6 +42,7 @@ BLOCK = 64
 HIGHEST = jax.lax.Precision.HIGHEST
 IMPLS = ("reference", "pallas")
 ENGINES = ("triton", "mgpu")
+DIM_SPLITS = (1, 2, 4, 8)
 MAX_SOURCES = 3
 MIN_HEADS = 16  # Triton's dot needs every dimension >= 16: fewer heads (tiny test models) are padded with zero queries
 
@@ -136,6 +137,11 @@ class SparseAttnConfig:
     layout (window + pool), batch 64 29.2 against 30.1 us and 256 78.4 against 81.6 (71.3 % of the bytes floor);
     flash-slice decode at batch 64 the same back to back (18.60 against 18.59 ms, fifty-sixth session: attention is
     ~1 % of that step). The parity fixtures' 64-dim heads take one warpgroup, so GPU parity does not reach it.
+    mgpu_dim_splits: 'mgpu' gives each (token, head group) this many CTAs, each computing the scores over the whole
+    list (its rows gathered by each, the second time mostly from L2) and writing its 1 / ``mgpu_dim_splits`` of
+    the output dims (``sparse_attn_mgpu``'s ``dim_splits``: no partial sums to merge), where those CTAs fit one wave
+    (T x groups x ``mgpu_dim_splits`` <= ``wave_programs``) and K allows (``dim_splits_error``); elsewhere 1. The
+    list splits then fill what is left of the wave. One of 1, 2, 4, 8.
     mgpu_trace_dir: 'mgpu' records each warpgroup's timeline (``sparse_attn_mgpu``'s ``trace_dir``: the clock at
     each step's start and end) into this directory, a Chrome trace a call; "" (the default) records nothing and
     leaves the kernel's code as it is. For tools/profile_attn.py --trace-dir, not for serving.
@@ -156,6 +162,7 @@ class SparseAttnConfig:
     cluster_splits: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS
     pdl: bool = False
     mgpu_shared_scores: bool = True
+    mgpu_dim_splits: int = 1
     mgpu_trace_dir: str = ""
 
     def __post_init__(self):
@@ -163,6 +170,9 @@ class SparseAttnConfig:
             raise ValueError(f"sparse_attn SparseAttnConfig.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.mgpu_min_tokens < 1:
             raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_min_tokens must be >= 1, got {self.mgpu_min_tokens}")
+        if self.mgpu_dim_splits not in DIM_SPLITS:
+            raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_dim_splits must be one of {DIM_SPLITS}, got "
+                             f"{self.mgpu_dim_splits!r}")
         object.__setattr__(self, "cluster_splits", tuple(self.cluster_splits))  # hashable: configs are jit statics
         error = sparse_attn_mgpu.cluster_splits_error(self.cluster_splits)
         if error:
@@ -262,6 +272,14 @@ def _whole_kernel(idx_ref, *refs, sizes: tuple[int, ...], has_first: bool, inter
     out_ref[...] = div_rn(acc_hK, jnp.broadcast_to(den_h[:, None], acc_hK.shape), interpret).astype(out_ref.dtype)
 
 
+def _dim_splits(config: SparseAttnConfig, programs: int, k: int) -> int:
+    """``config.mgpu_dim_splits`` where ``programs`` (token, head group) pairs times it fit one wave and head dim
+    ``k`` can be split that many ways, else 1."""
+    dims = config.mgpu_dim_splits
+    fits = programs * dims <= config.wave_programs and sparse_attn_mgpu.dim_splits_error(k, dims) is None
+    return dims if fits else 1
+
+
 def _num_splits(config: SparseAttnConfig, programs: int, blocks: int) -> int:
     """Splits of a list of ``blocks`` blocks for ``programs`` (token, head group) pairs: ``config.num_splits``, or
     as many as fit in one wave; then the fewest that give each split the same number of blocks (no empty split)."""
@@ -302,13 +320,15 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
         raise ValueError(f"sparse_attn_pallas: config.block_h ({config.block_h}) must divide the {h} heads")
     groups = h // block_h
     blocks = max(1, -(-idx_TL.shape[1] // BLOCK))
-    splits = _num_splits(config, t * groups, blocks)
     interpret = interpret_mode(interpret)
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
-        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
-                                                 cluster_splits=config.cluster_splits, pdl=config.pdl,
+        dims = _dim_splits(config, t * groups, k)
+        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale,
+                                                 splits=_num_splits(config, t * groups * dims, blocks),
+                                                 cluster_splits=config.cluster_splits, dim_splits=dims, pdl=config.pdl,
                                                  shared_scores=config.mgpu_shared_scores,
                                                  trace_dir=config.mgpu_trace_dir)
+    splits = _num_splits(config, t * groups, blocks)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

@@ -160,6 +160,15 @@ def cluster_splits_error(cluster_splits: tuple[int, ...]) -> str | None:
     return None
 
 
+def dim_splits_error(k: int, dim_splits: int) -> str | None:
+    """Why a CTA cannot write 1 / ``dim_splits`` of head dim ``k``'s output dims (None when it can): each
+    warpgroup's share must stay a whole number of the 64-column tiles its rows are stored in."""
+    allowed = [d for d in (1, 2, 4, 8) if (k // warpgroups(k)) % (64 * d) == 0]
+    if dim_splits not in allowed:
+        return f"dim_splits must be one of {allowed} at K = {k}, got {dim_splits}"
+    return None
+
+
 def warpgroups(k: int) -> int:
     """Compute warpgroups a CTA for head dim ``k``: one up to ``MAX_PART`` dims, else two (each K / 2)."""
     return 1 if k <= MAX_PART else 2
@@ -171,7 +180,7 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
+                     dim_splits: int = 1, pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
@@ -179,8 +188,10 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     q_THK: bf16 [T, H, K]; kv_sources: 1 to 3 bf16 [N_i, K] arrays addressed as one concatenation; idx_TL: int32
     [T, L] (-1 = none); sink_H: float32 [H]; ``splits``: parts of each list (each a whole number of blocks of 64),
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
-    ``CLUSTER_SIZES``), the others in XLA. ``shape_error`` lists the shapes it takes; fewer than 64 heads are padded
-    with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while the kernel before it
+    ``CLUSTER_SIZES``), the others in XLA. ``dim_splits``: CTAs a (token, split, head group), each computing the
+    scores over the whole rows and writing 1 / ``dim_splits`` of the output dims (module docstring, "Split output
+    dims"; ``dim_splits_error`` says which counts a K takes). ``shape_error`` lists the shapes it takes; fewer than
+    64 heads are padded with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while the kernel before it
     still runs (not when interpreted). ``shared_scores``: with two warpgroups, warpgroup 0 alone computes each
     block's scores and softmax and hands P to both through shared memory (module docstring, "Shared scores"); the
     same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
@@ -191,7 +202,8 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
-    error = shape_error(h, k, len(kv_sources)) or cluster_splits_error(cluster_splits)
+    error = (shape_error(h, k, len(kv_sources)) or cluster_splits_error(cluster_splits)
+             or dim_splits_error(k, dim_splits))
     if error:
         raise ValueError(error)
     heads = -(-h // HEADS) * HEADS
@@ -209,7 +221,8 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     sink_H = jnp.pad(sink_H.astype(jnp.float32), (0, heads - h))
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
-                scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, pdl=pdl and not interpret,
+                scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, dim_splits=dim_splits,
+                pdl=pdl and not interpret,
                 shared=shared_scores and warpgroups(k) == 2, trace_dir="" if interpret else trace_dir,
                 interpret=interpret)
     if splits == 1 or in_cluster:
@@ -217,10 +230,10 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "pdl", "shared", "trace_dir",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "pdl", "shared",
+                                             "trace_dir", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          pdl: bool, shared: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
+          dim_splits: int, pdl: bool, shared: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -229,7 +242,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     splits = idx_X.shape[0] // t // split_len
     list_len = splits * split_len
     wgs = warpgroups(k)
-    half = k // wgs  # a warpgroup's part of the output dims
+    half = k // wgs  # a warpgroup's part of K: of q and the rows in shared memory
+    out_part = half // dim_splits  # a warpgroup's part of the output dims in a CTA (of its K-part's columns)
     blocks = split_len // ROWS
     sizes = tuple(src.shape[0] for src in sources)
     n_src = len(sources)
@@ -251,7 +265,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             plgpu.griddepcontrol_wait()  # writes are visible (Mosaic GPU then marks the kernel ``uses_pdl``)
         src_gmems, (sink_gmem, *refs) = refs[:n_src], refs[n_src:]
         gathered_gmem = refs.pop(0) if interpret else None
-        ti, si, gi = lax.axis_index("t"), lax.axis_index("s"), lax.axis_index("g")
+        ti, si = lax.axis_index("t"), lax.axis_index("s")
+        gi, di = lax.div(lax.axis_index("g"), dim_splits), lax.rem(lax.axis_index("g"), dim_splits)
         wg = lax.axis_index("wg")
         start = ti * list_len + si * split_len  # this split's first index in idx_X
 
@@ -365,14 +380,17 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     p16 = p_smem.at[wg]
 
                 def pv(acc_ref):  # (P's slot indexed here: a ref indexed outside would be one of run_state's operands)
-                    plgpu.wgmma(acc_ref, p_smem.at[0] if shared else p16, kv_smem.at[slot, wg])
+                    rows_ref = kv_smem.at[slot, wg]
+                    if dim_splits > 1:  # this CTA's columns of the warpgroup's K-part: whole 64-column tiles
+                        rows_ref = rows_ref.at[:, pl.ds(pl.multiple_of(di * out_part, out_part), out_part)]
+                    plgpu.wgmma(acc_ref, p_smem.at[0] if shared else p16, rows_ref)
 
                 def pv_alone(acc_ref):
                     pv(acc_ref)
                     return acc_ref[...]
 
                 if interpret:  # the interpreter has no accumulator initialised from registers (``ACC.init``)
-                    acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((HEADS, half), jnp.float32))
+                    acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((HEADS, out_part), jnp.float32))
                     # its race detector does not see wgmma's operand reads: these loads stand for them
                     for part in range(wgs):
                         kv_smem.at[slot, part][...]
@@ -383,7 +401,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 return acc, new_max, den_h
 
-            init = (plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32), plgpu.Layout.WGMMA),
+            init = (plgpu.layout_cast(jnp.zeros((HEADS, out_part), jnp.float32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((HEADS,), -1e30, jnp.float32), ROW_LAYOUT),
                     plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), ROW_LAYOUT))
             if not shared:
@@ -412,7 +430,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             cta_bar=plgpu.Barrier(num_arrivals=wgs),
             collective_axes="wg")
 
-        rows, cols = pl.ds(gi * HEADS, HEADS), pl.ds(wg * half, half)
+        rows, cols = pl.ds(gi * HEADS, HEADS), pl.ds(wg * half + di * out_part, out_part)
 
         def store_partials(o_smem, stats_smem):
             acc_gmem, max_gmem, den_gmem = refs
@@ -420,7 +438,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[wg], acc_gmem.at[ti, si, rows, cols])
 
-            @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
+            # both warpgroups hold the same running max and denominator, and so do a head group's CTAs (dim_splits)
+            @pl.when((wg == 0) & (di == 0))
             def _():
                 stats_smem.at[0][...] = max_h
                 stats_smem.at[1][...] = den_h
@@ -457,7 +476,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     den_smem[...] = den_h
             with region("cluster_meet"):
                 cluster.sync()
-            width = half // splits
+            width = out_part // splits
             with region("cluster_merge"):
                 maxes = [plgpu.load(plgpu.cluster_ref(max_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                          for p in range(splits)]
@@ -473,21 +492,22 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     den = den + den_p * weight
                 cluster.arrive()  # done reading the others' shared memory: they may leave once all have arrived
             with region("cluster_write"):
-                write_output(out_smem, merged, den, pl.ds(wg * half + si * width, width))
+                write_output(out_smem, merged, den, pl.ds(wg * half + di * out_part + si * width, width))
             with region("cluster_leave"):
                 cluster.wait()  # no CTA leaves while another still reads its shared memory
 
         with region("output"):
             if splits == 1:
-                pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, half), jnp.bfloat16), collective_axes="wg")
+                pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, out_part), jnp.bfloat16), collective_axes="wg")
             elif in_cluster:
                 pl.run_scoped(merge_in_cluster,
-                              o_smem=plgpu.SMEM((wgs, *cluster.tiles_shape(splits, HEADS, half // splits)),
+                              o_smem=plgpu.SMEM((wgs, *cluster.tiles_shape(splits, HEADS, out_part // splits)),
                                                 jnp.float32),
                               max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
-                              out_smem=plgpu.SMEM((wgs, HEADS, half // splits), jnp.bfloat16), collective_axes="wg")
+                              out_smem=plgpu.SMEM((wgs, HEADS, out_part // splits), jnp.bfloat16),
+                              collective_axes="wg")
             else:
-                pl.run_scoped(store_partials, o_smem=plgpu.SMEM((wgs, HEADS, half), jnp.float32),
+                pl.run_scoped(store_partials, o_smem=plgpu.SMEM((wgs, HEADS, out_part), jnp.float32),
                               stats_smem=plgpu.SMEM((2, HEADS), jnp.float32), collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16) if splits == 1 or in_cluster else
@@ -497,7 +517,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         kernel,
         out_type=out_type,
         # in a cluster, the splits are its CTAs ("s" their index in it)
-        grid=(t, h // HEADS) if in_cluster else (t, splits, h // HEADS),
+        # a head group's CTAs along "g", one a part of the output dims (``dim_splits``)
+        grid=(t, h // HEADS * dim_splits) if in_cluster else (t, splits, h // HEADS * dim_splits),
         grid_names=("t", "g") if in_cluster else ("t", "s", "g"),
         cluster=(splits,) if in_cluster else (), cluster_names=("s",) if in_cluster else (),
         num_threads=wgs, thread_name="wg",

@@ -167,10 +167,12 @@ def test_sparse_attn_mgpu_matches_reference(batch, splits, clusters, pdl):
     assert np.abs(got - want).mean() < 2e-3 * np.abs(want).mean()
 
 
+@pytest.mark.parametrize("dims", [1, 2])
 @pytest.mark.parametrize("h,k,sizes", [(64, 128, (40, 300)), (128, 256, (500,)), (8, 512, (10, 3, 900))])
-def test_sparse_attn_mgpu_shapes(h, k, sizes):
+def test_sparse_attn_mgpu_shapes(h, k, sizes, dims):
     # K = 128 / 256 (4 and 2 rows a pass of the gathering threads), two head groups, padded heads, sources of
-    # sizes that are not multiples of anything, lists of 150 lanes (a partial last block)
+    # sizes that are not multiples of anything, lists of 150 lanes (a partial last block); the output dims in one
+    # CTA and split over two (``dim_splits``)
     rng = np.random.default_rng(h + k)
     q = jnp.asarray(rng.standard_normal((3, h, k)), jnp.bfloat16)
     sources = tuple(jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16) for n in sizes)
@@ -179,7 +181,7 @@ def test_sparse_attn_mgpu_shapes(h, k, sizes):
     scale = k ** -0.5
     want = np.asarray(sparse_attn_reference(q, sources, jnp.asarray(idx), sink, scale), np.float32)
     poison(3 * 3 * max(h, 64) * k * 4 * 4)
-    got = np.asarray(jax.jit(lambda *a: sparse_attn_mgpu.sparse_attn_mgpu(*a, scale, splits=2))(
+    got = np.asarray(jax.jit(lambda *a: sparse_attn_mgpu.sparse_attn_mgpu(*a, scale, splits=2, dim_splits=dims))(
         q, sources, jnp.asarray(idx), sink), np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=2e-2)
@@ -228,6 +230,18 @@ def test_sparse_attn_mgpu_shared_scores(batch, splits, clusters):
                                      mgpu_shared_scores=[False, True])
     assert np.isfinite(shared).all()
     np.testing.assert_array_equal(shared, plain)
+
+
+@pytest.mark.parametrize("batch,splits,clusters,dims", [(64, 1, (), 2), (64, 2, (2,), 2), (1, 10, (), 2),
+                                                         (3, 1, (), 4), (16, 4, ALL_CLUSTERS, 2)])
+def test_sparse_attn_mgpu_dim_splits(batch, splits, clusters, dims):
+    # each head group's output dims split over ``dims`` CTAs, each computing the scores over the whole rows
+    # (SparseAttnConfig.mgpu_dim_splits, through the seam): the same bits as one CTA, with one split, two merged in
+    # a cluster, ten merged in XLA, four in a cluster of four
+    whole, split = through_the_seam(batch, batch + 500, splits, cluster_splits=[clusters] * 2,
+                                    mgpu_dim_splits=[1, dims])
+    assert np.isfinite(split).all()
+    np.testing.assert_array_equal(split, whole)
 
 
 @pytest.mark.parametrize("batch,splits", [(64, 2), (3, 1)])
