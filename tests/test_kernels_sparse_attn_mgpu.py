@@ -163,7 +163,7 @@ def test_split_output_dims_are_the_same_arithmetic(k, splits, dims):
     np.testing.assert_array_equal(split, whole)
 
 
-def test_dim_splits_are_validated_and_fit_one_wave(monkeypatch):
+def test_dim_splits_are_validated_and_fill_the_wave(monkeypatch):
     # a warpgroup's share of the output dims stays whole 64-column tiles: K = 512 (two warpgroups of 256) takes 1,
     # 2 and 4; K = 64 only 1; the config names its field
     assert sm.dim_splits_error(512, 4) is None and "one of [1, 2, 4]" in sm.dim_splits_error(512, 8)
@@ -172,14 +172,17 @@ def test_dim_splits_are_validated_and_fit_one_wave(monkeypatch):
         sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 64), 0.1, dim_splits=2, interpret=True)
     with pytest.raises(ValueError, match="mgpu_dim_splits must be one of"):
         sa.SparseAttnConfig(mgpu_dim_splits=3)
-    # the seam splits the dims where the CTAs fit one wave and K allows it, then the list in what is left
-    config = sa.SparseAttnConfig(engine="mgpu", mgpu_dim_splits=2)
-    assert [sa._dim_splits(config, t, 512) for t in (1, 64, 66, 67, 256)] == [2, 2, 2, 1, 1]
-    assert sa._dim_splits(config, 64, 64) == 1
+    # the seam splits the list first, then the dims into what is left of the wave, as far as K and the config allow
+    config = sa.SparseAttnConfig(engine="mgpu")
+    assert config.mgpu_dim_splits == 4
+    assert [sa._dim_splits(config, p, 512) for p in (1, 10, 33, 34, 66, 67, 128, 256)] == [4, 4, 4, 2, 2, 1, 1, 1]
+    assert sa._dim_splits(config, 10, 64) == 1 and sa._dim_splits(config, 10, 256) == 4
+    assert sa._dim_splits(sa.SparseAttnConfig(mgpu_dim_splits=2), 10, 512) == 2
+    assert sa._dim_splits(sa.SparseAttnConfig(mgpu_dim_splits=1), 1, 512) == 1
     calls = []
     monkeypatch.setattr(sa, "_mgpu_takes", lambda *a: True)
     monkeypatch.setattr(sm, "sparse_attn_mgpu", lambda *a, **kw: calls.append(kw) or a[0])
-    for t in (64, 256):
+    for t in (1, 5, 64, 256):  # 640 lanes: 10 blocks
         q, sources, idx, sink = problem(t, 640, (700,), 0, 64, 512)
         sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1, config=config)
-    assert [(kw["dim_splits"], kw["splits"]) for kw in calls] == [(2, 1), (1, 1)]
+    assert [(kw["splits"], kw["dim_splits"]) for kw in calls] == [(10, 4), (10, 2), (2, 1), (1, 1)]

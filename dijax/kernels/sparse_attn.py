@@ -137,19 +137,22 @@ class SparseAttnConfig:
     layout (window + pool), batch 64 29.2 against 30.1 us and 256 78.4 against 81.6 (71.3 % of the bytes floor);
     flash-slice decode at batch 64 the same back to back (18.60 against 18.59 ms, fifty-sixth session: attention is
     ~1 % of that step). The parity fixtures' 64-dim heads take one warpgroup, so GPU parity does not reach it.
-    mgpu_dim_splits: 'mgpu' gives each (token, head group) this many CTAs, each computing the scores over the whole
-    list (its rows gathered by each, the second time mostly from L2) and writing its 1 / ``mgpu_dim_splits`` of
-    the output dims (``sparse_attn_mgpu``'s ``dim_splits``: no partial sums to merge), where those CTAs fit one wave
-    (T x groups x ``mgpu_dim_splits`` <= ``wave_programs``) and K allows (``dim_splits_error``); elsewhere 1. The
-    list splits then fill what is left of the wave. One of 1, 2, 4, 8.
+    mgpu_dim_splits: the most CTAs 'mgpu' gives each (token, head group, split of its list), each computing the
+    scores over the split's whole rows (gathered by each of them, mostly from L2 after the first) and writing its
+    share of the output dims (``sparse_attn_mgpu``'s ``dim_splits``; the same bits). They fill what the list's
+    splits leave of one wave: the most of 1, 2, 4, 8 up to this that K allows (``dim_splits_error``) with T x
+    groups x splits x it <= ``wave_programs``. By GPU kernel time on an H100 (fifty-seventh session, 640 rows x 512,
+    64 heads, window + pool) batch 1 (ten splits) took 10.0 us with 1, 8.3 with 2 and 7.2 with 4; at batch 64 two
+    dim splits in place of the list's two took 29.5 against 27.8, so the list splits come first. One of 1, 2, 4, 8.
     mgpu_trace_dir: 'mgpu' records each warpgroup's timeline (``sparse_attn_mgpu``'s ``trace_dir``: the clock at
     each step's start and end) into this directory, a Chrome trace a call; "" (the default) records nothing and
     leaves the kernel's code as it is. For tools/profile_attn.py --trace-dir, not for serving.
 
     At 64 heads x 512 dims over three sources the kernel takes 254 registers a thread and does not spill
     (tools/kernel_report.py, twenty-fifth session; 428 bytes of spill before the loads were chained). Splitting the
-    output dims across programs re-gathers the rows and recomputes the scores per part: on the H200 it was 1.1-1.9x
-    slower at batch 64 / 256 (docs/benchmarks.md, ninth session), so it is gone.
+    output dims across this kernel's programs re-gathers the rows and recomputes the scores per part: on the H200 it
+    was 1.1-1.9x slower at batch 64 / 256 (docs/benchmarks.md, ninth session), so this kernel has none; 'mgpu' has
+    it as ``mgpu_dim_splits``.
     """
 
     block_h: int = 64
@@ -162,7 +165,7 @@ class SparseAttnConfig:
     cluster_splits: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS
     pdl: bool = False
     mgpu_shared_scores: bool = True
-    mgpu_dim_splits: int = 1
+    mgpu_dim_splits: int = 4
     mgpu_trace_dir: str = ""
 
     def __post_init__(self):
@@ -273,11 +276,11 @@ def _whole_kernel(idx_ref, *refs, sizes: tuple[int, ...], has_first: bool, inter
 
 
 def _dim_splits(config: SparseAttnConfig, programs: int, k: int) -> int:
-    """``config.mgpu_dim_splits`` where ``programs`` (token, head group) pairs times it fit one wave and head dim
-    ``k`` can be split that many ways, else 1."""
-    dims = config.mgpu_dim_splits
-    fits = programs * dims <= config.wave_programs and sparse_attn_mgpu.dim_splits_error(k, dims) is None
-    return dims if fits else 1
+    """CTAs for each of ``programs`` (token, head group, split) triples over head dim ``k``: the most of
+    ``DIM_SPLITS`` up to ``config.mgpu_dim_splits`` that K allows and that keep all of them in one wave."""
+    fits = [d for d in DIM_SPLITS if d <= config.mgpu_dim_splits and programs * d <= config.wave_programs
+            and sparse_attn_mgpu.dim_splits_error(k, d) is None]
+    return max(fits, default=1)
 
 
 def _num_splits(config: SparseAttnConfig, programs: int, blocks: int) -> int:
@@ -320,15 +323,14 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
         raise ValueError(f"sparse_attn_pallas: config.block_h ({config.block_h}) must divide the {h} heads")
     groups = h // block_h
     blocks = max(1, -(-idx_TL.shape[1] // BLOCK))
+    splits = _num_splits(config, t * groups, blocks)
     interpret = interpret_mode(interpret)
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
-        dims = _dim_splits(config, t * groups, k)
-        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale,
-                                                 splits=_num_splits(config, t * groups * dims, blocks),
-                                                 cluster_splits=config.cluster_splits, dim_splits=dims, pdl=config.pdl,
+        return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
+                                                 cluster_splits=config.cluster_splits,
+                                                 dim_splits=_dim_splits(config, t * groups * splits, k), pdl=config.pdl,
                                                  shared_scores=config.mgpu_shared_scores,
                                                  trace_dir=config.mgpu_trace_dir)
-    splits = _num_splits(config, t * groups, blocks)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

@@ -77,6 +77,16 @@ batch 256. Without its bank conflicts (fifty-sixth session, same card and layout
 meeting ~1,700, reading and merging ~7,800 (half the tiles it reads are in the peer's shared memory), writing ~1,700
 (docs/benchmarks.md).
 
+Split output dims (``dim_splits``, fifty-seventh session): a (token, split, head group) may run as D CTAs, CTA d
+writing columns [d K/(P D), (d + 1) K/(P D)) of each warpgroup's K/P output dims. Each gathers the split's whole
+rows (the scores need every dim; the D copies of a row are read from L2 after the first) and computes the scores
+and softmax itself; only its PV products are 1 / D as wide (N = K/(P D): a slice of whole 64-column tiles of the
+warpgroup's K-part of the slot). The values are the same bits: the same products for each output element. It adds
+CTAs where the list's splits leave the machine idle: on an H100 (GPU kernel time, 640 rows x 512, 64 heads, window
++ pool) batch 1, ten splits of one block, took 10.0 us with one CTA a split, 8.3 with 2 and 7.2 with 4. Where the
+splits already fill a wave it does not pay: at batch 64, two dim splits of one list split took 29.5 us against 27.8
+for the list's two splits merged in a cluster (the rows' second reads from L2, and the scores twice).
+
 Numerics: the reference's walk, block for block (``sparse_attn`` module docstring): blocks of 64 indices, the fp32
 online softmax from a running max of -1e30, P cast to bf16 for the PV product, the sink in the denominator only.
 The scores are the wgmma K-parts added in fp32 (another summation order than the reference's einsum, as the

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dijax  # noqa: F401  (sets XLA flags before JAX starts)
-from dijax.kernels import row_gather, sparse_attn_mgpu
+from dijax.kernels import row_gather, sparse_attn, sparse_attn_mgpu
 from dijax.kernels.sparse_attn import SparseAttnConfig, sparse_attn_pallas, sparse_attn_reference
 from dijax.kernels.topk import topk_reference, topk_select
 from tools import kernel_regions
@@ -248,15 +248,17 @@ def test_sparse_attn_mgpu_dim_splits(batch, splits, clusters, dims):
 def test_sparse_attn_mgpu_timeline(batch, splits, tmp_path):
     # SparseAttnConfig.mgpu_trace_dir: the kernel with its steps timed (Mosaic GPU's on-device profiler) gives the
     # same bits as without, and each call writes a timeline in which every warpgroup enters each block's steps once
-    # a block (640 lanes in ``splits`` parts: 10 / splits blocks) and the start and the output once
+    # a block (640 lanes in ``splits`` parts: 10 / splits blocks) and the start and the output once, but for the
+    # scores and softmax, which warpgroup 0 alone computes (shared scores, the default): half as many a trace
     plain, timed = through_the_seam(batch, batch + 400, splits, mgpu_trace_dir=["", str(tmp_path)])
     jax.effects_barrier()  # the timeline is written by a host callback
     np.testing.assert_array_equal(timed, plain)
     summary = kernel_regions.summarise(kernel_regions.load(str(tmp_path))[1])
-    assert summary["traces"] == batch * splits * 2  # a trace a warpgroup, two warpgroups a CTA at K = 512
+    dims = sparse_attn._dim_splits(SparseAttnConfig(), batch * splits, DIM)  # CTAs a (token, split)
+    assert summary["traces"] == batch * splits * dims * 2  # a trace a warpgroup, two warpgroups a CTA at K = 512
     blocks = 10 // splits
-    for name, entries in {"start": 1, "output": 1, "meeting": blocks, "gather": blocks, "scores": blocks,
-                          "softmax": blocks, "pv": blocks}.items():
+    for name, entries in {"start": 1, "output": 1, "meeting": blocks, "gather": blocks, "scores": blocks / 2,
+                          "softmax": blocks / 2, "pv": blocks}.items():
         assert summary[name]["entries"] == entries, name
         assert summary[name]["cycles"] > 0, name
 
