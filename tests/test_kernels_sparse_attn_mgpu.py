@@ -186,3 +186,16 @@ def test_dim_splits_are_validated_and_fill_the_wave(monkeypatch):
         q, sources, idx, sink = problem(t, 640, (700,), 0, 64, 512)
         sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1, config=config)
     assert [(kw["splits"], kw["dim_splits"]) for kw in calls] == [(10, 4), (10, 2), (2, 1), (1, 1)]
+
+
+def test_wg0_rows_are_validated():
+    # warpgroup 0's share of a block's gather: two warpgroups only (K > 256), whole 8-row groups short of the block
+    assert sm.wg0_rows_error(512, None) is None and sm.wg0_rows_error(512, 0) is None
+    assert sm.wg0_rows_error(512, 56) is None
+    for k, rows in ((512, 64), (512, 12), (256, 16), (64, 0)):
+        assert "wg0_rows must be None or" in sm.wg0_rows_error(k, rows)
+    with pytest.raises(ValueError, match="wg0_rows must be None or"):
+        sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 64), 0.1, wg0_rows=16, interpret=True)
+    with pytest.raises(ValueError, match="mgpu_wg0_rows must be None or one of"):
+        sa.SparseAttnConfig(mgpu_wg0_rows=64)
+    assert sa.SparseAttnConfig(mgpu_wg0_rows=0).mgpu_wg0_rows == 0

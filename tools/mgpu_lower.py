@@ -73,14 +73,15 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
 
 
 # (T, H, K, source rows, L, splits[, split counts merged in clusters[, programmatic dependent launch[, timeline[,
-# shared scores]]]]): a small shape over two sources, decode at 64 tokens (two splits, one source; three sources, one
+# shared scores[, dim splits[, warpgroup 0's gather rows]]]]]]): a small shape over two sources, decode at 64 tokens (two splits, one source; three sources, one
 # split), two head groups at K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a
 # cluster (the default), four in clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64
 # tokens recording its timeline (``trace_dir``: Mosaic GPU's on-device profiler) over one and three sources; decode at
 # 64 tokens with each warpgroup computing the scores itself (``shared_scores`` off; shared is the default), two splits
 # in a cluster over one source and one split over three; decode at 64 tokens as the model's step runs it (three
 # sources, two splits in a cluster: ``attention.attend_lists``), shared and not; the output dims split over two CTAs
-# (``dim_splits``) at 64 tokens (one split), one token (ten splits merged in XLA) and K = 128 (two splits in a cluster)
+# (``dim_splits``) at 64 tokens (one split), one token (ten splits merged in XLA) and K = 128 (two splits in a cluster);
+# each block's rows gathered by warpgroup 1 alone (two dim splits) and 16 of them by warpgroup 0 (``wg0_rows``)
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1), (64, 64, 512, (4096, 64, 20000), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),
@@ -93,20 +94,25 @@ ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),
                (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2),
                (1, 64, 512, (4096, 64, 20000), 640, 10, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2),
-               (3, 64, 128, (40, 300), 150, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2)]
+               (3, 64, 128, (40, 300), 150, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2),
+               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2, 0),
+               (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 1, 16)]
 
 
 def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
                     clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS, pdl: bool = False,
-                    timeline: bool = False, shared: bool = True, dim_splits: int = 1) -> int:
+                    timeline: bool = False, shared: bool = True, dim_splits: int = 1,
+                    wg0_rows: int | None = None) -> int:
     """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (``clusters``: its
     ``cluster_splits``; ``pdl`` its programmatic dependent launch; ``timeline`` a ``trace_dir``, which nothing
-    writes to here; ``shared`` its ``shared_scores``; ``dim_splits`` its own); -> the StableHLO text's length."""
+    writes to here; ``shared`` its ``shared_scores``; ``dim_splits`` and ``wg0_rows`` its own); -> the StableHLO
+    text's length."""
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
               tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
     fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits,
                            cluster_splits=clusters, pdl=pdl, shared_scores=shared, dim_splits=dim_splits,
+                           wg0_rows=wg0_rows,
                            trace_dir=tempfile.gettempdir() if timeline else "")
     with no_host_callbacks() if timeline else contextlib.nullcontext():
         return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())

@@ -144,6 +144,11 @@ class SparseAttnConfig:
     groups x splits x it <= ``wave_programs``. By GPU kernel time on an H100 (fifty-seventh session, 640 rows x 512,
     64 heads, window + pool) batch 1 (ten splits) took 10.0 us with 1, 8.3 with 2 and 7.2 with 4; at batch 64 two
     dim splits in place of the list's two took 29.5 against 27.8, so the list splits come first. One of 1, 2, 4, 8.
+    mgpu_wg0_rows: 'mgpu' with two warpgroups: None (the default), both warpgroups' threads gather each block's
+    rows together; an int, warpgroup 0 (which alone computes the scores and softmax with shared scores) gathers
+    the block's first that many rows and warpgroup 1 the rest (``sparse_attn_mgpu``'s ``wg0_rows``). Prepared in
+    the fifty-seventh session and not yet timed: there warpgroup 0's share of the gather, ~1,300 clocks a block,
+    stood before its scores on the block's critical path (batch 64 with two dim splits).
     mgpu_trace_dir: 'mgpu' records each warpgroup's timeline (``sparse_attn_mgpu``'s ``trace_dir``: the clock at
     each step's start and end) into this directory, a Chrome trace a call; "" (the default) records nothing and
     leaves the kernel's code as it is. For tools/profile_attn.py --trace-dir, not for serving.
@@ -166,6 +171,7 @@ class SparseAttnConfig:
     pdl: bool = False
     mgpu_shared_scores: bool = True
     mgpu_dim_splits: int = 4
+    mgpu_wg0_rows: int | None = None
     mgpu_trace_dir: str = ""
 
     def __post_init__(self):
@@ -176,6 +182,9 @@ class SparseAttnConfig:
         if self.mgpu_dim_splits not in DIM_SPLITS:
             raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_dim_splits must be one of {DIM_SPLITS}, got "
                              f"{self.mgpu_dim_splits!r}")
+        if self.mgpu_wg0_rows is not None and self.mgpu_wg0_rows not in range(0, BLOCK, 8):
+            raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_wg0_rows must be None or one of "
+                             f"{list(range(0, BLOCK, 8))}, got {self.mgpu_wg0_rows!r}")
         object.__setattr__(self, "cluster_splits", tuple(self.cluster_splits))  # hashable: configs are jit statics
         error = sparse_attn_mgpu.cluster_splits_error(self.cluster_splits)
         if error:
@@ -328,7 +337,9 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
         return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
                                                  cluster_splits=config.cluster_splits,
-                                                 dim_splits=_dim_splits(config, t * groups * splits, k), pdl=config.pdl,
+                                                 dim_splits=_dim_splits(config, t * groups * splits, k),
+                                                 wg0_rows=config.mgpu_wg0_rows if sparse_attn_mgpu.warpgroups(k) == 2
+                                                 else None, pdl=config.pdl,
                                                  shared_scores=config.mgpu_shared_scores,
                                                  trace_dir=config.mgpu_trace_dir)
     split_len = -(-blocks // splits) * BLOCK

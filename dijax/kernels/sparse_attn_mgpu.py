@@ -179,6 +179,16 @@ def dim_splits_error(k: int, dim_splits: int) -> str | None:
     return None
 
 
+def wg0_rows_error(k: int, wg0_rows: int | None) -> str | None:
+    """Why warpgroup 0 cannot gather ``wg0_rows`` of each block's rows at head dim ``k`` (None when it can)."""
+    if wg0_rows is None:
+        return None
+    if warpgroups(k) != 2 or wg0_rows not in range(0, ROWS, 8):
+        return (f"wg0_rows must be None or, with two warpgroups (K > {MAX_PART}), one of {list(range(0, ROWS, 8))}; "
+                f"got {wg0_rows} at K = {k}")
+    return None
+
+
 def warpgroups(k: int) -> int:
     """Compute warpgroups a CTA for head dim ``k``: one up to ``MAX_PART`` dims, else two (each K / 2)."""
     return 1 if k <= MAX_PART else 2
@@ -190,7 +200,8 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     dim_splits: int = 1, pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
+                     dim_splits: int = 1, wg0_rows: int | None = None, pdl: bool = False, shared_scores: bool = True,
+                     trace_dir: str = "",
                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
@@ -200,7 +211,9 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
     ``CLUSTER_SIZES``), the others in XLA. ``dim_splits``: CTAs a (token, split, head group), each computing the
     scores over the whole rows and writing 1 / ``dim_splits`` of the output dims (module docstring, "Split output
-    dims"; ``dim_splits_error`` says which counts a K takes). ``shape_error`` lists the shapes it takes; fewer than
+    dims"; ``dim_splits_error`` says which counts a K takes). ``wg0_rows``: None, each block's rows gathered by
+    both warpgroups' threads together; else warpgroup 0 (the scores' warpgroup with ``shared_scores``) gathers the
+    block's first ``wg0_rows`` rows and warpgroup 1 the rest (``wg0_rows_error`` says which). ``shape_error`` lists the shapes it takes; fewer than
     64 heads are padded with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while the kernel before it
     still runs (not when interpreted). ``shared_scores``: with two warpgroups, warpgroup 0 alone computes each
     block's scores and softmax and hands P to both through shared memory (module docstring, "Shared scores"); the
@@ -213,7 +226,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     """
     t, h, k = q_THK.shape
     error = (shape_error(h, k, len(kv_sources)) or cluster_splits_error(cluster_splits)
-             or dim_splits_error(k, dim_splits))
+             or dim_splits_error(k, dim_splits) or wg0_rows_error(k, wg0_rows))
     if error:
         raise ValueError(error)
     heads = -(-h // HEADS) * HEADS
@@ -232,7 +245,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, dim_splits=dim_splits,
-                pdl=pdl and not interpret,
+                wg0_rows=wg0_rows, pdl=pdl and not interpret,
                 shared=shared_scores and warpgroups(k) == 2, trace_dir="" if interpret else trace_dir,
                 interpret=interpret)
     if splits == 1 or in_cluster:
@@ -240,10 +253,11 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "pdl", "shared",
-                                             "trace_dir", "interpret"))
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "wg0_rows", "pdl",
+                                             "shared", "trace_dir", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          dim_splits: int, pdl: bool, shared: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
+          dim_splits: int, wg0_rows: int | None, pdl: bool, shared: bool, trace_dir: str,
+          interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -296,9 +310,16 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             if interpret:
                 rows = pl.ds(si * split_len + b * ROWS, ROWS)
                 kv_smem.at[slot, wg][...] = gathered_gmem.at[ti, rows, pl.ds(wg * half, half)][...]
-            else:
+            elif wg0_rows is None:
                 row_gather.gather_rows(idx_smem.at[idx_slot], *src_gmems, kv_smem.at[slot], sizes=sizes,
                                        threads=wgs * WARPGROUP)
+            else:  # warpgroup 0 the block's first wg0_rows rows, warpgroup 1 the rest
+                for w, rows in enumerate(((0, wg0_rows), (wg0_rows, ROWS - wg0_rows))):
+                    if rows[1]:
+                        @pl.when(wg == w)
+                        def _(rows=rows):
+                            row_gather.gather_rows(idx_smem.at[idx_slot], *src_gmems, kv_smem.at[slot],
+                                                   sizes=sizes, threads=WARPGROUP, rows=rows)
 
         def landed(cta_bar):
             """The block's one meeting: every thread's copies of it are in shared memory, seen by wgmma (each
