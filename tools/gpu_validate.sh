@@ -144,7 +144,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache,
 #           stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="attn-dims|attn-dims-flash|attn-merge|attn-shared|attn-timeline|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="attn-dims|attn-dims-flash|attn-gather|attn-merge|attn-shared|attn-timeline|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -294,6 +294,16 @@ case "$stage" in
     run 100 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3 \
       --variant mgpu_dim_splits=2 --variant mgpu_dim_splits=4
     run 80 python3 tools/profile_attn.py 64 --config "{'mgpu_dim_splits': 2}" --trace-dir "$out/attn-trace" ;;
+  attn-gather)
+    # (~300 s) warpgroup 0's share of each block's gather (SparseAttnConfig.mgpu_wg0_rows, fifty-seventh session) and
+    # the dim splits' default: their GPU tests, the kernel rows by GPU kernel time with the shares 0 and 16 (alone,
+    # and with two dim splits of one list split), the dim splits off, then the tiny decode step (issue 11)
+    run 120 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k "timeline or dim_splits or wg0_rows or shared_scores"
+    run 150 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3 \
+      --variant mgpu_dim_splits=1 --variant mgpu_wg0_rows=0 --variant mgpu_wg0_rows=16 \
+      --variant num_splits=1,mgpu_dim_splits=2,mgpu_wg0_rows=0 --variant num_splits=1,mgpu_dim_splits=2,mgpu_wg0_rows=16
+    run 90 python3 tools/bench.py --kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 --engine off \
+      --warmup 10 --iters 50 ;;
   attn-dims-flash)
     run 400 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10 --variant "sparse_attn.CONFIG.mgpu_dim_splits=2" ;;
