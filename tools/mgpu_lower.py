@@ -73,15 +73,16 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
 
 
 # (T, H, K, source rows, L, splits[, split counts merged in clusters[, programmatic dependent launch[, timeline[,
-# shared scores[, dim splits[, warpgroup 0's gather rows]]]]]]): a small shape over two sources, decode at 64 tokens (two splits, one source; three sources, one
-# split), two head groups at K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a
-# cluster (the default), four in clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64
-# tokens recording its timeline (``trace_dir``: Mosaic GPU's on-device profiler) over one and three sources; decode at
-# 64 tokens with each warpgroup computing the scores itself (``shared_scores`` off; shared is the default), two splits
-# in a cluster over one source and one split over three; decode at 64 tokens as the model's step runs it (three
-# sources, two splits in a cluster: ``attention.attend_lists``), shared and not; the output dims split over two CTAs
-# (``dim_splits``) at 64 tokens (one split), one token (ten splits merged in XLA) and K = 128 (two splits in a cluster);
-# each block's rows gathered by warpgroup 1 alone (two dim splits) and 16 of them by warpgroup 0 (``wg0_rows``)
+# shared scores[, dim splits[, warpgroup 0's gather rows]]]]]]): a small shape over two sources, decode at 64 tokens
+# (two splits, one source; three sources, one split), two head groups at K = 256, the tiny model's 4 heads of 64 (one
+# warpgroup); two splits merge across a cluster (the default), four in clusters of four, five in XLA; one launched as
+# a programmatic dependent; decode at 64 tokens recording its timeline (``trace_dir``: Mosaic GPU's on-device
+# profiler) over one and three sources; decode at 64 tokens with each warpgroup computing the scores itself
+# (``shared_scores`` off; shared is the default), two splits in a cluster over one source and one split over three;
+# decode at 64 tokens as the model's step runs it (three sources, two splits in a cluster:
+# ``attention.attend_lists``), shared and not; the output dims split over two CTAs (``dim_splits``) at 64 tokens (one
+# split), one token (ten splits merged in XLA) and K = 128 (two splits in a cluster); each block's rows gathered by
+# warpgroup 1 alone (two dim splits) and 16 of them by warpgroup 0 (``wg0_rows``)
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1), (64, 64, 512, (4096, 64, 20000), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),
@@ -191,7 +192,8 @@ def kernels() -> list[tuple[str, str, object, list]]:
     (tools/mgpu_build.py builds the same list)."""
     return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
             ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
-            ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/clusters[/pdl[/timeline[/shared]]]]", lower_attention, ATTN_SHAPES),
+            ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/clusters[/pdl[/timeline[/shared[/dims[/wg0 rows]]]]]]",
+             lower_attention, ATTN_SHAPES),
             ("indexer_mgpu", "T/I/J/S/P/blocks[/warpgroups]", lower_indexer, INDEXER_SHAPES),
             ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]
 

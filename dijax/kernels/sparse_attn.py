@@ -42,7 +42,6 @@ BLOCK = 64
 HIGHEST = jax.lax.Precision.HIGHEST
 IMPLS = ("reference", "pallas")
 ENGINES = ("triton", "mgpu")
-DIM_SPLITS = (1, 2, 4, 8)
 MAX_SOURCES = 3
 MIN_HEADS = 16  # Triton's dot needs every dimension >= 16: fewer heads (tiny test models) are padded with zero queries
 
@@ -179,12 +178,12 @@ class SparseAttnConfig:
             raise ValueError(f"sparse_attn SparseAttnConfig.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.mgpu_min_tokens < 1:
             raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_min_tokens must be >= 1, got {self.mgpu_min_tokens}")
-        if self.mgpu_dim_splits not in DIM_SPLITS:
-            raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_dim_splits must be one of {DIM_SPLITS}, got "
-                             f"{self.mgpu_dim_splits!r}")
-        if self.mgpu_wg0_rows is not None and self.mgpu_wg0_rows not in range(0, BLOCK, 8):
+        if self.mgpu_dim_splits not in sparse_attn_mgpu.DIM_SPLITS:
+            raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_dim_splits must be one of "
+                             f"{sparse_attn_mgpu.DIM_SPLITS}, got {self.mgpu_dim_splits!r}")
+        if self.mgpu_wg0_rows is not None and self.mgpu_wg0_rows not in sparse_attn_mgpu.WG0_ROWS:
             raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_wg0_rows must be None or one of "
-                             f"{list(range(0, BLOCK, 8))}, got {self.mgpu_wg0_rows!r}")
+                             f"{sparse_attn_mgpu.WG0_ROWS}, got {self.mgpu_wg0_rows!r}")
         object.__setattr__(self, "cluster_splits", tuple(self.cluster_splits))  # hashable: configs are jit statics
         error = sparse_attn_mgpu.cluster_splits_error(self.cluster_splits)
         if error:
@@ -286,9 +285,10 @@ def _whole_kernel(idx_ref, *refs, sizes: tuple[int, ...], has_first: bool, inter
 
 def _dim_splits(config: SparseAttnConfig, programs: int, k: int) -> int:
     """CTAs for each of ``programs`` (token, head group, split) triples over head dim ``k``: the most of
-    ``DIM_SPLITS`` up to ``config.mgpu_dim_splits`` that K allows and that keep all of them in one wave."""
-    fits = [d for d in DIM_SPLITS if d <= config.mgpu_dim_splits and programs * d <= config.wave_programs
-            and sparse_attn_mgpu.dim_splits_error(k, d) is None]
+    ``sparse_attn_mgpu.DIM_SPLITS`` up to ``config.mgpu_dim_splits`` that K allows and that keep all of them in one
+    wave."""
+    fits = [d for d in sparse_attn_mgpu.DIM_SPLITS if d <= config.mgpu_dim_splits
+            and programs * d <= config.wave_programs and sparse_attn_mgpu.dim_splits_error(k, d) is None]
     return max(fits, default=1)
 
 

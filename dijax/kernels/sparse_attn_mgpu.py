@@ -142,6 +142,8 @@ MAX_SOURCES = 3
 # forty-ninth session), so two run in a second round (docs/mosaic_gpu.md)
 CLUSTER_SIZES = (2, 4, 8)
 CLUSTER_SPLITS = (2,)
+DIM_SPLITS = (1, 2, 4, 8)  # CTAs a (token, split, head group) can share its output dims among (``dim_splits``)
+WG0_ROWS = tuple(range(0, ROWS, 8))  # warpgroup 0's shares of a block's gather (``wg0_rows``)
 
 
 def shape_error(h: int, k: int, n_sources: int) -> str | None:
@@ -173,7 +175,7 @@ def cluster_splits_error(cluster_splits: tuple[int, ...]) -> str | None:
 def dim_splits_error(k: int, dim_splits: int) -> str | None:
     """Why a CTA cannot write 1 / ``dim_splits`` of head dim ``k``'s output dims (None when it can): each
     warpgroup's share must stay a whole number of the 64-column tiles its rows are stored in."""
-    allowed = [d for d in (1, 2, 4, 8) if (k // warpgroups(k)) % (64 * d) == 0]
+    allowed = [d for d in DIM_SPLITS if (k // warpgroups(k)) % (64 * d) == 0]
     if dim_splits not in allowed:
         return f"dim_splits must be one of {allowed} at K = {k}, got {dim_splits}"
     return None
@@ -183,9 +185,9 @@ def wg0_rows_error(k: int, wg0_rows: int | None) -> str | None:
     """Why warpgroup 0 cannot gather ``wg0_rows`` of each block's rows at head dim ``k`` (None when it can)."""
     if wg0_rows is None:
         return None
-    if warpgroups(k) != 2 or wg0_rows not in range(0, ROWS, 8):
-        return (f"wg0_rows must be None or, with two warpgroups (K > {MAX_PART}), one of {list(range(0, ROWS, 8))}; "
-                f"got {wg0_rows} at K = {k}")
+    if warpgroups(k) != 2 or wg0_rows not in WG0_ROWS:
+        return (f"wg0_rows must be None or, with two warpgroups (K > {MAX_PART}), one of {WG0_ROWS}; got {wg0_rows} "
+                f"at K = {k}")
     return None
 
 
@@ -213,15 +215,16 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     scores over the whole rows and writing 1 / ``dim_splits`` of the output dims (module docstring, "Split output
     dims"; ``dim_splits_error`` says which counts a K takes). ``wg0_rows``: None, each block's rows gathered by
     both warpgroups' threads together; else warpgroup 0 (the scores' warpgroup with ``shared_scores``) gathers the
-    block's first ``wg0_rows`` rows and warpgroup 1 the rest (``wg0_rows_error`` says which). ``shape_error`` lists the shapes it takes; fewer than
-    64 heads are padded with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while the kernel before it
-    still runs (not when interpreted). ``shared_scores``: with two warpgroups, warpgroup 0 alone computes each
-    block's scores and softmax and hands P to both through shared memory (module docstring, "Shared scores"); the
-    same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
-    on-device profiler: the clock at each named region's start and end) and write it to this directory, one Chrome
-    trace a call (tools/kernel_regions.py sums it up); not when interpreted.
-    ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default
-    parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector).
+    block's first ``wg0_rows`` rows and warpgroup 1 the rest (``wg0_rows_error`` says which). ``shape_error``
+    lists the shapes it takes; fewer than 64 heads are padded with zero queries. ``pdl``: launch as a programmatic
+    dependent, its CTAs free to start while the kernel before it still runs (not when interpreted).
+    ``shared_scores``: with two warpgroups, warpgroup 0 alone computes each block's scores and softmax and hands P
+    to both through shared memory (module docstring, "Shared scores"); the same arithmetic. ``trace_dir``: record a
+    timeline of each warpgroup's steps (Mosaic GPU's on-device profiler: the clock at each named region's start and
+    end) and write it to this directory, one Chrome trace a call (tools/kernel_regions.py sums it up); not when
+    interpreted. ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its
+    default parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race
+    detector).
     -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
