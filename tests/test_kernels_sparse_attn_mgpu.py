@@ -186,6 +186,11 @@ def test_dim_splits_are_validated_and_fill_the_wave(monkeypatch):
         q, sources, idx, sink = problem(t, 640, (700,), 0, 64, 512)
         sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1, config=config)
     assert [(kw["splits"], kw["dim_splits"]) for kw in calls] == [(10, 4), (10, 2), (2, 1), (1, 1)]
+    # the prepared variants stay off unless asked for, and reach the kernel when they are
+    assert all(kw["wg0_rows"] is None and kw["keep_own_tile"] is False for kw in calls)
+    sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1,
+                          config=sa.SparseAttnConfig(engine="mgpu", mgpu_wg0_rows=16, mgpu_keep_own_tile=True))
+    assert calls[-1]["wg0_rows"] == 16 and calls[-1]["keep_own_tile"] is True
 
 
 def test_wg0_rows_are_validated():

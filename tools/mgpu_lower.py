@@ -73,16 +73,17 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
 
 
 # (T, H, K, source rows, L, splits[, split counts merged in clusters[, programmatic dependent launch[, timeline[,
-# shared scores[, dim splits[, warpgroup 0's gather rows]]]]]]): a small shape over two sources, decode at 64 tokens
-# (two splits, one source; three sources, one split), two head groups at K = 256, the tiny model's 4 heads of 64 (one
-# warpgroup); two splits merge across a cluster (the default), four in clusters of four, five in XLA; one launched as
-# a programmatic dependent; decode at 64 tokens recording its timeline (``trace_dir``: Mosaic GPU's on-device
-# profiler) over one and three sources; decode at 64 tokens with each warpgroup computing the scores itself
-# (``shared_scores`` off; shared is the default), two splits in a cluster over one source and one split over three;
-# decode at 64 tokens as the model's step runs it (three sources, two splits in a cluster:
+# shared scores[, dim splits[, warpgroup 0's gather rows[, keep own tile]]]]]]]): a small shape over two sources,
+# decode at 64 tokens (two splits, one source; three sources, one split), two head groups at K = 256, the tiny model's
+# 4 heads of 64 (one warpgroup); two splits merge across a cluster (the default), four in clusters of four, five in
+# XLA; one launched as a programmatic dependent; decode at 64 tokens recording its timeline (``trace_dir``: Mosaic
+# GPU's on-device profiler) over one and three sources; decode at 64 tokens with each warpgroup computing the scores
+# itself (``shared_scores`` off; shared is the default), two splits in a cluster over one source and one split over
+# three; decode at 64 tokens as the model's step runs it (three sources, two splits in a cluster:
 # ``attention.attend_lists``), shared and not; the output dims split over two CTAs (``dim_splits``) at 64 tokens (one
 # split), one token (ten splits merged in XLA) and K = 128 (two splits in a cluster); each block's rows gathered by
-# warpgroup 1 alone (two dim splits) and 16 of them by warpgroup 0 (``wg0_rows``)
+# warpgroup 1 alone (two dim splits) and 16 of them by warpgroup 0 (``wg0_rows``); the cluster merge with each CTA's
+# own tile kept in registers (``keep_own_tile``) for two splits and four
 ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1), (64, 64, 512, (4096, 64, 20000), 640, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),
@@ -97,23 +98,26 @@ ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
                (1, 64, 512, (4096, 64, 20000), 640, 10, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2),
                (3, 64, 128, (40, 300), 150, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2),
                (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2, 0),
-               (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 1, 16)]
+               (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 1, 16),
+               (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 1, None,
+                True),
+               (32, 64, 512, (8192,), 640, 4, sparse_attn_mgpu.CLUSTER_SIZES, False, False, True, 1, None, True)]
 
 
 def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
                     clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS, pdl: bool = False,
                     timeline: bool = False, shared: bool = True, dim_splits: int = 1,
-                    wg0_rows: int | None = None) -> int:
+                    wg0_rows: int | None = None, keep_own_tile: bool = False) -> int:
     """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (``clusters``: its
     ``cluster_splits``; ``pdl`` its programmatic dependent launch; ``timeline`` a ``trace_dir``, which nothing
-    writes to here; ``shared`` its ``shared_scores``; ``dim_splits`` and ``wg0_rows`` its own); -> the StableHLO
-    text's length."""
+    writes to here; ``shared`` its ``shared_scores``; ``dim_splits``, ``wg0_rows`` and ``keep_own_tile`` its own);
+    -> the StableHLO text's length."""
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
               tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
     fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits,
                            cluster_splits=clusters, pdl=pdl, shared_scores=shared, dim_splits=dim_splits,
-                           wg0_rows=wg0_rows,
+                           wg0_rows=wg0_rows, keep_own_tile=keep_own_tile,
                            trace_dir=tempfile.gettempdir() if timeline else "")
     with no_host_callbacks() if timeline else contextlib.nullcontext():
         return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
@@ -192,7 +196,8 @@ def kernels() -> list[tuple[str, str, object, list]]:
     (tools/mgpu_build.py builds the same list)."""
     return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
             ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
-            ("sparse_attn_mgpu", "T/H/K/sources/L/splits[/clusters[/pdl[/timeline[/shared[/dims[/wg0 rows]]]]]]",
+            ("sparse_attn_mgpu",
+             "T/H/K/sources/L/splits[/clusters[/pdl[/timeline[/shared[/dims[/wg0 rows[/keep own tile]]]]]]]",
              lower_attention, ATTN_SHAPES),
             ("indexer_mgpu", "T/I/J/S/P/blocks[/warpgroups]", lower_indexer, INDEXER_SHAPES),
             ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]

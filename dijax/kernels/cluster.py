@@ -26,8 +26,11 @@ columns a tile (a multiple of 8).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, gpu, llvm
 from jax.experimental.mosaic import gpu as mgpu
@@ -66,19 +69,31 @@ def wait(ctx) -> None:
                     has_side_effects=True)
 
 
-def store_tiles(x_RC: jax.Array, tiles_ref) -> None:
+def store_tiles(x_RC: jax.Array, tiles_ref, skip_own: bool = False) -> None:
     """Write the fp32 WGMMA-layout array ``x_RC`` (R x S W) into this CTA's ``tiles_ref`` (SMEM fp32
-    ``tiles_shape(S, R, W)``, row-major padded tiles: module docstring)."""
+    ``tiles_shape(S, R, W)``, row-major padded tiles: module docstring). ``skip_own``: all but this CTA's own tile
+    (tile c, c its index in the cluster), which only this CTA reduces and keeps in registers (``own_tile``)."""
     s = tiles_ref.shape[0]
     w = x_RC.shape[1] // s
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def store(ctx, x, ref):
         del ctx
+        me = gpu.cluster_block_id(gpu.Dimension.x)
+        index = ir.IndexType.get()
         for tile in range(s):
-            x[:, tile * w:(tile + 1) * w].store_untiled(_tile(ref, tile, w), optimized=True)
+            with (mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, me, arith.constant(index, tile))) if skip_own
+                  else contextlib.nullcontext()):
+                x[:, tile * w:(tile + 1) * w].store_untiled(_tile(ref, tile, w), optimized=True)
 
     store(x_RC, tiles_ref)
+
+
+def own_tile(x_RC: jax.Array, tiles: int, index: jax.Array) -> jax.Array:
+    """This CTA's tile of ``x_RC`` (fp32 R x S W, WGMMA layout; S = ``tiles``), read from registers: columns
+    [c W, (c + 1) W), c = ``index``, this CTA's index in the cluster. -> fp32 [R, W]."""
+    w = x_RC.shape[1] // tiles
+    return lax.switch(index, [lambda t=t: x_RC[:, t * w:(t + 1) * w] for t in range(tiles)])
 
 
 def load_peer_tile(tiles_ref, peer: int, width: int) -> jax.Array:

@@ -148,6 +148,10 @@ class SparseAttnConfig:
     the block's first that many rows and warpgroup 1 the rest (``sparse_attn_mgpu``'s ``wg0_rows``). Prepared in
     the fifty-seventh session and not yet timed: there warpgroup 0's share of the gather, ~1,300 clocks a block,
     stood before its scores on the block's critical path (batch 64 with two dim splits).
+    mgpu_keep_own_tile: 'mgpu' splits merged in a cluster: each CTA keeps the tile of partial sums it reduces itself
+    in its registers, storing only the tiles the others read and reading only theirs (``sparse_attn_mgpu``'s
+    ``keep_own_tile``; the same sums). Prepared in the fifty-seventh session and not yet timed: the merge's reads
+    took ~7,800 of a CTA's ~49,700 clocks at batch 64 (fifty-sixth session), half of them of its own tile.
     mgpu_trace_dir: 'mgpu' records each warpgroup's timeline (``sparse_attn_mgpu``'s ``trace_dir``: the clock at
     each step's start and end) into this directory, a Chrome trace a call; "" (the default) records nothing and
     leaves the kernel's code as it is. For tools/profile_attn.py --trace-dir, not for serving.
@@ -171,6 +175,7 @@ class SparseAttnConfig:
     mgpu_shared_scores: bool = True
     mgpu_dim_splits: int = 4
     mgpu_wg0_rows: int | None = None
+    mgpu_keep_own_tile: bool = False
     mgpu_trace_dir: str = ""
 
     def __post_init__(self):
@@ -339,7 +344,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
                                                  cluster_splits=config.cluster_splits,
                                                  dim_splits=_dim_splits(config, t * groups * splits, k),
                                                  wg0_rows=config.mgpu_wg0_rows if sparse_attn_mgpu.warpgroups(k) == 2
-                                                 else None, pdl=config.pdl,
+                                                 else None, keep_own_tile=config.mgpu_keep_own_tile, pdl=config.pdl,
                                                  shared_scores=config.mgpu_shared_scores,
                                                  trace_dir=config.mgpu_trace_dir)
     split_len = -(-blocks // splits) * BLOCK

@@ -202,8 +202,8 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     dim_splits: int = 1, wg0_rows: int | None = None, pdl: bool = False, shared_scores: bool = True,
-                     trace_dir: str = "",
+                     dim_splits: int = 1, wg0_rows: int | None = None, keep_own_tile: bool = False,
+                     pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
@@ -215,7 +215,9 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     scores over the whole rows and writing 1 / ``dim_splits`` of the output dims (module docstring, "Split output
     dims"; ``dim_splits_error`` says which counts a K takes). ``wg0_rows``: None, each block's rows gathered by
     both warpgroups' threads together; else warpgroup 0 (the scores' warpgroup with ``shared_scores``) gathers the
-    block's first ``wg0_rows`` rows and warpgroup 1 the rest (``wg0_rows_error`` says which). ``shape_error``
+    block's first ``wg0_rows`` rows and warpgroup 1 the rest (``wg0_rows_error`` says which).
+    ``keep_own_tile``: in the cluster merge, each CTA keeps the tile of partial sums it reduces itself in its
+    registers: it stores only the tiles the others read, and reads only theirs (the same sums). ``shape_error``
     lists the shapes it takes; fewer than 64 heads are padded with zero queries. ``pdl``: launch as a programmatic
     dependent, its CTAs free to start while the kernel before it still runs (not when interpreted).
     ``shared_scores``: with two warpgroups, warpgroup 0 alone computes each block's scores and softmax and hands P
@@ -248,7 +250,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, dim_splits=dim_splits,
-                wg0_rows=wg0_rows, pdl=pdl and not interpret,
+                wg0_rows=wg0_rows, keep_own_tile=keep_own_tile, pdl=pdl and not interpret,
                 shared=shared_scores and warpgroups(k) == 2, trace_dir="" if interpret else trace_dir,
                 interpret=interpret)
     if splits == 1 or in_cluster:
@@ -256,10 +258,10 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "wg0_rows", "pdl",
-                                             "shared", "trace_dir", "interpret"))
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "wg0_rows",
+                                             "keep_own_tile", "pdl", "shared", "trace_dir", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          dim_splits: int, wg0_rows: int | None, pdl: bool, shared: bool, trace_dir: str,
+          dim_splits: int, wg0_rows: int | None, keep_own_tile: bool, pdl: bool, shared: bool, trace_dir: str,
           interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
@@ -502,7 +504,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             dims); after the cluster's meeting, CTA s reads tile s of every CTA (in split order), merges them as
             ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims."""
             with region("cluster_store"):
-                cluster.store_tiles(acc, o_smem.at[wg])
+                cluster.store_tiles(acc, o_smem.at[wg], skip_own=keep_own_tile)
 
                 @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
                 def _():
@@ -517,10 +519,13 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 running = functools.reduce(jnp.maximum, maxes)
                 den = sink_term(running)
                 merged = None
+                own = cluster.own_tile(acc, splits, si) if keep_own_tile else None
                 for p, max_p in enumerate(maxes):
                     weight = jnp.exp(max_p - running)
-                    part = (cluster.load_peer_tile(o_smem.at[wg], p, width)
-                            * lax.broadcast_in_dim(weight, (HEADS, width), [0]))
+                    tile = functools.partial(cluster.load_peer_tile, o_smem.at[wg], p, width)
+                    if keep_own_tile:  # this CTA's own tile from its registers, the others' from their memory
+                        tile = functools.partial(lax.cond, si == p, lambda: own, tile)
+                    part = tile() * lax.broadcast_in_dim(weight, (HEADS, width), [0])
                     merged = part if merged is None else merged + part
                     den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                     den = den + den_p * weight

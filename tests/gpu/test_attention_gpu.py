@@ -256,6 +256,16 @@ def test_sparse_attn_mgpu_wg0_rows(batch, splits, dims):
         np.testing.assert_array_equal(shared, outputs[0])
 
 
+@pytest.mark.parametrize("batch,splits,clusters", [(64, 2, (2,)), (32, 4, ALL_CLUSTERS), (1, 8, ALL_CLUSTERS)])
+def test_sparse_attn_mgpu_keep_own_tile(batch, splits, clusters):
+    # the cluster merge with each CTA's own tile of partial sums kept in its registers (SparseAttnConfig.
+    # mgpu_keep_own_tile: only the others' tiles stored and read): the same bits, in clusters of 2, 4 and 8
+    stored, kept = through_the_seam(batch, batch + 700, splits, cluster_splits=[clusters] * 2,
+                                    mgpu_keep_own_tile=[False, True])
+    assert np.isfinite(kept).all()
+    np.testing.assert_array_equal(kept, stored)
+
+
 @pytest.mark.parametrize("batch,splits", [(64, 2), (3, 1)])
 def test_sparse_attn_mgpu_timeline(batch, splits, tmp_path):
     # SparseAttnConfig.mgpu_trace_dir: the kernel with its steps timed (Mosaic GPU's on-device profiler) gives the
