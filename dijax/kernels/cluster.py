@@ -5,7 +5,8 @@ A kernel launched with ``plgpu.kernel(cluster=(n,), cluster_names=(name,))`` run
 neighbouring multiprocessors, each able to read the others' shared memory. The tiles here are laid out
 [S, R, W + pad] (``tiles_shape``): tile s holds columns [s W, (s + 1) W) of an R x (S W) array, row-major with its
 rows W + pad elements apart, so that CTA s of the cluster reads tile s of every CTA (``load_peer_tile``): each CTA
-reduces its 1 / S of the columns over all S CTAs, in CTA order.
+reduces its 1 / S of the columns over all S CTAs, in CTA order. Its own tile it may instead keep in registers
+(``own_tile``, and ``store_tiles(..., skip_own=True)`` stores only the others').
 
 Why the padding: in the WGMMA layout a warp's transfer covers 8 rows x 8 columns (4 lanes a row, 2 fp32 each). With
 rows W x 4 bytes apart and W a multiple of 32, all 8 rows fall in the same 8 of the 32 banks: every store and load

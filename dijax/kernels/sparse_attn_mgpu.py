@@ -502,7 +502,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         def merge_in_cluster(o_smem, max_smem, den_smem, out_smem):
             """Each CTA's partials into its own shared memory (``cluster``: o as S tiles of its warpgroup's output
             dims); after the cluster's meeting, CTA s reads tile s of every CTA (in split order), merges them as
-            ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims."""
+            ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims. With
+            ``keep_own_tile``, tile s of CTA s itself comes from its registers and is never stored."""
             with region("cluster_store"):
                 cluster.store_tiles(acc, o_smem.at[wg], skip_own=keep_own_tile)
 
