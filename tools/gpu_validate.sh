@@ -158,6 +158,17 @@ parity() {  # name, time limit, arguments of dijax parity
   timeout "$limit" python3 -m dijax.cli.main parity "$@" --kernels on > "$out/parity-$name.txt" 2>&1
   echo "parity $name: exit $?" >> "$log"
 }
+parity_all() {  # time limit: GPU parity of tiny-nodrop (one step, --chunk 7, the engine) and tiny side by side (no
+  # preallocation, so the processes share the GPU's memory), then their summary
+  local limit=$1
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  parity tiny-nodrop "$limit" "$fixtures/tiny-nodrop" &
+  parity chunk7 "$limit" "$fixtures/tiny-nodrop" --chunk 7 &
+  parity engine "$limit" "$fixtures/tiny-nodrop" --engine &
+  parity tiny "$limit" "$fixtures/tiny" &
+  wait
+  parity_summary "$out"/parity-*.txt
+}
 ncu_attn() {  # sections, batches ("1 32"), then SparseAttnConfig changes: Nsight Compute of sparse attention's
   # Mosaic GPU kernel (tools/profile_attn.py) under each change in turn
   local sections=$1 batches=$2 config
@@ -671,21 +682,9 @@ case "$stage" in
       --variant mgpu_wg0_rows=0
     run 200 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    parity tiny-nodrop 200 "$fixtures/tiny-nodrop" &
-    parity engine 200 "$fixtures/tiny-nodrop" --engine &
-    parity tiny 200 "$fixtures/tiny" &
-    wait
-    parity_summary "$out"/parity-*.txt ;;
+    parity_all 200 ;;
   parity)
-    # side by side: no preallocation, so the processes share the GPU's memory
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    parity tiny-nodrop 540 "$fixtures/tiny-nodrop" &
-    parity chunk7 540 "$fixtures/tiny-nodrop" --chunk 7 &
-    parity engine 540 "$fixtures/tiny-nodrop" --engine &
-    parity tiny 540 "$fixtures/tiny" &
-    wait
-    parity_summary "$out"/parity-*.txt ;;
+    parity_all 540 ;;
   *) echo "unknown stage $stage (one of $stages)" >&2; exit 2 ;;
 esac
 grep -E "^(kernels of|==|   \(exit|\||parity|bucket|total|graph update|.*passed|.*failed|.*Triton GEMM fusions|.*warps, |.*device busy|  (decode|prefill|engine|device))" "$log" | tail -120

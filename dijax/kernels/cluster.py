@@ -80,11 +80,8 @@ def store_tiles(x_RC: jax.Array, tiles_ref, skip_own: bool = False) -> None:
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def store(ctx, x, ref):
         del ctx
-        me = gpu.cluster_block_id(gpu.Dimension.x)
-        index = ir.IndexType.get()
         for tile in range(s):
-            with (mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, me, arith.constant(index, tile))) if skip_own
-                  else contextlib.nullcontext()):
+            with _unless_own(tile) if skip_own else contextlib.nullcontext():
                 x[:, tile * w:(tile + 1) * w].store_untiled(_tile(ref, tile, w), optimized=True)
 
     store(x_RC, tiles_ref)
@@ -113,6 +110,12 @@ def load_peer_tile(tiles_ref, peer: int, width: int) -> jax.Array:
         return mgpu.FragmentedArray.load_untiled(tile, layout=mgpu.WGMMA_LAYOUT, optimized=True)
 
     return load(tiles_ref)
+
+
+def _unless_own(tile: int):
+    """Inside ``inline_mgpu``: a block run only by the cluster's CTAs other than CTA ``tile``."""
+    me = gpu.cluster_block_id(gpu.Dimension.x)
+    return mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, me, arith.constant(ir.IndexType.get(), tile)))
 
 
 def _tile(ref, tile, width: int):

@@ -523,10 +523,12 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 own = cluster.own_tile(acc, splits, si) if keep_own_tile else None
                 for p, max_p in enumerate(maxes):
                     weight = jnp.exp(max_p - running)
-                    tile = functools.partial(cluster.load_peer_tile, o_smem.at[wg], p, width)
-                    if keep_own_tile:  # this CTA's own tile from its registers, the others' from their memory
-                        tile = functools.partial(lax.cond, si == p, lambda: own, tile)
-                    part = tile() * lax.broadcast_in_dim(weight, (HEADS, width), [0])
+                    def peer_tile(p=p):
+                        return cluster.load_peer_tile(o_smem.at[wg], p, width)
+
+                    # with keep_own_tile, this CTA's own tile from its registers, the others' from their memory
+                    tile = lax.cond(si == p, lambda: own, peer_tile) if keep_own_tile else peer_tile()
+                    part = tile * lax.broadcast_in_dim(weight, (HEADS, width), [0])
                     merged = part if merged is None else merged + part
                     den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                     den = den + den_p * weight

@@ -252,8 +252,8 @@ def test_sparse_attn_mgpu_wg0_rows(batch, splits, dims):
     outputs = through_the_seam(batch, batch + 600, splits, mgpu_dim_splits=[dims] * 4,
                                mgpu_wg0_rows=[None, 0, 16, 56])
     assert np.isfinite(outputs[0]).all()
-    for shared in outputs[1:]:
-        np.testing.assert_array_equal(shared, outputs[0])
+    for uneven in outputs[1:]:
+        np.testing.assert_array_equal(uneven, outputs[0])
 
 
 @pytest.mark.parametrize("batch,splits,clusters", [(64, 2, (2,)), (32, 4, ALL_CLUSTERS), (1, 8, ALL_CLUSTERS)])
