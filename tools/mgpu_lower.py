@@ -26,6 +26,7 @@ import functools
 import os
 import sys
 import tempfile
+import typing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,46 +73,59 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
     return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 
 
-# (T, H, K, source rows, L, splits[, split counts merged in clusters[, programmatic dependent launch[, timeline[,
-# shared scores[, dim splits[, warpgroup 0's gather rows[, keep own tile]]]]]]]): a small shape over two sources,
-# decode at 64 tokens (two splits, one source; three sources, one split), two head groups at K = 256, the tiny model's
-# 4 heads of 64 (one warpgroup); two splits merge across a cluster (the default), four in clusters of four, five in
-# XLA; one launched as a programmatic dependent; decode at 64 tokens recording its timeline (``trace_dir``: Mosaic
-# GPU's on-device profiler) over one and three sources; decode at 64 tokens with each warpgroup computing the scores
-# itself (``shared_scores`` off; shared is the default), two splits in a cluster over one source and one split over
-# three; decode at 64 tokens as the model's step runs it (three sources, two splits in a cluster:
-# ``attention.attend_lists``), shared and not; the output dims split over two CTAs (``dim_splits``) at 64 tokens (one
-# split), one token (ten splits merged in XLA) and K = 128 (two splits in a cluster); each block's rows gathered by
-# warpgroup 1 alone (two dim splits) and 16 of them by warpgroup 0 (``wg0_rows``); the cluster merge with each CTA's
-# own tile kept in registers (``keep_own_tile``) for two splits and four
-ATTN_SHAPES = [(2, 64, 128, (40, 300), 150, 2), (64, 64, 512, (8192,), 640, 2),
-               (64, 64, 512, (4096, 64, 20000), 640, 1), (64, 64, 512, (4096, 64, 20000), 640, 2),
-               (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),
-               (3, 128, 256, (500,), 64, 1), (7, 4, 64, (32, 7, 200), 300, 2), (1, 64, 512, (8192,), 640, 5),
-               (32, 64, 512, (8192,), 640, 4, sparse_attn_mgpu.CLUSTER_SIZES),
-               (1, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, True),
-               (64, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, True),
-               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, True),
-               (64, 64, 512, (8192,), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),
-               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, False),
-               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2),
-               (1, 64, 512, (4096, 64, 20000), 640, 10, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2),
-               (3, 64, 128, (40, 300), 150, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2),
-               (64, 64, 512, (4096, 64, 20000), 640, 1, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 2, 0),
-               (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 1, 16),
-               (64, 64, 512, (4096, 64, 20000), 640, 2, sparse_attn_mgpu.CLUSTER_SPLITS, False, False, True, 1, None,
-                True),
-               (32, 64, 512, (8192,), 640, 4, sparse_attn_mgpu.CLUSTER_SIZES, False, False, True, 1, None, True)]
+class AttnShape(typing.NamedTuple):
+    """One ``sparse_attn_mgpu`` configuration lowered here: T tokens of H heads of K dims over source tables of
+    ``sizes`` rows, index lists of L = ``length`` entries in ``splits`` splits; the rest are the kernel's own
+    options (``clusters``: its ``cluster_splits``; ``timeline``: a ``trace_dir``; ``shared``: ``shared_scores``)."""
+    t: int
+    h: int
+    k: int
+    sizes: tuple[int, ...]
+    length: int
+    splits: int
+    clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS
+    pdl: bool = False
+    timeline: bool = False
+    shared: bool = True
+    dim_splits: int = 1
+    wg0_rows: int | None = None
+    keep_own_tile: bool = False
+
+
+THREE = (4096, 64, 20000)  # decode's three sources: the window ring, this step's rows, the compressed pool
+# A small shape over two sources, decode at 64 tokens (two splits over one source; one and two over three), two head
+# groups at K = 256, the tiny model's 4 heads of 64 (one warpgroup); two splits merge across a cluster (the default),
+# four in clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64 tokens recording its
+# timeline (Mosaic GPU's on-device profiler) over one and three sources; each warpgroup computing the scores itself
+# (unshared); the output dims split over two CTAs at 64 tokens (one split), one token (ten splits merged in XLA) and
+# K = 128 (two splits in a cluster); each block's rows gathered by warpgroup 1 alone (two dim splits) and 16 of them by
+# warpgroup 0; the cluster merge with each CTA's own tile kept in registers for two splits and four
+ATTN_SHAPES = [AttnShape(2, 64, 128, (40, 300), 150, 2), AttnShape(64, 64, 512, (8192,), 640, 2),
+               AttnShape(64, 64, 512, THREE, 640, 1), AttnShape(64, 64, 512, THREE, 640, 2),
+               AttnShape(64, 64, 512, THREE, 640, 2, shared=False),
+               AttnShape(3, 128, 256, (500,), 64, 1), AttnShape(7, 4, 64, (32, 7, 200), 300, 2),
+               AttnShape(1, 64, 512, (8192,), 640, 5),
+               AttnShape(32, 64, 512, (8192,), 640, 4, clusters=sparse_attn_mgpu.CLUSTER_SIZES),
+               AttnShape(1, 64, 512, (8192,), 640, 2, pdl=True),
+               AttnShape(64, 64, 512, (8192,), 640, 2, timeline=True),
+               AttnShape(64, 64, 512, THREE, 640, 1, timeline=True),
+               AttnShape(64, 64, 512, (8192,), 640, 2, shared=False),
+               AttnShape(64, 64, 512, THREE, 640, 1, shared=False),
+               AttnShape(64, 64, 512, THREE, 640, 1, dim_splits=2),
+               AttnShape(1, 64, 512, THREE, 640, 10, dim_splits=2),
+               AttnShape(3, 64, 128, (40, 300), 150, 2, dim_splits=2),
+               AttnShape(64, 64, 512, THREE, 640, 1, dim_splits=2, wg0_rows=0),
+               AttnShape(64, 64, 512, THREE, 640, 2, wg0_rows=16),
+               AttnShape(64, 64, 512, THREE, 640, 2, keep_own_tile=True),
+               AttnShape(32, 64, 512, (8192,), 640, 4, clusters=sparse_attn_mgpu.CLUSTER_SIZES, keep_own_tile=True)]
 
 
 def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
                     clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS, pdl: bool = False,
                     timeline: bool = False, shared: bool = True, dim_splits: int = 1,
                     wg0_rows: int | None = None, keep_own_tile: bool = False) -> int:
-    """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (``clusters``: its
-    ``cluster_splits``; ``pdl`` its programmatic dependent launch; ``timeline`` a ``trace_dir``, which nothing
-    writes to here; ``shared`` its ``shared_scores``; ``dim_splits``, ``wg0_rows`` and ``keep_own_tile`` its own);
-    -> the StableHLO text's length."""
+    """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (an ``AttnShape``'s fields;
+    the timeline's ``trace_dir`` is never written to here); -> the StableHLO text's length."""
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
               tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
@@ -197,7 +211,7 @@ def kernels() -> list[tuple[str, str, object, list]]:
     return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
             ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
             ("sparse_attn_mgpu",
-             "T/H/K/sources/L/splits[/clusters[/pdl[/timeline[/shared[/dims[/wg0 rows[/keep own tile]]]]]]]",
+             "(fields named)",
              lower_attention, ATTN_SHAPES),
             ("indexer_mgpu", "T/I/J/S/P/blocks[/warpgroups]", lower_indexer, INDEXER_SHAPES),
             ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]
