@@ -186,6 +186,11 @@ def test_dim_splits_are_validated_and_fill_the_wave(monkeypatch):
         q, sources, idx, sink = problem(t, 640, (700,), 0, 64, 512)
         sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1, config=config)
     assert [(kw["splits"], kw["dim_splits"]) for kw in calls] == [(10, 4), (10, 2), (2, 1), (1, 1)]
+    # dims first: the dim splits take the wave and the list's splits fill the rest (5 tokens x 4 dims leave 6)
+    first = sa.SparseAttnConfig(engine="mgpu", mgpu_dims_first=True)
+    assert [sa._mgpu_splits(first, t, 10, 512) for t in (1, 5, 16, 64, 256)] == [(10, 4), (5, 4), (2, 4), (1, 2),
+                                                                                 (1, 1)]
+    assert sa._mgpu_splits(first, 5, 10, 64) == (10, 1)
     # the prepared variants stay off unless asked for, and reach the kernel when they are
     assert all(kw["wg0_rows"] is None and kw["keep_own_tile"] is False for kw in calls)
     sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1,

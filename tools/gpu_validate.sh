@@ -308,12 +308,13 @@ case "$stage" in
   attn-gather)
     # (~200 s) the two variants prepared in the fifty-seventh session, untimed: warpgroup 0's share of each block's
     # gather (SparseAttnConfig.mgpu_wg0_rows) and the cluster merge with each CTA's own tile kept in registers
-    # (mgpu_keep_own_tile); with the dim splits' default: their GPU tests and the timeline's, the kernel rows by GPU
-    # kernel time (the share 0 alone and with two dim splits of one list split; the own tile kept; both), the
+    # (mgpu_keep_own_tile), and the dim splits first (mgpu_dims_first, fifty-eighth); with the dim splits' default:
+    # their GPU tests and the timeline's, the kernel rows by GPU kernel time (the share 0; the dims first, alone and
+    # with the share 0: at batch 64 two dim splits of one list split; the own tile kept; with the share 16), the
     # timeline at batch 64 with the own tile kept, then on an H200 the tiny decode step (issue 11)
     run 100 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k "timeline or wg0_rows or keep_own_tile"
     run 90 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3 \
-      --variant mgpu_wg0_rows=0 --variant num_splits=1,mgpu_dim_splits=2,mgpu_wg0_rows=0 \
+      --variant mgpu_wg0_rows=0 --variant mgpu_dims_first=True --variant mgpu_dims_first=True,mgpu_wg0_rows=0 \
       --variant mgpu_keep_own_tile=True --variant mgpu_keep_own_tile=True,mgpu_wg0_rows=16
     run 60 python3 tools/profile_attn.py 64 --config "{'mgpu_keep_own_tile': True}" --trace-dir "$out/attn-trace"
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
