@@ -186,26 +186,3 @@ def test_dim_splits_are_validated_and_fill_the_wave(monkeypatch):
         q, sources, idx, sink = problem(t, 640, (700,), 0, 64, 512)
         sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1, config=config)
     assert [(kw["splits"], kw["dim_splits"]) for kw in calls] == [(10, 4), (10, 2), (2, 1), (1, 1)]
-    # dims first: the dim splits take the wave and the list's splits fill the rest (5 tokens x 4 dims leave 6)
-    first = sa.SparseAttnConfig(engine="mgpu", mgpu_dims_first=True)
-    assert [sa._mgpu_splits(first, t, 10, 512) for t in (1, 5, 16, 64, 256)] == [(10, 4), (5, 4), (2, 4), (1, 2),
-                                                                                 (1, 1)]
-    assert sa._mgpu_splits(first, 5, 10, 64) == (10, 1)
-    # the prepared variants stay off unless asked for, and reach the kernel when they are
-    assert all(kw["wg0_rows"] is None and kw["keep_own_tile"] is False for kw in calls)
-    sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1,
-                          config=sa.SparseAttnConfig(engine="mgpu", mgpu_wg0_rows=16, mgpu_keep_own_tile=True))
-    assert calls[-1]["wg0_rows"] == 16 and calls[-1]["keep_own_tile"] is True
-
-
-def test_wg0_rows_are_validated():
-    # warpgroup 0's share of a block's gather: two warpgroups only (K > 256), whole 8-row groups short of the block
-    assert sm.wg0_rows_error(512, None) is None and sm.wg0_rows_error(512, 0) is None
-    assert sm.wg0_rows_error(512, 56) is None
-    for k, rows in ((512, 64), (512, 12), (256, 16), (64, 0)):
-        assert "wg0_rows must be None or" in sm.wg0_rows_error(k, rows)
-    with pytest.raises(ValueError, match="wg0_rows must be None or"):
-        sm.sparse_attn_mgpu(*problem(1, 8, (10,), 0, 4, 64), 0.1, wg0_rows=16, interpret=True)
-    with pytest.raises(ValueError, match="mgpu_wg0_rows must be None or one of"):
-        sa.SparseAttnConfig(mgpu_wg0_rows=64)
-    assert sa.SparseAttnConfig(mgpu_wg0_rows=0).mgpu_wg0_rows == 0

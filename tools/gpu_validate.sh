@@ -144,7 +144,7 @@
 #   device: bash tools/gpu_validate.sh tests     (then tests-rest, kernels, sweep, profile, warmup, compile, cache,
 #           stack, stack-dsf, engine, flash-engine, dispatch, flash, flash-profile, bench, parity: one call each)
 set -uo pipefail
-stages="h200-owed|attn-dims|attn-dims-flash|attn-gather|attn-merge|attn-shared|attn-timeline|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="h200-owed|attn-dims|attn-dims-flash|attn-merge|attn-shared|attn-timeline|indexer-rows|indexer-e2e|indexer-profile|attn-profile|cluster-probe|host-ab|launch-ab|launch-cuts|layouts|stream-probe|mixes-ab|sampler|tests|tests-rest|kernels|sweep|sweep-fp8|device-timing|sinkhorn|profile|warmup|compile|cache|stack|stack-dsf|engine|flash-engine|dispatch|flash|flash-profile|bench|prefill-moe|xla-gemms|mgpu-check|mgpu-ab|mgpu-rows|mgpu-fp8|mgpu-profile|mgpu-attn-time|mgpu-flash|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -305,22 +305,6 @@ case "$stage" in
     run 100 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3 \
       --variant mgpu_dim_splits=2 --variant mgpu_dim_splits=4
     run 80 python3 tools/profile_attn.py 64 --config "{'mgpu_dim_splits': 2}" --trace-dir "$out/attn-trace" ;;
-  attn-gather)
-    # (~200 s) the two variants prepared in the fifty-seventh session, untimed: warpgroup 0's share of each block's
-    # gather (SparseAttnConfig.mgpu_wg0_rows) and the cluster merge with each CTA's own tile kept in registers
-    # (mgpu_keep_own_tile), and the dim splits first (mgpu_dims_first, fifty-eighth); with the dim splits' default:
-    # their GPU tests and the timeline's, the kernel rows by GPU kernel time (the share 0; the dims first, alone and
-    # with the share 0: at batch 64 two dim splits of one list split; the own tile kept; with the share 16), the
-    # timeline at batch 64 with the own tile kept, then on an H200 the tiny decode step (issue 11)
-    run 100 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k "timeline or wg0_rows or keep_own_tile"
-    run 90 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3 \
-      --variant mgpu_wg0_rows=0 --variant mgpu_dims_first=True --variant mgpu_dims_first=True,mgpu_wg0_rows=0 \
-      --variant mgpu_keep_own_tile=True --variant mgpu_keep_own_tile=True,mgpu_wg0_rows=16
-    run 60 python3 tools/profile_attn.py 64 --config "{'mgpu_keep_own_tile': True}" --trace-dir "$out/attn-trace"
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-      run 70 python3 tools/bench.py --kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 \
-        --engine off --warmup 10 --iters 50
-    fi ;;
   attn-dims-flash)
     run 400 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10 --variant "sparse_attn.CONFIG.mgpu_dim_splits=2" ;;
@@ -437,7 +421,7 @@ case "$stage" in
   tests)
     run 540 python3 -m pytest -q -ra $(gpu_test_files first) ;;
   tests-rest)
-    run 330 python3 -m pytest -q -ra $(gpu_test_files rest)
+    run 420 python3 -m pytest -q -ra $(gpu_test_files rest)  # 330 s fell 17 tests short (fifty-eighth session)
     # the engine paths whose guards only mean something on a GPU (device-to-host reads) and the AOT warm-up
     run 140 python3 -m pytest -q -ra tests/test_step_timeline.py "tests/test_engine.py::test_no_new_compilations_after_warm_up" ;;
   kernels)
@@ -674,13 +658,12 @@ case "$stage" in
     run 90 python3 tools/deviceless.py --kernels on --target $target $flash --decode 1,16,64 ;;
   h200-owed)
     # (~450 s; an H200's first call, fifty-seventh session) what the issues still ask of an H200: the tiny decode
-    # step at batch 1 back to back (issue 11: <= 1 ms), the sparse-attention rows by GPU kernel time (issue 13, with
-    # warpgroup 0's gather share 0 beside them), flash-slice decode at batch 1 and 64 (issue 12: 50 % / 60 %), then
+    # step at batch 1 back to back (issue 11: <= 1 ms), the sparse-attention rows by GPU kernel time (issue 13),
+    # flash-slice decode at batch 1 and 64 (issue 12: 50 % / 60 %), then
     # GPU parity side by side (the `parity` stage)
     run 70 python3 tools/bench.py --kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 \
       --engine off --warmup 10 --iters 50
-    run 70 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3 \
-      --variant mgpu_wg0_rows=0
+    run 70 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3
     run 200 python3 tools/bench.py --model flash-slice --decode-batch 1,64 --context 4095 --prefill= --kernels on \
       --engine off --warmup 3 --iters 10
     parity_all 200 ;;

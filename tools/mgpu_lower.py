@@ -88,8 +88,6 @@ class AttnShape(typing.NamedTuple):
     timeline: bool = False
     shared: bool = True
     dim_splits: int = 1
-    wg0_rows: int | None = None
-    keep_own_tile: bool = False
 
 
 THREE = (4096, 64, 20000)  # decode's three sources: the window ring, this step's rows, the compressed pool
@@ -98,8 +96,7 @@ THREE = (4096, 64, 20000)  # decode's three sources: the window ring, this step'
 # four in clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64 tokens recording its
 # timeline (Mosaic GPU's on-device profiler) over one and three sources; each warpgroup computing the scores itself
 # (unshared); the output dims split over two CTAs at 64 tokens (one split), one token (ten splits merged in XLA) and
-# K = 128 (two splits in a cluster); each block's rows gathered by warpgroup 1 alone (two dim splits) and 16 of them by
-# warpgroup 0; the cluster merge with each CTA's own tile kept in registers for two splits and four
+# K = 128 (two splits in a cluster)
 ATTN_SHAPES = [AttnShape(2, 64, 128, (40, 300), 150, 2), AttnShape(64, 64, 512, (8192,), 640, 2),
                AttnShape(64, 64, 512, THREE, 640, 1), AttnShape(64, 64, 512, THREE, 640, 2),
                AttnShape(64, 64, 512, THREE, 640, 2, shared=False),
@@ -113,17 +110,12 @@ ATTN_SHAPES = [AttnShape(2, 64, 128, (40, 300), 150, 2), AttnShape(64, 64, 512, 
                AttnShape(64, 64, 512, THREE, 640, 1, shared=False),
                AttnShape(64, 64, 512, THREE, 640, 1, dim_splits=2),
                AttnShape(1, 64, 512, THREE, 640, 10, dim_splits=2),
-               AttnShape(3, 64, 128, (40, 300), 150, 2, dim_splits=2),
-               AttnShape(64, 64, 512, THREE, 640, 1, dim_splits=2, wg0_rows=0),
-               AttnShape(64, 64, 512, THREE, 640, 2, wg0_rows=16),
-               AttnShape(64, 64, 512, THREE, 640, 2, keep_own_tile=True),
-               AttnShape(32, 64, 512, (8192,), 640, 4, clusters=sparse_attn_mgpu.CLUSTER_SIZES, keep_own_tile=True)]
+               AttnShape(3, 64, 128, (40, 300), 150, 2, dim_splits=2)]
 
 
 def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
                     clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS, pdl: bool = False,
-                    timeline: bool = False, shared: bool = True, dim_splits: int = 1,
-                    wg0_rows: int | None = None, keep_own_tile: bool = False) -> int:
+                    timeline: bool = False, shared: bool = True, dim_splits: int = 1) -> int:
     """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (an ``AttnShape``'s fields;
     the timeline's ``trace_dir`` is never written to here); -> the StableHLO text's length."""
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
@@ -131,7 +123,6 @@ def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int,
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
     fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits,
                            cluster_splits=clusters, pdl=pdl, shared_scores=shared, dim_splits=dim_splits,
-                           wg0_rows=wg0_rows, keep_own_tile=keep_own_tile,
                            trace_dir=tempfile.gettempdir() if timeline else "")
     with no_host_callbacks() if timeline else contextlib.nullcontext():
         return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())

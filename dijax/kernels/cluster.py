@@ -5,8 +5,7 @@ A kernel launched with ``plgpu.kernel(cluster=(n,), cluster_names=(name,))`` run
 neighbouring multiprocessors, each able to read the others' shared memory. The tiles here are laid out
 [S, R, W + pad] (``tiles_shape``): tile s holds columns [s W, (s + 1) W) of an R x (S W) array, row-major with its
 rows W + pad elements apart, so that CTA s of the cluster reads tile s of every CTA (``load_peer_tile``): each CTA
-reduces its 1 / S of the columns over all S CTAs, in CTA order. Its own tile it may instead keep in registers
-(``own_tile``, and ``store_tiles(..., skip_own=True)`` stores only the others').
+reduces its 1 / S of the columns over all S CTAs, in CTA order.
 
 Why the padding: in the WGMMA layout a warp's transfer covers 8 rows x 8 columns (4 lanes a row, 2 fp32 each). With
 rows W x 4 bytes apart and W a multiple of 32, all 8 rows fall in the same 8 of the 32 banks: every store and load
@@ -27,11 +26,8 @@ columns a tile (a multiple of 8).
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, gpu, llvm
 from jax.experimental.mosaic import gpu as mgpu
@@ -70,10 +66,9 @@ def wait(ctx) -> None:
                     has_side_effects=True)
 
 
-def store_tiles(x_RC: jax.Array, tiles_ref, skip_own: bool = False) -> None:
+def store_tiles(x_RC: jax.Array, tiles_ref) -> None:
     """Write the fp32 WGMMA-layout array ``x_RC`` (R x S W) into this CTA's ``tiles_ref`` (SMEM fp32
-    ``tiles_shape(S, R, W)``, row-major padded tiles: module docstring). ``skip_own``: all but this CTA's own tile
-    (tile c, c its index in the cluster), which only this CTA reduces and keeps in registers (``own_tile``)."""
+    ``tiles_shape(S, R, W)``, row-major padded tiles: module docstring)."""
     s = tiles_ref.shape[0]
     w = x_RC.shape[1] // s
 
@@ -81,17 +76,9 @@ def store_tiles(x_RC: jax.Array, tiles_ref, skip_own: bool = False) -> None:
     def store(ctx, x, ref):
         del ctx
         for tile in range(s):
-            with _unless_own(tile) if skip_own else contextlib.nullcontext():
-                x[:, tile * w:(tile + 1) * w].store_untiled(_tile(ref, tile, w), optimized=True)
+            x[:, tile * w:(tile + 1) * w].store_untiled(_tile(ref, tile, w), optimized=True)
 
     store(x_RC, tiles_ref)
-
-
-def own_tile(x_RC: jax.Array, tiles: int, index: jax.Array) -> jax.Array:
-    """This CTA's tile of ``x_RC`` (fp32 R x S W, WGMMA layout; S = ``tiles``), read from registers: columns
-    [c W, (c + 1) W), c = ``index``, this CTA's index in the cluster. -> fp32 [R, W]."""
-    w = x_RC.shape[1] // tiles
-    return lax.switch(index, [lambda t=t: x_RC[:, t * w:(t + 1) * w] for t in range(tiles)])
 
 
 def load_peer_tile(tiles_ref, peer: int, width: int) -> jax.Array:
@@ -110,12 +97,6 @@ def load_peer_tile(tiles_ref, peer: int, width: int) -> jax.Array:
         return mgpu.FragmentedArray.load_untiled(tile, layout=mgpu.WGMMA_LAYOUT, optimized=True)
 
     return load(tiles_ref)
-
-
-def _unless_own(tile: int):
-    """Inside ``inline_mgpu``: a block run only by the cluster's CTAs other than CTA ``tile``."""
-    me = gpu.cluster_block_id(gpu.Dimension.x)
-    return mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, me, arith.constant(ir.IndexType.get(), tile)))
 
 
 def _tile(ref, tile, width: int):

@@ -84,7 +84,7 @@ def read_only_ref(transforms: tuple = ()) -> plgpu.RefType:
     return plgpu.RefType(transforms)
 
 
-def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int, rows: tuple[int, int] = (0, ROWS)) -> None:
+def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int) -> None:
     """Start the ``cp.async`` copies of one block of ``ROWS`` rows: row r of the block is row ``idx_ref[r]`` (GMEM
     or SMEM int32 [R]) of the sources' concatenation (``refs[:-1]``, GMEM bf16 [``sizes``[i], K]), copied into the tile
     ``refs[-1]`` (SMEM bf16 [P, R, K / P] or [R, K], ``TILED``; part p holds the columns [p K / P, (p + 1) K / P)).
@@ -92,9 +92,7 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int, rows: tupl
     ``threads``: the threads that share the block, each running this: the CTA's 128 P compute threads, or 128 for
     a warpgroup filling a tile of its own (thread index taken modulo 128). Thread i copies the 16-byte chunk
     ``i mod (K / 8)`` of the rows ``i div (K / 8)`` + multiples of ``threads / (K / 8)``: consecutive threads copy
-    consecutive bytes of one row. K must be in ``widths(threads)``. ``rows``: (first, count), only the block's rows
-    [first, first + count) (count a multiple of the rows a pass of the threads): two sets of threads can share a
-    block unevenly."""
+    consecutive bytes of one row. K must be in ``widths(threads)``."""
     k = refs[0].shape[-1]
     tile_shape = refs[-1].shape
     parts = tile_shape[0] if len(tile_shape) == 3 else 1
@@ -104,9 +102,6 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int, rows: tupl
         raise ValueError(f"gather_rows: row width K={k} in {parts} parts must be one of {widths(threads)} for "
                          f"{threads} threads, each part a multiple of 64")
     step = threads // chunks  # rows a pass of the threads
-    if rows[1] % step or not 0 <= rows[0] <= rows[0] + rows[1] <= ROWS:
-        raise ValueError(f"gather_rows: rows {rows} must be (first, count) within the block's {ROWS}, count a "
-                         f"multiple of {step}")
     bases = np.cumsum((0,) + tuple(sizes)).tolist()
 
     @plgpu.inline_mgpu(arg_types=(read_only_ref(),) * len(refs) + (plgpu.RefType(TILED),))
@@ -128,11 +123,11 @@ def gather_rows(idx_ref, *refs, sizes: tuple[int, ...], threads: int, rows: tupl
             idx_ptr = _global(idx_ptr)
         src_ptrs = [_global(mgpu_utils.memref_ptr(src)) for src in srcs]
         dst_ptr = mgpu_utils.memref_ptr(dst)
-        mine = [arith.addi(first, c32(r)) for r in range(rows[0], sum(rows), step)]
+        rows = [arith.addi(first, c32(r)) for r in range(0, ROWS, step)]
         # every index loaded before the first copy: a copy's shared-memory writes could alias an index in shared
         # memory, so a load after it would wait for it (a load's latency a copy)
-        indices = [llvm.load(i32, mgpu_utils.getelementptr(idx_ptr, [row], i32)) for row in mine]
-        for row, index in zip(mine, indices):
+        indices = [llvm.load(i32, mgpu_utils.getelementptr(idx_ptr, [row], i32)) for row in rows]
+        for row, index in zip(rows, indices):
             valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, index, c32(0)),
                                arith.cmpi(arith.CmpIPredicate.slt, index, c32(bases[-1])))
             # the source the row lives in and its row there; outside them, row 0 of the first (nothing is read)

@@ -142,19 +142,8 @@ class SparseAttnConfig:
     splits leave of one wave: the most of 1, 2, 4, 8 up to this that K allows (``dim_splits_error``) with T x
     groups x splits x it <= ``wave_programs``. By GPU kernel time on an H100 (fifty-seventh session, 640 rows x 512,
     64 heads, window + pool) batch 1 (ten splits) took 10.0 us with 1, 8.3 with 2 and 7.2 with 4; at batch 64 two
-    dim splits in place of the list's two took 29.5 against 27.8, so the list splits come first. One of 1, 2, 4, 8.
-    mgpu_dims_first: 'mgpu': the dim splits take the wave first and the list's splits fill what they leave (at
-    batch 64, two dim splits of one list split, no merge, instead of two list splits merged across a cluster; at
-    batch 1 the same ten list splits of four dims). Prepared in the fifty-eighth session and not yet timed.
-    mgpu_wg0_rows: 'mgpu' with two warpgroups: None (the default), both warpgroups' threads gather each block's
-    rows together; an int, warpgroup 0 (which alone computes the scores and softmax with shared scores) gathers
-    the block's first that many rows and warpgroup 1 the rest (``sparse_attn_mgpu``'s ``wg0_rows``). Prepared in
-    the fifty-seventh session and not yet timed: there warpgroup 0's share of the gather, ~1,300 clocks a block,
-    stood before its scores on the block's critical path (batch 64 with two dim splits).
-    mgpu_keep_own_tile: 'mgpu' splits merged in a cluster: each CTA keeps the tile of partial sums it reduces itself
-    in its registers, storing only the tiles the others read and reading only theirs (``sparse_attn_mgpu``'s
-    ``keep_own_tile``; the same sums). Prepared in the fifty-seventh session and not yet timed: the merge's reads
-    took ~7,800 of a CTA's ~49,700 clocks at batch 64 (fifty-sixth session), half of them of its own tile.
+    dim splits in place of the list's two took 29.5 against 27.8, so the list splits come first (the dims first
+    everywhere: batch 64 29.2 against 27.8, batch 1 and 256 the same; fifty-eighth session). One of 1, 2, 4, 8.
     mgpu_trace_dir: 'mgpu' records each warpgroup's timeline (``sparse_attn_mgpu``'s ``trace_dir``: the clock at
     each step's start and end) into this directory, a Chrome trace a call; "" (the default) records nothing and
     leaves the kernel's code as it is. For tools/profile_attn.py --trace-dir, not for serving.
@@ -177,9 +166,6 @@ class SparseAttnConfig:
     pdl: bool = False
     mgpu_shared_scores: bool = True
     mgpu_dim_splits: int = 4
-    mgpu_dims_first: bool = False
-    mgpu_wg0_rows: int | None = None
-    mgpu_keep_own_tile: bool = False
     mgpu_trace_dir: str = ""
 
     def __post_init__(self):
@@ -190,9 +176,6 @@ class SparseAttnConfig:
         if self.mgpu_dim_splits not in sparse_attn_mgpu.DIM_SPLITS:
             raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_dim_splits must be one of "
                              f"{sparse_attn_mgpu.DIM_SPLITS}, got {self.mgpu_dim_splits!r}")
-        if self.mgpu_wg0_rows is not None and self.mgpu_wg0_rows not in sparse_attn_mgpu.WG0_ROWS:
-            raise ValueError(f"sparse_attn SparseAttnConfig.mgpu_wg0_rows must be None or one of "
-                             f"{sparse_attn_mgpu.WG0_ROWS}, got {self.mgpu_wg0_rows!r}")
         object.__setattr__(self, "cluster_splits", tuple(self.cluster_splits))  # hashable: configs are jit statics
         error = sparse_attn_mgpu.cluster_splits_error(self.cluster_splits)
         if error:
@@ -301,16 +284,6 @@ def _dim_splits(config: SparseAttnConfig, programs: int, k: int) -> int:
     return max(fits, default=1)
 
 
-def _mgpu_splits(config: SparseAttnConfig, programs: int, blocks: int, k: int) -> tuple[int, int]:
-    """(list splits, dim splits) of each of ``programs`` (token, head group) pairs for 'mgpu': the list's splits
-    first and the dims in what they leave of the wave, or with ``config.mgpu_dims_first`` the other way round."""
-    if config.mgpu_dims_first:
-        dims = _dim_splits(config, programs, k)
-        return _num_splits(config, programs * dims, blocks), dims
-    splits = _num_splits(config, programs, blocks)
-    return splits, _dim_splits(config, programs * splits, k)
-
-
 def _num_splits(config: SparseAttnConfig, programs: int, blocks: int) -> int:
     """Splits of a list of ``blocks`` blocks for ``programs`` (token, head group) pairs: ``config.num_splits``, or
     as many as fit in one wave; then the fewest that give each split the same number of blocks (no empty split)."""
@@ -351,16 +324,14 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
         raise ValueError(f"sparse_attn_pallas: config.block_h ({config.block_h}) must divide the {h} heads")
     groups = h // block_h
     blocks = max(1, -(-idx_TL.shape[1] // BLOCK))
+    splits = _num_splits(config, t * groups, blocks)
     interpret = interpret_mode(interpret)
     if _mgpu_takes(config, t, h, k, len(kv_sources), interpret):
-        splits, dims = _mgpu_splits(config, t * groups, blocks, k)
         return sparse_attn_mgpu.sparse_attn_mgpu(q_THK, kv_sources, idx_TL, sink_H, softmax_scale, splits=splits,
-                                                 cluster_splits=config.cluster_splits, dim_splits=dims,
-                                                 wg0_rows=config.mgpu_wg0_rows if sparse_attn_mgpu.warpgroups(k) == 2
-                                                 else None, keep_own_tile=config.mgpu_keep_own_tile, pdl=config.pdl,
+                                                 cluster_splits=config.cluster_splits,
+                                                 dim_splits=_dim_splits(config, t * groups * splits, k), pdl=config.pdl,
                                                  shared_scores=config.mgpu_shared_scores,
                                                  trace_dir=config.mgpu_trace_dir)
-    splits = _num_splits(config, t * groups, blocks)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

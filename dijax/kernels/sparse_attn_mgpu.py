@@ -143,7 +143,6 @@ MAX_SOURCES = 3
 CLUSTER_SIZES = (2, 4, 8)
 CLUSTER_SPLITS = (2,)
 DIM_SPLITS = (1, 2, 4, 8)  # CTAs a (token, split, head group) can share its output dims among (``dim_splits``)
-WG0_ROWS = tuple(range(0, ROWS, 8))  # warpgroup 0's shares of a block's gather (``wg0_rows``)
 
 
 def shape_error(h: int, k: int, n_sources: int) -> str | None:
@@ -181,16 +180,6 @@ def dim_splits_error(k: int, dim_splits: int) -> str | None:
     return None
 
 
-def wg0_rows_error(k: int, wg0_rows: int | None) -> str | None:
-    """Why warpgroup 0 cannot gather ``wg0_rows`` of each block's rows at head dim ``k`` (None when it can)."""
-    if wg0_rows is None:
-        return None
-    if warpgroups(k) != 2 or wg0_rows not in WG0_ROWS:
-        return (f"wg0_rows must be None or, with two warpgroups (K > {MAX_PART}), one of {WG0_ROWS}; got {wg0_rows} "
-                f"at K = {k}")
-    return None
-
-
 def warpgroups(k: int) -> int:
     """Compute warpgroups a CTA for head dim ``k``: one up to ``MAX_PART`` dims, else two (each K / 2)."""
     return 1 if k <= MAX_PART else 2
@@ -202,8 +191,7 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     dim_splits: int = 1, wg0_rows: int | None = None, keep_own_tile: bool = False,
-                     pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
+                     dim_splits: int = 1, pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
                      interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
@@ -213,11 +201,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
     ``CLUSTER_SIZES``), the others in XLA. ``dim_splits``: CTAs a (token, split, head group), each computing the
     scores over the whole rows and writing 1 / ``dim_splits`` of the output dims (module docstring, "Split output
-    dims"; ``dim_splits_error`` says which counts a K takes). ``wg0_rows``: None, each block's rows gathered by
-    both warpgroups' threads together; else warpgroup 0 (the scores' warpgroup with ``shared_scores``) gathers the
-    block's first ``wg0_rows`` rows and warpgroup 1 the rest (``wg0_rows_error`` says which).
-    ``keep_own_tile``: in the cluster merge, each CTA keeps the tile of partial sums it reduces itself in its
-    registers: it stores only the tiles the others read, and reads only theirs (the same sums). ``shape_error``
+    dims"; ``dim_splits_error`` says which counts a K takes). ``shape_error``
     lists the shapes it takes; fewer than 64 heads are padded with zero queries. ``pdl``: launch as a programmatic
     dependent, its CTAs free to start while the kernel before it still runs (not when interpreted).
     ``shared_scores``: with two warpgroups, warpgroup 0 alone computes each block's scores and softmax and hands P
@@ -231,7 +215,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     """
     t, h, k = q_THK.shape
     error = (shape_error(h, k, len(kv_sources)) or cluster_splits_error(cluster_splits)
-             or dim_splits_error(k, dim_splits) or wg0_rows_error(k, wg0_rows))
+             or dim_splits_error(k, dim_splits))
     if error:
         raise ValueError(error)
     heads = -(-h // HEADS) * HEADS
@@ -250,7 +234,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, dim_splits=dim_splits,
-                wg0_rows=wg0_rows, keep_own_tile=keep_own_tile, pdl=pdl and not interpret,
+                pdl=pdl and not interpret,
                 shared=shared_scores and warpgroups(k) == 2, trace_dir="" if interpret else trace_dir,
                 interpret=interpret)
     if splits == 1 or in_cluster:
@@ -258,11 +242,10 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
 
 
-@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "wg0_rows",
-                                             "keep_own_tile", "pdl", "shared", "trace_dir", "interpret"))
+@functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "pdl", "shared",
+                                             "trace_dir", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          dim_splits: int, wg0_rows: int | None, keep_own_tile: bool, pdl: bool, shared: bool, trace_dir: str,
-          interpret: bool | plgpu.InterpretGPUParams):
+          dim_splits: int, pdl: bool, shared: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -315,16 +298,9 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             if interpret:
                 rows = pl.ds(si * split_len + b * ROWS, ROWS)
                 kv_smem.at[slot, wg][...] = gathered_gmem.at[ti, rows, pl.ds(wg * half, half)][...]
-            elif wg0_rows is None:
+            else:
                 row_gather.gather_rows(idx_smem.at[idx_slot], *src_gmems, kv_smem.at[slot], sizes=sizes,
                                        threads=wgs * WARPGROUP)
-            else:  # warpgroup 0 the block's first wg0_rows rows, warpgroup 1 the rest
-                for w, rows in enumerate(((0, wg0_rows), (wg0_rows, ROWS - wg0_rows))):
-                    if rows[1]:
-                        @pl.when(wg == w)
-                        def _(rows=rows):
-                            row_gather.gather_rows(idx_smem.at[idx_slot], *src_gmems, kv_smem.at[slot],
-                                                   sizes=sizes, threads=WARPGROUP, rows=rows)
 
         def landed(cta_bar):
             """The block's one meeting: every thread's copies of it are in shared memory, seen by wgmma (each
@@ -502,10 +478,9 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         def merge_in_cluster(o_smem, max_smem, den_smem, out_smem):
             """Each CTA's partials into its own shared memory (``cluster``: o as S tiles of its warpgroup's output
             dims); after the cluster's meeting, CTA s reads tile s of every CTA (in split order), merges them as
-            ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims. With
-            ``keep_own_tile``, tile s of CTA s itself comes from its registers and is never stored."""
+            ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims."""
             with region("cluster_store"):
-                cluster.store_tiles(acc, o_smem.at[wg], skip_own=keep_own_tile)
+                cluster.store_tiles(acc, o_smem.at[wg])
 
                 @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
                 def _():
@@ -520,15 +495,10 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 running = functools.reduce(jnp.maximum, maxes)
                 den = sink_term(running)
                 merged = None
-                own = cluster.own_tile(acc, splits, si) if keep_own_tile else None
                 for p, max_p in enumerate(maxes):
                     weight = jnp.exp(max_p - running)
-                    def peer_tile(p=p):
-                        return cluster.load_peer_tile(o_smem.at[wg], p, width)
-
-                    # with keep_own_tile, this CTA's own tile from its registers, the others' from their memory
-                    tile = lax.cond(si == p, lambda: own, peer_tile) if keep_own_tile else peer_tile()
-                    part = tile * lax.broadcast_in_dim(weight, (HEADS, width), [0])
+                    part = (cluster.load_peer_tile(o_smem.at[wg], p, width)
+                            * lax.broadcast_in_dim(weight, (HEADS, width), [0]))
                     merged = part if merged is None else merged + part
                     den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                     den = den + den_p * weight

@@ -244,28 +244,6 @@ def test_sparse_attn_mgpu_dim_splits(batch, splits, clusters, dims):
     np.testing.assert_array_equal(split, whole)
 
 
-@pytest.mark.parametrize("batch,splits,dims", [(64, 2, 1), (64, 1, 2), (3, 1, 4)])
-def test_sparse_attn_mgpu_wg0_rows(batch, splits, dims):
-    # each block's rows gathered by the warpgroups in uneven shares (SparseAttnConfig.mgpu_wg0_rows: warpgroup 0 the
-    # first 0 / 16 / 56 rows, warpgroup 1 the rest): the same bits as both together, two splits in a cluster, two
-    # and four dim splits
-    outputs = through_the_seam(batch, batch + 600, splits, mgpu_dim_splits=[dims] * 4,
-                               mgpu_wg0_rows=[None, 0, 16, 56])
-    assert np.isfinite(outputs[0]).all()
-    for uneven in outputs[1:]:
-        np.testing.assert_array_equal(uneven, outputs[0])
-
-
-@pytest.mark.parametrize("batch,splits,clusters", [(64, 2, (2,)), (32, 4, ALL_CLUSTERS), (1, 8, ALL_CLUSTERS)])
-def test_sparse_attn_mgpu_keep_own_tile(batch, splits, clusters):
-    # the cluster merge with each CTA's own tile of partial sums kept in its registers (SparseAttnConfig.
-    # mgpu_keep_own_tile: only the others' tiles stored and read): the same bits, in clusters of 2, 4 and 8
-    stored, kept = through_the_seam(batch, batch + 700, splits, cluster_splits=[clusters] * 2,
-                                    mgpu_keep_own_tile=[False, True])
-    assert np.isfinite(kept).all()
-    np.testing.assert_array_equal(kept, stored)
-
-
 @pytest.mark.parametrize("batch,splits", [(64, 2), (3, 1)])
 def test_sparse_attn_mgpu_timeline(batch, splits, tmp_path):
     # SparseAttnConfig.mgpu_trace_dir: the kernel with its steps timed (Mosaic GPU's on-device profiler) gives the
