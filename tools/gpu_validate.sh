@@ -659,8 +659,7 @@ case "$stage" in
   h200-owed)
     # (~450 s; an H200's first call, fifty-seventh session) what the issues still ask of an H200: the tiny decode
     # step at batch 1 back to back (issue 11: <= 1 ms), the sparse-attention rows by GPU kernel time (issue 13),
-    # flash-slice decode at batch 1 and 64 (issue 12: 50 % / 60 %), then
-    # GPU parity side by side (the `parity` stage)
+    # flash-slice decode at batch 1 and 64 (issue 12: 50 % / 60 %), then GPU parity side by side (the `parity` stage)
     run 70 python3 tools/bench.py --kernels on --decode-batch 1 --context 256 --prefill= --block-size 16 \
       --engine off --warmup 10 --iters 50
     run 70 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3

@@ -201,9 +201,7 @@ def kernels() -> list[tuple[str, str, object, list]]:
     (tools/mgpu_build.py builds the same list)."""
     return [("fp4_wgmma", "experts/F/K/sizes/chunks[/warpgroups/overlap]", lower_kernel, KERNEL_SHAPES),
             ("fp8_wgmma", "T/O/I/warpgroups", lower_linear, LINEAR_SHAPES),
-            ("sparse_attn_mgpu",
-             "(fields named)",
-             lower_attention, ATTN_SHAPES),
+            ("sparse_attn_mgpu", "(fields named)", lower_attention, ATTN_SHAPES),
             ("indexer_mgpu", "T/I/J/S/P/blocks[/warpgroups]", lower_indexer, INDEXER_SHAPES),
             ("row_gather.gather_rows_mgpu", "K/sources/parts", lower_gather, GATHER_SHAPES)]
 

@@ -201,9 +201,9 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     one CTA each; ``cluster_splits``: the split counts merged in the kernel across a cluster (from
     ``CLUSTER_SIZES``), the others in XLA. ``dim_splits``: CTAs a (token, split, head group), each computing the
     scores over the whole rows and writing 1 / ``dim_splits`` of the output dims (module docstring, "Split output
-    dims"; ``dim_splits_error`` says which counts a K takes). ``shape_error``
-    lists the shapes it takes; fewer than 64 heads are padded with zero queries. ``pdl``: launch as a programmatic
-    dependent, its CTAs free to start while the kernel before it still runs (not when interpreted).
+    dims"; ``dim_splits_error`` says which counts a K takes). ``shape_error`` lists the shapes it takes; fewer than
+    64 heads are padded with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while
+    the kernel before it still runs (not when interpreted).
     ``shared_scores``: with two warpgroups, warpgroup 0 alone computes each block's scores and softmax and hands P
     to both through shared memory (module docstring, "Shared scores"); the same arithmetic. ``trace_dir``: record a
     timeline of each warpgroup's steps (Mosaic GPU's on-device profiler: the clock at each named region's start and
@@ -234,9 +234,8 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, dim_splits=dim_splits,
-                pdl=pdl and not interpret,
-                shared=shared_scores and warpgroups(k) == 2, trace_dir="" if interpret else trace_dir,
-                interpret=interpret)
+                pdl=pdl and not interpret, shared=shared_scores and warpgroups(k) == 2,
+                trace_dir="" if interpret else trace_dir, interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
     return flash_merge.merge_splits(*out, sink_H)[:, :h]
