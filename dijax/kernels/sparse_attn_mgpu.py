@@ -203,14 +203,13 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     scores over the whole rows and writing 1 / ``dim_splits`` of the output dims (module docstring, "Split output
     dims"; ``dim_splits_error`` says which counts a K takes). ``shape_error`` lists the shapes it takes; fewer than
     64 heads are padded with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while
-    the kernel before it still runs (not when interpreted).
-    ``shared_scores``: with two warpgroups, warpgroup 0 alone computes each block's scores and softmax and hands P
-    to both through shared memory (module docstring, "Shared scores"); the same arithmetic. ``trace_dir``: record a
-    timeline of each warpgroup's steps (Mosaic GPU's on-device profiler: the clock at each named region's start and
-    end) and write it to this directory, one Chrome trace a call (tools/kernel_regions.py sums it up); not when
-    interpreted. ``interpret``: run in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its
-    default parameters or the ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race
-    detector).
+    the kernel before it still runs (not when interpreted). ``shared_scores``: with two warpgroups, warpgroup 0
+    alone computes each block's scores and softmax and hands P to both through shared memory (module docstring,
+    "Shared scores"); the same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
+    on-device profiler: the clock at each named region's start and end) and write it to this directory, one Chrome
+    trace a call (tools/kernel_regions.py sums it up); not when interpreted. ``interpret``: run in the Mosaic GPU
+    interpreter (rows gathered in XLA: module docstring), with its default parameters or the ``InterpretGPUParams``
+    given (``detect_races=True``: its happens-before race detector).
     -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
