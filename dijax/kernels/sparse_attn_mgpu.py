@@ -77,6 +77,13 @@ batch 256. Without its bank conflicts (fifty-sixth session, same card and layout
 meeting ~1,700, reading and merging ~7,800 (half the tiles it reads are in the peer's shared memory), writing ~1,700
 (docs/benchmarks.md).
 
+Pushed tiles (``push_merge``, fifty-ninth session): the fifty-eighth session's timeline of the merge at batch 64
+had its reads cost ~7,900 clocks, of which the CTA's own half was free: the peer's half, each load waiting for an
+answer from the other multiprocessor, is the cost. Pushed, each CTA first meets the others (every walk is over, so
+its shared memory, which the walk's slots used, may take their tiles), then stores each peer's tile into that
+peer's shared memory (``cluster.push_tiles``: stores across the cluster do not wait for an answer), meets them
+again, and merges from its own shared memory only (``cluster.load_own_tile``). The same values in the same order.
+
 Split output dims (``dim_splits``, fifty-seventh session): a (token, split, head group) may run as D CTAs, CTA d
 writing columns [d K/(P D), (d + 1) K/(P D)) of each warpgroup's K/P output dims. Each gathers the split's whole
 rows (the scores need every dim; the D copies of a row are read from L2 after the first) and computes the scores
@@ -191,8 +198,8 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     dim_splits: int = 1, pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
-                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+                     dim_splits: int = 1, pdl: bool = False, shared_scores: bool = True, push_merge: bool = False,
+                     trace_dir: str = "", interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
 
@@ -205,7 +212,9 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     64 heads are padded with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while
     the kernel before it still runs (not when interpreted). ``shared_scores``: with two warpgroups, warpgroup 0
     alone computes each block's scores and softmax and hands P to both through shared memory (module docstring,
-    "Shared scores"); the same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
+    "Shared scores"); the same arithmetic. ``push_merge``: in a cluster merge each CTA stores the tiles it gives
+    the others into their shared memory, after one more meeting, and reads only its own (module docstring,
+    "Pushed tiles"); the same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
     on-device profiler: the clock at each named region's start and end) and write it to this directory, one Chrome
     trace a call (tools/kernel_regions.py sums it up); not when interpreted. ``interpret``: run in the Mosaic GPU
     interpreter (rows gathered in XLA: module docstring), with its default parameters or the ``InterpretGPUParams``
@@ -233,7 +242,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, dim_splits=dim_splits,
-                pdl=pdl and not interpret, shared=shared_scores and warpgroups(k) == 2,
+                pdl=pdl and not interpret, shared=shared_scores and warpgroups(k) == 2, push=push_merge and in_cluster,
                 trace_dir="" if interpret else trace_dir, interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
@@ -241,9 +250,10 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
 
 
 @functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "pdl", "shared",
-                                             "trace_dir", "interpret"))
+                                             "push", "trace_dir", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          dim_splits: int, pdl: bool, shared: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
+          dim_splits: int, pdl: bool, shared: bool, push: bool, trace_dir: str,
+          interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -260,8 +270,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     # a warpgroup's steps, timed: those of each block, and those entered once (the cluster merge's parts are
     # regions inside "output")
     block_regions = ("meeting", "gather", "scores", "softmax", "pv")
-    once_regions = ("start", "output", "cluster_store", "cluster_meet", "cluster_merge", "cluster_write",
-                    "cluster_leave")
+    once_regions = ("start", "output", "cluster_ready", "cluster_store", "cluster_meet", "cluster_merge",
+                    "cluster_write", "cluster_leave")
     regions = block_regions + once_regions
 
     def region(name: str):
@@ -477,8 +487,11 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             """Each CTA's partials into its own shared memory (``cluster``: o as S tiles of its warpgroup's output
             dims); after the cluster's meeting, CTA s reads tile s of every CTA (in split order), merges them as
             ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims."""
+            if push:
+                with region("cluster_ready"):
+                    cluster.sync()  # every CTA's walk is over: its shared memory may take the others' tiles
             with region("cluster_store"):
-                cluster.store_tiles(acc, o_smem.at[wg])
+                (cluster.push_tiles if push else cluster.store_tiles)(acc, o_smem.at[wg])
 
                 @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
                 def _():
@@ -495,7 +508,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 merged = None
                 for p, max_p in enumerate(maxes):
                     weight = jnp.exp(max_p - running)
-                    part = (cluster.load_peer_tile(o_smem.at[wg], p, width)
+                    part = ((cluster.load_own_tile if push else cluster.load_peer_tile)(o_smem.at[wg], p, width)
                             * lax.broadcast_in_dim(weight, (HEADS, width), [0]))
                     merged = part if merged is None else merged + part
                     den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
