@@ -101,6 +101,22 @@ def push_tiles(x_RC: jax.Array, tiles_ref) -> None:
     push(x_RC, tiles_ref)
 
 
+def push_rows(x_R: jax.Array, rows_ref) -> None:
+    """Write the fp32 array ``x_R`` [R] (one value a row of a WGMMA-layout tile) into row c of every CTA's
+    ``rows_ref`` (SMEM fp32 [S, R]), c this CTA's index; as ``push_tiles``, for a tile's row statistics."""
+    s = rows_ref.shape[0]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
+    def push(ctx, x, ref):
+        del ctx
+        index = ir.IndexType.get()
+        for peer in range(s):
+            remote = mgpu_utils.get_cluster_ref(ref, gpu.Dimension.x, arith.constant(index, peer), generic=False)
+            x.store_untiled(mgpu_utils.memref_slice(remote, gpu.cluster_block_id(gpu.Dimension.x)), optimized=False)
+
+    push(x_R, rows_ref)
+
+
 def load_own_tile(tiles_ref, peer: int, width: int) -> jax.Array:
     """Slot ``peer`` of this CTA's ``tiles_ref``, the tile CTA ``peer`` gave it (``push_tiles``, before a
     ``sync``); W = ``width``. -> fp32 [R, W], WGMMA layout."""

@@ -486,7 +486,9 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         def merge_in_cluster(o_smem, max_smem, den_smem, out_smem):
             """Each CTA's partials into its own shared memory (``cluster``: o as S tiles of its warpgroup's output
             dims); after the cluster's meeting, CTA s reads tile s of every CTA (in split order), merges them as
-            ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims."""
+            ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims. ``push``: each
+            CTA stores into CTA s's shared memory what CTA s reads (tile s, its running max and denominator, in
+            ``max_smem`` / ``den_smem`` [S, H] slot this CTA's index), so that the merge reads only its own."""
             if push:
                 with region("cluster_ready"):
                     cluster.sync()  # every CTA's walk is over: its shared memory may take the others' tiles
@@ -495,14 +497,23 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
 
                 @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
                 def _():
-                    max_smem[...] = max_h
-                    den_smem[...] = den_h
+                    if push:
+                        cluster.push_rows(max_h, max_smem)
+                        cluster.push_rows(den_h, den_smem)
+                    else:
+                        max_smem[...] = max_h
+                        den_smem[...] = den_h
             with region("cluster_meet"):
                 cluster.sync()
             width = out_part // splits
+
+            def stats(ref, p):
+                """CTA p's running max or denominator (``max_smem`` / ``den_smem``)."""
+                src = ref.at[p] if push else plgpu.cluster_ref(ref, {"s": p})
+                return plgpu.load(src, layout=ROW_LAYOUT, optimized=False)
+
             with region("cluster_merge"):
-                maxes = [plgpu.load(plgpu.cluster_ref(max_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
-                         for p in range(splits)]
+                maxes = [stats(max_smem, p) for p in range(splits)]
                 running = functools.reduce(jnp.maximum, maxes)
                 den = sink_term(running)
                 merged = None
@@ -511,14 +522,16 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     part = ((cluster.load_own_tile if push else cluster.load_peer_tile)(o_smem.at[wg], p, width)
                             * lax.broadcast_in_dim(weight, (HEADS, width), [0]))
                     merged = part if merged is None else merged + part
-                    den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
-                    den = den + den_p * weight
-                cluster.arrive()  # done reading the others' shared memory: they may leave once all have arrived
+                    den = den + stats(den_smem, p) * weight
+                if not push:
+                    cluster.arrive()  # done reading the others' shared memory: they may leave once all have arrived
             with region("cluster_write"):
                 write_output(out_smem, merged, den, pl.ds(wg * half + di * out_part + si * width, width))
-            with region("cluster_leave"):
-                cluster.wait()  # no CTA leaves while another still reads its shared memory
+            if not push:  # pushed, nobody reads another's shared memory after the meeting
+                with region("cluster_leave"):
+                    cluster.wait()  # no CTA leaves while another still reads its shared memory
 
+        stats_shape = (splits, HEADS) if push else (HEADS,)  # the merge's running maxima / denominators
         with region("output"):
             if splits == 1:
                 pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, out_part), jnp.bfloat16), collective_axes="wg")
@@ -526,7 +539,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 pl.run_scoped(merge_in_cluster,
                               o_smem=plgpu.SMEM((wgs, *cluster.tiles_shape(splits, HEADS, out_part // splits)),
                                                 jnp.float32),
-                              max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
+                              max_smem=plgpu.SMEM(stats_shape, jnp.float32),
+                              den_smem=plgpu.SMEM(stats_shape, jnp.float32),
                               out_smem=plgpu.SMEM((wgs, HEADS, out_part // splits), jnp.bfloat16),
                               collective_axes="wg")
             else:
