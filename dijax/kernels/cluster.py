@@ -81,56 +81,6 @@ def store_tiles(x_RC: jax.Array, tiles_ref) -> None:
     store(x_RC, tiles_ref)
 
 
-def push_tiles(x_RC: jax.Array, tiles_ref) -> None:
-    """Write tile s of the fp32 WGMMA-layout array ``x_RC`` (R x S W) into slot c of CTA s's ``tiles_ref`` (SMEM
-    fp32 ``tiles_shape(S, R, W)``), c this CTA's index: after a ``sync`` every CTA finds in its own slot p what CTA p
-    gave it (``load_own_tile``). Stores across the cluster do not wait for an answer, as loads do; each CTA's
-    ``tiles_ref`` must be free for the others' stores (a ``sync`` after its last other use)."""
-    s = tiles_ref.shape[0]
-    w = x_RC.shape[1] // s
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-    def push(ctx, x, ref):
-        del ctx
-        index = ir.IndexType.get()
-        for tile in range(s):
-            remote = mgpu_utils.get_cluster_ref(ref, gpu.Dimension.x, arith.constant(index, tile), generic=False)
-            x[:, tile * w:(tile + 1) * w].store_untiled(_tile(remote, gpu.cluster_block_id(gpu.Dimension.x), w),
-                                                        optimized=True)
-
-    push(x_RC, tiles_ref)
-
-
-def push_rows(x_R: jax.Array, rows_ref) -> None:
-    """Write the fp32 array ``x_R`` [R] (one value a row of a WGMMA-layout tile) into row c of every CTA's
-    ``rows_ref`` (SMEM fp32 [S, R]), c this CTA's index; as ``push_tiles``, for a tile's row statistics."""
-    s = rows_ref.shape[0]
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
-    def push(ctx, x, ref):
-        del ctx
-        index = ir.IndexType.get()
-        for peer in range(s):
-            remote = mgpu_utils.get_cluster_ref(ref, gpu.Dimension.x, arith.constant(index, peer), generic=False)
-            x.store_untiled(mgpu_utils.memref_slice(remote, gpu.cluster_block_id(gpu.Dimension.x)), optimized=False)
-
-    push(x_R, rows_ref)
-
-
-def load_own_tile(tiles_ref, peer: int, width: int) -> jax.Array:
-    """Slot ``peer`` of this CTA's ``tiles_ref``, the tile CTA ``peer`` gave it (``push_tiles``, before a
-    ``sync``); W = ``width``. -> fp32 [R, W], WGMMA layout."""
-    r, w = tiles_ref.shape[1], width
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                       return_type=plgpu.ShapeDtypeStruct((r, w), jnp.float32, layout=plgpu.Layout.WGMMA))
-    def load(ctx, ref):
-        del ctx
-        return mgpu.FragmentedArray.load_untiled(_tile(ref, peer, w), layout=mgpu.WGMMA_LAYOUT, optimized=True)
-
-    return load(tiles_ref)
-
-
 def load_peer_tile(tiles_ref, peer: int, width: int) -> jax.Array:
     """The tile of CTA ``peer`` (its index in the cluster) that this CTA reduces: tile ``c`` of that CTA's
     ``tiles_ref`` (SMEM fp32 ``tiles_shape(S, R, W)``, written there by ``store_tiles`` before a ``sync``), c this

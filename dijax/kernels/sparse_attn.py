@@ -144,9 +144,6 @@ class SparseAttnConfig:
     64 heads, window + pool) batch 1 (ten splits) took 10.0 us with 1, 8.3 with 2 and 7.2 with 4; at batch 64 two
     dim splits in place of the list's two took 29.5 against 27.8, so the list splits come first (the dims first
     everywhere: batch 64 29.2 against 27.8, batch 1 and 256 the same; fifty-eighth session). One of 1, 2, 4, 8.
-    mgpu_push_merge: 'mgpu''s cluster merge with pushed tiles (``sparse_attn_mgpu``'s ``push_merge``: each CTA
-    stores into the others' shared memory what they merge, so that the merge reads only its own); the same bits.
-    Off until measured on a GPU (fifty-ninth session).
     mgpu_trace_dir: 'mgpu' records each warpgroup's timeline (``sparse_attn_mgpu``'s ``trace_dir``: the clock at
     each step's start and end) into this directory, a Chrome trace a call; "" (the default) records nothing and
     leaves the kernel's code as it is. For tools/profile_attn.py --trace-dir, not for serving.
@@ -169,7 +166,6 @@ class SparseAttnConfig:
     pdl: bool = False
     mgpu_shared_scores: bool = True
     mgpu_dim_splits: int = 4
-    mgpu_push_merge: bool = False
     mgpu_trace_dir: str = ""
 
     def __post_init__(self):
@@ -335,7 +331,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
                                                  cluster_splits=config.cluster_splits,
                                                  dim_splits=_dim_splits(config, t * groups * splits, k), pdl=config.pdl,
                                                  shared_scores=config.mgpu_shared_scores,
-                                                 push_merge=config.mgpu_push_merge, trace_dir=config.mgpu_trace_dir)
+                                                 trace_dir=config.mgpu_trace_dir)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

@@ -58,6 +58,12 @@ stalls on the gathered rows' dependencies), 36.1 / 100.3 against 30.1 / 82.3: it
 from shared memory twice as often a FLOP (a wgmma with both operands in shared memory is bound by its bandwidth
 below N = 64; the PV products of K = 32 also needed the 64-byte swizzle), ~1 us a block more, and the longer lead
 bought nothing visible under it. A third 64-row slot does not fit beside q's 64 KB (256 KB against 227).
+Pushed merge tiles (fifty-ninth session, same card and timing): each CTA, after one more cluster meeting, stored
+the tiles its peers merge straight into their shared memory (``st.shared::cluster``, which waits for no answer) and
+merged from its own, its running max and denominator pushed the same way (so no leaving meeting either). The same
+bits (its GPU tests), but batch 64 took 28.2 against 27.9 us: the timeline gave the pushed stores ~7,000 clocks,
+what the pulled reads cost (~7,900). The cluster's traffic is bound by its bandwidth (~64 KB a CTA in ~7,000
+clocks, ~9 bytes a clock a multiprocessor), not by the loads' latency, whichever side moves it.
 
 Shared scores (``shared_scores``, the default since the fifty-fifth session): unshared, each of two warpgroups
 computes the whole 64 x 64 score tile and the softmax, so a block's tensor-core work is 2 x 1,024 clocks of score
@@ -76,13 +82,6 @@ batch 256. Without its bank conflicts (fifty-sixth session, same card and layout
 27.8 us (50.3 % of the floor; the decode step's three sources 27.9): of it, storing the tiles ~1,100 clocks, the
 meeting ~1,700, reading and merging ~7,800 (half the tiles it reads are in the peer's shared memory), writing ~1,700
 (docs/benchmarks.md).
-
-Pushed tiles (``push_merge``, fifty-ninth session): the fifty-eighth session's timeline of the merge at batch 64
-had its reads cost ~7,900 clocks, of which the CTA's own half was free: the peer's half, each load waiting for an
-answer from the other multiprocessor, is the cost. Pushed, each CTA first meets the others (every walk is over, so
-its shared memory, which the walk's slots used, may take their tiles), then stores each peer's tile into that
-peer's shared memory (``cluster.push_tiles``: stores across the cluster do not wait for an answer), meets them
-again, and merges from its own shared memory only (``cluster.load_own_tile``). The same values in the same order.
 
 Split output dims (``dim_splits``, fifty-seventh session): a (token, split, head group) may run as D CTAs, CTA d
 writing columns [d K/(P D), (d + 1) K/(P D)) of each warpgroup's K/P output dims. Each gathers the split's whole
@@ -198,8 +197,8 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     dim_splits: int = 1, pdl: bool = False, shared_scores: bool = True, push_merge: bool = False,
-                     trace_dir: str = "", interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+                     dim_splits: int = 1, pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
+                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
 
@@ -212,9 +211,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     64 heads are padded with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while
     the kernel before it still runs (not when interpreted). ``shared_scores``: with two warpgroups, warpgroup 0
     alone computes each block's scores and softmax and hands P to both through shared memory (module docstring,
-    "Shared scores"); the same arithmetic. ``push_merge``: in a cluster merge each CTA stores the tiles it gives
-    the others into their shared memory, after one more meeting, and reads only its own (module docstring,
-    "Pushed tiles"); the same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
+    "Shared scores"); the same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
     on-device profiler: the clock at each named region's start and end) and write it to this directory, one Chrome
     trace a call (tools/kernel_regions.py sums it up); not when interpreted. ``interpret``: run in the Mosaic GPU
     interpreter (rows gathered in XLA: module docstring), with its default parameters or the ``InterpretGPUParams``
@@ -242,7 +239,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     in_cluster = merges_in_cluster(splits, interpret, tuple(cluster_splits))
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, dim_splits=dim_splits,
-                pdl=pdl and not interpret, shared=shared_scores and warpgroups(k) == 2, push=push_merge and in_cluster,
+                pdl=pdl and not interpret, shared=shared_scores and warpgroups(k) == 2,
                 trace_dir="" if interpret else trace_dir, interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
@@ -250,10 +247,9 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
 
 
 @functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "pdl", "shared",
-                                             "push", "trace_dir", "interpret"))
+                                             "trace_dir", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          dim_splits: int, pdl: bool, shared: bool, push: bool, trace_dir: str,
-          interpret: bool | plgpu.InterpretGPUParams):
+          dim_splits: int, pdl: bool, shared: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -270,8 +266,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     # a warpgroup's steps, timed: those of each block, and those entered once (the cluster merge's parts are
     # regions inside "output")
     block_regions = ("meeting", "gather", "scores", "softmax", "pv")
-    once_regions = ("start", "output", "cluster_ready", "cluster_store", "cluster_meet", "cluster_merge",
-                    "cluster_write", "cluster_leave")
+    once_regions = ("start", "output", "cluster_store", "cluster_meet", "cluster_merge", "cluster_write",
+                    "cluster_leave")
     regions = block_regions + once_regions
 
     def region(name: str):
@@ -486,52 +482,36 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
         def merge_in_cluster(o_smem, max_smem, den_smem, out_smem):
             """Each CTA's partials into its own shared memory (``cluster``: o as S tiles of its warpgroup's output
             dims); after the cluster's meeting, CTA s reads tile s of every CTA (in split order), merges them as
-            ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims. ``push``: each
-            CTA stores into CTA s's shared memory what CTA s reads (tile s, its running max and denominator, in
-            ``max_smem`` / ``den_smem`` [S, H] slot this CTA's index), so that the merge reads only its own."""
-            if push:
-                with region("cluster_ready"):
-                    cluster.sync()  # every CTA's walk is over: its shared memory may take the others' tiles
+            ``flash_merge.merge_splits`` does and writes that 1 / S of the warpgroup's output dims."""
             with region("cluster_store"):
-                (cluster.push_tiles if push else cluster.store_tiles)(acc, o_smem.at[wg])
+                cluster.store_tiles(acc, o_smem.at[wg])
 
                 @pl.when(wg == 0)  # both warpgroups hold the same running max and denominator
                 def _():
-                    if push:
-                        cluster.push_rows(max_h, max_smem)
-                        cluster.push_rows(den_h, den_smem)
-                    else:
-                        max_smem[...] = max_h
-                        den_smem[...] = den_h
+                    max_smem[...] = max_h
+                    den_smem[...] = den_h
             with region("cluster_meet"):
                 cluster.sync()
             width = out_part // splits
-
-            def stats(ref, p):
-                """CTA p's running max or denominator (``max_smem`` / ``den_smem``)."""
-                src = ref.at[p] if push else plgpu.cluster_ref(ref, {"s": p})
-                return plgpu.load(src, layout=ROW_LAYOUT, optimized=False)
-
             with region("cluster_merge"):
-                maxes = [stats(max_smem, p) for p in range(splits)]
+                maxes = [plgpu.load(plgpu.cluster_ref(max_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
+                         for p in range(splits)]
                 running = functools.reduce(jnp.maximum, maxes)
                 den = sink_term(running)
                 merged = None
                 for p, max_p in enumerate(maxes):
                     weight = jnp.exp(max_p - running)
-                    part = ((cluster.load_own_tile if push else cluster.load_peer_tile)(o_smem.at[wg], p, width)
+                    part = (cluster.load_peer_tile(o_smem.at[wg], p, width)
                             * lax.broadcast_in_dim(weight, (HEADS, width), [0]))
                     merged = part if merged is None else merged + part
-                    den = den + stats(den_smem, p) * weight
-                if not push:
-                    cluster.arrive()  # done reading the others' shared memory: they may leave once all have arrived
+                    den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
+                    den = den + den_p * weight
+                cluster.arrive()  # done reading the others' shared memory: they may leave once all have arrived
             with region("cluster_write"):
                 write_output(out_smem, merged, den, pl.ds(wg * half + di * out_part + si * width, width))
-            if not push:  # pushed, nobody reads another's shared memory after the meeting
-                with region("cluster_leave"):
-                    cluster.wait()  # no CTA leaves while another still reads its shared memory
+            with region("cluster_leave"):
+                cluster.wait()  # no CTA leaves while another still reads its shared memory
 
-        stats_shape = (splits, HEADS) if push else (HEADS,)  # the merge's running maxima / denominators
         with region("output"):
             if splits == 1:
                 pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, out_part), jnp.bfloat16), collective_axes="wg")
@@ -539,8 +519,7 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 pl.run_scoped(merge_in_cluster,
                               o_smem=plgpu.SMEM((wgs, *cluster.tiles_shape(splits, HEADS, out_part // splits)),
                                                 jnp.float32),
-                              max_smem=plgpu.SMEM(stats_shape, jnp.float32),
-                              den_smem=plgpu.SMEM(stats_shape, jnp.float32),
+                              max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
                               out_smem=plgpu.SMEM((wgs, HEADS, out_part // splits), jnp.bfloat16),
                               collective_axes="wg")
             else:

@@ -244,17 +244,6 @@ def test_sparse_attn_mgpu_dim_splits(batch, splits, clusters, dims):
     np.testing.assert_array_equal(split, whole)
 
 
-@pytest.mark.parametrize("batch,splits", [(64, 2), (32, 4), (1, 2), (16, 4)])
-def test_sparse_attn_mgpu_push_merge(batch, splits):
-    # the cluster merge with pushed tiles (SparseAttnConfig.mgpu_push_merge, through the seam: each CTA stores the
-    # tiles the others merge into their shared memory): the same bits as each CTA reading them from the others, in
-    # clusters of 2 and 4, also with the output dims split (batch 1: four dim splits a CTA; batch 16: two)
-    pulled, pushed = through_the_seam(batch, batch + 600, splits, cluster_splits=[ALL_CLUSTERS] * 2,
-                                      mgpu_push_merge=[False, True])
-    assert np.isfinite(pushed).all()
-    np.testing.assert_array_equal(pushed, pulled)
-
-
 @pytest.mark.parametrize("batch,splits", [(64, 2), (3, 1)])
 def test_sparse_attn_mgpu_timeline(batch, splits, tmp_path):
     # SparseAttnConfig.mgpu_trace_dir: the kernel with its steps timed (Mosaic GPU's on-device profiler) gives the
