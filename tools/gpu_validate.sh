@@ -83,7 +83,7 @@ stages="h200-owed|attn-timeline|indexer-profile|attn-profile|tests|tests-rest|ke
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-out=$(cd "$out" && pwd)  # absolute: stages run some commands inside a copy of the tree
+out=$(cd "$out" && pwd)  # absolute: stages run some commands inside ab-base/
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 fixtures=tests/fixtures/parity
 log="$out/gpu_validate-$stage.log"
@@ -113,35 +113,20 @@ gpu_test_files() {  # first | rest: tests/gpu's files before the indexer's, or f
 need_base() {  # the stages that run a base tree beside this one: stop unless it was exported into ab-base/ (see ab)
   [ -d ab-base/dijax ] || { echo "$stage: export the base tree into ab-base/ first (see ab's note)" >&2; exit 2; }
 }
-sub=/tmp/gv  # side-by-side runs' outputs (check)
-check() {  # name, tree (. or ab-base), time limit, command...: run in the background of a stage, output to $sub/name.txt
-  local name=$1 tree=$2 limit=$3; shift 3
-  (cd "$tree" && timeout "$limit" "$@" > "$sub/$name.txt" 2>&1; echo "$name: exit $?" >> "$sub/exits.txt")
-}  # (python -m puts the working folder first on the path: a copy is run from inside it)
-parity_checks() {  # tree, time limit: GPU parity of tiny-nodrop (one step, --chunk 7, the engine) and tiny, each a
-  # check in the background of a stage
-  local tree=$1 limit=$2 f=$PWD/$fixtures p="python3 -m dijax.cli.main parity --kernels on"
-  check parity-tiny-nodrop "$tree" "$limit" $p $f/tiny-nodrop &
-  check parity-chunk7 "$tree" "$limit" $p $f/tiny-nodrop --chunk 7 &
-  check parity-engine "$tree" "$limit" $p $f/tiny-nodrop --engine &
-  check parity-tiny "$tree" "$limit" $p $f/tiny &
-}
-checks_with() {  # tree, time limit, GPU test files: parity_checks of the tree and each test file (of this tree), side
-  # by side, then checked
-  local tree=$1 limit=$2 file; shift 2
-  parity_checks "$tree" "$limit"
+tests_beside_parity() {  # time limit, GPU test files: each test file beside `parity_all`, all side by side, then
+  # each file's summary into the log (its whole output under $out)
+  local limit=$1 file name; shift
+  parity_all "$limit" &
   for file in "$@"; do
-    check "tests-$(basename "$file" .py)" . "$limit" python3 -m pytest -q -ra -p no:cacheprovider "$file" &
+    name=tests-$(basename "$file" .py)
+    (timeout "$limit" python3 -m pytest -q -ra -p no:cacheprovider "$file" > "$out/$name.txt" 2>&1
+     echo "$name: exit $?" >> "$log") &
   done
   wait
-  checked
-}
-checked() {  # after `wait`: the exits, the tests' summaries and the parity runs' into the log; every output in one
-  # archive under $out (a device call brings back at most 8 files)
-  tar czf "$out/checks.tgz" -C $sub .
-  cat $sub/exits.txt >> "$log"
-  for f in $sub/tests-*.txt; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR|Error" "$f" | tail -12; done >> "$log"
-  parity_summary $sub/parity-*.txt
+  for file in "$@"; do
+    name=tests-$(basename "$file" .py)
+    echo "== $name"; grep -E "passed|failed|FAILED|ERROR|Error" "$out/$name.txt" | tail -12
+  done >> "$log"
 }
 parity_summary() {  # the parity outputs named, each one's header and its tier / check lines, into the log
   for f in "$@"; do
@@ -308,8 +293,7 @@ case "$stage" in
     # then their Mosaic GPU rows by GPU kernel time, ab-base's tree, then this one's
     need_base
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    rm -rf $sub; mkdir -p $sub
-    checks_with . 270 tests/gpu/test_attention_gpu.py tests/gpu/test_indexer_gpu.py
+    tests_beside_parity 270 tests/gpu/test_attention_gpu.py tests/gpu/test_indexer_gpu.py
     for tree in ab-base .; do
       (cd $tree && run 140 python3 tools/bench_kernels.py --only sparse_attn,indexer --rows mgpu --sweep --timing device \
         --iters 10 --repeats 3)
