@@ -113,11 +113,11 @@ ATTN_SHAPES = [AttnShape(2, 64, 128, (40, 300), 150, 2), AttnShape(64, 64, 512, 
                AttnShape(3, 64, 128, (40, 300), 150, 2, dim_splits=2)]
 
 
-def lower_attention(t: int, h: int, k: int, sizes: tuple[int, ...], length: int, splits: int,
-                    clusters: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS, pdl: bool = False,
-                    timeline: bool = False, shared: bool = True, dim_splits: int = 1) -> int:
-    """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (an ``AttnShape``'s fields;
-    the timeline's ``trace_dir`` is never written to here); -> the StableHLO text's length."""
+def lower_attention(*fields) -> int:
+    """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (``fields``: an
+    ``AttnShape``'s, in order; the timeline's ``trace_dir`` is never written to here); -> the StableHLO text's
+    length."""
+    t, h, k, sizes, length, splits, clusters, pdl, timeline, shared, dim_splits = AttnShape(*fields)
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
               tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))

@@ -58,6 +58,7 @@ stalls on the gathered rows' dependencies), 36.1 / 100.3 against 30.1 / 82.3: it
 from shared memory twice as often a FLOP (a wgmma with both operands in shared memory is bound by its bandwidth
 below N = 64; the PV products of K = 32 also needed the 64-byte swizzle), ~1 us a block more, and the longer lead
 bought nothing visible under it. A third 64-row slot does not fit beside q's 64 KB (256 KB against 227).
+
 Pushed merge tiles (fifty-ninth session, same card and timing): each CTA, after one more cluster meeting, stored
 the tiles its peers merge straight into their shared memory (``st.shared::cluster``, which waits for no answer) and
 merged from its own, its running max and denominator pushed the same way (so no leaving meeting either). The same
