@@ -76,7 +76,8 @@ def lower_linear(t: int, o: int, i: int, warpgroups: int) -> int:
 class AttnShape(typing.NamedTuple):
     """One ``sparse_attn_mgpu`` configuration lowered here: T tokens of H heads of K dims over source tables of
     ``sizes`` rows, index lists of L = ``length`` entries in ``splits`` splits; the rest are the kernel's own
-    options (``clusters``: its ``cluster_splits``; ``timeline``: a ``trace_dir``; ``shared``: ``shared_scores``)."""
+    options (``clusters``: its ``cluster_splits``; ``timeline``: a ``trace_dir``; ``shared``: ``shared_scores``;
+    ``wide``: ``wide_merge``)."""
     t: int
     h: int
     k: int
@@ -88,6 +89,7 @@ class AttnShape(typing.NamedTuple):
     timeline: bool = False
     shared: bool = True
     dim_splits: int = 1
+    wide: bool = False
 
 
 THREE = (4096, 64, 20000)  # decode's three sources: the window ring, this step's rows, the compressed pool
@@ -96,7 +98,8 @@ THREE = (4096, 64, 20000)  # decode's three sources: the window ring, this step'
 # four in clusters of four, five in XLA; one launched as a programmatic dependent; decode at 64 tokens recording its
 # timeline (Mosaic GPU's on-device profiler) over one and three sources; each warpgroup computing the scores itself
 # (unshared); the output dims split over two CTAs at 64 tokens (one split), one token (ten splits merged in XLA) and
-# K = 128 (two splits in a cluster)
+# K = 128 (two splits in a cluster); the cluster merge's 16-byte loads at 64 tokens in pairs and at 32 in clusters of
+# four, and with two dim splits at 64 tokens (its tiles 64 wide)
 ATTN_SHAPES = [AttnShape(2, 64, 128, (40, 300), 150, 2), AttnShape(64, 64, 512, (8192,), 640, 2),
                AttnShape(64, 64, 512, THREE, 640, 1), AttnShape(64, 64, 512, THREE, 640, 2),
                AttnShape(64, 64, 512, THREE, 640, 2, shared=False),
@@ -110,20 +113,23 @@ ATTN_SHAPES = [AttnShape(2, 64, 128, (40, 300), 150, 2), AttnShape(64, 64, 512, 
                AttnShape(64, 64, 512, THREE, 640, 1, shared=False),
                AttnShape(64, 64, 512, THREE, 640, 1, dim_splits=2),
                AttnShape(1, 64, 512, THREE, 640, 10, dim_splits=2),
-               AttnShape(3, 64, 128, (40, 300), 150, 2, dim_splits=2)]
+               AttnShape(3, 64, 128, (40, 300), 150, 2, dim_splits=2),
+               AttnShape(64, 64, 512, (8192,), 640, 2, wide=True),
+               AttnShape(32, 64, 512, (8192,), 640, 4, clusters=sparse_attn_mgpu.CLUSTER_SIZES, wide=True),
+               AttnShape(64, 64, 512, THREE, 640, 2, dim_splits=2, wide=True)]
 
 
 def lower_attention(*fields) -> int:
     """Lower one ``sparse_attn_mgpu.sparse_attn_mgpu`` for CUDA from abstract operands (``fields``: an
     ``AttnShape``'s, in order; the timeline's ``trace_dir`` is never written to here); -> the StableHLO text's
     length."""
-    t, h, k, sizes, length, splits, clusters, pdl, timeline, shared, dim_splits = AttnShape(*fields)
+    t, h, k, sizes, length, splits, clusters, pdl, timeline, shared, dim_splits, wide = AttnShape(*fields)
     shapes = (jax.ShapeDtypeStruct((t, h, k), jnp.bfloat16),
               tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in sizes),
               jax.ShapeDtypeStruct((t, length), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
     fn = functools.partial(sparse_attn_mgpu.sparse_attn_mgpu, softmax_scale=0.1, splits=splits,
                            cluster_splits=clusters, pdl=pdl, shared_scores=shared, dim_splits=dim_splits,
-                           trace_dir=tempfile.gettempdir() if timeline else "")
+                           wide_merge=wide, trace_dir=tempfile.gettempdir() if timeline else "")
     with no_host_callbacks() if timeline else contextlib.nullcontext():
         return len(jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text())
 

@@ -5,13 +5,17 @@ A kernel launched with ``plgpu.kernel(cluster=(n,), cluster_names=(name,))`` run
 neighbouring multiprocessors, each able to read the others' shared memory. The tiles here are laid out
 [S, R, W + pad] (``tiles_shape``): tile s holds columns [s W, (s + 1) W) of an R x (S W) array, row-major with its
 rows W + pad elements apart, so that CTA s of the cluster reads tile s of every CTA (``load_peer_tile``): each CTA
-reduces its 1 / S of the columns over all S CTAs, in CTA order.
+reduces its 1 / S of the columns over all S CTAs, in CTA order: ``load_peer_tile`` reads one such tile in the WGMMA
+layout (8 bytes a thread a load), ``merge_tiles`` reads and weighs all of them in a wider layout (16 bytes a load).
 
 Why the padding: in the WGMMA layout a warp's transfer covers 8 rows x 8 columns (4 lanes a row, 2 fp32 each). With
 rows W x 4 bytes apart and W a multiple of 32, all 8 rows fall in the same 8 of the 32 banks: every store and load
 takes eight shared-memory wavefronts where two would do. With the rows 8 banks apart (W + pad = 8 mod 32
 elements), a transfer's 8 rows cover all 32 banks twice over, once a wavefront, and it is conflict-free
-(``optimized=True`` checks it when the kernel is built).
+(``optimized=True`` checks it when the kernel is built). ``merge_tiles`` loads 16 bytes a lane (a warp's 8 rows x
+16 columns, 4 consecutive fp32 a lane), a quarter of a warp (two rows' 16 columns) a wavefront: those two rows must
+lie 16 banks apart (``tiles_shape(..., wide=True)``), and the WGMMA layout's stores then alternate which 8-column
+tile a half of the warp writes first (Mosaic GPU's staggered transfer plan) to stay conflict-free.
 
 Why raw pointers: ``plgpu.cluster_ref`` maps a reference to a peer's shared memory, but in jax 0.11.2 its Warpgroup
 lowering fails on any reference at a nonzero offset (the mapped memref drops the offset its type still carries), so
@@ -34,11 +38,16 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dijax.kernels.fp4_wgmma import ROW_LAYOUT
 
-def tiles_shape(tiles: int, rows: int, width: int) -> tuple[int, int, int]:
+# ``merge_tiles``' layout: the WGMMA layout's rows, 4 consecutive columns a thread (a warp's 8 x 16 columns)
+_WIDE = mgpu.WGMMA_LAYOUT_UPCAST_2X
+
+
+def tiles_shape(tiles: int, rows: int, width: int, wide: bool = False) -> tuple[int, int, int]:
     """The shape of a CTA's fp32 tiles in shared memory for ``store_tiles``: [S, R, W + pad], the pad putting
-    consecutive rows 8 banks apart (module docstring)."""
-    return tiles, rows, width + (8 - width) % 32
+    consecutive rows 8 banks apart, or 16 for ``merge_tiles`` (``wide``; module docstring)."""
+    return tiles, rows, width + ((16 if wide else 8) - width) % 32
 
 
 def sync() -> None:
@@ -97,6 +106,44 @@ def load_peer_tile(tiles_ref, peer: int, width: int) -> jax.Array:
         return mgpu.FragmentedArray.load_untiled(tile, layout=mgpu.WGMMA_LAYOUT, optimized=True)
 
     return load(tiles_ref)
+
+
+def merge_tiles(tiles_ref, weights_S: list[jax.Array], den_R: jax.Array, width: int) -> jax.Array:
+    """This CTA's 1 / S of the columns merged over the cluster: sum over CTAs p, in CTA order, of tile c of CTA p's
+    ``tiles_ref`` (SMEM fp32 ``tiles_shape(S, R, W)``, written by ``store_tiles`` before a ``sync``; c this CTA's
+    index) times ``weights_S[p]`` (fp32 [R] a row, ``ROW_LAYOUT``), divided by ``den_R`` (fp32 [R]) and rounded to
+    bf16: what ``load_peer_tile``'s tiles, weighed and added in that order, give, with the tiles read 16 bytes a
+    load (4 consecutive fp32 of a row a thread: Mosaic GPU's ``WGMMA_LAYOUT_UPCAST_2X``, whose rows are the WGMMA
+    layout's, so a row's value broadcasts the same way). W = ``width``, a multiple of 16. -> bf16 [R, W], WGMMA
+    layout."""
+    r, w = tiles_ref.shape[1], width
+    if w % 16:
+        raise ValueError(f"merge_tiles: width must be a multiple of 16, got {w}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), [ROW_LAYOUT] * len(weights_S), ROW_LAYOUT),
+                       return_type=plgpu.ShapeDtypeStruct((r, w), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def merge(ctx, ref, weights, den):
+        del ctx
+        index = ir.IndexType.get()
+        merged = None
+        for peer, weight in enumerate(weights):
+            remote = mgpu_utils.get_cluster_ref(ref, gpu.Dimension.x, arith.constant(index, peer), generic=False)
+            tile = _tile(remote, gpu.cluster_block_id(gpu.Dimension.x), w)
+            part = mgpu.FragmentedArray.load_untiled(tile, layout=_WIDE, optimized=True) * _rows(weight, r, w)
+            merged = part if merged is None else merged + part
+        out = merged / _rows(den, r, w)
+        return out.astype(ir.BF16Type.get()).to_layout(mgpu.WGMMA_LAYOUT)
+
+    return merge(tiles_ref, list(weights_S), den_R)
+
+
+def _rows(x_R, rows: int, width: int):
+    """The row-layout fp32 ``x_R`` (a value a row: ``ROW_LAYOUT``) broadcast along [rows, width] in ``_WIDE``. Its
+    rows' layout is the WGMMA layout's, written as lanes (row, 2, 2) where the WGMMA row layout writes (row, 4): the
+    same registers on the same threads, relabelled for the broadcast (which compares the layouts as written)."""
+    rows_layout = _WIDE.reduce((1,))
+    relabelled = mgpu.FragmentedArray(_registers=x_R.registers, _layout=rows_layout, _is_signed=x_R.is_signed)
+    return relabelled.broadcast_in_dim((rows, width), (0,), _WIDE)
 
 
 def _tile(ref, tile, width: int):

@@ -136,6 +136,8 @@ class SparseAttnConfig:
     layout (window + pool), batch 64 29.2 against 30.1 us and 256 78.4 against 81.6 (71.3 % of the bytes floor);
     flash-slice decode at batch 64 the same back to back (18.60 against 18.59 ms, fifty-sixth session: attention is
     ~1 % of that step). The parity fixtures' 64-dim heads take one warpgroup, so GPU parity does not reach it.
+    mgpu_wide_merge: 'mgpu''s cluster merge reads the partial sums 16 bytes a load instead of 8
+    (``sparse_attn_mgpu``'s ``wide_merge``; the same arithmetic). Off until measured (sixtieth session).
     mgpu_dim_splits: the most CTAs 'mgpu' gives each (token, head group, split of its list), each computing the
     scores over the split's whole rows (gathered by each of them, mostly from L2 after the first) and writing its
     share of the output dims (``sparse_attn_mgpu``'s ``dim_splits``; the same bits). They fill what the list's
@@ -165,6 +167,7 @@ class SparseAttnConfig:
     cluster_splits: tuple[int, ...] = sparse_attn_mgpu.CLUSTER_SPLITS
     pdl: bool = False
     mgpu_shared_scores: bool = True
+    mgpu_wide_merge: bool = False
     mgpu_dim_splits: int = 4
     mgpu_trace_dir: str = ""
 
@@ -331,7 +334,7 @@ def sparse_attn_pallas(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_
                                                  cluster_splits=config.cluster_splits,
                                                  dim_splits=_dim_splits(config, t * groups * splits, k), pdl=config.pdl,
                                                  shared_scores=config.mgpu_shared_scores,
-                                                 trace_dir=config.mgpu_trace_dir)
+                                                 wide_merge=config.mgpu_wide_merge, trace_dir=config.mgpu_trace_dir)
     split_len = -(-blocks // splits) * BLOCK
     list_len = splits * split_len
     idx_TL = jnp.pad(idx_TL.astype(jnp.int32), ((0, 0), (0, list_len - idx_TL.shape[1])), constant_values=-1)

@@ -198,8 +198,8 @@ HEAD_DIMS = tuple(k for k in range(64, 2 * MAX_PART + 1, 64) if k in row_gather.
 
 def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL: jax.Array, sink_H: jax.Array,
                      softmax_scale: float, *, splits: int = 1, cluster_splits: tuple[int, ...] = CLUSTER_SPLITS,
-                     dim_splits: int = 1, pdl: bool = False, shared_scores: bool = True, trace_dir: str = "",
-                     interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+                     dim_splits: int = 1, pdl: bool = False, shared_scores: bool = True, wide_merge: bool = False,
+                     trace_dir: str = "", interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
     """``sparse_attn.sparse_attn_reference`` on one Mosaic GPU kernel (a GPU of compute capability 9.0; module
     docstring); with several splits not merged in the kernel, their merge in XLA.
 
@@ -212,7 +212,9 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     64 heads are padded with zero queries. ``pdl``: launch as a programmatic dependent, its CTAs free to start while
     the kernel before it still runs (not when interpreted). ``shared_scores``: with two warpgroups, warpgroup 0
     alone computes each block's scores and softmax and hands P to both through shared memory (module docstring,
-    "Shared scores"); the same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
+    "Shared scores"); the same arithmetic. ``wide_merge``: the cluster merge reads its tiles 16 bytes a load
+    (``cluster.merge_tiles``) where each CTA's share of a warpgroup's output dims is a multiple of 16 wide; the same
+    arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
     on-device profiler: the clock at each named region's start and end) and write it to this directory, one Chrome
     trace a call (tools/kernel_regions.py sums it up); not when interpreted. ``interpret``: run in the Mosaic GPU
     interpreter (rows gathered in XLA: module docstring), with its default parameters or the ``InterpretGPUParams``
@@ -241,6 +243,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, dim_splits=dim_splits,
                 pdl=pdl and not interpret, shared=shared_scores and warpgroups(k) == 2,
+                wide_merge=wide_merge and in_cluster and (k // warpgroups(k) // dim_splits // splits) % 16 == 0,
                 trace_dir="" if interpret else trace_dir, interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
@@ -248,9 +251,10 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
 
 
 @functools.partial(jax.jit, static_argnames=("split_len", "scale", "in_cluster", "dim_splits", "pdl", "shared",
-                                             "trace_dir", "interpret"))
+                                             "wide_merge", "trace_dir", "interpret"))
 def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, scale: float, in_cluster: bool,
-          dim_splits: int, pdl: bool, shared: bool, trace_dir: str, interpret: bool | plgpu.InterpretGPUParams):
+          dim_splits: int, pdl: bool, shared: bool, wide_merge: bool, trace_dir: str,
+          interpret: bool | plgpu.InterpretGPUParams):
     """The kernel over the flat lists ``idx_X`` (int32 [T * L]), ``split_len`` indices a (token, split, head
     group) CTA. Several splits: their fp32 partial sums acc [T, S, H, K], running max and denominator [T, S, H].
     One, or several merged ``in_cluster``: the output itself, bf16 [T, H, K] (the sink added to the denominator and
@@ -469,16 +473,20 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             """The sink's part of the denominator, exp(sink - running max), for this CTA's heads."""
             return jnp.exp(plgpu.load(sink_gmem.at[rows], layout=ROW_LAYOUT, optimized=False) - running_max)
 
-        def write_output(o_smem, acc_sums, den, out_cols):
-            """acc_sums / den as bf16, through this warpgroup's ``o_smem`` tile, into the output's ``out_cols``."""
+        def write_output(o_smem, out16, out_cols):
+            """The bf16 ``out16`` through this warpgroup's ``o_smem`` tile into the output's ``out_cols``."""
             [out_gmem] = refs
-            o_smem.at[wg][...] = (acc_sums / lax.broadcast_in_dim(den, acc_sums.shape, [0])).astype(jnp.bfloat16)
+            o_smem.at[wg][...] = out16
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[ti, rows, out_cols])
             plgpu.wait_smem_to_gmem(0)
 
+        def divided(acc_sums, den):
+            """acc_sums / den (a row each) as bf16."""
+            return (acc_sums / lax.broadcast_in_dim(den, acc_sums.shape, [0])).astype(jnp.bfloat16)
+
         def store_output(o_smem):
-            write_output(o_smem, acc, den_h + sink_term(max_h), cols)
+            write_output(o_smem, divided(acc, den_h + sink_term(max_h)), cols)
 
         def merge_in_cluster(o_smem, max_smem, den_smem, out_smem):
             """Each CTA's partials into its own shared memory (``cluster``: o as S tiles of its warpgroup's output
@@ -498,18 +506,23 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 maxes = [plgpu.load(plgpu.cluster_ref(max_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                          for p in range(splits)]
                 running = functools.reduce(jnp.maximum, maxes)
+                weights = [jnp.exp(max_p - running) for max_p in maxes]
                 den = sink_term(running)
-                merged = None
-                for p, max_p in enumerate(maxes):
-                    weight = jnp.exp(max_p - running)
-                    part = (cluster.load_peer_tile(o_smem.at[wg], p, width)
-                            * lax.broadcast_in_dim(weight, (HEADS, width), [0]))
-                    merged = part if merged is None else merged + part
+                for p, weight in enumerate(weights):
                     den_p = plgpu.load(plgpu.cluster_ref(den_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                     den = den + den_p * weight
+                if wide_merge:
+                    out16 = cluster.merge_tiles(o_smem.at[wg], weights, den, width)
+                else:
+                    merged = None
+                    for p, weight in enumerate(weights):
+                        part = (cluster.load_peer_tile(o_smem.at[wg], p, width)
+                                * lax.broadcast_in_dim(weight, (HEADS, width), [0]))
+                        merged = part if merged is None else merged + part
+                    out16 = divided(merged, den)
                 cluster.arrive()  # done reading the others' shared memory: they may leave once all have arrived
             with region("cluster_write"):
-                write_output(out_smem, merged, den, pl.ds(wg * half + di * out_part + si * width, width))
+                write_output(out_smem, out16, pl.ds(wg * half + di * out_part + si * width, width))
             with region("cluster_leave"):
                 cluster.wait()  # no CTA leaves while another still reads its shared memory
 
@@ -518,7 +531,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, out_part), jnp.bfloat16), collective_axes="wg")
             elif in_cluster:
                 pl.run_scoped(merge_in_cluster,
-                              o_smem=plgpu.SMEM((wgs, *cluster.tiles_shape(splits, HEADS, out_part // splits)),
+                              o_smem=plgpu.SMEM((wgs, *cluster.tiles_shape(splits, HEADS, out_part // splits,
+                                                                                    wide_merge)),
                                                 jnp.float32),
                               max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
                               out_smem=plgpu.SMEM((wgs, HEADS, out_part // splits), jnp.bfloat16),

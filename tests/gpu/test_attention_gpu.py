@@ -244,6 +244,18 @@ def test_sparse_attn_mgpu_dim_splits(batch, splits, clusters, dims):
     np.testing.assert_array_equal(split, whole)
 
 
+@pytest.mark.parametrize("batch,splits,clusters", [(64, 2, (2,)), (32, 4, ALL_CLUSTERS), (16, 8, ALL_CLUSTERS),
+                                                    (3, 4, ALL_CLUSTERS)])
+def test_sparse_attn_mgpu_wide_merge(batch, splits, clusters):
+    # the cluster merge reading its tiles 16 bytes a load (SparseAttnConfig.mgpu_wide_merge, through the seam): the
+    # same bits as 8 bytes a load, in pairs, clusters of four and eight, and four dim splits of clusters of four
+    # (tiles 16 wide)
+    narrow, wide = through_the_seam(batch, batch + 600, splits, cluster_splits=[clusters] * 2,
+                                    mgpu_wide_merge=[False, True])
+    assert np.isfinite(wide).all()
+    np.testing.assert_array_equal(wide, narrow)
+
+
 @pytest.mark.parametrize("batch,splits", [(64, 2), (3, 1)])
 def test_sparse_attn_mgpu_timeline(batch, splits, tmp_path):
     # SparseAttnConfig.mgpu_trace_dir: the kernel with its steps timed (Mosaic GPU's on-device profiler) gives the
