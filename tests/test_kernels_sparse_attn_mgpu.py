@@ -11,9 +11,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dijax.kernels import row_gather
+from dijax.kernels import cluster, row_gather
 from dijax.kernels import sparse_attn as sa
 from dijax.kernels import sparse_attn_mgpu as sm
 from tests.test_kernels_sparse_attn import problem
@@ -186,3 +187,42 @@ def test_dim_splits_are_validated_and_fill_the_wave(monkeypatch):
         q, sources, idx, sink = problem(t, 640, (700,), 0, 64, 512)
         sa.sparse_attn_pallas(q, sources, jnp.asarray(idx), sink, 0.1, config=config)
     assert [(kw["splits"], kw["dim_splits"]) for kw in calls] == [(10, 4), (10, 2), (2, 1), (1, 1)]
+
+
+def thread_elements(layout, shape: tuple[int, ...]) -> dict[tuple[int, tuple[int, ...]], tuple[int, ...]]:
+    """{(thread of the warpgroup, register index): the array index of that register's first element} of a Mosaic
+    GPU ``TiledLayout`` over ``shape``, by the arithmetic its ``thread_idxs`` emits as IR (in plain integers)."""
+    contiguous = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    strides = layout.tiling.tile_strides(contiguous)
+    tiled, rank = layout.tiled_tiling_shape, layout.tiled_tiling_rank
+    tile_strides = strides[-rank:]
+
+    def offset(index: int, dims) -> int:  # a warp or lane index spread over its dims, most significant first
+        sizes = [tiled[d] if isinstance(d, int) else d.times for d in dims]
+        place = [int(np.prod(sizes[i + 1:])) for i in range(len(sizes))]
+        return sum((index // p) % n * tile_strides[d] for d, n, p in zip(dims, sizes, place) if isinstance(d, int))
+
+    elements = {}
+    for thread in range(128):
+        base = offset(thread // 32 % 4, layout.warp_dims) + offset(thread % 32, layout.lane_dims)
+        for reg in np.ndindex(layout.registers_shape(shape)):
+            linear = base + sum(i * s for i, s in zip(reg, strides))
+            elements[thread, reg] = tuple(int(i) for i in np.unravel_index(linear, shape))
+    return elements
+
+
+def test_wide_merge_rows_are_the_wgmma_rows():
+    # cluster.merge_tiles relabels a row-layout value (ROW_LAYOUT, the WGMMA layout's rows) as its wide layout's
+    # reduced rows before broadcasting it: right only while both put the same rows in the same registers of the same
+    # threads (a guard for jax updates, whose layouts may change)
+    # the model against the layouts' documented pictures: WGMMA lane 5 holds row 1, columns 2-3 (and row 9); the
+    # wide layout's lane 1 holds row 0, columns 8-11 (its lanes 1 and 2 swap column groups)
+    wgmma, wide = thread_elements(fa.WGMMA_LAYOUT, (64, 16)), thread_elements(cluster.WIDE_LAYOUT, (64, 16))
+    assert sorted(v for (t, _), v in wgmma.items() if t == 5) == [(1, 2), (1, 10), (9, 2), (9, 10)]
+    assert sorted(v for (t, _), v in wide.items() if t == 1) == [(0, 8), (8, 8)]
+    assert sorted(v for (t, _), v in wide.items() if t == 2) == [(0, 4), (8, 4)]
+    rows = thread_elements(fa.WGMMA_ROW_LAYOUT, (64,))
+    assert rows == thread_elements(cluster.WIDE_LAYOUT.reduce((1,)), (64,))
+    # and each thread's wide-layout elements lie in the rows it holds in the row layout
+    for (t, _), (r, _) in wide.items():
+        assert (r,) in {v for (u, _), v in rows.items() if u == t}

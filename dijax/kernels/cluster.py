@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dijax.kernels.fp4_wgmma import ROW_LAYOUT
 
 # ``merge_tiles``' layout: the WGMMA layout's rows, 4 consecutive columns a thread (a warp's 8 x 16 columns)
-_WIDE = mgpu.WGMMA_LAYOUT_UPCAST_2X
+WIDE_LAYOUT = mgpu.WGMMA_LAYOUT_UPCAST_2X
 
 
 def tiles_shape(tiles: int, rows: int, width: int, wide: bool = False) -> tuple[int, int, int]:
@@ -110,12 +110,11 @@ def load_peer_tile(tiles_ref, peer: int, width: int) -> jax.Array:
 
 def merge_tiles(tiles_ref, weights_S: list[jax.Array], den_R: jax.Array, width: int) -> jax.Array:
     """This CTA's 1 / S of the columns merged over the cluster: sum over CTAs p, in CTA order, of tile c of CTA p's
-    ``tiles_ref`` (SMEM fp32 ``tiles_shape(S, R, W)``, written by ``store_tiles`` before a ``sync``; c this CTA's
-    index) times ``weights_S[p]`` (fp32 [R] a row, ``ROW_LAYOUT``), divided by ``den_R`` (fp32 [R]) and rounded to
-    bf16: what ``load_peer_tile``'s tiles, weighed and added in that order, give, with the tiles read 16 bytes a
-    load (4 consecutive fp32 of a row a thread: Mosaic GPU's ``WGMMA_LAYOUT_UPCAST_2X``, whose rows are the WGMMA
-    layout's, so a row's value broadcasts the same way). W = ``width``, a multiple of 16. -> bf16 [R, W], WGMMA
-    layout."""
+    ``tiles_ref`` (SMEM fp32 ``tiles_shape(S, R, W, wide=True)``, written by ``store_tiles`` before a ``sync``; c
+    this CTA's index) times ``weights_S[p]`` (fp32 [R] a row, ``ROW_LAYOUT``), divided by ``den_R`` (fp32 [R]) and
+    rounded to bf16: what ``load_peer_tile``'s tiles, weighed and added in that order, give, with the tiles read 16
+    bytes a load (4 consecutive fp32 of a row a thread: ``WIDE_LAYOUT``, whose rows are the WGMMA layout's, so a
+    row's value broadcasts the same way). W = ``width``, a multiple of 16. -> bf16 [R, W], WGMMA layout."""
     r, w = tiles_ref.shape[1], width
     if w % 16:
         raise ValueError(f"merge_tiles: width must be a multiple of 16, got {w}")
@@ -129,7 +128,7 @@ def merge_tiles(tiles_ref, weights_S: list[jax.Array], den_R: jax.Array, width: 
         for peer, weight in enumerate(weights):
             remote = mgpu_utils.get_cluster_ref(ref, gpu.Dimension.x, arith.constant(index, peer), generic=False)
             tile = _tile(remote, gpu.cluster_block_id(gpu.Dimension.x), w)
-            part = mgpu.FragmentedArray.load_untiled(tile, layout=_WIDE, optimized=True) * _rows(weight, r, w)
+            part = mgpu.FragmentedArray.load_untiled(tile, layout=WIDE_LAYOUT, optimized=True) * _rows(weight, r, w)
             merged = part if merged is None else merged + part
         out = merged / _rows(den, r, w)
         return out.astype(ir.BF16Type.get()).to_layout(mgpu.WGMMA_LAYOUT)
@@ -138,12 +137,13 @@ def merge_tiles(tiles_ref, weights_S: list[jax.Array], den_R: jax.Array, width: 
 
 
 def _rows(x_R, rows: int, width: int):
-    """The row-layout fp32 ``x_R`` (a value a row: ``ROW_LAYOUT``) broadcast along [rows, width] in ``_WIDE``. Its
-    rows' layout is the WGMMA layout's, written as lanes (row, 2, 2) where the WGMMA row layout writes (row, 4): the
-    same registers on the same threads, relabelled for the broadcast (which compares the layouts as written)."""
-    rows_layout = _WIDE.reduce((1,))
+    """The row-layout fp32 ``x_R`` (a value a row: ``ROW_LAYOUT``) broadcast along [rows, width] in
+    ``WIDE_LAYOUT``. Its rows' layout is the WGMMA layout's, written as lanes (row, 2, 2) where the WGMMA row layout
+    writes (row, 4): the same registers on the same threads (tests/test_kernels_sparse_attn_mgpu.py checks it),
+    relabelled for the broadcast (which compares the layouts as written)."""
+    rows_layout = WIDE_LAYOUT.reduce((1,))
     relabelled = mgpu.FragmentedArray(_registers=x_R.registers, _layout=rows_layout, _is_signed=x_R.is_signed)
-    return relabelled.broadcast_in_dim((rows, width), (0,), _WIDE)
+    return relabelled.broadcast_in_dim((rows, width), (0,), WIDE_LAYOUT)
 
 
 def _tile(ref, tile, width: int):
