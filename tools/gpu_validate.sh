@@ -51,6 +51,9 @@
 #            at ~4.5 us a 64-row block against ~1.7 us of tensor work and ~2.6 us of its bytes on an H100) and of the
 #            routed mat-vecs at T = 1 and 16: stall reasons per SASS instruction (SourceCounters) besides the
 #            details page, both back as files ($out/ncu-*.txt, ncu-*-sass.csv);
+#   wide-merge  (~250 s; sixtieth session, prepared and not yet run) sparse attention's cluster merge reading its
+#            tiles 16 bytes a load (SparseAttnConfig.mgpu_wide_merge): its GPU tests (the same bits as the default),
+#            the Mosaic GPU rows with it beside the default by GPU kernel time, and both timelines at batch 64;
 #   attn-timeline  (~120 s) where a sparse-attention warpgroup's clocks go, step by step (Mosaic GPU's on-device
 #            profiler: SparseAttnConfig.mgpu_trace_dir): its GPU tests, then the timeline's regions at batch 1 / 64 /
 #            256 (tools/profile_attn.py --trace-dir, tools/kernel_regions.py; fifty-fifth session, H100: at batch 64
@@ -79,7 +82,7 @@
 # the launch cuts, the sampler's and mixes' thresholds, the stream probe, ...) were removed in the fifty-ninth
 # session; docs/benchmarks.md has their results and `git show 9106ad4:tools/gpu_validate.sh` their commands.
 set -uo pipefail
-stages="h200-owed|attn-timeline|indexer-profile|attn-profile|tests|tests-rest|kernels|sweep|sweep-fp8|profile|warmup|compile|cache|stack|engine|flash-engine|dispatch|flash|flash-profile|bench|mgpu-ab|mgpu-profile|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
+stages="h200-owed|wide-merge|attn-timeline|indexer-profile|attn-profile|tests|tests-rest|kernels|sweep|sweep-fp8|profile|warmup|compile|cache|stack|engine|flash-engine|dispatch|flash|flash-profile|bench|mgpu-ab|mgpu-profile|launch-check|parity|ab|ep-parity|ep-bench|ep-trace"
 stage=${1:?usage: tools/gpu_validate.sh STAGE, one of $stages}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -149,6 +152,15 @@ case "$stage" in
       grep -E "^  [A-Za-z_]|Duration|Throughput|Registers Per|Achieved Occupancy|Cycles Per Issued|Stall|Issued" \
         "$out/ncu-$name.txt" | head -120 >> "$log"
     done ;;
+  wide-merge)
+    # (~250 s) the cluster merge's pulled tiles are bound by the cluster's link at ~9 bytes a clock a multiprocessor
+    # with 8-byte loads (fifty-ninth session, H100: reading and merging ~7,900 of a batch-64 CTA's ~50,000 clocks);
+    # this reads them 16 bytes a load. Keep it (default on) if batch 64 gets faster with the same bits, else remove it
+    run 150 python3 -m pytest -q -ra tests/gpu/test_attention_gpu.py -k "wide_merge or matches_reference"
+    run 150 python3 tools/bench_kernels.py --only sparse_attn --rows mgpu --timing device --iters 10 --repeats 3 \
+      --variant mgpu_wide_merge=True
+    run 80 python3 tools/profile_attn.py 64 --trace-dir "$out/attn-trace"
+    run 80 python3 tools/profile_attn.py 64 --config "{'mgpu_wide_merge': True}" --trace-dir "$out/attn-trace-wide" ;;
   attn-timeline)
     # (~120 s) the timeline's GPU tests (the same bits with it, a region entered once a block), then each region's
     # cycles and share of a warpgroup's span at batch 1 / 64 / 256 (fifty-fourth session: batch 64 spends ~3.8 us

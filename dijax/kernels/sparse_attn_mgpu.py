@@ -66,6 +66,13 @@ bits (its GPU tests), but batch 64 took 28.2 against 27.9 us: the timeline gave 
 what the pulled reads cost (~7,900). The cluster's traffic is bound by its bandwidth (~64 KB a CTA in ~7,000
 clocks, ~9 bytes a clock a multiprocessor), not by the loads' latency, whichever side moves it.
 
+Wide merge (``wide_merge``, sixtieth session; built for sm_90, not yet run on a GPU, so off): the cluster merge
+reads the tiles 16 bytes a load instead of 8 (``cluster.merge_tiles``: a layout of 4 consecutive fp32 a thread, the
+tiles' rows padded 16 banks apart), weighs, adds and divides them in the same order, and turns the bf16 result back
+into the WGMMA layout for the output's store. At batch 64 the build has the same 233 registers, no spill, and 2,448
+SASS instructions against 2,240. The fifty-ninth session put the merge's ~64 KB a CTA at ~9 bytes a clock with
+8-byte accesses; whether wider ones move more is what ``gpu_validate.sh wide-merge`` measures.
+
 Shared scores (``shared_scores``, the default since the fifty-fifth session): unshared, each of two warpgroups
 computes the whole 64 x 64 score tile and the softmax, so a block's tensor-core work is 2 x 1,024 clocks of score
 products (both operands in shared memory) and 2 x 1,024 of PV products; the rows in two pieces, whose score products
