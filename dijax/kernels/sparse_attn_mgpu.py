@@ -538,9 +538,9 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                 pl.run_scoped(store_output, plgpu.SMEM((wgs, HEADS, out_part), jnp.bfloat16), collective_axes="wg")
             elif in_cluster:
                 pl.run_scoped(merge_in_cluster,
-                              o_smem=plgpu.SMEM((wgs, *cluster.tiles_shape(splits, HEADS, out_part // splits,
-                                                                                    wide_merge)),
-                                                jnp.float32),
+                              o_smem=plgpu.SMEM(
+                                  (wgs, *cluster.tiles_shape(splits, HEADS, out_part // splits, wide=wide_merge)),
+                                  jnp.float32),
                               max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
                               out_smem=plgpu.SMEM((wgs, HEADS, out_part // splits), jnp.bfloat16),
                               collective_axes="wg")
