@@ -40,8 +40,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dijax.kernels.fp4_wgmma import ROW_LAYOUT
 
-# ``merge_tiles``' layout: the WGMMA layout's rows, 4 consecutive columns a thread (a warp's 8 x 16 columns)
+# ``merge_tiles``' layout: the WGMMA layout's rows, 4 consecutive columns a thread (a warp's 8 x 16 columns); the
+# tile widths it takes are multiples of WIDE_COLUMNS
 WIDE_LAYOUT = mgpu.WGMMA_LAYOUT_UPCAST_2X
+WIDE_COLUMNS = 16
 
 
 def tiles_shape(tiles: int, rows: int, width: int, wide: bool = False) -> tuple[int, int, int]:
@@ -114,10 +116,11 @@ def merge_tiles(tiles_ref, weights_S: list[jax.Array], den_R: jax.Array, width: 
     this CTA's index) times ``weights_S[p]`` (fp32 [R] a row, ``ROW_LAYOUT``), divided by ``den_R`` (fp32 [R]) and
     rounded to bf16: what ``load_peer_tile``'s tiles, weighed and added in that order, give, with the tiles read 16
     bytes a load (4 consecutive fp32 of a row a thread: ``WIDE_LAYOUT``, whose rows are the WGMMA layout's, so a
-    row's value broadcasts the same way). W = ``width``, a multiple of 16. -> bf16 [R, W], WGMMA layout."""
+    row's value broadcasts the same way). W = ``width``, a multiple of ``WIDE_COLUMNS``. -> bf16 [R, W], WGMMA
+    layout."""
     r, w = tiles_ref.shape[1], width
-    if w % 16:
-        raise ValueError(f"merge_tiles: width must be a multiple of 16, got {w}")
+    if w % WIDE_COLUMNS:
+        raise ValueError(f"merge_tiles: width must be a multiple of {WIDE_COLUMNS}, got {w}")
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), [ROW_LAYOUT] * len(weights_S), ROW_LAYOUT),
                        return_type=plgpu.ShapeDtypeStruct((r, w), jnp.bfloat16, layout=plgpu.Layout.WGMMA))

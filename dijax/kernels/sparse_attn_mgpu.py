@@ -220,12 +220,12 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     the kernel before it still runs (not when interpreted). ``shared_scores``: with two warpgroups, warpgroup 0
     alone computes each block's scores and softmax and hands P to both through shared memory (module docstring,
     "Shared scores"); the same arithmetic. ``wide_merge``: the cluster merge reads its tiles 16 bytes a load
-    (``cluster.merge_tiles``) where each CTA's share of a warpgroup's output dims is a multiple of 16 wide; the same
-    arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps (Mosaic GPU's
-    on-device profiler: the clock at each named region's start and end) and write it to this directory, one Chrome
-    trace a call (tools/kernel_regions.py sums it up); not when interpreted. ``interpret``: run in the Mosaic GPU
-    interpreter (rows gathered in XLA: module docstring), with its default parameters or the ``InterpretGPUParams``
-    given (``detect_races=True``: its happens-before race detector).
+    (``cluster.merge_tiles``) where each CTA's share of a warpgroup's output dims is a multiple of
+    ``cluster.WIDE_COLUMNS`` wide; the same arithmetic. ``trace_dir``: record a timeline of each warpgroup's steps
+    (Mosaic GPU's on-device profiler: the clock at each named region's start and end) and write it to this
+    directory, one Chrome trace a call (tools/kernel_regions.py sums it up); not when interpreted. ``interpret``: run
+    in the Mosaic GPU interpreter (rows gathered in XLA: module docstring), with its default parameters or the
+    ``InterpretGPUParams`` given (``detect_races=True``: its happens-before race detector).
     -> bf16 [T, H, K].
     """
     t, h, k = q_THK.shape
@@ -250,7 +250,7 @@ def sparse_attn_mgpu(q_THK: jax.Array, kv_sources: tuple[jax.Array, ...], idx_TL
     out = _call(q_THK, idx_TL.reshape(-1), tuple(kv_sources), sink_H, *gathered, split_len=split_len,
                 scale=float(np.float32(softmax_scale)), in_cluster=in_cluster, dim_splits=dim_splits,
                 pdl=pdl and not interpret, shared=shared_scores and warpgroups(k) == 2,
-                wide_merge=wide_merge and in_cluster and (k // warpgroups(k) // dim_splits // splits) % 16 == 0,
+                wide_merge=wide_merge and in_cluster,
                 trace_dir="" if interpret else trace_dir, interpret=interpret)
     if splits == 1 or in_cluster:
         return out[:, :h]
@@ -272,6 +272,8 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
     wgs = warpgroups(k)
     half = k // wgs  # a warpgroup's part of K: of q and the rows in shared memory
     out_part = half // dim_splits  # a warpgroup's part of the output dims in a CTA (of its K-part's columns)
+    width = out_part // splits  # in a cluster, the output dims a CTA merges (of a warpgroup's out_part)
+    wide_merge = wide_merge and width % cluster.WIDE_COLUMNS == 0
     blocks = split_len // ROWS
     sizes = tuple(src.shape[0] for src in sources)
     n_src = len(sources)
@@ -508,7 +510,6 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
                     den_smem[...] = den_h
             with region("cluster_meet"):
                 cluster.sync()
-            width = out_part // splits
             with region("cluster_merge"):
                 maxes = [plgpu.load(plgpu.cluster_ref(max_smem, {"s": p}), layout=ROW_LAYOUT, optimized=False)
                          for p in range(splits)]
@@ -539,10 +540,10 @@ def _call(q_THK, idx_X, sources, sink_H, gathered_TLK=None, *, split_len: int, s
             elif in_cluster:
                 pl.run_scoped(merge_in_cluster,
                               o_smem=plgpu.SMEM(
-                                  (wgs, *cluster.tiles_shape(splits, HEADS, out_part // splits, wide=wide_merge)),
+                                  (wgs, *cluster.tiles_shape(splits, HEADS, width, wide=wide_merge)),
                                   jnp.float32),
                               max_smem=plgpu.SMEM((HEADS,), jnp.float32), den_smem=plgpu.SMEM((HEADS,), jnp.float32),
-                              out_smem=plgpu.SMEM((wgs, HEADS, out_part // splits), jnp.bfloat16),
+                              out_smem=plgpu.SMEM((wgs, HEADS, width), jnp.bfloat16),
                               collective_axes="wg")
             else:
                 pl.run_scoped(store_partials, o_smem=plgpu.SMEM((wgs, HEADS, out_part), jnp.float32),
